@@ -1,0 +1,1 @@
+"""Adapter storage: S3 and local-directory backends behind one interface."""

@@ -1,0 +1,88 @@
+"""The engine's one validated configuration (vLLM's names where they exist)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Limits and sizes of one engine instance; every field is checked in `__post_init__`."""
+
+    model: str
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # None: the model's `max_position_embeddings`, resolved by the engine when the model is known.
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    # Explicit KV-cache size in blocks; overrides gpu_memory_utilization (tests use tiny values).
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    # "auto": float32 on the CPU, the checkpoint's dtype (bf16 for fp32 checkpoints) on CUDA.
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    # CPU only: bytes of KV cache when num_kv_blocks is not given (vLLM's VLLM_CPU_KVCACHE_SPACE).
+    cpu_kv_cache_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("block_size", self.block_size)
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+            if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                    f"({self.max_model_len}) with chunked prefill off: long prompts could never be scheduled; "
+                    "raise max_num_batched_tokens or enable chunked prefill"
+                )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be at least 2 (got {self.num_kv_blocks})")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)} (got {self.dtype!r})")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError as exc:
+                raise ValueError(f"device {self.device!r} is not a torch device: {exc}") from None
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """The compute dtype: explicit, or chosen from the device and the checkpoint."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.torch_device.type == "cpu":
+            return torch.float32
+        if checkpoint_dtype in (torch.float16, torch.bfloat16):
+            return checkpoint_dtype
+        return torch.bfloat16
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer (got {value!r})")

@@ -1,0 +1,97 @@
+"""One generation request as the scheduler, the KV cache manager and the runner see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+# Token slot of a request that uses no adapter (see lora_kernels.add_lora).
+NO_LORA = -1
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason for a finished status, else None."""
+        return self.value if self.finished else None
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """Token state of one sequence.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache. A request samples a new token in a
+    step only when that step computes its last known token; until then (chunked prefill) it only fills
+    KV. Preemption drops its blocks and sets `num_computed_tokens` back to 0, so the prompt and the
+    tokens generated so far are recomputed when it runs again.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Identity of the adapter's weights (e.g. "tenant/name@3" or a folder path); None: the base model.
+    # It is part of every prefix-cache hash, since the same tokens under two adapters have different KV.
+    adapter_id: str | None = None
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache when the request was first scheduled.
+    num_cached_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    error: str | None = None
+    # Set by the engine when the request is scheduled: the GPU slot holding its adapter, or NO_LORA.
+    lora_slot: int = NO_LORA
+
+    # prompt + output, kept as one list so the runner slices it without copying both (set here).
+    all_token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: the prompt has no tokens")
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,63 @@
+"""Per-request sampling settings, named and defaulted as in vLLM and the OpenAI API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Below this temperature sampling is greedy (argmax), as vLLM does.
+GREEDY_EPSILON = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop, for one request.
+
+    `seed` makes a sampled request reproducible: the same seed gives the same tokens whatever else
+    shares the batch. `logprobs=n` returns the top-n log-probabilities of the model's distribution
+    (before temperature and truncation) plus the sampled token's at every step.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k limit
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must hold non-empty strings")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be at least 1 (got {self.n!r})")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be at least 1 (got {self.max_tokens!r})")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative (got {self.temperature})")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer (got {self.top_k!r})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be between 0 and 20 (got {self.logprobs})")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative (got {self.min_tokens})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON

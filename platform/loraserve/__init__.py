@@ -1,0 +1,1 @@
+"""loraserve: the control plane (HTTP API, tenants, routes, config, metrics, CLI)."""

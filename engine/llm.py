@@ -1,0 +1,88 @@
+"""Offline batch generation: `LLM(model=...).generate(prompts, sampling_params, adapters=...)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+PromptInput = str | list[int] | dict
+
+
+class LLM:
+    """Run many prompts, each with its own adapter (or none), through one continuously batched engine.
+
+    `adapters` holds, per prompt, a name registered with `lora_modules`/`register_adapter`, a local PEFT
+    folder, or None for the base model. A prompt that cannot be served (too long, unknown adapter)
+    comes back with `error` set and `finish_reason` "error"; the others are unaffected.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer=None,
+        skip_tokenizer_init: bool = False,
+        lora_modules: dict[str, str] | None = None,
+        **engine_args,
+    ):
+        self.engine = LLMEngine(
+            EngineConfig(model=model, **engine_args), tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init
+        )
+        for name, path in (lora_modules or {}).items():
+            self.engine.register_adapter(name, path)
+        self._next_id = 0
+
+    def register_adapter(self, name: str, path: str) -> None:
+        self.engine.register_adapter(name, path)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapters: str | None | Sequence[str | None] = None,
+    ) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        adapter_list = _per_prompt(adapters, len(prompts), "adapters")
+        ids = []
+        for prompt, p, adapter in zip(prompts, params, adapter_list):
+            request_id = str(self._next_id)
+            self._next_id += 1
+            ids.append(request_id)
+            self.engine.add_request(request_id, prompt, p, adapter)
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    final[output.request_id] = output
+        return [final[request_id] for request_id in ids]
+
+
+def _as_prompt_list(prompts) -> list[str | list[int]]:
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    result = []
+    for prompt in prompts:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        result.append(prompt)
+    return result
+
+
+def _per_prompt(value, count: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+        return list(value)
+    return [value] * count

@@ -1,0 +1,245 @@
+"""The synchronous engine: requests in, one scheduled step at a time, outputs out.
+
+Calls flow one way: engine -> scheduler -> KV cache manager; engine -> model runner -> model.
+A bad request (too long, unknown or unloadable adapter) fails alone with an error that names the
+problem; the engine keeps serving everything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCacheManager
+from engine.lora.peft_checkpoint import AdapterError, PeftAdapter
+from engine.lora.registry import AdapterRegistry
+from engine.lora.slot_allocator import SlotAllocator
+from engine.model.loader import load_config, resolve_model_path
+from engine.model_runner import ModelRunner
+from engine.output_processor import ParentRequest, RequestState
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import NO_LORA, Request, RequestStatus
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (the message names the problem)."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer=None, skip_tokenizer_init: bool = False):
+        self.config = config
+        model_path = resolve_model_path(config.model)
+        hf_config = load_config(model_path)
+        self.max_model_len = _max_model_len(config, hf_config)
+        self.tokenizer = tokenizer if tokenizer is not None or skip_tokenizer_init else load_tokenizer(model_path)
+        self.eos_token_ids = eos_token_ids(model_path, hf_config, self.tokenizer)
+        self.runner = ModelRunner(config, model_path, hf_config, self.max_model_len)
+        capacity = self.runner.num_kv_blocks * config.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens, fewer than max_model_len {self.max_model_len}: "
+                "lower max_model_len or give the cache more blocks"
+            )
+        self.kv_cache = KVCacheManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len)
+        self.sampler = Sampler(config.seed)
+        self.adapters = AdapterRegistry(self.runner.shape, config.max_lora_rank)
+        self.slots = SlotAllocator(config.max_loras)
+        self._states: dict[str, RequestState] = {}  # child request id -> state
+        self._weights: dict[str, PeftAdapter] = {}  # adapter id -> weights, while requests use it
+        self._parents: dict[str, list[str]] = {}  # user request id -> child ids
+        self._pending: list[RequestOutput] = []  # refused or aborted requests, reported at the next step
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        adapter: str | None = None,
+    ) -> None:
+        """Queue a request. A request that cannot be served is reported as a failed output at the next
+        step instead of raising, so one bad request never disturbs a batch."""
+        params = params or SamplingParams()
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_text, prompt_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+        try:
+            prompt_ids = self._tokenize(prompt_text) if prompt_ids is None else prompt_ids
+            adapter_id, weights = self._resolve_adapter(adapter)
+            self._check_prompt(prompt_ids)
+        except (AdapterError, RequestError) as exc:
+            self._fail_unqueued(request_id, prompt_text, prompt_ids or [], adapter, str(exc))
+            return
+        parent = ParentRequest(request_id, prompt_text, prompt_ids, adapter, [None] * params.n)
+        children = []
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            child = Request(
+                request_id=child_id,
+                prompt_token_ids=prompt_ids,
+                sampling_params=self._child_params(params, index),
+                adapter_id=adapter_id,
+                eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            )
+            detok = IncrementalDetokenizer(self.tokenizer, child) if self.tokenizer is not None else None
+            self._states[child_id] = RequestState(child, parent, index, detok)
+            children.append(child_id)
+            self.scheduler.add_request(child)
+        self._parents[request_id] = children
+        if weights is not None:
+            self._weights[adapter_id] = weights
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:
+            for child_id in self._parents.get(request_id, []):
+                state = self._states.get(child_id)
+                if state is None or state.request.is_finished:
+                    continue
+                self._finish(state.request, RequestStatus.FINISHED_ABORTED)
+                self._pending.append(state.publish())
+                self._forget(child_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_unfinished_requests()
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        scheduled = self.scheduler.schedule()
+        for request in scheduled.preempted:
+            self._unpin(request)
+        for request in scheduled.newly_admitted:
+            self._pin(request)
+        if not scheduled.scheduled:
+            return outputs
+        logits = self.runner.execute(scheduled.scheduled)
+        sampling = [s.request for s in scheduled.scheduled if s.samples]
+        if not sampling:
+            return outputs
+        sampled = self.sampler(logits, sampling)
+        for request, token_id, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs):
+            request.append_output_token(token_id)
+            state = self._states[request.request_id]
+            status = state.append(token_id, logprobs, self.max_model_len)
+            if status is not None:
+                self._finish(request, status)
+            outputs.append(state.publish())
+            if status is not None:
+                self._forget(request.request_id)
+        return _latest_per_request(outputs)
+
+    # -- adapters ---------------------------------------------------------------------------------
+
+    def register_adapter(self, name: str, path: str) -> PeftAdapter:
+        return self.adapters.register(name, path)
+
+    def _resolve_adapter(self, adapter: str | None) -> tuple[str | None, PeftAdapter | None]:
+        if adapter is None:
+            return None, None
+        return self.adapters.resolve(adapter)
+
+    def _pin(self, request: Request) -> None:
+        if request.adapter_id is None:
+            return
+        slot, needs_load = self.slots.acquire(request.adapter_id)
+        if needs_load:
+            self.runner.lora_slots.load(slot, self._weights[request.adapter_id])
+        request.lora_slot = slot
+
+    def _unpin(self, request: Request) -> None:
+        if request.adapter_id is None or request.lora_slot == NO_LORA:
+            return
+        self.slots.release(request.adapter_id)
+        request.lora_slot = NO_LORA
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self._unpin(request)
+        self.scheduler.finish_request(request.request_id, status)
+        request.status = status
+        self.sampler.free(request.request_id)
+
+    def _forget(self, child_id: str) -> None:
+        state = self._states.pop(child_id)
+        parent_id = state.parent.request_id
+        if state.parent.finished:
+            self._parents.pop(parent_id, None)
+        adapter_id = state.request.adapter_id
+        if adapter_id is not None and not any(s.request.adapter_id == adapter_id for s in self._states.values()):
+            self._weights.pop(adapter_id, None)
+
+    def _fail_unqueued(self, request_id, prompt_text, prompt_ids, adapter, message: str) -> None:
+        logger.warning("request %s refused: %s", request_id, message)
+        completion = CompletionOutput(0, "", [], None, None, RequestStatus.FINISHED_ERROR.finish_reason, None)
+        self._pending.append(
+            RequestOutput(request_id, prompt_text, prompt_ids, [completion], True, adapter, message)
+        )
+
+    def _tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("this engine has no tokenizer: pass prompts as token ids")
+        ids = self.tokenizer(prompt).input_ids
+        if not ids:
+            raise RequestError("the prompt is empty")
+        return ids
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len} "
+                "(prompt plus at least one generated token); shorten the prompt"
+            )
+        vocab = self.runner.model.weights.embed.shape[0]
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
+        """Each child of an n > 1 request samples independently (seed + index, as vLLM does); extra
+        end-of-sequence ids of the checkpoint stop generation like eos itself."""
+        changes: dict = {"n": 1}
+        if params.seed is not None:
+            changes["seed"] = params.seed + index
+        extra_eos = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
+        if extra_eos and not params.ignore_eos:
+            changes["stop_token_ids"] = [*params.stop_token_ids, *extra_eos]
+        return dataclasses.replace(params, **changes)
+
+
+def _max_model_len(config: EngineConfig, hf_config) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if config.max_model_len is None:
+        if limit is None:
+            raise ValueError("the model config has no max_position_embeddings: set max_model_len")
+        return limit
+    if limit is not None and config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {limit}"
+        )
+    return config.max_model_len
+
+
+def _latest_per_request(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per user request per step (children of an n > 1 request each publish)."""
+    latest: dict[str, RequestOutput] = {}
+    for output in outputs:
+        latest[output.request_id] = output
+    return list(latest.values())

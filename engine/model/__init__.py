@@ -1,0 +1,1 @@
+"""Llama-family model code: layers, paged attention (torch path), RoPE, checkpoint loading."""

@@ -1,0 +1,81 @@
+"""Paged attention, plain-torch path: K/V live in fixed-size blocks read through block tables.
+
+This path runs everywhere (CPU and CUDA) and is the reference for the GPU kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token's K/V goes and what each sequence attends to, for one step.
+
+    Example: two sequences, block_size 4; seq 0 is decoding its 6th token (5 cached), seq 1 prefills
+    3 prompt tokens. Tokens are laid out seq by seq:
+        positions       = [5, 0, 1, 2]
+        query_start_loc = [0, 1, 4]          # seq i's new tokens are [start[i], start[i+1])
+        seq_lens        = [6, 3]             # cached + new tokens, per sequence
+        block_tables    = [[7, 2], [4, 0]]   # padded with 0; only ceil(seq_len/4) entries are read
+        slot_mapping    = [2*4+1, 4*4+0, 4*4+1, 4*4+2]   # block_id * block_size + offset
+    """
+
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int64
+    query_start_loc: list[int]  # [num_seqs + 1], host side
+    seq_lens: list[int]  # [num_seqs], host side
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+def write_kv(
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens]
+) -> None:
+    """Store the step's new K/V; done for the whole batch before any sequence reads the cache."""
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], RoPE applied
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of each sequence's new tokens over its whole cached context."""
+    block_size = key_cache.shape[1]
+    out = torch.empty_like(q)
+    for i in range(meta.num_seqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        seq_len = meta.seq_lens[i]
+        blocks = meta.block_tables[i, : -(-seq_len // block_size)]
+        k = key_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
+        v = value_cache[blocks].flatten(0, 1)[:seq_len]
+        q_positions = meta.positions[start:end]
+        k_positions = torch.arange(seq_len, device=q.device)
+        allowed = k_positions[None, :] <= q_positions[:, None]  # [num_new, seq_len]
+        if sliding_window is not None:
+            allowed &= k_positions[None, :] > q_positions[:, None] - sliding_window
+        attn = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1),  # [num_heads, num_new, head_dim]
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=allowed,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start:end] = attn.transpose(0, 1)
+    return out

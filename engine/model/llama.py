@@ -1,0 +1,131 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, with per-token LoRA.
+
+q/k/v and gate/up run as fused projections; LoRA adds each adapter's low-rank update to the
+fused output through `LoRAContext.apply`, one slot index per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.lora.context import LoRAContext
+from engine.model.attention import AttentionMetadata, paged_attention, write_kv
+from engine.model.rope import RotaryEmbedding
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size] (Qwen2)
+    o: torch.Tensor  # [hidden, q_size]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+
+
+class LlamaModel:
+    """Forward pass only; weights are plain tensors owned by this object."""
+
+    def __init__(self, config, weights: ModelWeights, max_positions: int):
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        self.config = config
+        self.weights = weights
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.sliding_windows = _sliding_windows(config)
+        embed = weights.embed
+        self.rope = RotaryEmbedding(config, self.head_dim, max_positions, embed.device, embed.dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.weights.layers)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: key, value caches
+        lora: LoRAContext | None,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        hidden = F.embedding(input_ids, self.weights.embed)
+        for i, layer in enumerate(self.weights.layers):
+            residual = hidden
+            x = _rms_norm(hidden, layer.input_norm, self.eps)
+            hidden = residual + self._attention(i, layer, x, meta, kv_caches[i], lora)
+            residual = hidden
+            x = _rms_norm(hidden, layer.post_norm, self.eps)
+            hidden = residual + self._mlp(i, layer, x, lora)
+        return _rms_norm(hidden, self.weights.norm, self.eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
+        return F.linear(hidden, self.weights.lm_head).float()
+
+    def _attention(self, i, layer, x, meta, kv_cache, lora):
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        if lora is not None:
+            lora.apply(qkv, x, i, ("q_proj", "k_proj", "v_proj"))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(meta.positions, q, k)
+        key_cache, value_cache = kv_cache
+        write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+        attn = paged_attention(q, key_cache, value_cache, meta, self.scale, self.sliding_windows[i])
+        attn = attn.reshape(-1, self.q_size)
+        out = F.linear(attn, layer.o)
+        if lora is not None:
+            lora.apply(out, attn, i, ("o_proj",))
+        return out
+
+    def _mlp(self, i, layer, x, lora):
+        gate_up = F.linear(x, layer.gate_up)
+        if lora is not None:
+            lora.apply(gate_up, x, i, ("gate_proj", "up_proj"))
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        out = F.linear(act, layer.down)
+        if lora is not None:
+            lora.apply(out, act, i, ("down_proj",))
+        return out
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers' LlamaRMSNorm: normalise in float32, scale in the model dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _sliding_windows(config) -> list[int | None]:
+    """Per layer: the attention window, or None for full attention (Mistral, Qwen2's sliding layers)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return [None] * config.num_hidden_layers
+    return [window] * config.num_hidden_layers

@@ -1,0 +1,96 @@
+"""Load a Llama-family checkpoint (config.json + safetensors, sharded or not) from a folder or the hub."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from engine.model.llama import LayerWeights, ModelWeights
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local folder as is; anything else is a hub id, downloaded through huggingface_hub's cache."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/")):
+        raise ValueError(f"model path {model!r} is not a folder holding config.json and safetensors weights")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, allow_patterns=_HUB_PATTERNS))
+
+
+def load_config(path: Path):
+    return AutoConfig.from_pretrained(str(path))
+
+
+def checkpoint_dtype(config) -> torch.dtype | None:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        found = [p.name for p in path.glob("*.bin")]
+        hint = f" (found {found}: pickled checkpoints are not loaded; convert them to safetensors)" if found else ""
+        raise ValueError(f"{path} holds no .safetensors weights{hint}")
+    return files
+
+
+def load_weights(path: Path, config, dtype: torch.dtype, device: torch.device) -> ModelWeights:
+    """Read every shard once, fusing q/k/v and gate/up as the layers are completed."""
+    raw: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raw[name] = f.get_tensor(name).to(dtype=dtype)
+
+    def take(name: str) -> torch.Tensor:
+        if name not in raw:
+            raise ValueError(f"checkpoint {path} lacks tensor {name!r}; is it a Llama-family model?")
+        return raw.pop(name).to(device)
+
+    def take_optional(name: str) -> torch.Tensor | None:
+        return take(name) if name in raw else None
+
+    layers = []
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        q, k, v = (take(f"{p}self_attn.{m}_proj.weight") for m in "qkv")
+        biases = [take_optional(f"{p}self_attn.{m}_proj.bias") for m in "qkv"]
+        if any(b is not None for b in biases) and not all(b is not None for b in biases):
+            raise ValueError(f"layer {i}: q/k/v biases must be all present or all absent")
+        layers.append(
+            LayerWeights(
+                input_norm=take(f"{p}input_layernorm.weight"),
+                qkv=torch.cat([q, k, v]),
+                qkv_bias=torch.cat(biases) if biases[0] is not None else None,
+                o=take(f"{p}self_attn.o_proj.weight"),
+                post_norm=take(f"{p}post_attention_layernorm.weight"),
+                gate_up=torch.cat([take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")]),
+                down=take(f"{p}mlp.down_proj.weight"),
+            )
+        )
+    embed = take("model.embed_tokens.weight")
+    norm = take("model.norm.weight")
+    lm_head = take_optional("lm_head.weight")
+    if lm_head is None or getattr(config, "tie_word_embeddings", False):
+        lm_head = embed
+    if raw:
+        raise ValueError(f"checkpoint {path} has tensors this model does not use: {sorted(raw)[:5]}")
+    return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)

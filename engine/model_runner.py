@@ -1,0 +1,150 @@
+"""The only part of the engine that touches tensors: loads the model, owns the KV cache and the adapter
+slots, turns a scheduled batch into model inputs and returns the logits of the rows that sample."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.lora.context import LoRAContext
+from engine.lora.model_shape import ModelShape
+from engine.lora.slots import LoRASlots
+from engine.model.attention import AttentionMetadata
+from engine.model.llama import LlamaModel
+from engine.model.loader import checkpoint_dtype, load_weights
+from engine.request import NO_LORA
+from engine.scheduler import ScheduledRequest
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: Path, hf_config, max_model_len: int):
+        self.config = config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype(checkpoint_dtype(hf_config))
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        weights = load_weights(model_path, hf_config, self.dtype, self.device)
+        self.model = LlamaModel(hf_config, weights, max_positions=max_model_len)
+        self.shape = ModelShape.from_hf_config(hf_config)
+        self.lora_slots = LoRASlots(self.shape, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+        self.num_kv_blocks = config.num_kv_blocks or self._profile_num_kv_blocks()
+        self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
+        logger.info(
+            "model loaded: %d layers, %s on %s; KV cache %d blocks of %d tokens",
+            self.model.num_layers, self.dtype, self.device, self.num_kv_blocks, self.block_size,
+        )
+
+    @property
+    def kv_block_bytes(self) -> int:
+        m = self.model
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * element
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        """Run one step; returns float32 logits [num_sampling_rows, vocab], rows in `scheduled` order
+        of the requests whose `samples` is true."""
+        input_ids, meta, token_slots, logits_rows = self._prepare(scheduled)
+        lora = None
+        if token_slots is not None:
+            lora = LoRAContext(self.lora_slots, token_slots)
+        hidden = self.model.forward(input_ids, meta, self.kv_caches, lora)
+        return self.model.compute_logits(hidden[logits_rows])
+
+    def _prepare(self, scheduled: list[ScheduledRequest]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slot_mapping: list[torch.Tensor] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        lora_slots: list[int] = []
+        logits_rows: list[int] = []
+        max_blocks = max(len(s.block_ids) for s in scheduled)
+        block_tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.long)
+        for i, s in enumerate(scheduled):
+            end = s.start + s.num_new_tokens
+            input_ids.extend(s.request.all_token_ids[s.start : end])
+            pos = torch.arange(s.start, end)
+            table = torch.tensor(s.block_ids, dtype=torch.long)
+            block_tables[i, : len(s.block_ids)] = table
+            positions.append(pos)
+            slot_mapping.append(table[pos // bs] * bs + pos % bs)
+            query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
+            seq_lens.append(end)
+            lora_slots.extend([s.request.lora_slot] * s.num_new_tokens)
+            if s.samples:
+                logits_rows.append(query_start_loc[-1] - 1)
+        device = self.device
+        meta = AttentionMetadata(
+            positions=torch.cat(positions).to(device, non_blocking=True),
+            slot_mapping=torch.cat(slot_mapping).to(device, non_blocking=True),
+            block_tables=block_tables.to(device, non_blocking=True),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+        )
+        token_slots = None
+        if any(slot != NO_LORA for slot in lora_slots):
+            token_slots = torch.tensor(lora_slots, dtype=torch.int32).to(device, non_blocking=True)
+        ids = torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True)
+        rows = torch.tensor(logits_rows, dtype=torch.long).to(device, non_blocking=True)
+        return ids, meta, token_slots, rows
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        m = self.model
+        shape = (num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        return [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(m.num_layers)
+        ]
+
+    def _profile_num_kv_blocks(self) -> int:
+        """Blocks that fit the memory budget: on CUDA what gpu_memory_utilization leaves after the weights
+        and a dummy step of max_num_batched_tokens; on the CPU cpu_kv_cache_bytes. Never more than
+        max_num_seqs full-length sequences need."""
+        useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+        if self.device.type != "cuda":
+            return max(2, min(useful, self.config.cpu_kv_cache_bytes // self.kv_block_bytes))
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._dummy_step()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory held by other processes counts against the budget too.
+        others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - peak - others
+        blocks = budget // self.kv_block_bytes
+        if blocks < 2:
+            raise ValueError(
+                f"no room for the KV cache: the weights and a step of {self.config.max_num_batched_tokens} "
+                f"tokens use {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; raise gpu_memory_utilization "
+                "or lower max_num_batched_tokens"
+            )
+        return min(useful, blocks)
+
+    def _dummy_step(self) -> None:
+        """One forward of the largest batch the scheduler may send, to measure activation memory."""
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size)
+        caches = self._allocate_kv_caches(num_blocks)
+        meta = AttentionMetadata(
+            positions=torch.arange(num_tokens, device=self.device),
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            block_tables=torch.arange(num_blocks, device=self.device)[None, :],
+            query_start_loc=[0, num_tokens],
+            seq_lens=[num_tokens],
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        slots = torch.zeros(num_tokens, dtype=torch.int32, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model.forward(ids, meta, caches, LoRAContext(self.lora_slots, slots))
+            rows = min(self.config.max_num_seqs, num_tokens)
+            self.model.compute_logits(hidden[:rows])
+        del caches, hidden
+        torch.cuda.synchronize(self.device)

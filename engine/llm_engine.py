@@ -84,23 +84,28 @@ class LLMEngine:
             self._fail_unqueued(request_id, prompt_text, prompt_ids or [], adapter, str(exc))
             return
         parent = ParentRequest(request_id, prompt_text, prompt_ids, adapter, [None] * params.n)
-        children = []
-        for index in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            child = Request(
-                request_id=child_id,
-                prompt_token_ids=prompt_ids,
-                sampling_params=self._child_params(params, index),
-                adapter_id=adapter_id,
-                eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-            )
-            detok = IncrementalDetokenizer(self.tokenizer, child) if self.tokenizer is not None else None
-            self._states[child_id] = RequestState(child, parent, index, detok)
-            children.append(child_id)
-            self.scheduler.add_request(child)
-        self._parents[request_id] = children
+        try:
+            children = [self._new_child(parent, params, index, adapter_id) for index in range(params.n)]
+        except ValueError as exc:  # the scheduler refuses what can never fit the KV cache
+            self._fail_unqueued(request_id, prompt_text, prompt_ids, adapter, str(exc))
+            return
+        self._parents[request_id] = [child.request_id for child in children]
         if weights is not None:
             self._weights[adapter_id] = weights
+
+    def _new_child(self, parent: ParentRequest, params: SamplingParams, index: int, adapter_id: str | None):
+        child_id = parent.request_id if params.n == 1 else f"{parent.request_id}#{index}"
+        child = Request(
+            request_id=child_id,
+            prompt_token_ids=parent.prompt_token_ids,
+            sampling_params=self._child_params(params, index),
+            adapter_id=adapter_id,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+        )
+        self.scheduler.add_request(child)
+        detok = IncrementalDetokenizer(self.tokenizer, child) if self.tokenizer is not None else None
+        self._states[child_id] = RequestState(child, parent, index, detok)
+        return child
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -1,0 +1,113 @@
+"""The pool of KV blocks: ref counts, the free queue in eviction order, and the prefix-cache map."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class KVBlock:
+    """One block of `block_size` token slots in every layer's K/V cache tensors.
+
+    Identity matters, not value (eq=False): the pool hands out these very objects and takes them back.
+    """
+
+    block_id: int  # index into the cache tensors' block dimension, in [0, num_blocks)
+    ref_cnt: int = 0  # requests whose block table holds this block; 0 means it sits in the free queue
+    # Set while the block is full and registered in the prefix cache; a free block keeps it until
+    # the block is handed out again, which is what lets a finished request's prefix be hit later.
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    """Blocks [0, num_blocks); free queue in eviction order (LRU first), ref counts, hash -> block map.
+
+    Free blocks are not wiped: a free block that is still in the hash map can be hit again (`touch`)
+    until `get_new_blocks` pops it from the head of the queue and evicts its hash. Callers free a
+    request's blocks tail first, so a prefix's last blocks are evicted before its first ones, which
+    are the ones more likely shared.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive integer (got {num_blocks!r})")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
+        # block_id -> block, head first: O(1) pop of the LRU head, append at the tail and removal
+        # from the middle (a cache hit on a free block).
+        self._free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        # One block per hash: a second block computed with the same hash stays unregistered.
+        self._cached: dict[bytes, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref_cnt 0, cached-but-free ones included (they are evictable)."""
+        return len(self._free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (ref_cnt > 0)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
+        """Pop `num_blocks` from the head of the free queue, evicting their hashes; ref_cnt becomes 1."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} blocks but only {self.num_free_blocks} are free")
+        new_blocks = []
+        for _ in range(num_blocks):
+            _, block = self._free_queue.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            new_blocks.append(block)
+        return new_blocks
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on prefix-cache hits; a hit on a free block takes it out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks_in_eviction_order: Iterable[KVBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 join the tail of the queue, hash kept."""
+        for block in blocks_in_eviction_order:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"block {block.block_id} freed more often than it was taken")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free_queue[block.block_id] = block
+
+    def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+        """Register a full block under its hash (no-op when caching is off or the hash is taken)."""
+        if not self.enable_caching or block.block_hash == block_hash:
+            return
+        if block.block_hash is not None:
+            raise RuntimeError(f"block {block.block_id} is already cached under another hash")
+        if block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash; refused (False) while any block is in use, since its owner may rely on it."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+        return True
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = None

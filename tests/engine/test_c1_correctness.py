@@ -54,7 +54,7 @@ ENGINE_SETTINGS = {
 
 @pytest.mark.parametrize("setting", sorted(ENGINE_SETTINGS))
 def test_greedy_matches_transformers_peft(c1_case, setting):
-    args = dict(max_loras=4, max_lora_rank=16, block_size=8, max_model_len=128)
+    args = dict(max_loras=4, max_lora_rank=16, block_size=8, max_model_len=128, dtype="float32")
     args.update(ENGINE_SETTINGS[setting])
     llm = LLM(
         model=str(c1_case["model_dir"]),
@@ -81,6 +81,7 @@ def test_fewer_slots_than_adapters(c1_case):
         max_num_seqs=8,
         block_size=8,
         max_model_len=128,
+        dtype="float32",
     )
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
     adapters = [str(c1_case["adapters"][a]) if a else None for a in c1_case["assigned"]]

@@ -32,6 +32,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_loras: int = 4
     max_lora_rank: int = 16
+    # Adapters kept on the host, ready to copy into a GPU slot; None: as many as max_loras.
+    max_cpu_loras: int | None = None
     # "auto": float32 on the CPU, the checkpoint's dtype (bf16 for fp32 checkpoints) on CUDA.
     dtype: str = "auto"
     device: str = "auto"
@@ -46,6 +48,12 @@ class EngineConfig:
         _positive("max_loras", self.max_loras)
         _positive("max_lora_rank", self.max_lora_rank)
         _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        if self.max_cpu_loras is not None:
+            _positive("max_cpu_loras", self.max_cpu_loras)
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(
+                    f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"
+                )
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
             if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -65,6 +73,10 @@ class EngineConfig:
                 torch.device(self.device)
             except RuntimeError as exc:
                 raise ValueError(f"device {self.device!r} is not a torch device: {exc}") from None
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @property
     def torch_device(self) -> torch.device:

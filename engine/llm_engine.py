@@ -14,9 +14,9 @@ from collections.abc import Iterable
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
+from engine.lora.manager import AdapterManager, AdapterSource, Observer
 from engine.lora.peft_checkpoint import AdapterError, PeftAdapter
 from engine.lora.registry import AdapterRegistry
-from engine.lora.slot_allocator import SlotAllocator
 from engine.model.loader import load_config, resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.output_processor import ParentRequest, RequestState
@@ -37,7 +37,14 @@ class RequestError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None, skip_tokenizer_init: bool = False):
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer=None,
+        skip_tokenizer_init: bool = False,
+        adapter_source: AdapterSource | None = None,
+        adapter_observer: Observer | None = None,
+    ):
         self.config = config
         model_path = resolve_model_path(config.model)
         hf_config = load_config(model_path)
@@ -52,12 +59,14 @@ class LLMEngine:
                 "lower max_model_len or give the cache more blocks"
             )
         self.kv_cache = KVCacheManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len)
-        self.sampler = Sampler(config.seed)
+        # Local PEFT folders by name or path; a server passes the adapter store as `adapter_source`.
         self.adapters = AdapterRegistry(self.runner.shape, config.max_lora_rank)
-        self.slots = SlotAllocator(config.max_loras)
+        self.lora = AdapterManager(
+            adapter_source or self.adapters, self.runner.lora_slots, config.num_cpu_loras, observer=adapter_observer
+        )
+        self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len, adapter_ready=self.lora.is_ready)
+        self.sampler = Sampler(config.seed)
         self._states: dict[str, RequestState] = {}  # child request id -> state
-        self._weights: dict[str, PeftAdapter] = {}  # adapter id -> weights, while requests use it
         self._parents: dict[str, list[str]] = {}  # user request id -> child ids
         self._pending: list[RequestOutput] = []  # refused or aborted requests, reported at the next step
 
@@ -78,7 +87,7 @@ class LLMEngine:
         prompt_text, prompt_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
         try:
             prompt_ids = self._tokenize(prompt_text) if prompt_ids is None else prompt_ids
-            adapter_id, weights = self._resolve_adapter(adapter)
+            adapter_id = self._resolve_adapter(adapter)
             self._check_prompt(prompt_ids)
         except (AdapterError, RequestError) as exc:
             self._fail_unqueued(request_id, prompt_text, prompt_ids or [], adapter, str(exc))
@@ -90,8 +99,8 @@ class LLMEngine:
             self._fail_unqueued(request_id, prompt_text, prompt_ids, adapter, str(exc))
             return
         self._parents[request_id] = [child.request_id for child in children]
-        if weights is not None:
-            self._weights[adapter_id] = weights
+        if adapter_id is not None:
+            self.lora.prefetch(adapter_id)
 
     def _new_child(self, parent: ParentRequest, params: SamplingParams, index: int, adapter_id: str | None):
         child_id = parent.request_id if params.n == 1 else f"{parent.request_id}#{index}"
@@ -125,12 +134,17 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        for adapter_id, reason in self.lora.poll().items():
+            outputs.extend(self._fail_waiting(adapter_id, reason))
+        self.lora.stage(r.adapter_id for r in self.scheduler.waiting if r.adapter_id is not None)
         scheduled = self.scheduler.schedule()
         for request in scheduled.preempted:
             self._unpin(request)
         for request in scheduled.newly_admitted:
             self._pin(request)
         if not scheduled.scheduled:
+            if self.lora.num_loading:
+                self.lora.wait_for_loads(timeout=0.05)  # nothing runnable until an adapter arrives
             return outputs
         logits = self.runner.execute(scheduled.scheduled)
         sampling = [s.request for s in scheduled.scheduled if s.samples]
@@ -151,25 +165,42 @@ class LLMEngine:
     # -- adapters ---------------------------------------------------------------------------------
 
     def register_adapter(self, name: str, path: str) -> PeftAdapter:
-        return self.adapters.register(name, path)
+        """Bind a name to a local PEFT folder (validated now). Registering a name again swaps it: new
+        requests get the new weights, running ones finish on the old."""
+        previous = self.adapters.names and name in self.adapters.names and self.adapters.resolve(name)
+        adapter = self.adapters.register(name, path)
+        if previous:
+            self.lora.forget(previous)
+        return adapter
 
-    def _resolve_adapter(self, adapter: str | None) -> tuple[str | None, PeftAdapter | None]:
+    def _resolve_adapter(self, adapter: str | None) -> str | None:
         if adapter is None:
-            return None, None
-        return self.adapters.resolve(adapter)
+            return None
+        adapter_id = self.lora.resolve(adapter)
+        reason = self.lora.error(adapter_id)
+        if reason is not None:
+            raise AdapterError("load_failed", reason)
+        return adapter_id
+
+    def _fail_waiting(self, adapter_id: str, reason: str) -> list[RequestOutput]:
+        """An adapter failed to load: its waiting requests fail with the reason, nothing else does."""
+        outputs = []
+        for request in [r for r in self.scheduler.waiting if r.adapter_id == adapter_id]:
+            request.error = reason
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            state = self._states[request.request_id]
+            outputs.append(state.publish())
+            self._forget(request.request_id)
+        return outputs
 
     def _pin(self, request: Request) -> None:
-        if request.adapter_id is None:
-            return
-        slot, needs_load = self.slots.acquire(request.adapter_id)
-        if needs_load:
-            self.runner.lora_slots.load(slot, self._weights[request.adapter_id])
-        request.lora_slot = slot
+        if request.adapter_id is not None:
+            request.lora_slot = self.lora.acquire(request.adapter_id)
 
     def _unpin(self, request: Request) -> None:
         if request.adapter_id is None or request.lora_slot == NO_LORA:
             return
-        self.slots.release(request.adapter_id)
+        self.lora.release(request.adapter_id)
         request.lora_slot = NO_LORA
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -185,9 +216,6 @@ class LLMEngine:
         parent_id = state.parent.request_id
         if state.parent.finished:
             self._parents.pop(parent_id, None)
-        adapter_id = state.request.adapter_id
-        if adapter_id is not None and not any(s.request.adapter_id == adapter_id for s in self._states.values()):
-            self._weights.pop(adapter_id, None)
 
     def _fail_unqueued(self, request_id, prompt_text, prompt_ids, adapter, message: str) -> None:
         logger.warning("request %s refused: %s", request_id, message)

@@ -1,8 +1,7 @@
-"""Adapters the engine knows: names bound to local PEFT folders, loaded and validated on first use.
+"""Adapters from local PEFT folders: names bound to folders, or folder paths used directly.
 
-This is the embedded, synchronous source of adapters; the adapter manager of `adapters_store` (S3,
-disk and CPU tiers, background loads) plugs in at the same seam: `resolve` returns an adapter id and
-the validated weights on the CPU.
+The embedded `AdapterSource`; the adapter store plugs in at the same seam (`resolve` a reference to an
+adapter id, `load` it onto the CPU).
 """
 
 from __future__ import annotations
@@ -18,43 +17,53 @@ class AdapterRegistry:
     def __init__(self, shape: ModelShape, max_lora_rank: int):
         self.shape = shape
         self.max_lora_rank = max_lora_rank
-        self._paths: dict[str, Path] = {}
-        self._loaded: dict[str, PeftAdapter] = {}
-        self._lock = threading.Lock()
+        self._paths: dict[str, Path] = {}  # adapter id -> folder
+        # name -> its current adapter id; registering a name again gives it a new id ("name~2"), so
+        # requests already running keep the weights they started with.
+        self._current: dict[str, str] = {}
+        self._generation: dict[str, int] = {}
+        self._lock = threading.Lock()  # `load` runs on the manager's worker threads
 
     def register(self, name: str, path: str | Path) -> PeftAdapter:
         """Bind `name` to a PEFT folder, validating it now so a bad adapter fails at registration."""
-        if not name or "/" in name:
-            raise AdapterError("bad_name", f"adapter name {name!r} must be non-empty and contain no '/'")
+        if not name or "/" in name or "~" in name:
+            raise AdapterError("bad_name", f"adapter name {name!r} must be non-empty, without '/' or '~'")
         adapter = load_peft_adapter(path, self.shape, self.max_lora_rank)
         with self._lock:
-            self._paths[name] = Path(path).resolve()
-            self._loaded[name] = adapter
+            generation = self._generation.get(name, 0) + 1
+            self._generation[name] = generation
+            adapter_id = name if generation == 1 else f"{name}~{generation}"
+            self._paths[adapter_id] = Path(path).resolve()
+            self._current[name] = adapter_id
         return adapter
 
     def unregister(self, name: str) -> None:
+        """New requests can no longer name it; running ones finish."""
         with self._lock:
-            self._paths.pop(name, None)
-            self._loaded.pop(name, None)
+            self._current.pop(name, None)
 
     @property
     def names(self) -> list[str]:
-        return sorted(self._paths)
-
-    def resolve(self, ref: str) -> tuple[str, PeftAdapter]:
-        """(adapter id, weights) for a registered name or a local PEFT folder path."""
         with self._lock:
-            if ref in self._loaded:
-                return ref, self._loaded[ref]
+            return sorted(self._current)
+
+    def resolve(self, ref: str) -> str:
+        """The adapter id of a registered name or of a local PEFT folder path."""
+        with self._lock:
+            if ref in self._current:
+                return self._current[ref]
         path = Path(ref).expanduser()
         if not path.is_dir():
             known = ", ".join(self.names) or "none registered"
             raise AdapterError("unknown_adapter", f"unknown adapter {ref!r} (known adapters: {known})")
         adapter_id = str(path.resolve())
         with self._lock:
-            cached = self._loaded.get(adapter_id)
-        if cached is None:
-            cached = load_peft_adapter(path, self.shape, self.max_lora_rank)
-            with self._lock:
-                self._loaded[adapter_id] = cached
-        return adapter_id, cached
+            self._paths[adapter_id] = path.resolve()
+        return adapter_id
+
+    def load(self, adapter_id: str) -> PeftAdapter:
+        with self._lock:
+            path = self._paths.get(adapter_id)
+        if path is None:
+            raise AdapterError("unknown_adapter", f"unknown adapter {adapter_id!r}")
+        return load_peft_adapter(path, self.shape, self.max_lora_rank)

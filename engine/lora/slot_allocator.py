@@ -27,18 +27,23 @@ class SlotAllocator:
     def lookup(self, adapter_id: str) -> int | None:
         return self._slot_of.get(adapter_id)
 
-    def can_acquire(self, adapter_id: str) -> bool:
-        return adapter_id in self._slot_of or bool(self._free_slots) or self._lru_unpinned() is not None
+    def can_acquire(self, adapter_id: str, protected: frozenset[str] = frozenset()) -> bool:
+        return (
+            adapter_id in self._slot_of or bool(self._free_slots) or self._lru_unpinned(protected) is not None
+        )
 
-    def acquire(self, adapter_id: str) -> tuple[int, bool]:
-        """Pin `adapter_id` to a slot; returns (slot, whether its weights must be loaded there)."""
+    def acquire(self, adapter_id: str, protected: frozenset[str] = frozenset()) -> tuple[int, bool]:
+        """Pin `adapter_id` to a slot; returns (slot, whether its weights must be loaded there).
+
+        `protected` adapters are not evicted even when unpinned (e.g. resident ones that waiting
+        requests are about to use)."""
         slot = self._slot_of.get(adapter_id)
         needs_load = slot is None
         if needs_load:
             if self._free_slots:
                 slot = self._free_slots.pop()
             else:
-                victim = self._lru_unpinned()
+                victim = self._lru_unpinned(protected)
                 if victim is None:
                     raise RuntimeError(
                         f"all {self.num_slots} adapter slots are pinned by running requests; "
@@ -74,5 +79,5 @@ class SlotAllocator:
     def resident(self) -> list[str]:
         return list(self._slot_of)
 
-    def _lru_unpinned(self) -> str | None:
-        return next((a for a in self._slot_of if self._ref_cnt[a] == 0), None)
+    def _lru_unpinned(self, protected: frozenset[str] = frozenset()) -> str | None:
+        return next((a for a in self._slot_of if self._ref_cnt[a] == 0 and a not in protected), None)

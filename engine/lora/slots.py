@@ -1,7 +1,9 @@
 """Adapter weights resident on the device: `max_loras` slots of stacked A/B per layer and projection.
 
 The model reads these tensors directly (`lora_kernels.add_lora` indexes them by slot), so loading an
-adapter is a copy into a slot and never reallocates anything the model holds.
+adapter is a copy into a slot and never reallocates anything the model holds. Each projection's
+tensors span all layers ([num_layers, max_loras, ...]): a layer's view is contiguous for the kernels,
+and loading one adapter is one copy per projection and tensor (14 copies), not one per layer.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from engine.lora.peft_checkpoint import PeftAdapter
 
 @dataclass
 class ModuleSlots:
-    """One projection of one layer, across all slots. Ranks below max_rank are zero-padded."""
+    """One projection of one layer, across all slots (views into `LoRASlots`' tensors)."""
 
     lora_a: torch.Tensor  # [max_loras, max_rank, in]
     lora_b: torch.Tensor  # [max_loras, out, max_rank]
@@ -24,8 +26,27 @@ class ModuleSlots:
     ranks: torch.Tensor  # [max_loras] int32; 0 where untargeted
 
 
+@dataclass
+class SlotImage:
+    """An adapter laid out exactly as one slot: zero-padded to max_rank, zeros for untargeted modules.
+
+    Built once per adapter on the CPU (pinned when CUDA is present), so making it resident is a
+    plain host-to-device copy that can run on a side stream.
+    """
+
+    lora_a: dict[str, torch.Tensor]  # module -> [num_layers, max_rank, in]
+    lora_b: dict[str, torch.Tensor]  # module -> [num_layers, out, max_rank]
+    scales: dict[str, torch.Tensor]  # module -> [num_layers] float32
+    ranks: dict[str, torch.Tensor]  # module -> [num_layers] int32
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = [*self.lora_a.values(), *self.lora_b.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class LoRASlots:
-    """Stacked adapter weights: `layers[i][module]` is that projection's ModuleSlots."""
+    """Stacked adapter weights; `layers[i][module]` is that projection's ModuleSlots for layer i."""
 
     def __init__(
         self, shape: ModelShape, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
@@ -33,38 +54,57 @@ class LoRASlots:
         self.shape = shape
         self.max_loras = max_loras
         self.max_rank = max_rank
-        self.layers: list[dict[str, ModuleSlots]] = []
-        for _ in range(shape.num_layers):
-            modules = {}
-            for module in TARGET_MODULES:
-                in_features, out_features = shape.module_dims(module)
-                modules[module] = ModuleSlots(
-                    lora_a=torch.zeros(max_loras, max_rank, in_features, dtype=dtype, device=device),
-                    lora_b=torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device),
-                    scales=torch.zeros(max_loras, dtype=torch.float32, device=device),
-                    ranks=torch.zeros(max_loras, dtype=torch.int32, device=device),
-                )
-            self.layers.append(modules)
+        self.dtype = dtype
+        self.device = device
+        n = shape.num_layers
+        self.lora_a: dict[str, torch.Tensor] = {}  # module -> [num_layers, max_loras, max_rank, in]
+        self.lora_b: dict[str, torch.Tensor] = {}  # module -> [num_layers, max_loras, out, max_rank]
+        self.scales: dict[str, torch.Tensor] = {}  # module -> [num_layers, max_loras]
+        self.ranks: dict[str, torch.Tensor] = {}  # module -> [num_layers, max_loras]
+        for module in TARGET_MODULES:
+            in_features, out_features = shape.module_dims(module)
+            self.lora_a[module] = torch.zeros(n, max_loras, max_rank, in_features, dtype=dtype, device=device)
+            self.lora_b[module] = torch.zeros(n, max_loras, out_features, max_rank, dtype=dtype, device=device)
+            self.scales[module] = torch.zeros(n, max_loras, dtype=torch.float32, device=device)
+            self.ranks[module] = torch.zeros(n, max_loras, dtype=torch.int32, device=device)
+        self.layers: list[dict[str, ModuleSlots]] = [
+            {
+                m: ModuleSlots(self.lora_a[m][i], self.lora_b[m][i], self.scales[m][i], self.ranks[m][i])
+                for m in TARGET_MODULES
+            }
+            for i in range(n)
+        ]
 
-    def load(self, slot: int, adapter: PeftAdapter) -> None:
-        """Copy an adapter (already validated against the model) into `slot`, replacing what was there."""
-        if not 0 <= slot < self.max_loras:
-            raise ValueError(f"slot {slot} is outside [0, {self.max_loras})")
+    def image(self, adapter: PeftAdapter, pin_memory: bool = False) -> SlotImage:
+        """Lay an adapter (validated against this model) out as one slot, on the CPU."""
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.max_rank}")
-        self.clear(slot)
+        n, r = self.shape.num_layers, self.max_rank
+        image = SlotImage({}, {}, {}, {})
+        for module in TARGET_MODULES:
+            in_features, out_features = self.shape.module_dims(module)
+            image.lora_a[module] = torch.zeros(n, r, in_features, dtype=self.dtype)
+            image.lora_b[module] = torch.zeros(n, out_features, r, dtype=self.dtype)
+            image.scales[module] = torch.zeros(n, dtype=torch.float32)
+            image.ranks[module] = torch.zeros(n, dtype=torch.int32)
         for (layer, module), weights in adapter.modules.items():
-            target = self.layers[layer][module]
             rank = weights.rank
-            target.lora_a[slot, :rank].copy_(weights.lora_a, non_blocking=True)
-            target.lora_b[slot, :, :rank].copy_(weights.lora_b, non_blocking=True)
-            target.scales[slot] = weights.scale
-            target.ranks[slot] = rank
+            image.lora_a[module][layer, :rank] = weights.lora_a
+            image.lora_b[module][layer, :, :rank] = weights.lora_b
+            image.scales[module][layer] = weights.scale
+            image.ranks[module][layer] = rank
+        if pin_memory:
+            for part in (image.lora_a, image.lora_b, image.scales, image.ranks):
+                for module, tensor in part.items():
+                    part[module] = tensor.pin_memory()
+        return image
 
-    def clear(self, slot: int) -> None:
-        for modules in self.layers:
-            for target in modules.values():
-                target.lora_a[slot].zero_()
-                target.lora_b[slot].zero_()
-                target.scales[slot] = 0.0
-                target.ranks[slot] = 0
+    def load(self, slot: int, image: SlotImage) -> None:
+        """Copy an adapter's image into `slot` (asynchronously on CUDA when the image is pinned)."""
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"slot {slot} is outside [0, {self.max_loras})")
+        for module in TARGET_MODULES:
+            self.lora_a[module][:, slot].copy_(image.lora_a[module], non_blocking=True)
+            self.lora_b[module][:, slot].copy_(image.lora_b[module], non_blocking=True)
+            self.scales[module][:, slot].copy_(image.scales[module], non_blocking=True)
+            self.ranks[module][:, slot].copy_(image.ranks[module], non_blocking=True)

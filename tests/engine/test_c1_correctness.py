@@ -87,4 +87,4 @@ def test_fewer_slots_than_adapters(c1_case):
     adapters = [str(c1_case["adapters"][a]) if a else None for a in c1_case["assigned"]]
     outputs = llm.generate([{"prompt_token_ids": p} for p in c1_case["prompts"]], params, adapters=adapters)
     assert [o.outputs[0].token_ids for o in outputs] == c1_case["expected"]
-    assert llm.engine.slots.num_evictions > 0
+    assert llm.engine.lora.allocator.num_evictions > 0

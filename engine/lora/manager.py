@@ -1,0 +1,221 @@
+"""Tiered adapter residency: source (store, disk, folder) -> CPU tier -> GPU slot, loaded in the background.
+
+The batch never waits for an adapter. A request's adapter is fetched and validated on a worker thread
+into the CPU tier (an LRU of `max_cpu_loras` slot images, pinned when CUDA is present); before each
+step, the adapters that waiting requests need are copied into free or evictable GPU slots on a side
+CUDA stream, and the scheduler admits a request only once its adapter's copy has completed (`is_ready`).
+A slot is pinned while any running request uses it; eviction is least-recently-used among the rest and
+never touches an adapter that an earlier waiting request is about to use. A load that fails fails only
+the requests for that adapter, with the reason.
+
+Every method runs on the engine thread except `AdapterSource.load`, which runs on the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+import torch
+
+from engine.lora.peft_checkpoint import AdapterError, PeftAdapter
+from engine.lora.slot_allocator import SlotAllocator
+from engine.lora.slots import LoRASlots, SlotImage
+
+logger = logging.getLogger(__name__)
+
+# A failed load is remembered this long, so a burst of requests for a broken adapter fails fast while a
+# transient store outage is retried soon after.
+FAILURE_TTL_S = 10.0
+
+# observer(event, tier, seconds): events "hit", "miss", "load", "evict"; tiers "gpu", "cpu", "source".
+Observer = Callable[[str, str, float], None]
+
+
+class AdapterSource(Protocol):
+    """Where adapter weights come from (a folder registry, or the adapter store)."""
+
+    def resolve(self, ref: str) -> str:
+        """The adapter id for a user-facing reference; raises AdapterError if there is none. Must be fast."""
+
+    def load(self, adapter_id: str) -> PeftAdapter:
+        """Fetch and validate the weights onto the CPU; may be slow (runs on a worker thread)."""
+
+
+class AdapterManager:
+    def __init__(
+        self,
+        source: AdapterSource,
+        slots: LoRASlots,
+        max_cpu_loras: int,
+        num_workers: int = 2,
+        observer: Observer | None = None,
+    ):
+        if max_cpu_loras < 1:
+            raise ValueError(f"max_cpu_loras must be positive (got {max_cpu_loras})")
+        self.source = source
+        self.slots = slots
+        self.max_cpu_loras = max_cpu_loras
+        self.allocator = SlotAllocator(slots.max_loras)
+        self._observer = observer
+        self._cuda = slots.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(slots.device) if self._cuda else None
+        self._workers = ThreadPoolExecutor(num_workers, thread_name_prefix="adapter-load")
+        self._cpu: OrderedDict[str, SlotImage] = OrderedDict()  # LRU first
+        self._loading: dict[str, tuple[Future, float]] = {}  # adapter id -> (future, start time)
+        self._copies: dict[str, tuple[int, torch.cuda.Event | None]] = {}  # id -> (slot, copy done)
+        self._failed: dict[str, tuple[str, float]] = {}  # id -> (reason, when)
+
+    # -- called when a request arrives ------------------------------------------------------------
+
+    def resolve(self, ref: str) -> str:
+        return self.source.resolve(ref)
+
+    def prefetch(self, adapter_id: str) -> None:
+        """Start bringing an adapter towards the GPU; returns at once."""
+        if adapter_id in self._cpu or adapter_id in self._loading or self._resident(adapter_id):
+            return
+        self._emit("miss", "cpu")
+        self._loading[adapter_id] = (self._workers.submit(self._load, adapter_id), time.perf_counter())
+
+    def error(self, adapter_id: str) -> str | None:
+        entry = self._failed.get(adapter_id)
+        if entry is None:
+            return None
+        reason, when = entry
+        if time.monotonic() - when > FAILURE_TTL_S:
+            del self._failed[adapter_id]
+            return None
+        return reason
+
+    # -- called once per step, before scheduling -----------------------------------------------------
+
+    def poll(self) -> dict[str, str]:
+        """Collect finished background loads; returns {adapter id: reason} for the ones that failed."""
+        failures = {}
+        for adapter_id, (future, started) in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[adapter_id]
+            try:
+                image = future.result()
+            except AdapterError as exc:
+                failures[adapter_id] = str(exc)
+            except Exception as exc:  # store outages, corrupt files: the request learns why
+                failures[adapter_id] = f"adapter {adapter_id!r} could not be loaded: {exc}"
+            else:
+                self._emit("load", "source", time.perf_counter() - started)
+                self._cpu[adapter_id] = image
+                while len(self._cpu) > self.max_cpu_loras:
+                    self._cpu.popitem(last=False)
+                    self._emit("evict", "cpu")
+        for adapter_id, reason in failures.items():
+            logger.warning("adapter load failed: %s", reason)
+            self._failed[adapter_id] = (reason, time.monotonic())
+        return failures
+
+    def stage(self, wanted: Iterable[str]) -> None:
+        """Copy the adapters waiting requests need (in queue order) into GPU slots, without waiting.
+
+        An adapter already resident is protected from eviction by the ones that come after it."""
+        protected: set[str] = set()
+        for adapter_id in dict.fromkeys(wanted):
+            if self._resident(adapter_id):
+                self._emit("hit", "gpu")
+                protected.add(adapter_id)
+                continue
+            image = self._cpu.get(adapter_id)
+            if image is None:
+                if self.error(adapter_id) is None:
+                    self.prefetch(adapter_id)
+                continue
+            if not self.allocator.can_acquire(adapter_id, frozenset(protected)):
+                break  # every slot is in use; later adapters wait their turn too
+            self._emit("miss", "gpu")
+            self._cpu.move_to_end(adapter_id)
+            slot, _ = self.allocator.acquire(adapter_id, frozenset(protected))
+            self.allocator.release(adapter_id)  # resident but unpinned until a request runs with it
+            self._copies[adapter_id] = (slot, self._copy_into(slot, image))
+            protected.add(adapter_id)
+
+    def is_ready(self, adapter_id: str) -> bool:
+        """Resident and fully copied: the scheduler may admit requests for it."""
+        if not self._resident(adapter_id):
+            return False
+        slot, event = self._copies[adapter_id]
+        if event is not None and not event.query():
+            return False
+        self._copies[adapter_id] = (slot, None)
+        return True
+
+    # -- called when requests start and end --------------------------------------------------------
+
+    def acquire(self, adapter_id: str) -> int:
+        """Pin a ready adapter's slot for a request that starts running."""
+        if not self.is_ready(adapter_id):
+            raise RuntimeError(f"adapter {adapter_id!r} is not resident; the scheduler must wait for it")
+        slot, needs_load = self.allocator.acquire(adapter_id)
+        assert not needs_load  # is_ready guarantees residency
+        return slot
+
+    def release(self, adapter_id: str) -> None:
+        self.allocator.release(adapter_id)
+
+    def forget(self, adapter_id: str) -> None:
+        """An adapter was deleted: drop its cached copies; its slot frees when its last request ends."""
+        self._cpu.pop(adapter_id, None)
+        if self.allocator.evict(adapter_id):
+            self._copies.pop(adapter_id, None)
+
+    # -- introspection for metrics ---------------------------------------------------------------
+
+    @property
+    def num_slots_in_use(self) -> int:
+        return self.allocator.num_pinned
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loading)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block briefly until some background load finishes (used when nothing else can run)."""
+        futures = [future for future, _ in self._loading.values()]
+        if futures:
+            from concurrent.futures import FIRST_COMPLETED, wait
+
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def shutdown(self) -> None:
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _resident(self, adapter_id: str) -> bool:
+        entry = self._copies.get(adapter_id)
+        return entry is not None and self.allocator.lookup(adapter_id) == entry[0]
+
+    def _load(self, adapter_id: str) -> SlotImage:
+        adapter = self.source.load(adapter_id)
+        return self.slots.image(adapter, pin_memory=self._cuda)
+
+    def _copy_into(self, slot: int, image: SlotImage) -> torch.cuda.Event | None:
+        started = time.perf_counter()
+        if self._copy_stream is None:
+            self.slots.load(slot, image)
+            self._emit("load", "cpu", time.perf_counter() - started)
+            return None
+        # The slot may have served the previous step, whose kernels can still be in flight.
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.slots.device))
+        with torch.cuda.stream(self._copy_stream):
+            self.slots.load(slot, image)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        return event
+
+    def _emit(self, event: str, tier: str, seconds: float = 0.0) -> None:
+        if self._observer is not None:
+            self._observer(event, tier, seconds)

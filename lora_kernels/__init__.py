@@ -1,5 +1,11 @@
-"""Grouped LoRA ops: apply many adapters to one batch, one slot index per token."""
+"""Grouped LoRA ops: apply many adapters to one batch, one slot index per token.
 
-from lora_kernels.reference import add_lora
+`add_lora` / `add_lora_multi` (fused shrink + expand), `shrink` and `expand` run Triton kernels on CUDA
+tensors and the plain-torch `reference` on the CPU; `LoRABatchMeta` holds the per-step token bookkeeping
+that the segmented kernels share across layers.
+"""
 
-__all__ = ["add_lora"]
+from lora_kernels.meta import NO_LORA, LoRABatchMeta
+from lora_kernels.ops import add_lora, add_lora_multi, expand, shrink
+
+__all__ = ["NO_LORA", "LoRABatchMeta", "add_lora", "add_lora_multi", "expand", "shrink"]

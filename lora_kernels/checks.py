@@ -1,0 +1,137 @@
+"""Argument checks of the host wrappers: shapes, dtypes, layout, and (when asked) slot values.
+
+Shape, dtype and layout checks read only tensor metadata, so they are always on. Checking slot *values*
+reads the tensors back to the host, a sync that would break CUDA-graph capture and stall the decode loop,
+so it runs only with `validate=True` or on the CPU. On CUDA without it, a slot outside [-1, num_slots)
+reads out of bounds: undefined behaviour, as in any gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_SLICES = 3  # q/k/v is the widest fused projection
+MAX_RANK = 256
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def check_activations(x: torch.Tensor, num_tokens: int | None = None) -> None:
+    """x: [num_tokens, in], contiguous, of a supported dtype."""
+    if x.dim() != 2:
+        _fail(f"x must be 2-D [num_tokens, in], got shape {tuple(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        _fail(f"x has dtype {x.dtype}; supported: float16, bfloat16, float32")
+    if not x.is_contiguous():
+        _fail("x must be contiguous; call .contiguous() first")
+    if num_tokens is not None and x.shape[0] != num_tokens:
+        _fail(f"x has {x.shape[0]} rows but y has {num_tokens}")
+
+
+def check_output(y: torch.Tensor, num_columns: int) -> None:
+    """y: [num_tokens, num_columns] with unit column stride (a column view of a wider tensor is fine)."""
+    if y.dim() != 2:
+        _fail(f"y must be 2-D [num_tokens, out], got shape {tuple(y.shape)}")
+    if y.shape[1] != num_columns:
+        _fail(f"y has {y.shape[1]} columns but the output slices sum to {num_columns}")
+    if y.shape[1] > 1 and y.stride(1) != 1:
+        _fail(f"y must have unit column stride, got strides {y.stride()}; pass a row-major tensor or view")
+
+
+def check_weights(
+    lora_as: Sequence[torch.Tensor] | None,  # num_slices x [num_slots, max_rank, in]
+    lora_bs: Sequence[torch.Tensor] | None,  # num_slices x [num_slots, output_slices[i], max_rank]
+    output_slices: Sequence[int] | None,
+    dtype: torch.dtype,
+    in_features: int | None,
+) -> tuple[int, int]:
+    """Check the stacked adapter weights; returns (num_slots, max_rank)."""
+    groups = [("lora_a", t) for t in lora_as or ()] + [("lora_b", t) for t in lora_bs or ()]
+    num_slices = len(lora_as if lora_as is not None else lora_bs)
+    if not 1 <= num_slices <= MAX_SLICES:
+        _fail(f"between 1 and {MAX_SLICES} slices are supported, got {num_slices}")
+    if lora_as is not None and lora_bs is not None and len(lora_as) != len(lora_bs):
+        _fail(f"got {len(lora_as)} lora_a tensors but {len(lora_bs)} lora_b tensors")
+    for name, t in groups:
+        if t.dim() != 3:
+            _fail(f"{name} must be 3-D, got shape {tuple(t.shape)}")
+        if t.dtype != dtype:
+            _fail(f"{name} has dtype {t.dtype} but x/y have {dtype}; cast the adapter weights")
+        if not t.is_contiguous():
+            _fail(f"{name} must be contiguous; call .contiguous() first")
+    first = groups[0][1]
+    num_slots = first.shape[0]
+    max_rank = first.shape[1] if groups[0][0] == "lora_a" else first.shape[2]
+    if not 1 <= max_rank <= MAX_RANK:
+        _fail(f"max_rank must be in [1, {MAX_RANK}], got {max_rank}")
+    for t in lora_as or ():
+        if tuple(t.shape) != (num_slots, max_rank, in_features):
+            _fail(
+                f"lora_a must be [num_slots, max_rank, in] = {(num_slots, max_rank, in_features)}, got {tuple(t.shape)}"
+            )
+    for t, width in zip(lora_bs or (), output_slices or ()):
+        if tuple(t.shape) != (num_slots, width, max_rank):
+            _fail(
+                f"lora_b must be [num_slots, out_slice, max_rank] = {(num_slots, width, max_rank)}, got {tuple(t.shape)}"
+            )
+    return num_slots, max_rank
+
+
+def check_h(h: torch.Tensor, num_slices: int, num_tokens: int, max_rank: int) -> torch.Tensor:
+    """h: contiguous float32 [num_slices, num_tokens, max_rank] ([num_tokens, max_rank] for one slice);
+    returns the 3-D view."""
+    h3 = h if h.dim() == 3 else h.unsqueeze(0)
+    if (
+        h.dtype != torch.float32
+        or tuple(h3.shape) != (num_slices, num_tokens, max_rank)
+        or not h.is_contiguous()
+    ):
+        _fail(
+            f"h must be contiguous float32 {[num_slices, num_tokens, max_rank]}, got {h.dtype} {tuple(h.shape)}"
+        )
+    return h3
+
+
+def check_slots(
+    token_slots: torch.Tensor,  # [num_tokens] int32
+    scales: Sequence[torch.Tensor] | None,  # num_slices x [num_slots] float32
+    slot_ranks: torch.Tensor | None,  # [num_slots] int32
+    num_tokens: int,
+    num_slots: int,
+    max_rank: int,
+    device: torch.device,
+    validate: bool,
+) -> None:
+    """Metadata checks always; value checks (a host sync) only with `validate` or on the CPU."""
+    if token_slots.dtype != torch.int32 or token_slots.dim() != 1 or token_slots.numel() != num_tokens:
+        _fail(
+            f"token_slots must be a 1-D int32 tensor of {num_tokens} entries, got {token_slots.dtype} of "
+            f"shape {tuple(token_slots.shape)}; use .to(torch.int32)"
+        )
+    for s in scales or ():
+        if s.dtype != torch.float32 or tuple(s.shape) != (num_slots,):
+            _fail(
+                f"scales must be float32 [num_slots] = [{num_slots}], got {s.dtype} of shape {tuple(s.shape)}"
+            )
+    if slot_ranks is not None and (
+        slot_ranks.dtype != torch.int32 or tuple(slot_ranks.shape) != (num_slots,)
+    ):
+        _fail(
+            f"slot_ranks must be int32 [num_slots] = [{num_slots}], got {slot_ranks.dtype} {tuple(slot_ranks.shape)}"
+        )
+    tensors = [token_slots, *(scales or ()), *([slot_ranks] if slot_ranks is not None else [])]
+    for t in tensors:
+        if t.device != device:
+            _fail(f"all tensors must be on {device}, found one on {t.device}")
+    if not (validate or device.type == "cpu"):
+        return
+    if num_tokens and ((token_slots < -1) | (token_slots >= num_slots)).any():
+        bad = token_slots[(token_slots < -1) | (token_slots >= num_slots)][0].item()
+        _fail(f"token_slots holds {bad}; slots must be in [-1, {num_slots}) (-1: no adapter)")
+    if slot_ranks is not None and ((slot_ranks < 0) | (slot_ranks > max_rank)).any():
+        _fail(f"slot_ranks must be in [0, max_rank={max_rank}]")

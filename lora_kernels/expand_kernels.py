@@ -1,0 +1,211 @@
+"""Expand, `y += scale * h @ B[slot]^T` per token: the gathered and segmented kernels.
+
+h arrives as float32 split-K partials `[split_k, num_slices, num_tokens, max_rank]` (split_k = 1 for a
+plain h) and is summed here. The output blocks of all slices of a fused projection form one grid axis:
+block ids [0, tiles0) are slice 0, [tiles0, tiles0 + tiles1) slice 1, the rest slice 2.
+
+With programmatic dependent launch (USE_PDL, sm90+), a program loads its B block and y block first and
+only then waits for the shrink grid (`gdc_wait`) before reading h, so B's bytes, the larger half of the
+LoRA traffic at decode, stream in while the shrink kernel still runs. B and h are read up to the slot's
+rank rounded up to 16 and capped at max_rank (a mask constant over 16 contiguous ranks keeps the loads
+vectorized); between the rank and that limit B is zero padding (the layout contract of `add_lora`), so
+the result is the same.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from lora_kernels.shrink_kernels import pick
+
+
+@triton.jit
+def _slice_of_block(pid_n, tiles0, tiles1, BLOCK_N: tl.constexpr):
+    """(slice, first output column within the slice) of output block `pid_n`, without branches."""
+    past0 = (pid_n >= tiles0).to(tl.int32)
+    past1 = (pid_n >= tiles0 + tiles1).to(tl.int32)
+    return past0 + past1, (pid_n - past0 * tiles0 - past1 * tiles1) * BLOCK_N
+
+
+@triton.jit
+def _load_b(b0_ptr, b1_ptr, b2_ptr, slice_id, slot, n0, w0, w1, w2, slot_ranks_ptr,
+            NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_R: tl.constexpr, HAS_RANKS: tl.constexpr):  # fmt: skip
+    """B[slot, n0:n0+BLOCK_N, :] of the slice as [BLOCK_N, BLOCK_R], plus (width, column offset, rank limit)."""
+    b_ptr = b0_ptr
+    width = w0
+    col0 = 0
+    if NUM_SLICES > 1:
+        b_ptr = pick(slice_id, b0_ptr, b1_ptr, b2_ptr)
+        width = pick(slice_id, w0, w1, w2)
+        col0 = pick(slice_id, 0, w0, w0 + w1)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_limit = MAX_RANK
+    b_mask = offs_n[:, None] < width
+    if HAS_RANKS:
+        # The rank rounded up to 16: a mask constant over 16 contiguous ranks keeps loads vectorized.
+        r_limit = tl.minimum((tl.load(slot_ranks_ptr + slot) + 15) // 16 * 16, MAX_RANK)
+        b_mask &= offs_r[None, :] < r_limit
+    elif BLOCK_R != MAX_RANK:
+        b_mask &= offs_r[None, :] < MAX_RANK
+    b_rows = b_ptr + slot.to(tl.int64) * width * MAX_RANK + offs_n[:, None] * MAX_RANK
+    b = tl.load(b_rows + offs_r[None, :], mask=b_mask, other=0.0)
+    return b, width, col0, r_limit
+
+
+@triton.jit
+def _expand_gathered_kernel(
+    y_ptr,  # [num_tokens, sum(output_slices)], row stride stride_yt, unit column stride
+    h_ptr,  # [split_k, num_slices, num_tokens, max_rank] float32
+    b0_ptr,  # [num_slots, output_slices[0], max_rank], slice 0 (1 and 2 likewise, unused repeat slice 0)
+    b1_ptr,
+    b2_ptr,
+    s0_ptr,  # [num_slots] float32 scales of slice 0 (1 and 2 likewise)
+    s1_ptr,
+    s2_ptr,
+    token_slots_ptr,  # [num_tokens] int32
+    slot_ranks_ptr,  # [num_slots] int32, read only if HAS_RANKS
+    w0, w1, w2,  # output_slices
+    tiles0, tiles1,  # output blocks of slices 0 and 1
+    stride_yt, stride_hk, stride_hs, stride_ht,
+    SPLIT_K: tl.constexpr,  # partials of h to sum
+    NUM_SLICES: tl.constexpr,
+    MAX_RANK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_RANKS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """One program per (output block, token); rank is tiny, so a broadcast-multiply-sum beats tl.dot."""
+    pid_n = tl.program_id(0)
+    token = tl.program_id(1).to(tl.int64)
+    slot = tl.load(token_slots_ptr + token)
+    if slot < 0:
+        return
+    slice_id, n0 = _slice_of_block(pid_n, tiles0, tiles1, BLOCK_N)
+    b, width, col0, r_limit = _load_b(b0_ptr, b1_ptr, b2_ptr, slice_id, slot, n0, w0, w1, w2, slot_ranks_ptr,
+                                   NUM_SLICES, MAX_RANK, BLOCK_N, BLOCK_R, HAS_RANKS)  # fmt: skip
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < width
+    y_row = y_ptr + token * stride_yt + col0 + offs_n
+    yv = tl.load(y_row, mask=n_ok, other=0.0)
+    scale_ptr = s0_ptr
+    if NUM_SLICES > 1:
+        scale_ptr = pick(slice_id, s0_ptr, s1_ptr, s2_ptr)
+    scale = tl.load(scale_ptr + slot)
+    if USE_PDL:
+        gdc_wait()  # h is written by the shrink grid
+    offs_r = tl.arange(0, BLOCK_R)
+    h_row = h_ptr + slice_id * stride_hs + token * stride_ht + offs_r
+    hv = tl.zeros((BLOCK_R,), tl.float32)
+    for k in tl.static_range(SPLIT_K):  # unrolled: the partials' loads issue together, not in turn
+        hv += tl.load(h_row + k * stride_hk, mask=offs_r < r_limit, other=0.0)
+    out = tl.sum(b.to(tl.float32) * hv[None, :], axis=1)
+    tl.store(y_row, (yv.to(tl.float32) + scale * out).to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _expand_segmented_kernel(
+    y_ptr,  # [num_tokens, sum(output_slices)]
+    h_ptr,  # [split_k, num_slices, num_tokens, max_rank] float32
+    b0_ptr,  # [num_slots, output_slices[i], max_rank] per slice, as above
+    b1_ptr,
+    b2_ptr,
+    s0_ptr,  # [num_slots] float32 per slice
+    s1_ptr,
+    s2_ptr,
+    slot_ranks_ptr,  # [num_slots] int32
+    sorted_tokens_ptr,  # [max_tokens] int32, LoRABatchMeta
+    tile_slot_ptr,  # [max_tiles] int32
+    tile_start_ptr,  # [max_tiles] int32
+    tile_len_ptr,  # [max_tiles] int32
+    w0, w1, w2, tiles0, tiles1,
+    stride_yt, stride_hk, stride_hs, stride_ht,
+    SPLIT_K: tl.constexpr,  # partials of h to sum
+    NUM_SLICES: tl.constexpr,
+    MAX_RANK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_RANKS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """One program per (output block, tile of one slot's tokens): B's block is read once per tile."""
+    pid_n = tl.program_id(0)
+    tile = tl.program_id(1)
+    num_rows = tl.load(tile_len_ptr + tile)
+    slot = tl.load(tile_slot_ptr + tile)
+    if (num_rows == 0) | (slot < 0):
+        return
+    slice_id, n0 = _slice_of_block(pid_n, tiles0, tiles1, BLOCK_N)
+    b, width, col0, r_limit = _load_b(b0_ptr, b1_ptr, b2_ptr, slice_id, slot, n0, w0, w1, w2, slot_ranks_ptr,
+                                   NUM_SLICES, MAX_RANK, BLOCK_N, BLOCK_R, HAS_RANKS)  # fmt: skip
+    start = tl.load(tile_start_ptr + tile)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    m_ok = offs_m < num_rows
+    tokens = tl.load(sorted_tokens_ptr + start + offs_m, mask=m_ok, other=0).to(tl.int64)
+    y_tile = y_ptr + tokens[:, None] * stride_yt + col0 + offs_n[None, :]
+    y_mask = m_ok[:, None] & (offs_n[None, :] < width)
+    yv = tl.load(y_tile, mask=y_mask, other=0.0)
+    scale_ptr = s0_ptr
+    if NUM_SLICES > 1:
+        scale_ptr = pick(slice_id, s0_ptr, s1_ptr, s2_ptr)
+    scale = tl.load(scale_ptr + slot)
+    if USE_PDL:
+        gdc_wait()
+    h_tile = h_ptr + slice_id * stride_hs + tokens[:, None] * stride_ht + offs_r[None, :]
+    h_mask = m_ok[:, None] & (offs_r[None, :] < r_limit)
+    hv = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+    if SPLIT_K * BLOCK_M * BLOCK_R <= 8192:
+        for k in tl.static_range(SPLIT_K):  # unrolled while all partials fit in registers at once
+            hv += tl.load(h_tile + k * stride_hk, mask=h_mask, other=0.0)
+    else:
+        for k in range(SPLIT_K):
+            hv += tl.load(h_tile + k * stride_hk, mask=h_mask, other=0.0)
+    if DOT_FP32:
+        out = tl.dot(hv, tl.trans(b.to(tl.float32)), input_precision="ieee")
+    else:
+        # h split into a high and a low half-precision part: tensor cores at nearly float32 accuracy.
+        hi = hv.to(b.dtype)
+        lo = (hv - hi.to(tl.float32)).to(b.dtype)
+        out = tl.dot(hi, tl.trans(b))
+        out = tl.dot(lo, tl.trans(b), out)
+    tl.store(y_tile, (yv.to(tl.float32) + scale * out).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def launch_expand(y, h, lora_bs, scales, token_slots, slot_ranks, output_slices, meta, path, config) -> None:
+    """Launch one expand kernel for all slices; `config` is an ExpandConfig from tiles.py."""
+    num_slices = len(lora_bs)
+    b = list(lora_bs) + [lora_bs[0]] * (3 - num_slices)
+    s = list(scales) + [scales[0]] * (3 - num_slices)
+    widths = list(output_slices) + [0] * (3 - num_slices)
+    tiles = [triton.cdiv(w, config.block_n) for w in widths]
+    ranks = slot_ranks if slot_ranks is not None else token_slots
+    common = dict(
+        SPLIT_K=h.shape[0],
+        NUM_SLICES=num_slices,
+        MAX_RANK=lora_bs[0].shape[2],
+        BLOCK_N=config.block_n,
+        BLOCK_R=config.block_r,
+        HAS_RANKS=slot_ranks is not None,
+        USE_PDL=config.use_pdl,
+        num_warps=config.num_warps,
+    )
+    if config.use_pdl:
+        common["launch_pdl"] = True
+    tail = (*widths, tiles[0], tiles[1], y.stride(0), h.stride(0), h.stride(1), h.stride(2))
+    if path == "gathered":
+        grid = (sum(tiles), y.shape[0])
+        _expand_gathered_kernel[grid](y, h, *b, *s, token_slots, ranks, *tail, **common)
+    else:
+        grid = (sum(tiles), meta.num_tiles)
+        _expand_segmented_kernel[grid](
+            y, h, *b, *s, ranks, meta.sorted_tokens, meta.tile_slot, meta.tile_start, meta.tile_len, *tail,
+            BLOCK_M=meta.block_m, DOT_FP32=config.dot_fp32, **common,
+        )  # fmt: skip

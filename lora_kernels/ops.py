@@ -1,0 +1,209 @@
+"""Public grouped-LoRA ops: argument checks, then the Triton kernels (CUDA) or the torch reference (CPU).
+
+`backend="auto"` runs Triton on CUDA tensors and the reference elsewhere; `backend="triton"` forces the
+kernels (on the CPU only under TRITON_INTERPRET=1, which is how the tests run them). `path="auto"`
+chooses the gathered kernels for decode-sized batches and the segmented ones above (tiles.py says why);
+`path="gathered"` / `"segmented"` force one. Nothing on the CUDA path reads a tensor back to the host,
+so a decode step that calls these can be captured in a CUDA graph; pass a `meta` built once per step
+(LoRABatchMeta) so the segmented path does not rebuild it in every layer.
+
+Shapes, dtypes and layout are always checked (ValueError naming the problem). Slot values must lie in
+[-1, num_slots) and slot ranks in [0, max_rank]; checking values costs a host sync, so it happens on the
+CPU and with `validate=True` only (checks.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lora_kernels import checks, reference, tiles
+from lora_kernels.expand_kernels import launch_expand
+from lora_kernels.meta import LoRABatchMeta
+from lora_kernels.shrink_kernels import launch_shrink
+
+
+def _resolve(device: torch.device, backend: str, path: str, num_tokens: int) -> tuple[str, str]:
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if path not in ("auto", *tiles.PATHS):
+        raise ValueError(f"path must be 'auto', 'gathered' or 'segmented', got {path!r}")
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and not tiles.interpreting():
+        raise ValueError(
+            "the Triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before importing triton"
+        )
+    path = tiles.choose_path(num_tokens) if path == "auto" else path
+    if backend == "triton" and path == "gathered" and num_tokens > tiles.MAX_GRID_TOKENS:
+        raise ValueError(
+            f"the gathered path takes at most {tiles.MAX_GRID_TOKENS} tokens; use path='segmented'"
+        )
+    return backend, path
+
+
+def _meta_for(meta: LoRABatchMeta | None, token_slots: torch.Tensor, num_slots: int) -> LoRABatchMeta:
+    if meta is None:
+        return LoRABatchMeta.build(token_slots, num_slots)
+    if meta.num_tokens != token_slots.numel() or meta.num_slots != num_slots:
+        raise ValueError(
+            f"meta was updated for {meta.num_tokens} tokens and {meta.num_slots} slots, but this call has "
+            f"{token_slots.numel()} tokens and {num_slots} slots; call meta.update(token_slots) first"
+        )
+    return meta
+
+
+def _check_devices(device: torch.device, tensors: Sequence[torch.Tensor]) -> None:
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"all tensors must be on {device}, found one on {t.device}")
+
+
+def _as_slices(t: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [t] if isinstance(t, torch.Tensor) else list(t)
+
+
+def add_lora_multi(
+    y: torch.Tensor,  # [num_tokens, sum(output_slices)], updated in place; rows may be strided
+    x: torch.Tensor,  # [num_tokens, in]
+    lora_as: Sequence[torch.Tensor],  # num_slices x [num_slots, max_rank, in]
+    lora_bs: Sequence[torch.Tensor],  # num_slices x [num_slots, output_slices[i], max_rank]
+    token_slots: torch.Tensor,  # [num_tokens] int32, -1 (NO_LORA): no adapter
+    scales: Sequence[torch.Tensor],  # num_slices x [num_slots] float32
+    output_slices: Sequence[int],  # widths of y's consecutive column slices (q, k, v or gate, up)
+    *,
+    slot_ranks: torch.Tensor | None = None,  # [num_slots] int32, ranks <= max_rank; skips the zero tail
+    meta: LoRABatchMeta | None = None,
+    path: str = "auto",
+    backend: str = "auto",
+    validate: bool = False,  # check slot values too (a host sync; always done on the CPU)
+) -> torch.Tensor:
+    """`y[:, slice i] += scales[i][s] * (x @ lora_as[i][s].T) @ lora_bs[i][s].T` per token slot s.
+
+    One shrink launch and one expand launch serve every slice of a fused projection.
+    """
+    lora_as, lora_bs, scales = list(lora_as), list(lora_bs), list(scales)
+    output_slices = [int(w) for w in output_slices]
+    checks.check_output(y, sum(output_slices))
+    checks.check_activations(x, y.shape[0])
+    if y.dtype != x.dtype:
+        raise ValueError(f"y has dtype {y.dtype} but x has {x.dtype}; they must agree")
+    if not (len(lora_as) == len(lora_bs) == len(scales) == len(output_slices)):
+        raise ValueError("lora_as, lora_bs, scales and output_slices must have one entry per slice")
+    num_slots, max_rank = checks.check_weights(lora_as, lora_bs, output_slices, x.dtype, x.shape[1])
+    _check_devices(x.device, [y, *lora_as, *lora_bs])
+    checks.check_slots(token_slots, scales, slot_ranks, x.shape[0], num_slots, max_rank, x.device, validate)
+    backend, path = _resolve(x.device, backend, path, x.shape[0])
+    if backend == "torch":
+        return reference.add_lora_multi(
+            y, x, lora_as, lora_bs, token_slots, scales, output_slices, slot_ranks
+        )
+    if x.shape[0] == 0:
+        return y
+    meta = _meta_for(meta, token_slots, num_slots) if path == "segmented" else meta
+    rows, block_m = (x.shape[0], 0) if path == "gathered" else (meta.num_tiles, meta.block_m)
+    sconf = tiles.shrink_config(path, rows, len(lora_as), x.shape[1], max_rank, x.dtype, x.device, block_m)
+    h = torch.empty((sconf.split_k, len(lora_as), x.shape[0], max_rank), dtype=torch.float32, device=x.device)
+    launch_shrink(h, x, lora_as, token_slots, slot_ranks, meta, path, sconf)
+    econf = tiles.expand_config(path, max_rank, x.dtype, x.device, block_m)
+    launch_expand(y, h, lora_bs, scales, token_slots, slot_ranks, output_slices, meta, path, econf)
+    return y
+
+
+def add_lora(
+    y: torch.Tensor,  # [num_tokens, out], updated in place
+    x: torch.Tensor,  # [num_tokens, in]
+    lora_a: torch.Tensor,  # [num_slots, max_rank, in]
+    lora_b: torch.Tensor,  # [num_slots, out, max_rank]
+    token_slots: torch.Tensor,  # [num_tokens] int32, -1: no adapter
+    scales: torch.Tensor,  # [num_slots] float32
+    *,
+    slot_ranks: torch.Tensor | None = None,
+    meta: LoRABatchMeta | None = None,
+    path: str = "auto",
+    backend: str = "auto",
+    validate: bool = False,
+) -> torch.Tensor:
+    """In place, `y[t] += scales[s] * (x[t] @ lora_a[s].T) @ lora_b[s].T` for `s = token_slots[t] >= 0`."""
+    if y.dim() != 2:
+        raise ValueError(f"y must be 2-D [num_tokens, out], got shape {tuple(y.shape)}")
+    return add_lora_multi(
+        y, x, [lora_a], [lora_b], token_slots, [scales], [y.shape[1]],
+        slot_ranks=slot_ranks, meta=meta, path=path, backend=backend, validate=validate,
+    )  # fmt: skip
+
+
+def shrink(
+    h: torch.Tensor,  # [num_slices, num_tokens, max_rank] (or [num_tokens, max_rank]) float32, overwritten
+    x: torch.Tensor,  # [num_tokens, in]
+    lora_as: torch.Tensor | Sequence[torch.Tensor],  # (num_slices x) [num_slots, max_rank, in]
+    token_slots: torch.Tensor,  # [num_tokens] int32
+    *,
+    slot_ranks: torch.Tensor | None = None,
+    meta: LoRABatchMeta | None = None,
+    path: str = "auto",
+    backend: str = "auto",
+    validate: bool = False,
+) -> torch.Tensor:
+    """`h[i, t] = x[t] @ lora_as[i][s].T`; every row written, zeros for -1 tokens and past a slot's rank."""
+    lora_as = _as_slices(lora_as)
+    checks.check_activations(x)
+    num_slots, max_rank = checks.check_weights(lora_as, None, None, x.dtype, x.shape[1])
+    h3 = checks.check_h(h, len(lora_as), x.shape[0], max_rank)
+    _check_devices(x.device, [h, *lora_as])
+    checks.check_slots(token_slots, None, slot_ranks, x.shape[0], num_slots, max_rank, x.device, validate)
+    backend, path = _resolve(x.device, backend, path, x.shape[0])
+    if backend == "torch":
+        h3.copy_(reference.shrink(x, lora_as, token_slots, slot_ranks))
+        return h
+    if x.shape[0] == 0:
+        return h
+    meta = _meta_for(meta, token_slots, num_slots) if path == "segmented" else meta
+    rows, block_m = (x.shape[0], 0) if path == "gathered" else (meta.num_tiles, meta.block_m)
+    conf = tiles.shrink_config(path, rows, len(lora_as), x.shape[1], max_rank, x.dtype, x.device, block_m)
+    if conf.split_k == 1:
+        launch_shrink(h3.unsqueeze(0), x, lora_as, token_slots, slot_ranks, meta, path, conf)
+    else:
+        partials = torch.empty((conf.split_k, *h3.shape), dtype=torch.float32, device=x.device)
+        launch_shrink(partials, x, lora_as, token_slots, slot_ranks, meta, path, conf)
+        torch.sum(partials, dim=0, out=h3)
+    return h
+
+
+def expand(
+    y: torch.Tensor,  # [num_tokens, sum(output_slices)], updated in place
+    h: torch.Tensor,  # [num_slices, num_tokens, max_rank] (or [num_tokens, max_rank]) float32
+    lora_bs: torch.Tensor | Sequence[torch.Tensor],  # (num_slices x) [num_slots, output_slices[i], max_rank]
+    token_slots: torch.Tensor,  # [num_tokens] int32
+    scales: torch.Tensor | Sequence[torch.Tensor],  # (num_slices x) [num_slots] float32
+    *,
+    slot_ranks: torch.Tensor | None = None,
+    meta: LoRABatchMeta | None = None,
+    path: str = "auto",
+    backend: str = "auto",
+    validate: bool = False,
+) -> torch.Tensor:
+    """In place, `y[t, slice i] += scales[i][s] * h[i, t] @ lora_bs[i][s].T` for `s = token_slots[t] >= 0`."""
+    lora_bs, scales = _as_slices(lora_bs), _as_slices(scales)
+    if y.dim() != 2 or y.dtype not in checks.SUPPORTED_DTYPES:
+        raise ValueError(f"y must be 2-D float16, bfloat16 or float32, got {y.dtype} {tuple(y.shape)}")
+    if len(scales) != len(lora_bs):
+        raise ValueError(f"got {len(lora_bs)} lora_b tensors but {len(scales)} scales")
+    output_slices = [b.shape[1] if b.dim() == 3 else -1 for b in lora_bs]
+    num_slots, max_rank = checks.check_weights(None, lora_bs, output_slices, y.dtype, None)
+    checks.check_output(y, sum(output_slices))
+    h3 = checks.check_h(h, len(lora_bs), y.shape[0], max_rank)
+    _check_devices(y.device, [h, *lora_bs])
+    checks.check_slots(token_slots, scales, slot_ranks, y.shape[0], num_slots, max_rank, y.device, validate)
+    backend, path = _resolve(y.device, backend, path, y.shape[0])
+    if backend == "torch":
+        return reference.expand(y, h3, lora_bs, token_slots, scales, slot_ranks)
+    if y.shape[0] == 0:
+        return y
+    meta = _meta_for(meta, token_slots, num_slots) if path == "segmented" else meta
+    conf = tiles.expand_config(path, max_rank, y.dtype, y.device, 0 if meta is None else meta.block_m)
+    launch_expand(
+        y, h3.unsqueeze(0), lora_bs, scales, token_slots, slot_ranks, output_slices, meta, path, conf
+    )
+    return y

@@ -1,0 +1,325 @@
+"""The adapter store interface, with everything the backends share.
+
+Layout, keys relative to the store root (a directory, or an S3 bucket prefix):
+
+    {tenant}/{name}/{version}/adapter_config.json
+    {tenant}/{name}/{version}/adapter_model.safetensors
+    {tenant}/{name}/{version}/manifest.json      <- written last: the commit mark
+    {tenant}/{name}/{version}/deleted.json       <- left by delete, so the number is never reused
+
+A version is visible only while its manifest exists, so an upload killed midway is invisible and
+deletion hides a version before its files go. Version numbers count up per (tenant, name) from 1:
+the next one is 1 + the highest number with any key at all (committed, half-written or deleted),
+so `name@3` means the same bytes forever, or nothing. Backends implement five primitives on keys and
+`_commit`, which claims a number and publishes the files (atomically on both backends).
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import BinaryIO, TypeVar
+
+from adapters_store.config import MAX_CONFIG_BYTES, StoreConfig
+from adapters_store.errors import AdapterNotFound, ChecksumError
+from adapters_store.filenames import ADAPTER_FILES, MANIFEST_FILE
+from adapters_store.intake import UploadSource, stage_upload
+from adapters_store.metrics import StoreMetrics
+from adapters_store.names import (
+    check_name,
+    check_tenant,
+    check_version,
+    is_valid_name,
+    parse_ref,
+    parse_version,
+)
+from adapters_store.record import AdapterRecord, utc_now_iso
+from adapters_store.streams import CHUNK_BYTES
+from adapters_store.validate import CheckedAdapter, check_folder
+from engine.lora.model_shape import ModelShape
+from engine.lora.peft_checkpoint import CONFIG_FILE, WEIGHTS_FILE
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+TOMBSTONE_FILE = "deleted.json"
+
+
+class MissingKey(KeyError):
+    """A backend primitive found no object at that key (translated by the store, never raised to users)."""
+
+
+class AdapterStore(ABC):
+    """Upload, list, resolve, download and delete adapters of many tenants."""
+
+    def __init__(
+        self, config: StoreConfig, shape: ModelShape | None = None, metrics: StoreMetrics | None = None
+    ):
+        self.config = config
+        self.shape = shape  # the base model's; needed only to validate uploads
+        self.metrics = metrics or StoreMetrics()
+
+    # ---- public API -------------------------------------------------------------------------------
+
+    def put(self, tenant: str, name: str, source: UploadSource) -> AdapterRecord:
+        """Validate `source` completely, then store it as the next version of `name`."""
+        check_tenant(tenant)
+        check_name(name)
+        if self.shape is None:
+            raise RuntimeError("this store was opened without the base model's ModelShape; uploads need it")
+        staging_root = self.config.staging_dir
+        if staging_root is not None:
+            Path(staging_root).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="loraserve-upload-", dir=staging_root) as staging:
+            folder = stage_upload(source, Path(staging), self.config)
+            checked = check_folder(folder, self.shape, self.config.max_lora_rank)
+            created_at = utc_now_iso()
+            record = self._commit(
+                tenant, name, folder, lambda version: _record(name, version, checked, created_at)
+            )
+        log.info(
+            "stored adapter %s/%s (rank %d, %d bytes)", tenant, record.ref, record.rank, record.size_bytes
+        )
+        return record
+
+    def list(self, tenant: str, *, all_versions: bool = False) -> builtins.list[AdapterRecord]:
+        """The tenant's adapters sorted by name: the latest version of each, or every version."""
+        check_tenant(tenant)
+        keys = self._call(f"list adapters of {tenant}", lambda: self._list_keys(f"{tenant}/"))
+        committed: dict[str, builtins.list[int]] = {}
+        for key in keys:
+            parts = key.split("/")
+            if len(parts) == 3 and parts[2] == MANIFEST_FILE and is_valid_name(parts[0]):
+                version = parse_version(parts[1])
+                if version is not None:
+                    committed.setdefault(parts[0], []).append(version)
+        records = []
+        for name, versions in sorted(committed.items()):
+            for version in sorted(versions, reverse=True):
+                record = self._read_manifest(tenant, name, version)
+                if record is not None:
+                    records.append(record)
+                    if not all_versions:
+                        break
+        return sorted(records, key=lambda r: (r.name, r.version))
+
+    def versions(self, tenant: str, name: str) -> builtins.list[AdapterRecord]:
+        """Every committed version of one adapter, oldest first; AdapterNotFound if there is none."""
+        check_tenant(tenant)
+        check_name(name)
+        records = [
+            r for v in self._committed_versions(tenant, name) if (r := self._read_manifest(tenant, name, v))
+        ]
+        if not records:
+            raise AdapterNotFound(f"no adapter named {name!r}; upload it first (POST /v1/adapters)")
+        return records
+
+    def get(self, tenant: str, name: str, version: int | None = None) -> AdapterRecord:
+        """One version's record; version None means the latest committed one."""
+        check_tenant(tenant)
+        check_name(name)
+        if version is None:
+            for latest in reversed(self._committed_versions(tenant, name)):
+                if record := self._read_manifest(tenant, name, latest):
+                    return record
+            raise AdapterNotFound(f"no adapter named {name!r}; upload it first (POST /v1/adapters)")
+        check_version(version)
+        if record := self._read_manifest(tenant, name, version):
+            return record
+        known = self._committed_versions(tenant, name)
+        hint = f"its versions are {', '.join(map(str, known))}" if known else "no version of it exists"
+        raise AdapterNotFound(f"adapter {name!r} has no version {version}; {hint}")
+
+    def resolve(self, tenant: str, ref: str) -> AdapterRecord:
+        """`name` (the latest) or `name@version`, as requests and routes spell adapters."""
+        name, version = parse_ref(ref)
+        return self.get(tenant, name, version)
+
+    def fetch(self, tenant: str, name: str, version: int | None, dest_dir: str | os.PathLike) -> Path:
+        """Download one version into `dest_dir`, ready for engine.lora.peft_checkpoint.load_peft_adapter."""
+        return self.fetch_record(tenant, self.get(tenant, name, version), dest_dir)
+
+    def fetch_record(self, tenant: str, record: AdapterRecord, dest_dir: str | os.PathLike) -> Path:
+        """Download the version `record` describes; ChecksumError if the weights differ from its manifest.
+
+        Each file lands under a temporary name and is renamed into place once complete and checked,
+        so `dest_dir` never holds a partial file under its real name. The manifest is copied along.
+        """
+        check_tenant(tenant)
+        dest = Path(dest_dir)
+        dest.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        self._download(tenant, record, CONFIG_FILE, dest, MAX_CONFIG_BYTES)
+        self._download(tenant, record, WEIGHTS_FILE, dest, record.size_bytes)
+        (dest / MANIFEST_FILE).write_bytes(record.to_json())
+        self.metrics.fetch_seconds(time.monotonic() - start)
+        return dest
+
+    def delete(self, tenant: str, name: str, version: int | None = None) -> builtins.list[AdapterRecord]:
+        """Delete one version, or every committed version when version is None; returns what was deleted.
+
+        Per version: the manifest first (readers stop seeing it at once), then a tombstone that keeps the
+        number taken, then the files. Half-written versions of an upload still running are left alone.
+        """
+        records = [self.get(tenant, name, version)] if version is not None else self.versions(tenant, name)
+        tombstone = json.dumps({"deleted_at": utc_now_iso()}).encode()
+        for record in records:
+            prefix = _version_prefix(tenant, name, record.version)
+            op = f"delete {tenant}/{record.ref}"
+            self._call(op, lambda p=prefix: self._remove(p + MANIFEST_FILE))
+            self._call(op, lambda p=prefix: self._write(p + TOMBSTONE_FILE, tombstone))
+            for filename in ADAPTER_FILES:
+                self._call(op, lambda p=prefix, f=filename: self._remove(p + f))
+            log.info("deleted adapter %s/%s", tenant, record.ref)
+        return records
+
+    @abstractmethod
+    def check(self) -> None:
+        """Raise StoreUnavailable unless the store can be read and written (for startup and /ready)."""
+
+    # ---- backend primitives (keys are relative to the store root; no retries or translation) ------
+
+    @abstractmethod
+    def _list_keys(self, prefix: str) -> builtins.list[str]:
+        """Every key under `prefix` (which ends with '/'), relative to it."""
+
+    @abstractmethod
+    def _read(self, key: str) -> bytes:
+        """A small object's bytes; MissingKey if absent."""
+
+    @abstractmethod
+    def _open(self, key: str) -> AbstractContextManager[BinaryIO]:
+        """A readable stream of an object; MissingKey if absent."""
+
+    @abstractmethod
+    def _write(self, key: str, data: bytes) -> None:
+        """Create or replace a small object atomically."""
+
+    @abstractmethod
+    def _remove(self, key: str) -> None:
+        """Remove an object; absent is fine."""
+
+    @abstractmethod
+    def _commit(
+        self, tenant: str, name: str, folder: Path, record_for: Callable[[int], AdapterRecord]
+    ) -> AdapterRecord:
+        """Claim the next free version, store the folder's two files and, last, the manifest."""
+
+    def _call(self, operation: str, fn: Callable[[], T]) -> T:
+        """Run one primitive: backends add retries and turn their errors into MissingKey/StoreUnavailable."""
+        return fn()
+
+    # ---- shared helpers ---------------------------------------------------------------------------
+
+    def _next_version(self, tenant: str, name: str) -> int:
+        keys = self._call(f"list versions of {tenant}/{name}", lambda: self._list_keys(f"{tenant}/{name}/"))
+        versions = [v for key in keys if (v := parse_version(key.split("/", 1)[0])) is not None]
+        return max(versions, default=0) + 1
+
+    def _committed_versions(self, tenant: str, name: str) -> builtins.list[int]:
+        keys = self._call(f"list versions of {tenant}/{name}", lambda: self._list_keys(f"{tenant}/{name}/"))
+        found = set()
+        for key in keys:
+            segment, _, rest = key.partition("/")
+            if rest == MANIFEST_FILE and (version := parse_version(segment)) is not None:
+                found.add(version)
+        return sorted(found)
+
+    def _read_manifest(self, tenant: str, name: str, version: int) -> AdapterRecord | None:
+        key = _version_prefix(tenant, name, version) + MANIFEST_FILE
+        try:
+            data = self._call(f"read {key}", lambda: self._read(key))
+            record = AdapterRecord.from_json(data)
+        except MissingKey:
+            return None
+        except ValueError as exc:
+            log.warning("ignoring %s: %s", key, exc)
+            return None
+        if (record.name, record.version) != (name, version):
+            log.warning("ignoring %s: it describes %s", key, record.ref)
+            return None
+        return record
+
+    def _download(self, tenant: str, record: AdapterRecord, filename: str, dest: Path, limit: int) -> None:
+        key = _version_prefix(tenant, record.name, record.version) + filename
+        part = dest / f".{filename}.part"
+
+        def once() -> tuple[int, str]:
+            digest, size = hashlib.sha256(), 0
+            with self._open(key) as body, open(part, "wb") as out:
+                for chunk in _chunks(body):
+                    size += len(chunk)
+                    if size > limit:
+                        raise ChecksumError(
+                            _mismatch(tenant, record, filename, f"is larger than {limit} bytes")
+                        )
+                    digest.update(chunk)
+                    out.write(chunk)
+            return size, digest.hexdigest()
+
+        try:
+            size, sha256 = self._call(f"download {key}", once)
+            if filename == WEIGHTS_FILE and size != record.size_bytes:
+                raise ChecksumError(
+                    _mismatch(
+                        tenant,
+                        record,
+                        filename,
+                        f"has {size} bytes, but its manifest says {record.size_bytes}",
+                    )
+                )
+            if filename == WEIGHTS_FILE and sha256 != record.sha256:
+                raise ChecksumError(
+                    _mismatch(
+                        tenant,
+                        record,
+                        filename,
+                        f"has sha256 {sha256}, but its manifest says {record.sha256}",
+                    )
+                )
+        except MissingKey:
+            part.unlink(missing_ok=True)
+            raise AdapterNotFound(f"adapter {record.ref} was deleted while it was being fetched") from None
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+        os.replace(part, dest / filename)
+
+
+def _version_prefix(tenant: str, name: str, version: int) -> str:
+    return f"{tenant}/{name}/{version}/"
+
+
+def _chunks(body: BinaryIO) -> Iterator[bytes]:
+    while chunk := body.read(CHUNK_BYTES):
+        yield chunk
+
+
+def _mismatch(tenant: str, record: AdapterRecord, filename: str, how: str) -> str:
+    return (
+        f"{filename} of adapter {record.ref} (tenant {tenant}) {how}: the stored copy is corrupt or was "
+        "modified; upload the adapter again"
+    )
+
+
+def _record(name: str, version: int, checked: CheckedAdapter, created_at: str) -> AdapterRecord:
+    adapter = checked.adapter
+    return AdapterRecord(
+        name=name,
+        version=version,
+        rank=adapter.rank,
+        alpha=adapter.alpha,
+        target_modules=adapter.target_modules,
+        base_model=adapter.base_model,
+        sha256=checked.sha256,
+        size_bytes=checked.size_bytes,
+        created_at=created_at,
+    )

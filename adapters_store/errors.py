@@ -1,0 +1,68 @@
+"""What the adapter store raises on purpose.
+
+Every error carries a stable `code` (for API bodies and metrics) and a message that names the problem
+and the fix. The HTTP layer maps them with one table: InvalidName/InvalidAdapter -> 400,
+UploadTooLarge -> 413, AdapterNotFound -> 404, ChecksumError and StoreUnavailable -> 503.
+"""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base of the store's errors; `code` names the failed check."""
+
+    code = "store_error"
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0])
+
+
+class InvalidName(StoreError, ValueError):
+    """A tenant, adapter name, version or `name@version` reference outside the safe syntax."""
+
+    code = "invalid_name"
+
+
+class InvalidAdapter(StoreError, ValueError):
+    """An upload the engine could not serve, or an unsafe archive; nothing was written."""
+
+    code = "invalid_adapter"
+
+    @classmethod
+    def from_adapter_error(cls, error: ValueError) -> InvalidAdapter:
+        """Wrap engine.lora.peft_checkpoint.AdapterError, keeping its code and message."""
+        return cls(str(error), getattr(error, "code", cls.code))
+
+
+class UploadTooLarge(StoreError, ValueError):
+    """An upload over a size or file-count limit, refused while it streamed in; nothing was written."""
+
+    code = "upload_too_large"
+
+
+class AdapterNotFound(StoreError, LookupError):
+    """No committed adapter (or version) of that name for this tenant."""
+
+    code = "adapter_not_found"
+
+
+class ChecksumError(StoreError):
+    """A downloaded file does not match its manifest: the stored copy is corrupt or was modified."""
+
+    code = "checksum_mismatch"
+
+
+class StoreUnavailable(StoreError):
+    """The backend failed (after retries where retrying could help); `reason` says how."""
+
+    code = "store_unavailable"
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message

@@ -1,0 +1,70 @@
+"""The adapter record: what `manifest.json` holds and what the HTTP API returns for an adapter."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+
+from adapters_store.names import check_name, check_version, format_ref
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    """One committed adapter version. `sha256` and `size_bytes` describe adapter_model.safetensors."""
+
+    name: str
+    version: int
+    rank: int  # the largest rank over its modules
+    alpha: float  # lora_alpha of adapter_config.json
+    target_modules: tuple[str, ...]
+    base_model: str | None  # base_model_name_or_path, informative only (shapes are what is checked)
+    sha256: str
+    size_bytes: int
+    created_at: str  # ISO 8601 UTC, e.g. 2025-01-31T12:00:00Z
+
+    @property
+    def ref(self) -> str:
+        return format_ref(self.name, self.version)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["target_modules"] = list(self.target_modules)
+        return data
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes) -> AdapterRecord:
+        """Parse a manifest; ValueError if it is not one. Unknown keys are ignored (forward compatibility)."""
+        try:
+            raw = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"manifest is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("manifest must be a JSON object")
+        try:
+            record = cls(
+                name=check_name(raw["name"]),
+                version=check_version(raw["version"]),
+                rank=int(raw["rank"]),
+                alpha=float(raw["alpha"]),
+                target_modules=tuple(str(m) for m in raw["target_modules"]),
+                base_model=None if raw.get("base_model") is None else str(raw["base_model"]),
+                sha256=str(raw["sha256"]),
+                size_bytes=int(raw["size_bytes"]),
+                created_at=str(raw["created_at"]),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"manifest is missing or mistypes a field: {exc}") from None
+        if not _SHA256.fullmatch(record.sha256):
+            raise ValueError(f"manifest sha256 {record.sha256!r} is not 64 lowercase hex digits")
+        return record
+
+
+def utc_now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,151 @@
+"""The disk cache: LRU by bytes, hit/miss counting, pins, one download under concurrency, restarts."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from adapters_store import ChecksumError, CountingMetrics, DiskCache, StoreConfig, open_store
+from engine.lora.peft_checkpoint import load_peft_adapter
+
+WEIGHTS = "adapter_model.safetensors"
+
+
+@pytest.fixture
+def local_store(tmp_path, model_shape):
+    return open_store(StoreConfig(url=f"file://{tmp_path}/store"), model_shape, CountingMetrics())
+
+
+@pytest.fixture
+def three_adapters(local_store, adapter_dir, files_of, tmp_path):
+    """Records of a@1, b@1, c@1 and the bytes each takes in the cache (one probe fetch measures it)."""
+    records = [local_store.put("acme", name, files_of(adapter_dir)) for name in ("a", "b", "c")]
+    probe = local_store.fetch("acme", "a", 1, tmp_path / "probe")
+    entry_bytes = sum(f.stat().st_size for f in probe.iterdir())
+    return records, entry_bytes
+
+
+def make_cache(store, tmp_path, max_bytes):
+    return DiskCache(store, tmp_path / "cache", max_bytes, CountingMetrics())
+
+
+def test_hits_and_misses_are_counted(local_store, three_adapters, tmp_path, model_shape):
+    (a, _, _), entry_bytes = three_adapters
+    cache = make_cache(local_store, tmp_path, 10 * entry_bytes)
+    first = cache.fetch("acme", "a")
+    second = cache.fetch_record("acme", a)
+    assert (first.hit, second.hit) == (False, True)
+    assert first.path == second.path
+    assert (cache.metrics.num_misses, cache.metrics.num_hits) == (1, 1)
+    assert cache.total_bytes == entry_bytes
+    assert load_peft_adapter(second.path, model_shape, 16).rank == 8
+
+
+def test_least_recently_used_is_evicted_by_bytes(local_store, three_adapters, tmp_path):
+    (a, b, c), entry_bytes = three_adapters
+    cache = make_cache(local_store, tmp_path, 2 * entry_bytes)  # room for two
+    path_b = cache.fetch_record("acme", b).path
+    cache.fetch_record("acme", a)
+    cache.fetch_record("acme", b)  # b is now the most recently used
+    cache.fetch_record("acme", c)  # over budget: a goes
+    assert cache.metrics.num_evictions == 1
+    assert cache.metrics.evicted_bytes == entry_bytes
+    assert cache.total_bytes == 2 * entry_bytes
+    assert path_b.is_dir()
+    assert cache.fetch_record("acme", b).hit
+    assert not cache.fetch_record("acme", a).hit  # downloaded again, evicting c
+    assert sorted(p.name for p in (tmp_path / "cache/acme").iterdir()) == ["a", "b", "c"]
+    assert not (tmp_path / "cache/acme/c").joinpath(f"1-{c.sha256}").exists()
+
+
+def test_a_checked_out_adapter_is_never_evicted(local_store, three_adapters, tmp_path):
+    (a, b, c), entry_bytes = three_adapters
+    cache = make_cache(local_store, tmp_path, entry_bytes)  # room for one
+    with cache.checkout("acme", a) as pinned:
+        cache.fetch_record("acme", b)
+        cache.fetch_record("acme", c)  # evicts b, never the pinned a
+        assert (pinned.path / WEIGHTS).is_file()
+        assert cache.total_bytes == 2 * entry_bytes  # over budget while the pin holds
+    cache.fetch_record("acme", b)
+    assert not cache.fetch_record("acme", a).hit  # unpinned, a was evicted in turn
+
+
+def test_concurrent_fetches_of_one_adapter_download_once(local_store, three_adapters, tmp_path):
+    (a, _, _), entry_bytes = three_adapters
+    cache = make_cache(local_store, tmp_path, 10 * entry_bytes)
+    start = threading.Barrier(8)
+    results, errors = [], []
+
+    def fetch():
+        start.wait()
+        try:
+            results.append(cache.fetch_record("acme", a))
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fetch) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert cache.metrics.num_misses == 1
+    assert cache.metrics.num_hits == 7
+    assert len({r.path for r in results}) == 1
+    assert local_store.metrics.num_fetches == 2  # the fixture's probe fetch, then exactly one more
+
+
+def test_a_restart_reindexes_the_cache(local_store, three_adapters, tmp_path):
+    (a, b, _), entry_bytes = three_adapters
+    cache = make_cache(local_store, tmp_path, 10 * entry_bytes)
+    cache.fetch_record("acme", a)
+    cache.fetch_record("acme", b)
+    (tmp_path / "cache" / ".tmp-leftover").mkdir()
+    again = make_cache(local_store, tmp_path, 10 * entry_bytes)
+    assert len(again) == 2 and again.total_bytes == 2 * entry_bytes
+    assert again.fetch_record("acme", a).hit
+    assert not (tmp_path / "cache" / ".tmp-leftover").exists()
+    smaller = make_cache(local_store, tmp_path, entry_bytes)  # a smaller budget evicts at start, oldest first
+    assert len(smaller) == 1
+    assert smaller.fetch_record("acme", a).hit  # a was used last
+
+
+def test_discard_drops_a_deleted_adapter(local_store, three_adapters, tmp_path):
+    (a, _, _), entry_bytes = three_adapters
+    cache = make_cache(local_store, tmp_path, 10 * entry_bytes)
+    path = cache.fetch_record("acme", a).path
+    assert cache.discard("acme", "a") == 1
+    assert not path.exists() and len(cache) == 0
+
+
+def test_a_corrupt_download_is_not_cached(local_store, three_adapters, tmp_path):
+    (a, _, _), entry_bytes = three_adapters
+    local_store._write(f"acme/a/1/{WEIGHTS}", b"tampered")
+    cache = make_cache(local_store, tmp_path, 10 * entry_bytes)
+    with pytest.raises(ChecksumError):
+        cache.fetch_record("acme", a)
+    assert len(cache) == 0
+    assert [p.name for p in (tmp_path / "cache").iterdir()] in ([], ["acme"])
+    assert not list((tmp_path / "cache").glob(".tmp-*"))
+
+
+def test_tenants_do_not_share_cache_entries(local_store, adapter_dir, files_of, tmp_path):
+    a = local_store.put("tenant-a", "same", files_of(adapter_dir))
+    b = local_store.put("tenant-b", "same", files_of(adapter_dir))
+    assert a.sha256 == b.sha256
+    cache = make_cache(local_store, tmp_path, 1 << 30)
+    assert not cache.fetch_record("tenant-a", a).hit
+    assert not cache.fetch_record("tenant-b", b).hit
+    assert cache.fetch_record("tenant-a", a).path != cache.fetch_record("tenant-b", b).path
+
+
+def test_the_cache_works_in_front_of_s3(s3_endpoint, s3_bucket, adapter_dir, files_of, tmp_path, model_shape):
+    store = open_store(
+        StoreConfig(url=f"s3://{s3_bucket}", endpoint_url=s3_endpoint), model_shape, CountingMetrics()
+    )
+    record = store.put("acme", "a", files_of(adapter_dir))
+    cache = make_cache(store, tmp_path, 1 << 30)
+    assert not cache.fetch("acme", "a").hit
+    with cache.checkout("acme", record) as cached:
+        assert cached.hit and (cached.path / WEIGHTS).read_bytes() == (adapter_dir / WEIGHTS).read_bytes()

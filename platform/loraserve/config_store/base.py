@@ -1,0 +1,70 @@
+"""The config store interface: per-tenant routes and API keys (by hash), with change events.
+
+Backends (embedded files, Redis) implement it; CachedConfigStore wraps one of them for the server.
+Routes are namespaced by tenant: no method reads across tenants, so tenant A cannot see B's routes
+through the store. Keys are global (a key's record says which tenant it belongs to).
+
+Names: writes raise InvalidName for a tenant or route name outside tenancy.names' syntax; reads
+answer None / False / [] instead, since nothing can be stored under such a name, so a request's
+`model` can be looked up as a route whatever it is. Key hashes must be 64 hex digits (ValueError).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+
+from loraserve.config_store.events import EventCallback
+from loraserve.routing.route import Route
+from loraserve.tenancy.keys import ApiKey
+
+
+class ConfigStore(abc.ABC):
+    @abc.abstractmethod
+    async def get_route(self, tenant: str, name: str) -> Route | None: ...
+
+    @abc.abstractmethod
+    async def put_route(self, tenant: str, route: Route) -> None:
+        """Create or replace; the caller has validated the route (routing.parse_route)."""
+
+    @abc.abstractmethod
+    async def delete_route(self, tenant: str, name: str) -> bool:
+        """True when a route was deleted, False when there was none."""
+
+    @abc.abstractmethod
+    async def list_routes(self, tenant: str) -> list[Route]:
+        """The tenant's routes, sorted by name."""
+
+    @abc.abstractmethod
+    async def get_key(self, key_hash: str) -> ApiKey | None: ...
+
+    @abc.abstractmethod
+    async def put_key(self, key: ApiKey) -> None: ...
+
+    @abc.abstractmethod
+    async def delete_key(self, key_hash: str) -> bool: ...
+
+    @abc.abstractmethod
+    async def list_keys(self) -> list[ApiKey]:
+        """Every key record, sorted by tenant then hash."""
+
+    @abc.abstractmethod
+    async def subscribe(self, callback: EventCallback) -> Callable[[], None]:
+        """Call `callback(ConfigEvent)` on every change; returns the function that unsubscribes.
+
+        Returns once the subscription is live (or its first attempt failed, which it reports as a
+        `disconnected` event and keeps retrying), so changes made after it returns are not missed.
+        """
+
+    @abc.abstractmethod
+    async def ping(self) -> None:
+        """Return when the backend answers; raise ConfigStoreUnavailable with the reason otherwise."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    async def __aenter__(self) -> ConfigStore:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

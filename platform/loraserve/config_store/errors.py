@@ -1,0 +1,11 @@
+"""Config store errors: the API answers ConfigStoreUnavailable with 503, the rest with 500."""
+
+from __future__ import annotations
+
+
+class ConfigStoreError(Exception):
+    """A record that cannot be decoded, or any other store failure that retrying will not fix."""
+
+
+class ConfigStoreUnavailable(ConfigStoreError):
+    """The backend cannot be reached (Redis down, disk unreadable); cached reads keep serving meanwhile."""

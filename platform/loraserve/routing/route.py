@@ -1,0 +1,57 @@
+"""A/B route records and adapter references (`name` or `name@version`).
+
+A Route belongs to one tenant (the config store keys it by tenant; the record itself does not repeat
+it, so the API can return it as is). Variant order matters: the router lays the weights out as
+consecutive ranges in this order (see routing/hashing.py), so reordering variants reshuffles users.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import msgspec
+
+from loraserve.tenancy.errors import InvalidName
+from loraserve.tenancy.names import check_adapter_name
+
+Sticky = Literal["user", "none"]
+STICKY_MODES: tuple[str, ...] = ("user", "none")
+_VERSION = re.compile(r"[1-9][0-9]{0,17}")
+
+
+class Variant(msgspec.Struct, frozen=True, kw_only=True):
+    adapter: str  # "name" (the latest version when served) or "name@version"
+    weight: int  # positive; only ratios matter (90/10 routes exactly like 9/1)
+
+
+class Route(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    variants: tuple[Variant, ...]
+    sticky: Sticky = "user"
+
+    @property
+    def total_weight(self) -> int:
+        return sum(variant.weight for variant in self.variants)
+
+
+class AdapterRef(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    version: int | None = None  # None: the latest version at serving time
+
+    def __str__(self) -> str:
+        return self.name if self.version is None else f"{self.name}@{self.version}"
+
+
+def parse_adapter_ref(ref: object) -> AdapterRef:
+    """`"a"` -> AdapterRef(name="a"); `"a@2"` -> AdapterRef(name="a", version=2); InvalidName otherwise."""
+    if not isinstance(ref, str):
+        raise InvalidName(f"adapter reference must be a string like 'name' or 'name@2' (got {type(ref).__name__})")
+    name, at, version = ref.partition("@")
+    if not at:
+        return AdapterRef(name=check_adapter_name(name))
+    if not _VERSION.fullmatch(version):
+        raise InvalidName(
+            f"adapter reference {ref!r}: the version after '@' must be a positive integer without leading zeros"
+        )
+    return AdapterRef(name=check_adapter_name(name), version=int(version))

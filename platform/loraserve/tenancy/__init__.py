@@ -1,0 +1,55 @@
+"""Tenancy: API keys (hashed), principals, admin checks, name syntax and per-tenant concurrency limits."""
+
+from loraserve.tenancy.auth import Authenticator, KeySource, parse_bearer, require_admin
+from loraserve.tenancy.errors import (
+    Forbidden,
+    InvalidKeysFile,
+    InvalidName,
+    TenancyError,
+    TooManyRequests,
+    Unauthorized,
+)
+from loraserve.tenancy.keys import ROLES, ApiKey, Role, hash_key, is_key_hash, load_api_keys, parse_api_keys
+from loraserve.tenancy.limiter import ConcurrencyLimiter, Lease
+from loraserve.tenancy.names import (
+    MAX_NAME_LENGTH,
+    NAME_RULE,
+    check_adapter_name,
+    check_name,
+    check_route_name,
+    check_tenant,
+    is_valid_name,
+)
+from loraserve.tenancy.principal import DEFAULT_TENANT, OPEN_MODE_PRINCIPAL, Principal
+
+__all__ = [
+    "DEFAULT_TENANT",
+    "MAX_NAME_LENGTH",
+    "NAME_RULE",
+    "OPEN_MODE_PRINCIPAL",
+    "ROLES",
+    "ApiKey",
+    "Authenticator",
+    "ConcurrencyLimiter",
+    "Forbidden",
+    "InvalidKeysFile",
+    "InvalidName",
+    "KeySource",
+    "Lease",
+    "Principal",
+    "Role",
+    "TenancyError",
+    "TooManyRequests",
+    "Unauthorized",
+    "check_adapter_name",
+    "check_name",
+    "check_route_name",
+    "check_tenant",
+    "hash_key",
+    "is_key_hash",
+    "is_valid_name",
+    "load_api_keys",
+    "parse_api_keys",
+    "parse_bearer",
+    "require_admin",
+]

@@ -1,0 +1,112 @@
+"""API keys: the stored record, hashing, and the `--api-keys` file (JSON or YAML).
+
+A key is kept only as its SHA-256 hex digest. API keys are random, high-entropy secrets handed out
+by operators, not passwords people choose, so a plain unsalted hash is enough to make a leaked store
+useless for logging in, and it lets the server look a presented key up by its hash in one step (a
+per-key salt would force trying every record).
+
+File format, one entry per key:
+
+    {"sk-alice-1": {"tenant": "alice", "role": "admin", "max_concurrent_requests": 8},
+     "sk-bob-1":   {"tenant": "bob", "role": "user"}}
+
+`role` defaults to `user` (least privilege); `max_concurrent_requests` to the server-wide default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import yaml
+
+from loraserve.tenancy.errors import InvalidKeysFile, InvalidName
+from loraserve.tenancy.names import check_tenant
+
+Role = Literal["admin", "user"]
+ROLES: tuple[str, ...] = ("admin", "user")
+_ENTRY_FIELDS = {"tenant", "role", "max_concurrent_requests"}
+
+
+class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
+    """One API key as stored: its hash, never the key itself."""
+
+    key_hash: str  # sha256 hex of the key, see hash_key
+    tenant: str
+    role: Role = "user"
+    max_concurrent_requests: int | None = None  # None: the server's default limit
+
+    @property
+    def key_id(self) -> str:
+        """A short, non-secret handle for logs and metrics (a prefix of the hash, not of the key)."""
+        return self.key_hash[:12]
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def is_key_hash(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def load_api_keys(path: str | Path) -> list[ApiKey]:
+    """Read an `--api-keys` file: `.json` as JSON, `.yaml`/`.yml` as YAML, anything else JSON then YAML."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InvalidKeysFile(f"cannot read API keys file {str(path)!r}: {exc.strerror or exc}") from exc
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".json":
+            data = json.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError:
+                data = yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        # The parsers' messages quote the offending line, which may hold a key: report the position only.
+        where = getattr(exc, "lineno", None) or getattr(getattr(exc, "problem_mark", None), "line", None)
+        at = f" near line {where}" if where else ""
+        raise InvalidKeysFile(f"API keys file {str(path)!r} is not valid JSON or YAML{at}") from None
+    return parse_api_keys(data, source=str(path))
+
+
+def parse_api_keys(data: object, *, source: str = "API keys") -> list[ApiKey]:
+    """Validate `{KEY: {tenant, role?, max_concurrent_requests?}}` and hash every key.
+
+    Entries are named by position (`entry 2`), never by key, so error messages are safe to log.
+    """
+    example = '{"KEY": {"tenant": "acme", "role": "admin"}}'
+    if not isinstance(data, Mapping) or not data:
+        raise InvalidKeysFile(f"{source}: expected a non-empty mapping of key -> settings, like {example}")
+    keys: list[ApiKey] = []
+    for index, (key, entry) in enumerate(data.items(), start=1):
+        where = f"{source}: entry {index}"
+        if not isinstance(key, str) or not key or key != key.strip() or any(c.isspace() for c in key):
+            raise InvalidKeysFile(f"{where}: the key must be a non-empty string without whitespace")
+        if not isinstance(entry, Mapping):
+            raise InvalidKeysFile(f"{where}: settings must be a mapping like {example}")
+        unknown = sorted(set(map(str, entry)) - _ENTRY_FIELDS)
+        if unknown:
+            raise InvalidKeysFile(f"{where}: unknown field(s) {unknown}; allowed: {sorted(_ENTRY_FIELDS)}")
+        try:
+            tenant = check_tenant(entry.get("tenant"))
+        except InvalidName as exc:
+            raise InvalidKeysFile(f"{where}: {exc}") from None
+        role = entry.get("role", "user")
+        if role not in ROLES:
+            raise InvalidKeysFile(f"{where}: role must be 'admin' or 'user' (got {role!r})")
+        limit = entry.get("max_concurrent_requests")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise InvalidKeysFile(f"{where}: max_concurrent_requests must be a positive integer (got {limit!r})")
+        keys.append(ApiKey(key_hash=hash_key(key), tenant=tenant, role=role, max_concurrent_requests=limit))
+    return keys

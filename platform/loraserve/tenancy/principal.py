@@ -1,0 +1,28 @@
+"""Who is calling: the tenant, the role and the key's own concurrency limit."""
+
+from __future__ import annotations
+
+import msgspec
+
+from loraserve.tenancy.keys import ApiKey, Role
+
+DEFAULT_TENANT = "default"
+
+
+class Principal(msgspec.Struct, frozen=True, kw_only=True):
+    tenant: str
+    role: Role
+    max_concurrent: int | None = None  # None: the limiter's default
+    key_id: str | None = None  # non-secret handle of the key (hash prefix); None in open mode
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+    @classmethod
+    def from_key(cls, key: ApiKey) -> Principal:
+        return cls(tenant=key.tenant, role=key.role, max_concurrent=key.max_concurrent_requests, key_id=key.key_id)
+
+
+# Open mode (no keys configured anywhere): every request is the default tenant with admin rights.
+OPEN_MODE_PRINCIPAL = Principal(tenant=DEFAULT_TENANT, role="admin")

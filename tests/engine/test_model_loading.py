@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
 
 
 def _engine_tokens(model_dir, **kwargs):
-    llm = LLM(model=str(model_dir), max_model_len=128, block_size=8, **kwargs)
+    llm = LLM(model=str(model_dir), max_model_len=128, block_size=8, dtype="float32", **kwargs)
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
 
 

@@ -1,0 +1,47 @@
+"""What the HTTP handlers share: the long-lived parts the app's lifespan builds and closes.
+
+Handlers receive `services: Services` and `principal: Principal` as Litestar dependencies (the app
+factory provides both); they stay two or three lines long and call the parts below.
+
+Adapter ids handed to the engine are `tenant/name@version` (see `engine_adapter_id`): the tenant is
+part of the id, so two tenants' adapters of the same name never share a GPU slot or a KV prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from adapters_store import AdapterStore, DiskCache
+from loraserve.config_store import ConfigStore
+from loraserve.routing import Router
+from loraserve.tenancy import Authenticator, ConcurrencyLimiter
+
+
+def engine_adapter_id(tenant: str, name: str, version: int) -> str:
+    """The engine's id for one committed adapter version of one tenant."""
+    return f"{tenant}/{name}@{version}"
+
+
+class EngineClient(Protocol):
+    """The part of the engine the handlers use (engine.AsyncLLM fits)."""
+
+    def generate(self, prompt: Any, params: Any, request_id: str, adapter: str | None = None) -> Any: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def forget_adapter(self, adapter_id: str) -> None:
+        """An adapter version was deleted: no new requests; its slot frees when its last request ends."""
+
+
+@dataclass
+class Services:
+    base_model_id: str  # the `model` name of the base model in requests and /v1/models
+    engine: EngineClient | None  # None until the model is loaded (then /ready says 503)
+    adapter_store: AdapterStore
+    disk_cache: DiskCache  # local copies of store files in front of the engine's loads
+    config_store: ConfigStore  # routes and API keys (a CachedConfigStore in the server)
+    authenticator: Authenticator
+    router: Router
+    limiter: ConcurrencyLimiter
+    metrics: Any = None  # loraserve.ops metrics registry; None in tests that do not need it

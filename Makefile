@@ -24,7 +24,8 @@ install: venv
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { \
 		echo "installing redis-server"; \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; }
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		($$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server) >/dev/null; }
 
 test: install redis
 	$(PY) -m ruff check .

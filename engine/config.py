@@ -14,6 +14,8 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -38,6 +40,11 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    # "auto": the Triton kernels on CUDA, plain torch on the CPU; "torch" is the reference path everywhere.
+    attention_backend: str = "auto"
+    # True: every step runs eagerly; False: decode-only steps replay CUDA graphs captured at start-up
+    # (CUDA with the Triton attention backend only; the CPU always runs eagerly).
+    enforce_eager: bool = False
     # CPU only: bytes of KV cache when num_kv_blocks is not given (vLLM's VLLM_CPU_KVCACHE_SPACE).
     cpu_kv_cache_bytes: int = 1 << 30
 
@@ -68,6 +75,12 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)} (got {self.dtype!r})")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} (got {self.attention_backend!r})"
+            )
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool (got {self.enforce_eager!r})")
         if self.device != "auto":
             try:
                 torch.device(self.device)
@@ -83,6 +96,21 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        """The backend in use ("torch" or "triton"): auto picks Triton on CUDA, torch elsewhere."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.torch_device.type == "cuda" else "torch"
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return (
+            not self.enforce_eager
+            and self.torch_device.type == "cuda"
+            and self.resolved_attention_backend == "triton"
+        )
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """The compute dtype: explicit, or chosen from the device and the checkpoint."""

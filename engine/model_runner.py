@@ -9,12 +9,14 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeCudaGraphs, DecodeInputs
 from engine.lora.context import LoRAContext
 from engine.lora.model_shape import ModelShape
 from engine.lora.slots import LoRASlots
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import LlamaModel
 from engine.model.loader import checkpoint_dtype, load_weights
+from engine.model.paged_attention_triton import interpreting
 from engine.request import NO_LORA
 from engine.scheduler import ScheduledRequest
 
@@ -28,15 +30,30 @@ class ModelRunner:
         self.dtype = config.torch_dtype(checkpoint_dtype(hf_config))
         self.block_size = config.block_size
         self.max_model_len = max_model_len
+        self.attention_backend = config.resolved_attention_backend
+        if self.attention_backend == "triton" and self.device.type != "cuda" and not interpreting():
+            raise ValueError(
+                f"attention_backend 'triton' needs a CUDA device (got {self.device}); use 'auto' or 'torch'"
+            )
         weights = load_weights(model_path, hf_config, self.dtype, self.device)
-        self.model = LlamaModel(hf_config, weights, max_positions=max_model_len)
+        self.model = LlamaModel(hf_config, weights, max_model_len, self.attention_backend)
         self.shape = ModelShape.from_hf_config(hf_config)
         self.lora_slots = LoRASlots(self.shape, config.max_loras, config.max_lora_rank, self.dtype, self.device)
         self.num_kv_blocks = config.num_kv_blocks or self._profile_num_kv_blocks()
-        self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
+        # One block more than the scheduler knows of: CUDA-graph padding rows write their K/V there.
+        self.pad_block = self.num_kv_blocks
+        self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks + 1)
+        self.graphs: DecodeCudaGraphs | None = None
+        if config.use_cuda_graphs:
+            self.graphs = DecodeCudaGraphs(
+                self.model, self.kv_caches, self.lora_slots, config.max_num_seqs,
+                -(-max_model_len // self.block_size), self.pad_block, self.block_size, self.device,
+            )  # fmt: skip
+            self.graphs.capture()
         logger.info(
-            "model loaded: %d layers, %s on %s; KV cache %d blocks of %d tokens",
+            "model loaded: %d layers, %s on %s; KV cache %d blocks of %d tokens; attention %s, %s",
             self.model.num_layers, self.dtype, self.device, self.num_kv_blocks, self.block_size,
+            self.attention_backend, "CUDA graphs for decode" if self.graphs else "eager",
         )
 
     @property
@@ -49,6 +66,12 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         """Run one step; returns float32 logits [num_sampling_rows, vocab], rows in `scheduled` order
         of the requests whose `samples` is true."""
+        if self.graphs is not None and _is_decode_only(scheduled, self.graphs.max_batch_size):
+            logits = self.graphs.run(self._decode_inputs(scheduled))
+            if all(s.samples for s in scheduled):
+                return logits
+            rows = [i for i, s in enumerate(scheduled) if s.samples]
+            return logits[torch.tensor(rows, device=logits.device)]
         input_ids, meta, token_slots, logits_rows = self._prepare(scheduled)
         lora = None
         if token_slots is not None:
@@ -56,11 +79,23 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, meta, self.kv_caches, lora)
         return self.model.compute_logits(hidden[logits_rows])
 
+    def _decode_inputs(self, scheduled: list[ScheduledRequest]) -> DecodeInputs:
+        bs = self.block_size
+        positions = [s.start for s in scheduled]
+        return DecodeInputs(
+            input_ids=[s.request.all_token_ids[s.start] for s in scheduled],
+            positions=positions,
+            slot_mapping=[s.block_ids[p // bs] * bs + p % bs for s, p in zip(scheduled, positions)],
+            seq_lens=[p + 1 for p in positions],
+            token_slots=[s.request.lora_slot for s in scheduled],
+            block_tables=[s.block_ids for s in scheduled],
+        )
+
     def _prepare(self, scheduled: list[ScheduledRequest]):
         bs = self.block_size
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slot_mapping: list[torch.Tensor] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
         lora_slots: list[int] = []
@@ -70,11 +105,10 @@ class ModelRunner:
         for i, s in enumerate(scheduled):
             end = s.start + s.num_new_tokens
             input_ids.extend(s.request.all_token_ids[s.start : end])
-            pos = torch.arange(s.start, end)
-            table = torch.tensor(s.block_ids, dtype=torch.long)
-            block_tables[i, : len(s.block_ids)] = table
-            positions.append(pos)
-            slot_mapping.append(table[pos // bs] * bs + pos % bs)
+            table = s.block_ids
+            block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+            positions.extend(range(s.start, end))
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(s.start, end))
             query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
             seq_lens.append(end)
             lora_slots.extend([s.request.lora_slot] * s.num_new_tokens)
@@ -82,8 +116,8 @@ class ModelRunner:
                 logits_rows.append(query_start_loc[-1] - 1)
         device = self.device
         meta = AttentionMetadata(
-            positions=torch.cat(positions).to(device, non_blocking=True),
-            slot_mapping=torch.cat(slot_mapping).to(device, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long).to(device, non_blocking=True),
             block_tables=block_tables.to(device, non_blocking=True),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
@@ -148,3 +182,8 @@ class ModelRunner:
             self.model.compute_logits(hidden[:rows])
         del caches, hidden
         torch.cuda.synchronize(self.device)
+
+
+def _is_decode_only(scheduled: list[ScheduledRequest], max_batch_size: int) -> bool:
+    """One new token per sequence (decodes, or 1-token prefill chunks) in a batch a graph can hold."""
+    return len(scheduled) <= max_batch_size and all(s.num_new_tokens == 1 for s in scheduled)

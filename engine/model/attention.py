@@ -1,6 +1,7 @@
-"""Paged attention, plain-torch path: K/V live in fixed-size blocks read through block tables.
+"""Paged attention: K/V live in fixed-size blocks read through block tables.
 
-This path runs everywhere (CPU and CUDA) and is the reference for the GPU kernels.
+`attention` dispatches to the plain-torch path (`paged_attention`, which runs everywhere and is the
+reference) or to the Triton kernels (paged_attention_triton.py, the CUDA path).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine.model.paged_attention_triton import paged_attention_triton
 
 
 @dataclass
@@ -29,10 +32,29 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int64
     query_start_loc: list[int]  # [num_seqs + 1], host side
     seq_lens: list[int]  # [num_seqs], host side
+    # Device copies for the Triton kernels; built from the host lists on first use when not given
+    # (CUDA-graph steps pass static buffers here instead).
+    seq_lens_tensor: torch.Tensor | None = None  # [num_seqs] int32
+    query_start_loc_tensor: torch.Tensor | None = None  # [num_seqs + 1] int32
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        starts = self.query_start_loc
+        return max((b - a for a, b in zip(starts, starts[1:])), default=0)
+
+    def device_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seq_lens [num_seqs], query_start_loc [num_seqs + 1]) as int32 tensors on the step's device."""
+        device = self.positions.device
+        if self.seq_lens_tensor is None:
+            self.seq_lens_tensor = torch.tensor(self.seq_lens, dtype=torch.int32).to(device, non_blocking=True)
+        if self.query_start_loc_tensor is None:
+            starts = torch.tensor(self.query_start_loc, dtype=torch.int32)
+            self.query_start_loc_tensor = starts.to(device, non_blocking=True)
+        return self.seq_lens_tensor, self.query_start_loc_tensor
 
 
 def write_kv(
@@ -79,3 +101,23 @@ def paged_attention(
         )
         out[start:end] = attn.transpose(0, 1)
     return out
+
+
+def attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], RoPE applied
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    backend: str,  # "torch" or "triton" (resolved by EngineConfig.resolved_attention_backend)
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    if backend == "torch":
+        return paged_attention(q, key_cache, value_cache, meta, scale, sliding_window)
+    if backend != "triton":
+        raise ValueError(f"attention backend must be 'torch' or 'triton', got {backend!r}")
+    seq_lens, query_start_loc = meta.device_tensors()
+    return paged_attention_triton(
+        q, key_cache, value_cache, meta.block_tables[: meta.num_seqs], seq_lens, query_start_loc,
+        meta.max_query_len, scale, sliding_window,
+    )  # fmt: skip

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.lora.context import LoRAContext
-from engine.model.attention import AttentionMetadata, paged_attention, write_kv
+from engine.model.attention import AttentionMetadata, attention, write_kv
 from engine.model.rope import RotaryEmbedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -40,7 +40,7 @@ class ModelWeights:
 class LlamaModel:
     """Forward pass only; weights are plain tensors owned by this object."""
 
-    def __init__(self, config, weights: ModelWeights, max_positions: int):
+    def __init__(self, config, weights: ModelWeights, max_positions: int, attention_backend: str = "torch"):
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -48,6 +48,7 @@ class LlamaModel:
             )
         self.config = config
         self.weights = weights
+        self.attention_backend = attention_backend  # "torch" or "triton"
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -94,7 +95,9 @@ class LlamaModel:
         q, k = self.rope(meta.positions, q, k)
         key_cache, value_cache = kv_cache
         write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
-        attn = paged_attention(q, key_cache, value_cache, meta, self.scale, self.sliding_windows[i])
+        attn = attention(
+            q, key_cache, value_cache, meta, self.scale, self.sliding_windows[i], self.attention_backend
+        )
         attn = attn.reshape(-1, self.q_size)
         out = F.linear(attn, layer.o)
         if lora is not None:

@@ -9,10 +9,11 @@ part of the id, so two tenants' adapters of the same name never share a GPU slot
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from adapters_store import AdapterStore, DiskCache
+from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import ConfigStore
 from loraserve.routing import Router
 from loraserve.tenancy import Authenticator, ConcurrencyLimiter
@@ -45,3 +46,5 @@ class Services:
     router: Router
     limiter: ConcurrencyLimiter
     metrics: Any = None  # loraserve.ops metrics registry; None in tests that do not need it
+    # Short-lived adapter-name lookups for model resolution; uploads and deletes invalidate it.
+    adapter_lookup: AdapterLookup = field(default_factory=AdapterLookup)

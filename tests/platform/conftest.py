@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from api_env import *  # noqa: F403 (the adapter/route API fixtures: api_env, peft_adapters, edit_adapter)
 
 
 def free_port() -> int:

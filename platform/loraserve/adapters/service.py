@@ -1,0 +1,68 @@
+"""What the adapter endpoints do: store calls in worker threads, then the engine and caches told.
+
+The store blocks (boto3, disk, validation), so every call runs in a worker thread and the event loop
+keeps serving other requests meanwhile. Tenancy comes only from the principal: a tenant cannot even
+name another tenant's adapters, so theirs answer exactly like missing ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from litestar.datastructures import FormMultiDict
+
+from adapters_store import parse_ref
+from loraserve.adapters.schemas import Adapter, AdapterDeleted, AdapterDetail, AdapterList
+from loraserve.adapters.upload_form import read_upload_form
+from loraserve.services import Services, engine_adapter_id
+from loraserve.tenancy import Principal, require_admin
+
+log = logging.getLogger(__name__)
+
+
+async def upload_adapter(services: Services, principal: Principal, form: FormMultiDict) -> Adapter:
+    """Validate and store the form's adapter as the next version of its name."""
+    require_admin(principal)
+    try:
+        upload = read_upload_form(form)
+        record = await asyncio.to_thread(
+            services.adapter_store.put, principal.tenant, upload.name, upload.source
+        )
+    finally:
+        await form.close()  # removes the spooled parts
+    services.adapter_lookup.invalidate(principal.tenant, record.name)
+    return Adapter.from_record(record)
+
+
+async def list_adapters(services: Services, principal: Principal) -> AdapterList:
+    records = await asyncio.to_thread(services.adapter_store.list, principal.tenant)
+    return AdapterList(data=[Adapter.from_record(r) for r in records])
+
+
+async def get_adapter(services: Services, principal: Principal, ref: str) -> AdapterDetail | Adapter:
+    """`name`: the latest record with every version; `name@version`: that version's record."""
+    name, version = parse_ref(ref)
+    store = services.adapter_store
+    if version is not None:
+        return Adapter.from_record(await asyncio.to_thread(store.get, principal.tenant, name, version))
+    records = [
+        Adapter.from_record(r) for r in await asyncio.to_thread(store.versions, principal.tenant, name)
+    ]
+    return AdapterDetail(name=name, latest=records[-1], versions=records)
+
+
+async def delete_adapter(services: Services, principal: Principal, ref: str) -> AdapterDeleted:
+    """Delete one version (`name@version`) or all of them; the engine stops taking them at once."""
+    require_admin(principal)
+    tenant = principal.tenant
+    name, version = parse_ref(ref)
+    records = await asyncio.to_thread(services.adapter_store.delete, tenant, name, version)
+    services.adapter_lookup.invalidate(tenant, name)
+    for record in records:
+        if services.engine is not None:
+            services.engine.forget_adapter(engine_adapter_id(tenant, record.name, record.version))
+        # Pinned copies (a load in progress) stay until released; LRU removes them later.
+        await asyncio.to_thread(services.disk_cache.discard, tenant, record.name, record.version)
+    log.info("tenant %s deleted adapter %s versions %s", tenant, name, [r.version for r in records])
+    return AdapterDeleted(name=name, versions=[r.version for r in records])

@@ -1,0 +1,71 @@
+"""`GET /v1/models` for one tenant: the base model, its adapters (every version too) and its routes."""
+
+from __future__ import annotations
+
+import asyncio
+import calendar
+import time
+from typing import Literal
+
+import msgspec
+
+from adapters_store import AdapterRecord
+from loraserve.services import Services
+from loraserve.tenancy import Principal
+
+OWNED_BY_SERVER = "loraserve"
+
+
+class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
+    """OpenAI's model object plus vLLM's `root` and `parent`, and which kind of name `id` is."""
+
+    id: str
+    created: int  # unix seconds
+    owned_by: str  # "loraserve" for the base model, else the tenant
+    root: str  # what serves it: the base model, `name@version`, or the route's name
+    parent: str | None  # the base model for adapters and routes
+    kind: Literal["base", "adapter", "route"]
+    object: Literal["model"] = "model"
+
+
+class ModelList(msgspec.Struct, frozen=True, kw_only=True):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+async def list_models(services: Services, principal: Principal) -> ModelList:
+    """Names the tenant may send as `model`: `name` means the latest version, `name@version` one version."""
+    tenant, base = principal.tenant, services.base_model_id
+    now = int(time.time())
+    records = await asyncio.to_thread(services.adapter_store.list, tenant, all_versions=True)
+    routes = await services.config_store.list_routes(tenant)
+    cards = [ModelCard(id=base, created=now, owned_by=OWNED_BY_SERVER, root=base, parent=None, kind="base")]
+    latest: dict[str, AdapterRecord] = {}
+    for record in records:  # sorted by (name, version): the last one of a name is its latest
+        latest[record.name] = record
+    for name, record in latest.items():
+        cards.append(_adapter_card(name, record, tenant, base))
+    cards.extend(_adapter_card(record.ref, record, tenant, base) for record in records)
+    cards.extend(
+        ModelCard(id=route.name, created=now, owned_by=tenant, root=route.name, parent=base, kind="route")
+        for route in routes
+    )
+    return ModelList(data=cards)
+
+
+def _adapter_card(model_id: str, record: AdapterRecord, tenant: str, base: str) -> ModelCard:
+    return ModelCard(
+        id=model_id,
+        created=_unix(record.created_at),
+        owned_by=tenant,
+        root=record.ref,
+        parent=base,
+        kind="adapter",
+    )
+
+
+def _unix(iso_utc: str) -> int:
+    try:
+        return calendar.timegm(time.strptime(iso_utc, "%Y-%m-%dT%H:%M:%SZ"))
+    except ValueError:  # a manifest from elsewhere with another format: the date is informative only
+        return 0

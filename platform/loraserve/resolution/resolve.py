@@ -1,0 +1,64 @@
+"""Turn a request's `model` into the base model, one adapter version, or an A/B route's pick.
+
+Order: the base model id; then, for a plain name, the tenant's route of that name; then the tenant's
+adapter (`name` is its latest version, `name@version` that one). Routes come before adapters so a
+route can take over an adapter's name, e.g. route `support` = 90% `support@1` + 10% `support@2`,
+and clients already sending `model: support` join the experiment without a change.
+"""
+
+from __future__ import annotations
+
+from adapters_store import AdapterNotFound, AdapterRecord
+from adapters_store import InvalidName as StoreInvalidName
+from loraserve.resolution.resolved import ModelNotFound, ResolvedModel
+from loraserve.services import Services, engine_adapter_id
+from loraserve.tenancy import Principal
+
+
+async def resolve_model(
+    services: Services, principal: Principal, model: str, user: str | None
+) -> ResolvedModel:
+    """ModelNotFound (404) for anything the tenant does not have; `user` keys sticky route picks."""
+    tenant = principal.tenant
+    if model == services.base_model_id:
+        return ResolvedModel(kind="base", engine_adapter_id=None, served_model=model)
+    if "@" not in model:
+        route = await services.config_store.get_route(tenant, model)
+        if route is not None:
+            variant = services.router.pick(tenant, route, user)
+            try:
+                record = await _lookup(services, tenant, variant.adapter)
+            except LookupError:
+                raise ModelNotFound(
+                    f"route {model!r} picked adapter {variant.adapter!r}, which no longer exists; "
+                    f"point the route at existing adapters (PUT /v1/routes/{model})"
+                ) from None
+            return _adapter(tenant, record, route=route.name, variant=variant.adapter)
+    try:
+        record = await _lookup(services, tenant, model)
+    except LookupError:
+        raise ModelNotFound(
+            f"the model {model!r} does not exist; use {services.base_model_id!r}, one of your adapters "
+            "(name or name@version) or one of your routes (GET /v1/models lists them)"
+        ) from None
+    return _adapter(tenant, record)
+
+
+async def _lookup(services: Services, tenant: str, ref: str) -> AdapterRecord:
+    """The adapter record, or LookupError for a missing adapter or a name no adapter can have."""
+    try:
+        return await services.adapter_lookup.resolve(services.adapter_store, tenant, ref)
+    except (AdapterNotFound, StoreInvalidName) as exc:
+        raise LookupError(ref) from exc
+
+
+def _adapter(
+    tenant: str, record: AdapterRecord, *, route: str | None = None, variant: str | None = None
+) -> ResolvedModel:
+    return ResolvedModel(
+        kind="route" if route else "adapter",
+        engine_adapter_id=engine_adapter_id(tenant, record.name, record.version),
+        served_model=record.ref,
+        route=route,
+        variant=variant,
+    )

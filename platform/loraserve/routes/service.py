@@ -1,0 +1,60 @@
+"""What the route endpoints do: validate, check every variant's adapter exists, store per tenant.
+
+Routes live in the config store (Redis or embedded); writing one publishes a change event, so every
+replica drops its cached copy within a second. A tenant's routes are keyed by its tenant, so another
+tenant's route answers exactly like a missing one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from adapters_store import AdapterNotFound
+from loraserve.errors import NotFound
+from loraserve.routes.schemas import RouteDeleted, RouteList
+from loraserve.routing import AdapterRef, Route, check_route_adapters, parse_route
+from loraserve.services import Services
+from loraserve.tenancy import Principal, require_admin
+
+
+class RouteNotFound(NotFound):
+    code = "route_not_found"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no route named {name!r}; create it with PUT /v1/routes/{name}")
+
+
+async def put_route(services: Services, principal: Principal, name: str, body: bytes) -> Route:
+    """Create or replace a route; InvalidRoute (422) for a bad body or a variant naming no adapter."""
+    require_admin(principal)
+    route = parse_route(name, body)
+    store, tenant = services.adapter_store, principal.tenant
+
+    async def exists(ref: AdapterRef) -> bool:
+        try:
+            await asyncio.to_thread(store.get, tenant, ref.name, ref.version)
+        except AdapterNotFound:
+            return False
+        return True
+
+    await check_route_adapters(route, exists)
+    await services.config_store.put_route(tenant, route)
+    return route
+
+
+async def list_routes(services: Services, principal: Principal) -> RouteList:
+    return RouteList(data=await services.config_store.list_routes(principal.tenant))
+
+
+async def get_route(services: Services, principal: Principal, name: str) -> Route:
+    route = await services.config_store.get_route(principal.tenant, name)
+    if route is None:
+        raise RouteNotFound(name)
+    return route
+
+
+async def delete_route(services: Services, principal: Principal, name: str) -> RouteDeleted:
+    require_admin(principal)
+    if not await services.config_store.delete_route(principal.tenant, name):
+        raise RouteNotFound(name)
+    return RouteDeleted(name=name)

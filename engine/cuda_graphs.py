@@ -82,6 +82,7 @@ class DecodeCudaGraphs:
         self.token_slots = buffer(n, dtype=torch.int32)  # [max_num_seqs]
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.num_replays = 0  # steps served by a replay (tests and the benchmark read it)
 
     @property
     def max_batch_size(self) -> int:
@@ -120,6 +121,7 @@ class DecodeCudaGraphs:
         self._fill_padding(num_seqs, size)
         graph, logits = self.graphs[(size, use_lora)]
         graph.replay()
+        self.num_replays += 1
         return logits[:num_seqs]
 
     def _copy_inputs(self, inputs: DecodeInputs) -> None:

@@ -89,3 +89,30 @@ def test_bad_arguments_name_the_problem(change, message):
     change(args)
     with pytest.raises(ValueError, match=message):
         paged_attention_triton(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 37])
+def test_cuda_serving_shapes(dtype, window):
+    """Llama-like heads (32 query, 8 KV, head_dim 128), compiled tiles (64-row prefill, split-K decode)."""
+    seqs = [(150, 70), (0, 129), (300, 1), (17, 1), (64, 33)]
+    batch = make_batch(seqs, 32, 8, 128, 16, dtype, seed=11)
+    expected = reference_attention(batch, 128**-0.5, window)
+    cuda = {k: getattr(batch, k).cuda() for k in ("q", "key_cache", "value_cache", "block_tables")}
+    seq_lens, starts = (t.cuda() for t in batch.device_meta())
+    out = torch.full_like(cuda["q"], float("nan"))
+    paged_attention_triton(
+        cuda["q"], cuda["key_cache"], cuda["value_cache"], cuda["block_tables"], seq_lens, starts,
+        max(batch.query_lens), 128**-0.5, window, out=out,
+    )  # fmt: skip
+    torch.testing.assert_close(out.cpu().double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    decode = make_batch([(700, 1), (5, 1), (260, 1)], 32, 8, 128, 16, dtype, seed=12)
+    d_lens, d_starts = (t.cuda() for t in decode.device_meta())
+    d_out = paged_attention_triton(
+        decode.q.cuda(), decode.key_cache.cuda(), decode.value_cache.cuda(), decode.block_tables.cuda(),
+        d_lens, d_starts, 1, 128**-0.5, window, num_splits=8,
+    )  # fmt: skip
+    expected = reference_attention(decode, 128**-0.5, window)
+    torch.testing.assert_close(d_out.cpu().double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

@@ -1,0 +1,335 @@
+"""End-to-end throughput, workload W1 of DESIGN.md: the engine with N adapters and without LoRA, and
+transformers (+ PEFT) static batches, all in one run on the same random-weight model.
+
+    python3 benchmarks/throughput.py                 # shape S (Llama-3.2-1B), bf16
+    python3 benchmarks/throughput.py --shape L       # Llama-3.1-8B
+    python3 benchmarks/throughput.py --profile       # also: where one decode step's time goes
+    python3 benchmarks/throughput.py --smoke         # tiny shapes on the CPU (checks that it runs)
+
+Requests: prompts of uniform [128, 512] random tokens, exactly 128 output tokens, adapters assigned round
+robin, all arriving at once (offline: TTFT includes queueing). transformers + PEFT with `adapter_names`
+is slow (small GEMMs per adapter, projection and step), so it runs a subset, `--peft-requests` requests
+(one static batch) for `--peft-tokens` output tokens; the table says so. transformers without LoRA runs
+every request in static batches of `--hf-batch`.
+
+The decode-step floor is the bytes one step must read, (base weights + the KV of every sequence + A and B
+of each adapter in the step), over the device-to-device copy bandwidth measured in this run.
+Imports: torch, transformers, peft, safetensors and this repo only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# The repo root first: this folder's lora_kernels.py must not shadow the lora_kernels package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import w1_setup as w1  # noqa: E402
+from benchmarks.step_profile import profile_decode_steps  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+
+@dataclass
+class StepRecord:
+    seconds: float
+    num_seqs: int
+    kv_tokens: int  # keys read by this step's attention, summed over its sequences
+    num_adapters: int  # distinct adapters in the step
+
+
+@dataclass
+class RunResult:
+    name: str
+    num_requests: int
+    output_tokens: int
+    seconds: float
+    ttft: list[float]
+    tpot: list[float]
+    peak_bytes: int
+    decode_steps: list[StepRecord] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def steady_decode(self) -> list[StepRecord]:
+        """Decode-only steps at the largest batch the run reached (the steady state of W1)."""
+        if not self.decode_steps:
+            return []
+        top = max(s.num_seqs for s in self.decode_steps)
+        return [s for s in self.decode_steps if s.num_seqs == top]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+# -- the engine -------------------------------------------------------------------------------------
+
+
+def make_engine(args, model_dir: Path, adapters: list[Path], max_len: int) -> LLMEngine:
+    blocks_per_seq = -(-max_len // 16)
+    config = EngineConfig(
+        model=str(model_dir), dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len, block_size=16,
+        num_kv_blocks=(args.max_num_seqs + 1) * blocks_per_seq, enable_prefix_caching=False,
+        max_loras=max(1, len(adapters)), max_lora_rank=args.rank, enforce_eager=args.enforce_eager,
+    )  # fmt: skip
+    engine = LLMEngine(config, skip_tokenizer_init=True)
+    for i, path in enumerate(adapters):
+        engine.register_adapter(f"a{i}", str(path))
+    return engine
+
+
+def drain(engine: LLMEngine, on_step=None) -> None:
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        if on_step is not None:
+            on_step(outputs)
+
+
+def run_engine(args, name: str, model_dir: Path, adapters: list[Path], prompts: list[list[int]], max_len: int):
+    device = torch.device(args.device)
+    w1.free_memory(device)
+    engine = make_engine(args, model_dir, adapters, max_len)
+    names = [f"a{i % len(adapters)}" if adapters else None for i in range(len(prompts))]
+    # Warm-up: every adapter made resident, the kernels compiled, before the clock starts.
+    warm = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4, ignore_eos=True)
+    for i, adapter in enumerate([*sorted(set(names), key=str)]):
+        engine.add_request(f"warm{i}", prompts[i][:32], warm, adapter)
+    drain(engine)
+
+    steps: list[StepRecord] = []
+    execute = engine.runner.execute
+    last_batch: list = []
+
+    def recorded_execute(scheduled):
+        last_batch[:] = scheduled
+        return execute(scheduled)
+
+    engine.runner.execute = recorded_execute
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, min_tokens=args.output_tokens,
+                            ignore_eos=True)  # fmt: skip
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    w1.sync(device)
+    start = time.perf_counter()
+    for i, (prompt, adapter) in enumerate(zip(prompts, names)):
+        engine.add_request(str(i), prompt, params, adapter)
+    while engine.has_unfinished_requests():
+        last_batch.clear()
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        if last_batch and all(s.num_new_tokens == 1 for s in last_batch):
+            adapters_in_step = {s.request.adapter_id for s in last_batch} - {None}
+            kv = sum(s.start + 1 for s in last_batch)
+            steps.append(StepRecord(now - t0, len(last_batch), kv, len(adapters_in_step)))
+        for out in outputs:
+            if out.outputs and out.outputs[0].token_ids and out.request_id not in first:
+                first[out.request_id] = now
+            if out.finished:
+                done[out.request_id] = now
+    seconds = time.perf_counter() - start
+    engine.runner.execute = execute
+    n = args.output_tokens
+    result = RunResult(
+        name, len(prompts), n * len(prompts), seconds,
+        ttft=[first[r] - start for r in done], tpot=[(done[r] - first[r]) / (n - 1) for r in done],
+        peak_bytes=w1.peak_bytes(device), decode_steps=steps,
+    )  # fmt: skip
+    if engine.runner.graphs is not None:
+        result.note = f"{engine.runner.graphs.num_replays} graph replays"
+    profile = None
+    if args.profile and adapters and len(adapters) == max(args.adapters):
+        profile = profile_decode_steps(engine, prompts, names, args.output_tokens, device)
+    del engine
+    w1.free_memory(device)
+    return result, profile
+
+
+# -- transformers (+ PEFT) ----------------------------------------------------------------------------
+
+
+def run_transformers(args, name, model_dir, adapters, prompts, output_tokens, batch_size, note):
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    device = torch.device(args.device)
+    w1.free_memory(device)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    kwargs = {}
+    if adapters:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapters[0]), adapter_name="a0")
+        for i, path in enumerate(adapters[1:], start=1):
+            model.load_adapter(str(path), adapter_name=f"a{i}")
+        model.eval()
+
+    stamps: list[float] = []
+
+    class Stamp(LogitsProcessor):  # called once per generated token, after that step's forward
+        def __call__(self, input_ids, scores):
+            w1.sync(device)
+            stamps.append(time.perf_counter())
+            return scores
+
+    ttft, tpot, total = [], [], 0.0
+    for b in range(0, len(prompts), batch_size):
+        batch = prompts[b : b + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        if adapters:
+            kwargs["adapter_names"] = [f"a{(b + i) % len(adapters)}" for i in range(len(batch))]
+        stamps.clear()
+        w1.sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_tokens, do_sample=False,
+                           min_new_tokens=output_tokens, pad_token_id=0,
+                           logits_processor=LogitsProcessorList([Stamp()]), **kwargs)  # fmt: skip
+        w1.sync(device)
+        total += time.perf_counter() - start
+        ttft += [stamps[0] - start] * len(batch)
+        tpot += [(stamps[-1] - stamps[0]) / max(1, output_tokens - 1)] * len(batch)
+    result = RunResult(name, len(prompts), output_tokens * len(prompts), total, ttft, tpot, w1.peak_bytes(device),
+                       note=note)  # fmt: skip
+    del model
+    w1.free_memory(device)
+    return result
+
+
+# -- report -------------------------------------------------------------------------------------------
+
+
+def step_floor(config, steps: list[StepRecord], rank: int, element: int, bandwidth: float) -> float:
+    base = w1.base_weight_bytes(config, element)
+    per_token, per_adapter = w1.kv_bytes_per_token(config, element), w1.adapter_bytes(config, rank, element)
+    return statistics.mean((base + s.kv_tokens * per_token + s.num_adapters * per_adapter) / bandwidth for s in steps)
+
+
+def report(args, config, results: list[RunResult], bandwidth: float, element: int) -> str:
+    lines = [
+        f"W1, shape {args.shape}, {args.dtype}, {args.num_requests} requests, prompts [{args.min_prompt}, "
+        f"{args.max_prompt}] tokens, {args.output_tokens} output tokens, rank {args.rank} over all 7 projections, "
+        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}; copy bandwidth "
+        f"{bandwidth / 1e9:.0f} GB/s",
+        "",
+        "| run | requests | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | peak mem (GiB) "
+        "| decode step (ms) @ batch | floor (ms) | step / floor | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    steady = {}
+    for r in results:
+        ms = [1e3 * percentile(v, q) for v in (r.ttft, r.tpot) for q in (50, 99)]
+        steps = r.steady_decode()
+        step_cells = "| - | - | -"
+        if steps:
+            step = statistics.median(s.seconds for s in steps)
+            floor = step_floor(config, steps, args.rank, element, bandwidth)
+            steady[r.name] = (step, floor)
+            step_cells = f"| {1e3 * step:.2f} @ {steps[0].num_seqs} | {1e3 * floor:.2f} | {step / floor:.2f}"
+        lines.append(
+            f"| {r.name} | {r.num_requests} | {r.tokens_per_second:.0f} | {ms[0]:.0f} / {ms[1]:.0f} "
+            f"| {ms[2]:.1f} / {ms[3]:.1f} | {r.peak_bytes / 2**30:.1f} {step_cells} | {r.note} |"
+        )
+    by_name = {r.name: r for r in results}
+    top = f"engine N={max(args.adapters)}"
+    lines.append("")
+    for other in ("transformers+PEFT", "transformers (no LoRA)"):
+        if top in by_name and other in by_name:
+            ratio = by_name[top].tokens_per_second / by_name[other].tokens_per_second
+            lines.append(f"- {top} / {other}: {ratio:.1f}x output tokens/s")
+    if top in steady and "engine (no LoRA)" in steady:
+        (t_lora, f_lora), (t_base, f_base) = steady[top], steady["engine (no LoRA)"]
+        lines.append(
+            f"- LoRA overhead at {top}: decode step {t_lora / t_base:.2f}x the no-LoRA step; the extra LoRA "
+            f"bytes explain {f_lora / f_base:.2f}x; extra time / extra floor time = "
+            f"{(t_lora - t_base) / max(f_lora - f_base, 1e-12):.2f}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=["S", "L"], default="S")
+    p.add_argument("--adapters", type=int, nargs="+", default=[1, 16, 64], help="values of N")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--min-prompt", type=int, default=128)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--peft-requests", type=int, default=32)
+    p.add_argument("--peft-tokens", type=int, default=32)
+    p.add_argument("--hf-batch", type=int, default=32)
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="the engine without CUDA graphs")
+    p.add_argument("--profile", action="store_true", help="break a decode step of the largest N down")
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few requests")
+    args = p.parse_args(argv)
+    args.device, args.dtype = "cuda", "bfloat16"
+    if args.smoke:
+        args.shape, args.device, args.dtype = "smoke", "cpu", "float32"
+        args.adapters, args.num_requests, args.min_prompt, args.max_prompt = [1, 2], 6, 8, 24
+        args.output_tokens, args.max_num_seqs, args.max_num_batched_tokens = 4, 4, 64
+        args.peft_requests, args.peft_tokens, args.hf_batch = 2, 3, 4
+    elif not torch.cuda.is_available():
+        p.error("needs a CUDA device (or --smoke)")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    rng = random.Random(0)
+    config = w1.llama_config(args.shape)
+    prompts = [[rng.randrange(3, config.vocab_size) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
+               for _ in range(args.num_requests)]  # fmt: skip
+    max_len = args.max_prompt + args.output_tokens
+    element = torch.tensor([], dtype=dtype).element_size()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = w1.make_model(Path(tmp) / "model", args.shape, dtype, device)
+        adapters = w1.make_adapters(Path(tmp), model_dir, config, max(args.adapters), args.rank, dtype)
+        bandwidth = w1.copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 26)
+        results, profile = [], None
+        for n in [0, *args.adapters]:
+            name = f"engine N={n}" if n else "engine (no LoRA)"
+            result, prof = run_engine(args, name, model_dir, adapters[:n], prompts, max_len)
+            results.append(result)
+            profile = prof or profile
+            print(f"{name}: {result.tokens_per_second:.0f} output tokens/s", flush=True)
+        if not args.skip_transformers:
+            n = max(args.adapters)
+            peft_note = f"first {args.peft_requests} requests, {args.peft_tokens} output tokens, N={n}"
+            results.append(run_transformers(args, "transformers+PEFT", model_dir, adapters[:n],
+                                            prompts[: args.peft_requests], args.peft_tokens,
+                                            args.peft_requests, peft_note))  # fmt: skip
+            results.append(run_transformers(args, "transformers (no LoRA)", model_dir, [], prompts,
+                                            args.output_tokens, args.hf_batch,
+                                            f"static batches of {args.hf_batch}"))  # fmt: skip
+    print()
+    print(report(args, config, results, bandwidth, element))
+    if profile:
+        print()
+        print(profile)
+
+
+if __name__ == "__main__":
+    main()

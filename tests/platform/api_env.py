@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import uuid
 import warnings
 from dataclasses import dataclass, field
@@ -75,6 +76,13 @@ class ApiEnv:
     app: Litestar
     store_config: StoreConfig
     principals: dict[str, Principal] = field(default_factory=dict)  # by key, for direct service calls
+
+
+def free_port_for_cli() -> int:
+    """A loopback port nothing listens on (bound, read, released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def tiny_shape() -> ModelShape:

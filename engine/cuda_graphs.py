@@ -95,6 +95,15 @@ class DecodeCudaGraphs:
         """Capture every bucket, largest first so the smaller graphs reuse its memory pool."""
         started = time.perf_counter()
         self._fill_padding(0, self.max_batch_size)
+        with torch.inference_mode():
+            self._capture_all()
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
+            len(self.graphs), self.buckets, time.perf_counter() - started,
+        )  # fmt: skip
+
+    def _capture_all(self) -> None:
         for size in reversed(self.buckets):
             for use_lora in (True, False):
                 self._forward(size, use_lora)  # warm-up: compiles the kernels outside the capture
@@ -105,11 +114,6 @@ class DecodeCudaGraphs:
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[(size, use_lora)] = (graph, logits)
-        torch.cuda.synchronize(self.device)
-        logger.info(
-            "captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
-            len(self.graphs), self.buckets, time.perf_counter() - started,
-        )
 
     def run(self, inputs: DecodeInputs) -> torch.Tensor:  # [num_seqs, vocab] float32, valid until the next run
         num_seqs = len(inputs.input_ids)
@@ -127,9 +131,7 @@ class DecodeCudaGraphs:
     def _copy_inputs(self, inputs: DecodeInputs) -> None:
         n = len(inputs.input_ids)
         width = max(len(t) for t in inputs.block_tables)
-        tables = torch.zeros(n, width, dtype=torch.long)
-        for i, table in enumerate(inputs.block_tables):
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in inputs.block_tables], dtype=torch.long)
         # Columns past `width` keep stale ids: the kernel never reads past a sequence's length.
         self.block_tables[:n, :width].copy_(tables, non_blocking=True)
         for buffer, values in (

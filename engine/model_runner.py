@@ -101,12 +101,12 @@ class ModelRunner:
         lora_slots: list[int] = []
         logits_rows: list[int] = []
         max_blocks = max(len(s.block_ids) for s in scheduled)
-        block_tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.long)
-        for i, s in enumerate(scheduled):
+        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in scheduled]
+        block_tables = torch.tensor(tables, dtype=torch.long)  # [num_seqs, max_blocks], padded with 0
+        for s in scheduled:
             end = s.start + s.num_new_tokens
             input_ids.extend(s.request.all_token_ids[s.start : end])
             table = s.block_ids
-            block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
             positions.extend(range(s.start, end))
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(s.start, end))
             query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)

@@ -74,9 +74,10 @@ def _attend_tile(
     dim_valid = dims < HEAD_DIM
     block = tl.load(table_ptr + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
     slot = block * stride_kb + (keys % BLOCK_SIZE) * stride_ks + head_offset  # [TILE_N]
-    kv_mask = key_valid[None, :] & dim_valid[:, None]
-    k = tl.load(k_cache_ptr + slot[None, :] + dims[:, None], mask=kv_mask, other=0.0)  # [HEAD_DIM_P, TILE_N]
-    v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=tl.trans(kv_mask), other=0.0)  # [TILE_N, D]
+    k_mask = key_valid[None, :] & dim_valid[:, None]
+    k = tl.load(k_cache_ptr + slot[None, :] + dims[:, None], mask=k_mask, other=0.0)  # [HEAD_DIM_P, TILE_N]
+    v_mask = key_valid[:, None] & dim_valid[None, :]
+    v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=v_mask, other=0.0)  # [TILE_N, HEAD_DIM_P]
     if DOT_FP32:
         s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
     else:

@@ -1,0 +1,71 @@
+"""The Litestar app: `create_app(settings)` for the server, `create_app(settings, services=...)` for tests.
+
+The lifespan owns the engine, the adapter store, the config store and the metrics registry (see
+bootstrap.py) unless the caller passes its own `services`, which it then keeps owning. On the way out
+it drains (ops/shutdown.py), so in-flight streams end cleanly whoever stops the server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from litestar import Litestar
+from litestar.datastructures import State
+
+from loraserve.adapters import adapters_controller
+from loraserve.bootstrap import open_services, store_config
+from loraserve.dependencies import DEPENDENCIES, READINESS_KEY, SERVICES_KEY
+from loraserve.errors import EXCEPTION_HANDLERS
+from loraserve.inference.controller import InferenceController
+from loraserve.ops.controller import OpsController
+from loraserve.ops.readiness import Readiness
+from loraserve.ops.shutdown import Shutdown
+from loraserve.routes import RoutesController
+from loraserve.services import Services
+from loraserve.settings import ServerSettings
+
+SHUTDOWN_KEY = "shutdown"
+# Chat histories can be long; uploads have their own, larger limit (adapters_controller).
+MAX_REQUEST_BODY_BYTES = 16 << 20
+
+
+def create_app(settings: ServerSettings, *, services: Services | None = None) -> Litestar:
+    shutdown = Shutdown(settings.shutdown_timeout)
+    config = services.adapter_store.config if services is not None else store_config(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        if services is not None:
+            async with _serving(app, services, shutdown):
+                yield
+            return
+        async with open_services(settings) as built, _serving(app, built, shutdown):
+            yield
+
+    return Litestar(
+        route_handlers=[InferenceController, adapters_controller(config), RoutesController, OpsController],
+        dependencies=DEPENDENCIES,
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=[lifespan],
+        state=State({SHUTDOWN_KEY: shutdown, READINESS_KEY: Readiness()}),
+        request_max_body_size=MAX_REQUEST_BODY_BYTES,
+        openapi_config=None,
+    )
+
+
+@asynccontextmanager
+async def _serving(app: Litestar, services: Services, shutdown: Shutdown) -> AsyncIterator[None]:
+    services.shutdown = shutdown
+    app.state[SERVICES_KEY] = services
+    try:
+        yield
+    finally:
+        if shutdown.num_in_flight:
+            await shutdown.drain()
+        app.state[SERVICES_KEY] = None
+
+
+def shutdown_of(app: Litestar) -> Shutdown:
+    """The app's drain state (the CLI starts the drain on SIGTERM)."""
+    return app.state[SHUTDOWN_KEY]

@@ -1,0 +1,148 @@
+"""Build the server's long-lived parts from its settings, and close them again (the app's lifespan).
+
+Order matters: the adapter store and config store are opened and checked before the model loads, so a
+wrong URL or an unreadable keys file fails in a second rather than after a minute of loading weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from adapters_store import AdapterNotFound, AdapterStore, DiskCache, StoreConfig, open_store
+from adapters_store.engine_source import StoreAdapterSource
+from engine import AsyncLLM, EngineConfig, LLMEngine, ModelShape
+from engine.model.loader import load_config, resolve_model_path
+from loraserve.config_store import CachedConfigStore, open_config_store, redact_url
+from loraserve.ops.metrics import Metrics
+from loraserve.routing import Router
+from loraserve.services import Services
+from loraserve.settings import ServerSettings
+from loraserve.tenancy import DEFAULT_TENANT, Authenticator, ConcurrencyLimiter, load_api_keys
+
+log = logging.getLogger("loraserve")
+
+
+def store_config(settings: ServerSettings) -> StoreConfig:
+    return StoreConfig(url=settings.adapter_store, max_lora_rank=settings.max_lora_rank,
+                       cache_dir=str(settings.cache_dir))
+
+
+def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
+    return EngineConfig(
+        model=model,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len,
+        block_size=settings.block_size,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        num_kv_blocks=settings.num_kv_blocks,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        max_loras=settings.max_loras,
+        max_lora_rank=settings.max_lora_rank,
+        max_cpu_loras=settings.max_cpu_loras,
+        dtype=settings.dtype,
+        device=settings.device,
+        cpu_kv_cache_bytes=settings.cpu_kv_cache_bytes,
+    )
+
+
+def base_model_id(settings: ServerSettings, model: str) -> str:
+    if settings.served_model_name:
+        return settings.served_model_name
+    return Path(model).name if settings.model is None else settings.model
+
+
+@asynccontextmanager
+async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
+    """Everything `Services` holds, built from `settings`; closed in reverse order on exit."""
+    model = settings.model or str(await asyncio.to_thread(_demo_model, settings))
+    model_id = base_model_id(settings, model)
+    shape = ModelShape.from_hf_config(load_config(resolve_model_path(model)))
+    config = store_config(settings)
+    store = open_store(config, shape)
+    await asyncio.to_thread(store.check)
+    disk_cache = DiskCache(store, config.cache_dir, config.cache_max_bytes)
+    config_store = CachedConfigStore(open_config_store(settings.config_store or str(settings.state_dir / "config")))
+    await config_store.start()
+    engine: AsyncLLM | None = None
+    try:
+        keys = load_api_keys(settings.api_keys) if settings.api_keys else []
+        authenticator = await Authenticator.create(keys, config_store)
+        metrics = Metrics(model_id, lambda: engine.stats() if engine is not None else None,
+                          lambda: config_store.healthy)
+        log.info("loading model %s (%s)", model_id, model)
+        llm_engine = await asyncio.to_thread(
+            LLMEngine,
+            engine_config(settings, model),
+            adapter_source_factory=lambda shape, rank: StoreAdapterSource(
+                store, disk_cache, shape, rank, observer=metrics.adapter_event),
+            adapter_observer=metrics.adapter_event,
+        )
+        engine = AsyncLLM(llm_engine)
+        if settings.lora_modules:
+            await asyncio.to_thread(preload_lora_modules, store, settings.lora_modules)
+        _log_startup(settings, model_id, model, authenticator.open_mode)
+        yield Services(
+            base_model_id=model_id,
+            engine=engine,
+            adapter_store=store,
+            disk_cache=disk_cache,
+            config_store=config_store,
+            authenticator=authenticator,
+            router=Router(on_pick=metrics.route_picked),
+            limiter=ConcurrencyLimiter(settings.max_concurrent_requests_per_tenant),
+            metrics=metrics,
+            tokenizer=llm_engine.tokenizer,
+            max_model_len=llm_engine.max_model_len,
+        )
+    finally:
+        if engine is not None:
+            await asyncio.to_thread(engine.shutdown)
+        await config_store.close()
+
+
+def preload_lora_modules(store: AdapterStore, modules: tuple[tuple[str, str], ...]) -> None:
+    """Put `--lora-modules` into the default tenant's store, unless the latest version has the same bytes."""
+    for name, path in modules:
+        weights = Path(path) / "adapter_model.safetensors"
+        digest = _sha256(weights) if weights.is_file() else None
+        try:
+            latest = store.get(DEFAULT_TENANT, name)
+        except AdapterNotFound:
+            latest = None
+        if latest is not None and latest.sha256 == digest:
+            log.info("adapter %s: %s is already stored as %s", name, path, latest.ref)
+            continue
+        record = store.put(DEFAULT_TENANT, name, path)
+        log.info("adapter %s: stored %s as %s for tenant %r", name, path, record.ref, DEFAULT_TENANT)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _demo_model(settings: ServerSettings) -> Path:
+    from loraserve.demo_model import ensure_demo_model  # transformers' GGUF reader loads only when needed
+
+    return ensure_demo_model(settings.models_dir)
+
+
+def _log_startup(settings: ServerSettings, model_id: str, model: str, open_mode: bool) -> None:
+    log.info("model: %s (from %s)", model_id, model)
+    log.info("adapter store: %s", settings.adapter_store)
+    log.info("config store: %s", redact_url(settings.config_store) if settings.config_store
+             else f"embedded, under {settings.state_dir / 'config'}")
+    if open_mode:
+        log.warning(
+            "OPEN MODE: no API keys are configured, so every request runs as tenant %r with admin rights. "
+            "Pass --api-keys FILE before exposing this server.", DEFAULT_TENANT,
+        )

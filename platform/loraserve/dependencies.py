@@ -1,0 +1,41 @@
+"""The app's dependencies: `services` (the lifespan's parts), `principal` (the caller), `readiness`.
+
+Handlers declare them by name (`services: NamedDependency[Services]`); `principal` authenticates the
+`Authorization: Bearer KEY` header on every request that asks for it, so a handler that takes a
+principal cannot be reached without a valid key (or open mode).
+"""
+
+from __future__ import annotations
+
+from litestar import Request
+from litestar.datastructures import State
+from litestar.di import NamedDependency, Provide
+
+from loraserve.ops.readiness import Readiness
+from loraserve.services import Services
+from loraserve.tenancy import Principal
+
+SERVICES_KEY = "services"
+READINESS_KEY = "readiness"
+
+
+def provide_services(state: State) -> Services:
+    services = state.get(SERVICES_KEY)
+    if services is None:  # only reachable if a request arrives before the lifespan finished starting
+        raise RuntimeError("the server is still starting")
+    return services
+
+
+async def provide_principal(request: Request, services: NamedDependency[Services]) -> Principal:
+    return await services.authenticator.authenticate(request.headers.get("authorization"))
+
+
+def provide_readiness(state: State) -> Readiness:
+    return state[READINESS_KEY]
+
+
+DEPENDENCIES = {
+    "services": Provide(provide_services, sync_to_thread=False),
+    "principal": Provide(provide_principal),
+    "readiness": Provide(provide_readiness, sync_to_thread=False),
+}

@@ -1,0 +1,36 @@
+"""POST /v1/completions, POST /v1/chat/completions and GET /v1/models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Controller, Request, get, post
+from litestar.di import NamedDependency
+from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
+from loraserve.inference.service import create_chat_completion, create_completion
+from loraserve.resolution import list_models
+from loraserve.services import Services
+from loraserve.tenancy import Principal
+
+
+class InferenceController(Controller):
+    path = "/v1"
+    tags = ["inference"]
+
+    @post("/completions", status_code=200)
+    async def completions(
+        self, data: CompletionRequest, request: Request, services: NamedDependency[Services],
+        principal: NamedDependency[Principal],
+    ) -> Any:
+        return await create_completion(services, principal, data, request)
+
+    @post("/chat/completions", status_code=200)
+    async def chat_completions(
+        self, data: ChatCompletionRequest, request: Request, services: NamedDependency[Services],
+        principal: NamedDependency[Principal],
+    ) -> Any:
+        return await create_chat_completion(services, principal, data, request)
+
+    @get("/models")
+    async def models(self, services: NamedDependency[Services], principal: NamedDependency[Principal]) -> Any:
+        return await list_models(services, principal)

@@ -1,0 +1,139 @@
+"""One HTTP request's engine requests (one per prompt), merged into one stream of deltas.
+
+Each prompt becomes an engine request `{id}-{i}` carrying all `n` completions of that prompt. Events
+are `(prompt_index, RequestOutput delta)`. Closing the stream (client gone, handler done, shutdown)
+aborts whatever is still running, which frees its KV blocks; the tenant's lease is released exactly
+once, however the stream ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from loraserve.errors import APIError, ServiceUnavailable
+from loraserve.services import Services
+from loraserve.tenancy import Lease
+
+from engine import RequestOutput, SamplingParams
+
+_DONE = object()
+
+
+class GenerationFailed(APIError):
+    """The engine failed a request it had accepted (e.g. its adapter could not be loaded)."""
+
+    status_code = 503
+    code = "generation_failed"
+
+
+@dataclass
+class _Timing:
+    """Per engine request, for the TTFT / TPOT / end-to-end histograms."""
+
+    start: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    num_tokens: int = 0
+
+
+class Generation:
+    def __init__(
+        self,
+        services: Services,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        adapter: str | None,
+        lease: Lease,
+    ) -> None:
+        self.services = services
+        self.request_id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.adapter = adapter
+        self.lease = lease
+        self.ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self._timings = [_Timing() for _ in prompts]
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Deltas of every prompt as they come; raises GenerationFailed / ServiceUnavailable on failure."""
+        shutdown = self.services.shutdown
+        if shutdown is not None:
+            shutdown.track(self)
+        try:
+            self._tasks = [asyncio.create_task(self._pump(i)) for i in range(len(self.prompts))]
+            remaining = len(self._tasks)
+            while remaining:
+                item = await self._queue.get()
+                if item is _DONE:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                index, delta = item
+                self._check(delta)
+                yield index, delta
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Abort what still runs and release the lease; synchronous, so it is safe under cancellation."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()  # each pump's engine stream submits its own abort as it unwinds
+        if self.services.shutdown is not None:
+            self.services.shutdown.untrack(self)
+        self.lease.release()
+
+    async def abort_for_shutdown(self) -> None:
+        """Called by the drain: the engine answers each request with finish_reason 'abort'."""
+        for request_id in self.ids:
+            await self.services.engine.abort(request_id)
+
+    async def _pump(self, index: int) -> None:
+        timing = self._timings[index]
+        try:
+            stream = self.services.engine.generate(self.prompts[index], self.params, self.ids[index], self.adapter)
+            async for delta in stream:
+                new_tokens = sum(len(c.token_ids) for c in delta.outputs)
+                if new_tokens and timing.first_token is None:
+                    timing.first_token = time.perf_counter()
+                timing.num_tokens += new_tokens
+                self._queue.put_nowait((index, delta))
+            self._observe(timing)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # EngineDeadError and the like: the consumer raises it
+            self._queue.put_nowait(exc)
+        finally:
+            self._queue.put_nowait(_DONE)
+
+    def _check(self, delta: RequestOutput) -> None:
+        shutdown = self.services.shutdown
+        if shutdown is not None and shutdown.aborted(self) and any(c.finish_reason == "abort" for c in delta.outputs):
+            raise ServiceUnavailable(
+                "the server is shutting down and stopped this request; retry it on another replica",
+                code="server_shutting_down",
+            )
+        if delta.error is not None:
+            raise GenerationFailed(f"the request failed: {delta.error}")
+
+    def _observe(self, timing: _Timing) -> None:
+        metrics = self.services.metrics
+        if metrics is None or timing.first_token is None:
+            return
+        end = time.perf_counter()
+        tpot = (end - timing.first_token) / (timing.num_tokens - 1) if timing.num_tokens > 1 else None
+        metrics.observe_request(ttft=timing.first_token - timing.start, tpot=tpot, e2e=end - timing.start)

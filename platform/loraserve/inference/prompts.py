@@ -1,0 +1,97 @@
+"""Prompts to token ids: completion prompts in OpenAI's four shapes, and chat messages via the chat template.
+
+Tokenizing here rather than in the engine lets the server refuse an oversize prompt with a 400 before
+anything is queued, and know the prompt token count for usage and metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loraserve.errors import BadRequest
+from loraserve.inference.schemas import ChatMessage
+
+MAX_PROMPTS = 64  # prompts in one completions request
+
+
+def completion_prompts(prompt: str | list[Any], tokenizer: Any, max_model_len: int | None) -> list[list[int]]:
+    """`"text"`, `["a", "b"]`, `[1, 2, 3]` or `[[1, 2], [3]]` -> one token id list per prompt."""
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif prompt and all(_is_token_id(t) for t in prompt):
+        prompts = [list(prompt)]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif prompt and all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
+        prompts = [list(p) for p in prompt]
+    else:
+        raise BadRequest(
+            "prompt must be a non-empty string, a list of strings, a list of token ids, or a list of "
+            "non-empty token id lists",
+            param="prompt",
+        )
+    if len(prompts) > MAX_PROMPTS:
+        raise BadRequest(f"at most {MAX_PROMPTS} prompts per request (got {len(prompts)})", param="prompt")
+    ids = [tokenize(p, tokenizer) if isinstance(p, str) else p for p in prompts]
+    for prompt_ids in ids:
+        check_prompt_ids(prompt_ids, tokenizer, max_model_len)
+    return ids
+
+
+def chat_prompt(messages: list[ChatMessage], tokenizer: Any, max_model_len: int | None) -> list[int]:
+    """Render the messages with the model's chat template, then tokenize without adding specials twice."""
+    if tokenizer is None:
+        raise BadRequest("this model has no tokenizer, so chat is unavailable; use /v1/completions with token ids")
+    if not getattr(tokenizer, "chat_template", None):
+        raise BadRequest(
+            "this model has no chat template (tokenizer_config.json has no 'chat_template'); "
+            "use /v1/completions, or serve a model with a chat template",
+            code="no_chat_template",
+        )
+    conversation = [{"role": m.role, "content": _text(m, i)} for i, m in enumerate(messages)]
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # a template may reject e.g. a system message; that is the caller's to fix
+        raise BadRequest(f"the chat template rejected these messages: {exc}", param="messages") from None
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    check_prompt_ids(ids, tokenizer, max_model_len)
+    return ids
+
+
+def tokenize(text: str, tokenizer: Any) -> list[int]:
+    if tokenizer is None:
+        raise BadRequest("this model has no tokenizer: send the prompt as token ids", param="prompt")
+    return list(tokenizer(text).input_ids)
+
+
+def check_prompt_ids(ids: list[int], tokenizer: Any, max_model_len: int | None) -> None:
+    if not ids:
+        raise BadRequest("the prompt is empty", param="prompt")
+    if max_model_len is not None and len(ids) >= max_model_len:
+        raise BadRequest(
+            f"the prompt has {len(ids)} tokens, but this model's context (max_model_len) is {max_model_len} "
+            "tokens, prompt plus output; shorten the prompt",
+            code="context_length_exceeded",
+            param="prompt",
+        )
+    vocab = len(tokenizer) if tokenizer is not None else None
+    if vocab is not None and any(not 0 <= t < vocab for t in ids):
+        raise BadRequest(f"prompt token ids must lie in [0, {vocab})", param="prompt")
+
+
+def _text(message: ChatMessage, index: int) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    parts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise BadRequest(
+                f"messages[{index}] has a content part of type {part.type!r}; only text parts are supported",
+                param=f"messages[{index}].content",
+            )
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

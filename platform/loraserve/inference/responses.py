@@ -1,0 +1,143 @@
+"""Engine deltas -> OpenAI bodies: whole responses, and the chunks of a stream.
+
+Choice indices follow OpenAI: prompt `p`'s completion `i` is choice `p * n + i`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from loraserve.inference.logprobs import TokenText, chat_logprobs, completion_logprobs
+from loraserve.inference.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    Usage,
+)
+
+from engine import CompletionOutput, RequestOutput
+from engine.sampler import TokenLogprobs
+
+_FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return None if reason is None else _FINISH_REASONS.get(reason, reason)
+
+
+@dataclass
+class Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_tokens: int = 0
+    num_chars: int = 0  # streamed so far, for completions' text_offset
+    finish_reason: str | None = None
+    started: bool = False  # chat streams send the role once, in a choice's first chunk
+
+
+class Choices:
+    """Everything generated so far, per choice."""
+
+    def __init__(self, n: int, want_logprobs: bool = False) -> None:
+        self.n = n
+        self.want_logprobs = want_logprobs  # then every new token is worth a chunk, text or not
+        self.by_index: dict[int, Choice] = {}
+
+    def add(self, prompt_index: int, delta: RequestOutput) -> list[tuple[int, CompletionOutput]]:
+        """Record one delta; returns (choice index, completion delta) for the parts worth sending."""
+        changed = []
+        for completion in delta.outputs:
+            index = prompt_index * self.n + completion.index
+            choice = self.by_index.setdefault(index, Choice())
+            choice.text.append(completion.text)
+            choice.logprobs.extend(completion.logprobs or [])
+            choice.num_tokens += len(completion.token_ids)
+            choice.finish_reason = finish_reason(completion.finish_reason)
+            has_logprobs = self.want_logprobs and completion.token_ids
+            if completion.text or has_logprobs or completion.finish_reason:
+                changed.append((index, completion))
+        return changed
+
+    def usage(self, num_prompt_tokens: int) -> Usage:
+        generated = sum(c.num_tokens for c in self.by_index.values())
+        return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=generated, total_tokens=num_prompt_tokens + generated)
+
+    def sorted(self) -> list[tuple[int, Choice]]:
+        return sorted(self.by_index.items())
+
+
+class CompletionFormat:
+    """`text_completion` objects, whole or as stream chunks."""
+
+    def __init__(self, response_id: str, model: str, text: TokenText, want_logprobs: bool) -> None:
+        self.id, self.model, self.text, self.want_logprobs = response_id, model, text, want_logprobs
+        self.created = int(time.time())
+
+    def whole(self, choices: Choices, usage: Usage) -> Completion:
+        items = [
+            CompletionChoice(
+                index=index,
+                text="".join(choice.text),
+                logprobs=completion_logprobs(choice.logprobs, self.text) if self.want_logprobs else None,
+                finish_reason=choice.finish_reason,
+            )
+            for index, choice in choices.sorted()
+        ]
+        return Completion(id=self.id, created=self.created, model=self.model, choices=items, usage=usage)
+
+    def chunk(self, choices: Choices, changed: list[tuple[int, CompletionOutput]]) -> Completion:
+        items = []
+        for index, completion in changed:
+            choice = choices.by_index[index]
+            logprobs = None
+            if self.want_logprobs:
+                offset = choice.num_chars
+                logprobs = completion_logprobs(completion.logprobs or [], self.text, offset)
+            choice.num_chars += len(completion.text)
+            items.append(CompletionChoice(index=index, text=completion.text, logprobs=logprobs,
+                                          finish_reason=finish_reason(completion.finish_reason)))
+        return Completion(id=self.id, created=self.created, model=self.model, choices=items)
+
+    def usage_chunk(self, usage: Usage) -> Completion:
+        return Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
+
+
+class ChatFormat:
+    """`chat.completion` objects and `chat.completion.chunk` stream chunks."""
+
+    def __init__(self, response_id: str, model: str, text: TokenText, want_logprobs: bool) -> None:
+        self.id, self.model, self.text, self.want_logprobs = response_id, model, text, want_logprobs
+        self.created = int(time.time())
+
+    def whole(self, choices: Choices, usage: Usage) -> ChatCompletion:
+        items = [
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(content="".join(choice.text)),
+                logprobs=chat_logprobs(choice.logprobs, self.text) if self.want_logprobs else None,
+                finish_reason=choice.finish_reason,
+            )
+            for index, choice in choices.sorted()
+        ]
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=items, usage=usage)
+
+    def chunk(self, choices: Choices, changed: list[tuple[int, CompletionOutput]]) -> ChatCompletionChunk:
+        items = []
+        for index, completion in changed:
+            choice = choices.by_index[index]
+            role = None if choice.started else "assistant"
+            choice.started = True
+            logprobs = chat_logprobs(completion.logprobs or [], self.text) if self.want_logprobs else None
+            delta = ChatDelta(role=role, content=completion.text if completion.text or role else None)
+            items.append(ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
+                                         finish_reason=finish_reason(completion.finish_reason)))
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=items)
+
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)

@@ -1,0 +1,47 @@
+"""OpenAI request fields -> engine.SamplingParams, refusing what the engine cannot honour."""
+
+from __future__ import annotations
+
+from loraserve.errors import BadRequest
+from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
+
+from engine import SamplingParams
+
+MAX_STOP_STRINGS = 16
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def completion_params(body: CompletionRequest) -> SamplingParams:
+    if body.echo:
+        raise BadRequest("echo is not supported; the prompt is not repeated in the output", param="echo")
+    max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+    return _params(body, max_tokens, body.logprobs)
+
+
+def chat_params(body: ChatCompletionRequest) -> SamplingParams:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    # None: generate until the end of the sequence or the context is full.
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return _params(body, max_tokens, logprobs)
+
+
+def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+        raise BadRequest(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    try:
+        return SamplingParams(
+            n=body.n,
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k if body.top_k is not None else 0,
+            seed=body.seed,
+            stop=stop,
+            logprobs=logprobs,
+            ignore_eos=body.ignore_eos,
+        )
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None

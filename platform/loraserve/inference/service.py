@@ -1,0 +1,158 @@
+"""Completions and chat completions: admit, resolve the model, run the engine, answer whole or as SSE.
+
+Order of checks: draining / model loaded (503), body and prompt (400), the tenant's model name (404),
+the tenant's concurrency limit (429). A stream's headers go out only once the engine has produced its
+first delta, so a request that fails at once still gets a proper HTTP error instead of a broken stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from litestar import Request, Response
+from litestar.response import Stream
+from loraserve.errors import APIError, BadRequest, ServiceUnavailable, error_event
+from loraserve.inference.generation import Generation
+from loraserve.inference.logprobs import TokenText
+from loraserve.inference.prompts import chat_prompt, completion_prompts
+from loraserve.inference.responses import ChatFormat, Choices, CompletionFormat
+from loraserve.inference.sampling import chat_params, completion_params
+from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
+from loraserve.resolution import resolve_model
+from loraserve.services import Services
+from loraserve.tenancy import Principal
+
+from engine import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+VARIANT_HEADER = "x-loraserve-variant"
+DONE_EVENT = b"data: [DONE]\n\n"
+Format = CompletionFormat | ChatFormat
+Events = AsyncIterator[tuple[int, RequestOutput]]
+
+
+async def create_completion(services: Services, principal: Principal, body: CompletionRequest, request: Request) -> Any:
+    check_serving(services)
+    params = completion_params(body)
+    prompts = completion_prompts(body.prompt, services.tokenizer, services.max_model_len)
+    return await _generate(services, principal, body, prompts, params, CompletionFormat, "cmpl", request)
+
+
+async def create_chat_completion(
+    services: Services, principal: Principal, body: ChatCompletionRequest, request: Request
+) -> Any:
+    check_serving(services)
+    params = chat_params(body)
+    prompt = chat_prompt(body.messages, services.tokenizer, services.max_model_len)
+    return await _generate(services, principal, body, [prompt], params, ChatFormat, "chatcmpl", request)
+
+
+def check_serving(services: Services) -> None:
+    if services.shutdown is not None and services.shutdown.draining:
+        raise ServiceUnavailable("the server is shutting down; retry on another replica", code="server_shutting_down")
+    if services.engine is None:
+        raise ServiceUnavailable("the model is still loading; retry shortly", code="model_not_ready")
+
+
+async def _generate(
+    services: Services,
+    principal: Principal,
+    body: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    format_type: type[Format],
+    prefix: str,
+    request: Request,
+) -> Any:
+    resolved = await resolve_model(services, principal, body.model, body.user)
+    lease = services.limiter.try_acquire(principal)
+    response_id = f"{prefix}-{uuid.uuid4().hex}"
+    generation = Generation(services, response_id, prompts, params, resolved.engine_adapter_id, lease)
+    fmt = format_type(response_id, resolved.served_model, TokenText(services.tokenizer), params.logprobs is not None)
+    headers = {VARIANT_HEADER: resolved.served_model}
+    choices = Choices(params.n, params.logprobs is not None)
+    if not body.stream:
+        await _until_done_or_disconnected(_collect(generation, choices), request, generation)
+        return Response(fmt.whole(choices, choices.usage(generation.num_prompt_tokens)), headers=headers)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    events = generation.events()
+    try:
+        first = await anext(events)
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        generation.close()
+        raise
+    sse = _sse(first, events, choices, fmt, include_usage, generation)
+    return EventStream(sse, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
+
+
+async def _collect(generation: Generation, choices: Choices) -> None:
+    async for index, delta in generation.events():
+        choices.add(index, delta)
+
+
+async def _until_done_or_disconnected(work: Any, request: Request, generation: Generation) -> None:
+    """Run `work`; if the client hangs up first, abort the engine requests instead of finishing them."""
+    work_task = asyncio.ensure_future(work)
+    disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+    if not work_task.done():
+        work_task.cancel()
+        generation.close()
+        raise BadRequest("the client disconnected; the request was aborted", code="client_disconnected")
+    work_task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _sse(
+    first: tuple[int, RequestOutput] | None,
+    events: Events,
+    choices: Choices,
+    fmt: Format,
+    include_usage: bool,
+    generation: Generation,
+) -> AsyncIterator[bytes]:
+    """`data: {chunk}` events, an optional usage chunk, then `data: [DONE]`; failures become an error event."""
+    try:
+        if first is not None:
+            yield _event(fmt.chunk(choices, choices.add(*first)))
+        async for index, delta in events:
+            changed = choices.add(index, delta)
+            if changed:
+                yield _event(fmt.chunk(choices, changed))
+        if include_usage:
+            yield _event(fmt.usage_chunk(choices.usage(generation.num_prompt_tokens)))
+    except APIError as exc:
+        yield error_event(exc.status_code, str(exc), exc.code)
+    except Exception as exc:  # the engine died mid-stream: tell the client rather than cut the connection
+        log.warning("stream %s failed: %s", generation.request_id, exc)
+        yield error_event(503, f"the request failed: {exc}", "generation_failed")
+    finally:
+        generation.close()
+    yield DONE_EVENT
+
+
+class EventStream(Stream):
+    """A Stream whose own media type wins over the handler's JSON default (Litestar prefers the handler's)."""
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["media_type"] = self.media_type
+        return super().to_asgi_response(*args, **kwargs)
+
+
+def _event(chunk: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(chunk) + b"\n\n"

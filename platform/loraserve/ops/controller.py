@@ -1,0 +1,32 @@
+"""GET /health (the process answers), /ready (able to serve), /metrics (Prometheus text). No auth: probes."""
+
+from __future__ import annotations
+
+import msgspec
+from litestar import Controller, Response, get
+from litestar.di import NamedDependency
+from loraserve.ops.readiness import Readiness, ReadyStatus
+from loraserve.services import Services
+from prometheus_client import CONTENT_TYPE_LATEST
+
+
+class Health(msgspec.Struct, frozen=True, kw_only=True):
+    status: str = "ok"
+
+
+class OpsController(Controller):
+    tags = ["ops"]
+
+    @get("/health")
+    async def health(self) -> Health:
+        return Health()
+
+    @get("/ready")
+    async def ready(self, services: NamedDependency[Services], readiness: NamedDependency[Readiness]) -> Response[ReadyStatus]:
+        status = await readiness.check(services)
+        return Response(status, status_code=200 if status.ready else 503)
+
+    @get("/metrics")
+    async def metrics(self, services: NamedDependency[Services]) -> Response[bytes]:
+        body = services.metrics.render() if services.metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)

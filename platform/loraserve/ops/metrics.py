@@ -1,0 +1,125 @@
+"""Prometheus metrics on a registry of the app's own (two apps in one process never share counters).
+
+Names follow vLLM where they overlap, so dashboards and the Gateway API Inference Extension's scorers
+work unchanged; engine gauges and counters are read from the engine's published `EngineStats` at
+scrape time rather than pushed on every step. `vllm:lora_requests_info` is, as in vLLM, a gauge whose
+value is a timestamp and whose labels carry the comma-joined running and waiting adapters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from loraserve.routing import Variant
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine import EngineStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    """Histograms and counters the server observes, plus a collector over the engine and config store."""
+
+    def __init__(
+        self,
+        model_name: str,
+        engine_stats: Callable[[], EngineStats | None] = lambda: None,
+        config_store_up: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Mean time per output token after the first.",
+                              labels, buckets=_TPOT_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+        self.cache_hits = Counter("loraserve_adapter_cache_hits", "Adapter lookups served by a tier.", ["tier"],
+                                  registry=self.registry)
+        self.cache_misses = Counter("loraserve_adapter_cache_misses", "Adapter lookups a tier could not serve.",
+                                    ["tier"], registry=self.registry)
+        self.load_seconds = Histogram("loraserve_adapter_load_seconds", "Time to load an adapter into a tier.",
+                                      ["tier"], buckets=_LOAD_BUCKETS, registry=self.registry)
+        self.evictions = Counter("loraserve_adapter_evictions", "Adapters evicted from a tier.", ["tier"],
+                                 registry=self.registry)
+        self.route_requests = Counter("loraserve_route_requests", "Requests per A/B route variant.",
+                                      ["tenant", "route", "variant"], registry=self.registry)
+        self.registry.register(_StateCollector(model_name, engine_stats, config_store_up))
+
+    def observe_request(self, *, ttft: float, tpot: float | None, e2e: float) -> None:
+        self.ttft.observe(ttft)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        self.e2e.observe(e2e)
+
+    def adapter_event(self, event: str, tier: str, seconds: float = 0.0) -> None:
+        """The engine's adapter observer (called from its threads; prometheus-client is thread-safe)."""
+        if event == "hit":
+            self.cache_hits.labels(tier).inc()
+        elif event == "miss":
+            self.cache_misses.labels(tier).inc()
+        elif event == "load":
+            self.load_seconds.labels(tier).observe(seconds)
+        elif event == "evict":
+            self.evictions.labels(tier).inc()
+
+    def route_picked(self, tenant: str, route: str, variant: Variant, sticky: bool) -> None:
+        """The Router's pick hook."""
+        self.route_requests.labels(tenant, route, variant.adapter).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StateCollector(Collector):
+    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats | None],
+                 config_store_up: Callable[[], bool]) -> None:
+        self._model = model_name
+        self._engine_stats = engine_stats
+        self._config_store_up = config_store_up
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("loraserve_config_store_up", "1 while the config store answers, else 0.")
+        up.add_metric([], 1.0 if self._config_store_up() else 0.0)
+        yield up
+        stats = self._engine_stats()
+        if stats is None:
+            return
+        model = [self._model]
+        yield _gauge("vllm:num_requests_running", "Requests running on the GPU.", stats.num_running, model)
+        yield _gauge("vllm:num_requests_waiting", "Requests waiting to run.", stats.num_waiting, model)
+        yield _gauge("vllm:kv_cache_usage_perc", "KV cache usage, 1 means 100 percent.", stats.kv_cache_usage, model)
+        yield _counter("vllm:num_preemptions", "Preemptions since start.", stats.num_preemptions, model)
+        yield _counter("vllm:prompt_tokens", "Prompt tokens processed.", stats.num_prompt_tokens, model)
+        yield _counter("vllm:generation_tokens", "Tokens generated.", stats.num_generation_tokens, model)
+        slots = GaugeMetricFamily("loraserve_lora_slots_in_use", "GPU adapter slots pinned by running requests.")
+        slots.add_metric([], stats.num_lora_slots_in_use)
+        yield slots
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info", "Running and waiting adapters (value: a timestamp).",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        info.add_metric([",".join(stats.running_adapters), ",".join(stats.waiting_adapters), str(stats.max_loras)],
+                        time.time())
+        yield info
+
+
+def _gauge(name: str, doc: str, value: Any, labels: list[str]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric(labels, value)
+    return family
+
+
+def _counter(name: str, doc: str, value: Any, labels: list[str]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric(labels, value)
+    return family

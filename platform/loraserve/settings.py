@@ -1,0 +1,100 @@
+"""The server's one validated configuration: every `loraserve serve` flag (vLLM's names where they exist).
+
+Engine sizes are passed through to engine.EngineConfig, which checks them again; the checks here are
+the ones the engine does not know about (URLs, files, the shape of `--lora-modules`), so a typo fails
+at start with a message naming the flag instead of deep inside the lifespan.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from adapters_store.config import DEFAULT_URL as DEFAULT_ADAPTER_STORE
+from adapters_store.config import parse_store_url
+
+DEFAULT_STATE_DIR = Path(".loraserve")
+KV_CACHE_DTYPES = ("auto",)  # the KV cache uses the model's dtype; fp8 caches are not implemented
+_MODULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything `loraserve serve` can be told; `create_app` reads only what it needs."""
+
+    # None: the bundled demo model, converted once under ./.loraserve/models (see demo_model.py).
+    model: str | None = None
+    served_model_name: str | None = None  # the base model's id in requests; None: derived from `model`
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    max_loras: int = 4
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
+    # (name, local PEFT folder) pairs put into the default tenant's store at start.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    adapter_store: str = DEFAULT_ADAPTER_STORE
+    config_store: str | None = None  # None: embedded under ./.loraserve/config
+    api_keys: str | None = None  # JSON or YAML file of key -> {tenant, role}
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    max_concurrent_requests_per_tenant: int | None = None  # None: no default cap (keys may set their own)
+    # CPU only: KV cache bytes when the device is the CPU (tests pass small values).
+    cpu_kv_cache_bytes: int = 1 << 30
+    num_kv_blocks: int | None = None  # explicit KV cache size in blocks (tests)
+    state_dir: Path = field(default=DEFAULT_STATE_DIR)  # demo model, embedded config, disk cache
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535 (got {self.port})")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; the KV cache uses the model "
+                "dtype (--kv-cache-dtype auto)"
+            )
+        try:
+            parse_store_url(self.adapter_store)
+        except ValueError as exc:
+            raise ValueError(f"--adapter-store: {exc}") from None
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0 seconds (got {self.shutdown_timeout})")
+        limit = self.max_concurrent_requests_per_tenant
+        if limit is not None and limit < 1:
+            raise ValueError(f"--max-concurrent-requests-per-tenant must be a positive integer (got {limit})")
+        if self.api_keys is not None and not Path(self.api_keys).is_file():
+            raise ValueError(f"--api-keys {self.api_keys!r} is not a file; give a JSON or YAML keys file")
+        names = [name for name, _ in self.lora_modules]
+        for name, path in self.lora_modules:
+            if not _MODULE.fullmatch(name) or ".." in name:
+                raise ValueError(
+                    f"--lora-modules: {name!r} is not a valid adapter name "
+                    "(1-64 letters, digits, '.', '_' or '-', starting with a letter or digit)"
+                )
+            if not Path(path).is_dir():
+                raise ValueError(f"--lora-modules {name}={path}: {path!r} is not a PEFT adapter folder")
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names an adapter twice: {names}")
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.state_dir / "cache" / "adapters"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.state_dir / "models"
+
+
+def parse_lora_module(spec: str) -> tuple[str, str]:
+    """`NAME=PATH` -> (NAME, PATH); ValueError naming the expected form otherwise."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules expects NAME=PATH (got {spec!r})")
+    return name.strip(), path.strip()

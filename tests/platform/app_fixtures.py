@@ -1,0 +1,113 @@
+"""Build the app's parts around a tiny random Llama with a real tokenizer and a chat template (no hub).
+
+Plain functions, not fixtures, so test modules of several folders can share them:
+`make_text_model(folder)` writes the model; `open_test_services(...)` yields a `Services` with a real
+engine, local adapter store, embedded config store, authenticator, router, limiter and metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from factories import make_model
+from loraserve.config_store import CachedConfigStore, EmbeddedConfigStore
+from loraserve.ops.metrics import Metrics
+from loraserve.routing import Router
+from loraserve.services import Services
+from loraserve.tenancy import Authenticator, ConcurrencyLimiter, parse_api_keys
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from adapters_store import DiskCache, StoreConfig, open_store
+from adapters_store.engine_source import StoreAdapterSource
+from engine import AsyncLLM, EngineConfig, LLMEngine, ModelShape
+from engine.model.loader import load_config
+
+EOS = "<|endoftext|>"
+# A ChatML-style template like SmolLM2's: enough to show the server renders whatever the tokenizer ships.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "Hello world! The quick brown fox jumps over the lazy dog.",
+    "user assistant system: what is the answer? The answer is 42.",
+    "stop here. STOP there. The end. Once upon a time there was a model.",
+] * 4
+MAX_MODEL_LEN = 128
+
+
+def make_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=[EOS, "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, clean_up_tokenization_spaces=False)
+    if chat_template is not None:
+        wrapped.chat_template = chat_template
+    return wrapped
+
+
+def make_text_model(folder: Path, seed: int = 5, chat_template: str | None = CHAT_TEMPLATE) -> Path:
+    """A C1-sized random Llama saved with its tokenizer; eos is token 0."""
+    tokenizer = make_tokenizer(chat_template)
+    make_model(folder, arch="llama", seed=seed, vocab_size=len(tokenizer), eos_token_id=0, bos_token_id=None,
+               max_position_embeddings=MAX_MODEL_LEN)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def keys_for(**tenants: tuple[str, str, int | None]) -> dict:
+    """keys_for(alice=("sk-a", "admin", None)) -> the --api-keys mapping."""
+    return {key: {"tenant": tenant, "role": role, **({"max_concurrent_requests": limit} if limit else {})}
+            for tenant, (key, role, limit) in tenants.items()}
+
+
+@contextlib.asynccontextmanager
+async def open_test_services(
+    root: Path,
+    model_dir: Path,
+    *,
+    api_keys: dict | None = None,
+    max_concurrent: int | None = None,
+    num_kv_blocks: int = 96,
+    max_loras: int = 2,
+) -> AsyncIterator[Services]:
+    shape = ModelShape.from_hf_config(load_config(model_dir))
+    store = open_store(StoreConfig(url=f"file://{root / 'adapters'}", max_lora_rank=16), shape)
+    cache = DiskCache(store, root / "cache", 1 << 30)
+    config_store = CachedConfigStore(EmbeddedConfigStore(root / "config"))
+    await config_store.start()
+    engine = None
+    metrics = Metrics("tiny", lambda: engine.stats() if engine is not None else None, lambda: config_store.healthy)
+    config = EngineConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN, block_size=4, num_kv_blocks=num_kv_blocks,
+                          max_loras=max_loras, max_lora_rank=16, max_num_seqs=16)
+    llm = LLMEngine(config, adapter_source_factory=lambda s, r: StoreAdapterSource(store, cache, s, r),
+                    adapter_observer=metrics.adapter_event)
+    engine = AsyncLLM(llm)
+    try:
+        keys = parse_api_keys(api_keys) if api_keys else []
+        yield Services(
+            base_model_id="tiny",
+            engine=engine,
+            adapter_store=store,
+            disk_cache=cache,
+            config_store=config_store,
+            authenticator=await Authenticator.create(keys, config_store),
+            router=Router(on_pick=metrics.route_picked),
+            limiter=ConcurrencyLimiter(max_concurrent),
+            metrics=metrics,
+            tokenizer=llm.tokenizer,
+            max_model_len=llm.max_model_len,
+        )
+    finally:
+        engine.shutdown()
+        await config_store.close()

@@ -3,6 +3,8 @@
 One background thread owns the engine and runs its step loop; coroutines talk to it through a
 command queue and receive outputs through per-request asyncio queues. A consumer that stops
 iterating (client disconnect, cancellation) aborts its request, which frees its KV blocks.
+After every step, and while idle, the engine thread publishes an immutable `EngineStats` snapshot that
+any thread may read without touching the engine.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +39,8 @@ class AsyncLLM:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self.dead_error: BaseException | None = None
+        # Replaced (never mutated) by the engine thread; reading one attribute needs no lock.
+        self._stats: EngineStats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -76,6 +81,14 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
 
+    def forget_adapter(self, adapter_id: str) -> None:
+        """An adapter was deleted (see LLMEngine.forget_adapter); safe from any thread, returns at once."""
+        self._submit(("forget", adapter_id))
+
+    def stats(self) -> EngineStats:
+        """The latest snapshot the engine thread published (at most one step or one idle wait old)."""
+        return self._stats
+
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopped = True
         self._wakeup.set()
@@ -92,11 +105,13 @@ class AsyncLLM:
             try:
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
+                    self._stats = self.engine.stats()
                     self._wakeup.wait(_IDLE_WAIT_S)
                     self._wakeup.clear()
                     continue
                 for output in self.engine.step():
                     self._deliver(output.request_id, output)
+                self._stats = self.engine.stats()
             except Exception as exc:  # an engine bug: fail every stream rather than hang them
                 logger.exception("engine loop failed")
                 self.dead_error = exc
@@ -116,6 +131,8 @@ class AsyncLLM:
                     self.engine.add_request(request_id, prompt, params, adapter)
                 except ValueError as exc:  # e.g. bad sampling params: fail this request alone
                     self._deliver(request_id, _failed(request_id, prompt, str(exc)))
+            elif command[0] == "forget":
+                self.engine.forget_adapter(command[1])
             else:
                 self.engine.abort_request(command[1])
 

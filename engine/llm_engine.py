@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
 from engine.lora.manager import AdapterManager, AdapterSource, Observer
+from engine.lora.model_shape import ModelShape
 from engine.lora.peft_checkpoint import AdapterError, PeftAdapter
 from engine.lora.registry import AdapterRegistry
 from engine.model.loader import load_config, resolve_model_path
@@ -25,11 +26,14 @@ from engine.request import NO_LORA, Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.stats import EngineStats, distinct_adapters
 from engine.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+# Builds the adapter source once the model (and so its shape) is known: (shape, max_lora_rank) -> source.
+AdapterSourceFactory = Callable[[ModelShape, int], AdapterSource]
 
 
 class RequestError(ValueError):
@@ -44,7 +48,10 @@ class LLMEngine:
         skip_tokenizer_init: bool = False,
         adapter_source: AdapterSource | None = None,
         adapter_observer: Observer | None = None,
+        adapter_source_factory: AdapterSourceFactory | None = None,
     ):
+        if adapter_source is not None and adapter_source_factory is not None:
+            raise ValueError("pass adapter_source or adapter_source_factory, not both")
         self.config = config
         model_path = resolve_model_path(config.model)
         hf_config = load_config(model_path)
@@ -59,8 +66,11 @@ class LLMEngine:
                 "lower max_model_len or give the cache more blocks"
             )
         self.kv_cache = KVCacheManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        # Local PEFT folders by name or path; a server passes the adapter store as `adapter_source`.
+        # Local PEFT folders by name or path; a server plugs in the adapter store (usually through the
+        # factory, since the model's shape is known only now).
         self.adapters = AdapterRegistry(self.runner.shape, config.max_lora_rank)
+        if adapter_source_factory is not None:
+            adapter_source = adapter_source_factory(self.runner.shape, config.max_lora_rank)
         self.lora = AdapterManager(
             adapter_source or self.adapters, self.runner.lora_slots, config.num_cpu_loras, observer=adapter_observer
         )
@@ -69,6 +79,8 @@ class LLMEngine:
         self._states: dict[str, RequestState] = {}  # child request id -> state
         self._parents: dict[str, list[str]] = {}  # user request id -> child ids
         self._pending: list[RequestOutput] = []  # refused or aborted requests, reported at the next step
+        self._num_prompt_tokens = 0  # cumulative, for stats()
+        self._num_generation_tokens = 0
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -112,6 +124,8 @@ class LLMEngine:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
         )
         self.scheduler.add_request(child)
+        if adapter_id is not None:
+            self.lora.hold(adapter_id)
         detok = IncrementalDetokenizer(self.tokenizer, child) if self.tokenizer is not None else None
         self._states[child_id] = RequestState(child, parent, index, detok)
         return child
@@ -135,7 +149,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         for adapter_id, reason in self.lora.poll().items():
-            outputs.extend(self._fail_waiting(adapter_id, reason))
+            outputs.extend(self._fail_waiting(adapter_id, reason, started=True))
         self.lora.stage(r.adapter_id for r in self.scheduler.waiting if r.adapter_id is not None)
         scheduled = self.scheduler.schedule()
         for request in scheduled.preempted:
@@ -154,6 +168,7 @@ class LLMEngine:
         for request, token_id, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs):
             request.append_output_token(token_id)
             state = self._states[request.request_id]
+            self._count_tokens(state)
             status = state.append(token_id, logprobs, self.max_model_len)
             if status is not None:
                 self._finish(request, status)
@@ -166,12 +181,40 @@ class LLMEngine:
 
     def register_adapter(self, name: str, path: str) -> PeftAdapter:
         """Bind a name to a local PEFT folder (validated now). Registering a name again swaps it: new
-        requests get the new weights, running ones finish on the old."""
-        previous = self.adapters.names and name in self.adapters.names and self.adapters.resolve(name)
+        requests get the new weights; queued and running ones finish on the old, which is then dropped."""
+        if self.lora.source is not self.adapters:
+            raise RuntimeError(
+                "register_adapter binds local folders, but this engine's adapters come from "
+                f"{type(self.lora.source).__name__}; add the adapter there instead"
+            )
+        previous = self.adapters.current(name)
         adapter = self.adapters.register(name, path)
-        if previous:
-            self.lora.forget(previous)
+        if previous is not None:
+            self.lora.retire(previous)
         return adapter
+
+    def forget_adapter(self, adapter_id: str) -> None:
+        """An adapter was deleted: new requests for it fail as unknown, queued ones that never started
+        fail now (reported at the next step), running ones finish, and its slot frees after the last."""
+        self.lora.forget(adapter_id)
+        reason = f"adapter {adapter_id!r} was deleted before this request started"
+        self._pending.extend(self._fail_waiting(adapter_id, reason, started=False))
+
+    def stats(self) -> EngineStats:
+        """The engine's load right now (engine thread only; AsyncLLM publishes copies for others)."""
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+            running_adapters=distinct_adapters(self.scheduler.running),
+            waiting_adapters=distinct_adapters(self.scheduler.waiting),
+            max_loras=self.config.max_loras,
+            num_lora_slots_in_use=self.lora.num_slots_in_use,
+            num_adapters_loading=self.lora.num_loading,
+        )
 
     def _resolve_adapter(self, adapter: str | None) -> str | None:
         if adapter is None:
@@ -182,10 +225,15 @@ class LLMEngine:
             raise AdapterError("load_failed", reason)
         return adapter_id
 
-    def _fail_waiting(self, adapter_id: str, reason: str) -> list[RequestOutput]:
-        """An adapter failed to load: its waiting requests fail with the reason, nothing else does."""
+    def _fail_waiting(self, adapter_id: str, reason: str, started: bool) -> list[RequestOutput]:
+        """Fail the waiting requests of one adapter with `reason`, nothing else; `started` includes the
+        preempted ones (which ran before), else only those never admitted."""
         outputs = []
-        for request in [r for r in self.scheduler.waiting if r.adapter_id == adapter_id]:
+        for request in [
+            r
+            for r in self.scheduler.waiting
+            if r.adapter_id == adapter_id and (started or r.status is RequestStatus.WAITING)
+        ]:
             request.error = reason
             self._finish(request, RequestStatus.FINISHED_ERROR)
             state = self._states[request.request_id]
@@ -211,8 +259,16 @@ class LLMEngine:
         request.status = status
         self.sampler.free(request.request_id)
 
+    def _count_tokens(self, state: RequestState) -> None:
+        """vLLM's token counters: every sampled token; a prompt once per user request, at its first token."""
+        self._num_generation_tokens += 1
+        if state.index == 0 and state.request.num_output_tokens == 1:
+            self._num_prompt_tokens += state.request.num_prompt_tokens
+
     def _forget(self, child_id: str) -> None:
         state = self._states.pop(child_id)
+        if state.request.adapter_id is not None:
+            self.lora.unhold(state.request.adapter_id)
         parent_id = state.parent.request_id
         if state.parent.finished:
             self._parents.pop(parent_id, None)

@@ -8,6 +8,10 @@ A slot is pinned while any running request uses it; eviction is least-recently-u
 never touches an adapter that an earlier waiting request is about to use. A load that fails fails only
 the requests for that adapter, with the reason.
 
+Two counts per adapter: pins (running requests; `acquire`/`release`) keep its GPU slot, holds (queued
+or running requests; `hold`/`unhold`) keep it known at all. `retire` (replaced by a new version) and
+`forget` (deleted; new requests are refused) drop its copies once the last holder finishes.
+
 Every method runs on the engine thread except `AdapterSource.load`, which runs on the workers.
 """
 
@@ -15,9 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Protocol
 
 import torch
@@ -32,8 +36,19 @@ logger = logging.getLogger(__name__)
 # transient store outage is retried soon after.
 FAILURE_TTL_S = 10.0
 
-# observer(event, tier, seconds): events "hit", "miss", "load", "evict"; tiers "gpu", "cpu", "source".
+# observer(event, tier, seconds), called on the engine thread and, by sources, on worker threads:
+#   "hit"/"miss"  tier "gpu", "cpu": per request arrival, whether the adapter was already in that tier
+#                 (a request that misses the GPU looks in the CPU tier); tier "disk": per store load
+#                 (StoreAdapterSource), whether the local disk cache held it.
+#   "load"        seconds to bring an adapter from a tier: "source" (whole fetch + validation into the CPU
+#                 tier), "cpu" (CPU tier -> GPU slot copy), "disk" (cached folder -> CPU tensors),
+#                 "store" (download into the disk cache, checksum included).
+#   "evict"       tier "gpu" (a slot reused for another adapter), "cpu" (CPU tier LRU).
+#   "fail"        tier "source": a load failed (its requests fail with the reason).
 Observer = Callable[[str, str, float], None]
+
+# A GPU copy in flight: events recorded before and after it on the side stream.
+_Copy = tuple[torch.cuda.Event, torch.cuda.Event]
 
 
 class AdapterSource(Protocol):
@@ -67,20 +82,28 @@ class AdapterManager:
         self._workers = ThreadPoolExecutor(num_workers, thread_name_prefix="adapter-load")
         self._cpu: OrderedDict[str, SlotImage] = OrderedDict()  # LRU first
         self._loading: dict[str, tuple[Future, float]] = {}  # adapter id -> (future, start time)
-        self._copies: dict[str, tuple[int, torch.cuda.Event | None]] = {}  # id -> (slot, copy done)
+        self._copies: dict[str, tuple[int, _Copy | None]] = {}  # id -> (slot, copy still in flight)
         self._failed: dict[str, tuple[str, float]] = {}  # id -> (reason, when)
+        self._holds: Counter[str] = Counter()  # id -> queued or running requests
+        self._retiring: set[str] = set()  # dropped once their last holder finishes
+        self._deleted: set[str] = set()  # never served again (ids are never reused)
 
     # -- called when a request arrives ------------------------------------------------------------
 
     def resolve(self, ref: str) -> str:
-        return self.source.resolve(ref)
+        adapter_id = self.source.resolve(ref)
+        if adapter_id in self._deleted:
+            raise AdapterError("unknown_adapter", f"adapter {ref!r} was deleted; it can no longer be used")
+        return adapter_id
 
     def prefetch(self, adapter_id: str) -> None:
-        """Start bringing an adapter towards the GPU; returns at once."""
-        if adapter_id in self._cpu or adapter_id in self._loading or self._resident(adapter_id):
+        """Start bringing an adapter towards the GPU; returns at once. Counts one lookup per tier."""
+        if self._resident(adapter_id):
+            self._emit("hit", "gpu")
             return
-        self._emit("miss", "cpu")
-        self._loading[adapter_id] = (self._workers.submit(self._load, adapter_id), time.perf_counter())
+        self._emit("miss", "gpu")
+        self._emit("hit" if adapter_id in self._cpu else "miss", "cpu")
+        self._start_load(adapter_id)
 
     def error(self, adapter_id: str) -> str | None:
         entry = self._failed.get(adapter_id)
@@ -91,6 +114,20 @@ class AdapterManager:
             del self._failed[adapter_id]
             return None
         return reason
+
+    def hold(self, adapter_id: str) -> None:
+        """A request for this adapter was queued; it keeps the adapter's copies until `unhold`."""
+        self._holds[adapter_id] += 1
+
+    def unhold(self, adapter_id: str) -> None:
+        """A request for this adapter finished (or failed, or was aborted)."""
+        if self._holds[adapter_id] <= 0:
+            raise RuntimeError(f"adapter {adapter_id!r} unheld more often than held")
+        self._holds[adapter_id] -= 1
+        if self._holds[adapter_id] == 0:
+            del self._holds[adapter_id]
+            if adapter_id in self._retiring:
+                self._drop(adapter_id)
 
     # -- called once per step, before scheduling -----------------------------------------------------
 
@@ -115,6 +152,7 @@ class AdapterManager:
                     self._emit("evict", "cpu")
         for adapter_id, reason in failures.items():
             logger.warning("adapter load failed: %s", reason)
+            self._emit("fail", "source")
             self._failed[adapter_id] = (reason, time.monotonic())
         return failures
 
@@ -125,20 +163,22 @@ class AdapterManager:
         protected: set[str] = set()
         for adapter_id in dict.fromkeys(wanted):
             if self._resident(adapter_id):
-                self._emit("hit", "gpu")
                 protected.add(adapter_id)
                 continue
             image = self._cpu.get(adapter_id)
             if image is None:
                 if self.error(adapter_id) is None:
-                    self.prefetch(adapter_id)
+                    self._start_load(adapter_id)  # e.g. dropped by the CPU tier's LRU while it waited
                 continue
             if not self.allocator.can_acquire(adapter_id, frozenset(protected)):
                 break  # every slot is in use; later adapters wait their turn too
-            self._emit("miss", "gpu")
             self._cpu.move_to_end(adapter_id)
+            before = set(self.allocator.resident)
             slot, _ = self.allocator.acquire(adapter_id, frozenset(protected))
             self.allocator.release(adapter_id)  # resident but unpinned until a request runs with it
+            for victim in before - set(self.allocator.resident):
+                self._copies.pop(victim, None)
+                self._emit("evict", "gpu")
             self._copies[adapter_id] = (slot, self._copy_into(slot, image))
             protected.add(adapter_id)
 
@@ -146,10 +186,13 @@ class AdapterManager:
         """Resident and fully copied: the scheduler may admit requests for it."""
         if not self._resident(adapter_id):
             return False
-        slot, event = self._copies[adapter_id]
-        if event is not None and not event.query():
-            return False
-        self._copies[adapter_id] = (slot, None)
+        slot, copy = self._copies[adapter_id]
+        if copy is not None:
+            start, end = copy
+            if not end.query():
+                return False
+            self._emit("load", "cpu", start.elapsed_time(end) / 1000.0)
+            self._copies[adapter_id] = (slot, None)
         return True
 
     # -- called when requests start and end --------------------------------------------------------
@@ -165,11 +208,16 @@ class AdapterManager:
     def release(self, adapter_id: str) -> None:
         self.allocator.release(adapter_id)
 
+    def retire(self, adapter_id: str) -> None:
+        """A newer version replaced it: drop its copies, and free its slot, once no request holds it."""
+        self._retiring.add(adapter_id)
+        if self._holds.get(adapter_id, 0) == 0:
+            self._drop(adapter_id)
+
     def forget(self, adapter_id: str) -> None:
-        """An adapter was deleted: drop its cached copies; its slot frees when its last request ends."""
-        self._cpu.pop(adapter_id, None)
-        if self.allocator.evict(adapter_id):
-            self._copies.pop(adapter_id, None)
+        """It was deleted: refuse new requests for it (`resolve`), then retire it."""
+        self._deleted.add(adapter_id)
+        self.retire(adapter_id)
 
     # -- introspection for metrics ---------------------------------------------------------------
 
@@ -185,8 +233,6 @@ class AdapterManager:
         """Block briefly until some background load finishes (used when nothing else can run)."""
         futures = [future for future, _ in self._loading.values()]
         if futures:
-            from concurrent.futures import FIRST_COMPLETED, wait
-
             wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def shutdown(self) -> None:
@@ -198,23 +244,40 @@ class AdapterManager:
         entry = self._copies.get(adapter_id)
         return entry is not None and self.allocator.lookup(adapter_id) == entry[0]
 
+    def _start_load(self, adapter_id: str) -> None:
+        if adapter_id in self._cpu or adapter_id in self._loading or self._resident(adapter_id):
+            return
+        self._loading[adapter_id] = (self._workers.submit(self._load, adapter_id), time.perf_counter())
+
     def _load(self, adapter_id: str) -> SlotImage:
         adapter = self.source.load(adapter_id)
         return self.slots.image(adapter, pin_memory=self._cuda)
 
-    def _copy_into(self, slot: int, image: SlotImage) -> torch.cuda.Event | None:
-        started = time.perf_counter()
+    def _drop(self, adapter_id: str) -> None:
+        """No request holds it any more: free everything it occupies (its slot is unpinned by now)."""
+        self._retiring.discard(adapter_id)
+        self._cpu.pop(adapter_id, None)
+        self._failed.pop(adapter_id, None)
+        loading = self._loading.pop(adapter_id, None)
+        if loading is not None:
+            loading[0].cancel()  # a load already running finishes on its worker and is ignored
+        if self.allocator.evict(adapter_id):
+            self._copies.pop(adapter_id, None)
+
+    def _copy_into(self, slot: int, image: SlotImage) -> _Copy | None:
         if self._copy_stream is None:
+            started = time.perf_counter()
             self.slots.load(slot, image)
             self._emit("load", "cpu", time.perf_counter() - started)
             return None
         # The slot may have served the previous step, whose kernels can still be in flight.
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.slots.device))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._copy_stream):
+            start.record(self._copy_stream)
             self.slots.load(slot, image)
-            event = torch.cuda.Event()
-            event.record(self._copy_stream)
-        return event
+            end.record(self._copy_stream)
+        return start, end
 
     def _emit(self, event: str, tier: str, seconds: float = 0.0) -> None:
         if self._observer is not None:

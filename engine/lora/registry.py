@@ -42,6 +42,11 @@ class AdapterRegistry:
         with self._lock:
             self._current.pop(name, None)
 
+    def current(self, name: str) -> str | None:
+        """The adapter id a registered name serves now, or None."""
+        with self._lock:
+            return self._current.get(name)
+
     @property
     def names(self) -> list[str]:
         with self._lock:

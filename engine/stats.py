@@ -1,0 +1,38 @@
+"""A snapshot of the engine's load, for /metrics (vLLM's gauge and counter names map onto these fields)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.request import Request
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine was doing at one moment; immutable, so any thread may read a published one.
+
+    Counters (`num_preemptions`, `num_prompt_tokens`, `num_generation_tokens`) are cumulative since the
+    engine started; the rest are gauges. Adapter ids are the engine's (e.g. "tenant/name@3").
+    """
+
+    num_running: int  # vllm:num_requests_running
+    num_waiting: int  # vllm:num_requests_waiting (preempted requests included)
+    kv_cache_usage: float  # vllm:kv_cache_usage_perc, 0..1
+    num_preemptions: int  # vllm:num_preemptions_total
+    num_prompt_tokens: int  # vllm:prompt_tokens_total, counted once per request at its first token
+    num_generation_tokens: int  # vllm:generation_tokens_total
+    running_adapters: tuple[str, ...]  # distinct, sorted; vllm:lora_requests_info running_lora_adapters
+    waiting_adapters: tuple[str, ...]  # distinct, sorted; ... waiting_lora_adapters
+    max_loras: int  # ... max_lora
+    num_lora_slots_in_use: int  # GPU slots pinned by running requests
+    num_adapters_loading: int  # background loads (store, disk) in flight
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.kv_cache_usage <= 1.0:
+            raise ValueError(f"kv_cache_usage must be within [0, 1] (got {self.kv_cache_usage})")
+
+
+def distinct_adapters(requests: Iterable[Request]) -> tuple[str, ...]:
+    """The adapters some of `requests` use, sorted (base-model requests name none)."""
+    return tuple(sorted({r.adapter_id for r in requests if r.adapter_id is not None}))

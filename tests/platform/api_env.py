@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures_s3 import s3_admin, s3_bucket, s3_endpoint
 from litestar import Litestar
 from loraserve.app import create_app
 from loraserve.config_store import ConfigStore, EmbeddedConfigStore
@@ -31,7 +32,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from adapters_store import AdapterStore, DiskCache, LocalStore, StoreConfig
 from engine.lora.model_shape import ModelShape
 
-__all__ = ["api_env", "edit_adapter", "peft_adapters"]  # the fixtures conftest.py star-imports
+# The fixtures conftest.py star-imports (moto's S3 server comes from the shared tests/fixtures_s3.py).
+__all__ = ["api_env", "edit_adapter", "peft_adapters", "s3_admin", "s3_bucket", "s3_endpoint"]
 
 BASE_MODEL = "tiny-llama"
 TINY_LLAMA = dict(

@@ -14,7 +14,7 @@ import time
 from adapters_store.base import AdapterStore
 from adapters_store.cache import DiskCache
 from adapters_store.errors import AdapterNotFound, InvalidName, StoreError
-from adapters_store.names import check_tenant, check_version, format_ref, parse_ref
+from adapters_store.names import check_name, check_tenant, check_version, format_ref, parse_ref
 from engine.lora.manager import Observer
 from engine.lora.model_shape import ModelShape
 from engine.lora.peft_checkpoint import AdapterError, PeftAdapter, load_peft_adapter
@@ -25,6 +25,7 @@ _ID_FORM = "tenant/name@version, e.g. acme/support-bot@3"
 def format_adapter_id(tenant: str, name: str, version: int) -> str:
     """The engine's id of one committed adapter version of one tenant (names checked)."""
     check_tenant(tenant)
+    check_name(name)
     check_version(version)
     return f"{tenant}/{format_ref(name, version)}"
 

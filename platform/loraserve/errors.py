@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 from litestar import MediaType, Request, Response
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException, SerializationException, ValidationException
 
 from adapters_store import (
     AdapterNotFound,
@@ -135,6 +135,8 @@ def _http_exception(request: Request, exc: HTTPException) -> Response[ErrorBody]
         limit = request.route_handler.resolve_request_max_body_size() if request.scope.get("route_handler") else None
         hint = f" (the limit is {limit} bytes)" if limit else ""
         return error_response(413, f"request body too large{hint}", "request_too_large")
+    if status == 400 and isinstance(exc.__cause__, SerializationException):
+        return error_response(400, f"the request body is not valid JSON: {exc.detail}", "invalid_json")
     if status >= 500:
         log.error("internal HTTP error on %s %s: %s", request.method, request.url.path, exc.detail)
         return error_response(status, "internal server error", "internal_error")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import pytest
 from app_fixtures import make_text_model, open_test_services
 from factories import load_peft_reference, reference_greedy
-from litestar.testing import AsyncTestClient
 from loraserve.app import create_app
 from loraserve.settings import ServerSettings
 
@@ -20,9 +20,17 @@ def model_dir(tmp_path_factory):
 
 
 def run(tmp_path, model_dir, scenario, **options):
+    """Run `scenario(client, services)` against the app on this event loop.
+
+    httpx's ASGI transport rather than Litestar's AsyncTestClient: the latter runs the app on a portal
+    thread and blocks the test's loop per request, so concurrent requests could not be tested.
+    """
+
     async def main():
         async with open_test_services(tmp_path, model_dir, **options) as services:
-            async with AsyncTestClient(create_app(ServerSettings(), services=services)) as client:
+            app = create_app(ServerSettings(), services=services)
+            async with app.lifespan(), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                         base_url="http://testserver") as client:
                 return await scenario(client, services)
 
     return asyncio.run(main())

@@ -6,6 +6,7 @@ from typing import Any
 
 from litestar import Controller, Request, get, post
 from litestar.di import NamedDependency
+
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.service import create_chat_completion, create_completion
 from loraserve.resolution import list_models

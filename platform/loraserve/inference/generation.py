@@ -14,11 +14,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import RequestOutput, SamplingParams
 from loraserve.errors import APIError, ServiceUnavailable
 from loraserve.services import Services
 from loraserve.tenancy import Lease
-
-from engine import RequestOutput, SamplingParams
 
 _DONE = object()
 

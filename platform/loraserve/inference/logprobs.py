@@ -4,22 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraserve.inference.schemas import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
-
 from engine.sampler import TokenLogprobs
+from loraserve.inference.schemas import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 
 class TokenText:
     """Decoded text of single token ids, cached per request (a vocabulary row is decoded once)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, as_ids: bool = False) -> None:
         self._tokenizer = tokenizer
+        self._as_ids = as_ids or tokenizer is None
         self._cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            text = self._tokenizer.decode([token_id]) if self._tokenizer is not None else f"<{token_id}>"
+            text = f"token_id:{token_id}" if self._as_ids else self._tokenizer.decode([token_id])
             self._cache[token_id] = text
         return text
 

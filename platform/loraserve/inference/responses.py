@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from engine import CompletionOutput, RequestOutput
+from engine.sampler import TokenLogprobs
 from loraserve.inference.logprobs import TokenText, chat_logprobs, completion_logprobs
 from loraserve.inference.schemas import (
     AssistantMessage,
@@ -20,9 +22,6 @@ from loraserve.inference.schemas import (
     CompletionChoice,
     Usage,
 )
-
-from engine import CompletionOutput, RequestOutput
-from engine.sampler import TokenLogprobs
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}
 

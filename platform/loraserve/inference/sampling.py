@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from engine import SamplingParams
 from loraserve.errors import BadRequest
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
-
-from engine import SamplingParams
 
 MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

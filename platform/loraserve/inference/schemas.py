@@ -42,6 +42,8 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
+    # vLLM's extension: logprobs name tokens as "token_id:123", exact where text is ambiguous
+    return_tokens_as_token_ids: bool = False
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):

@@ -16,6 +16,8 @@ from typing import Any
 import msgspec
 from litestar import Request, Response
 from litestar.response import Stream
+
+from engine import RequestOutput, SamplingParams
 from loraserve.errors import APIError, BadRequest, ServiceUnavailable, error_event
 from loraserve.inference.generation import Generation
 from loraserve.inference.logprobs import TokenText
@@ -26,8 +28,6 @@ from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.resolution import resolve_model
 from loraserve.services import Services
 from loraserve.tenancy import Principal
-
-from engine import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ async def _generate(
     lease = services.limiter.try_acquire(principal)
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     generation = Generation(services, response_id, prompts, params, resolved.engine_adapter_id, lease)
-    fmt = format_type(response_id, resolved.served_model, TokenText(services.tokenizer), params.logprobs is not None)
+    fmt = format_type(response_id, resolved.served_model, TokenText(services.tokenizer, body.return_tokens_as_token_ids), params.logprobs is not None)
     headers = {VARIANT_HEADER: resolved.served_model}
     choices = Choices(params.n, params.logprobs is not None)
     if not body.stream:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import msgspec
 from litestar import Controller, Response, get
 from litestar.di import NamedDependency
+from prometheus_client import CONTENT_TYPE_LATEST
+
 from loraserve.ops.readiness import Readiness, ReadyStatus
 from loraserve.services import Services
-from prometheus_client import CONTENT_TYPE_LATEST
 
 
 class Health(msgspec.Struct, frozen=True, kw_only=True):

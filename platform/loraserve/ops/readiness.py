@@ -10,6 +10,7 @@ import asyncio
 import time
 
 import msgspec
+
 from loraserve.services import Services
 
 STORE_CHECK_TTL_S = 5.0

@@ -1,0 +1,1 @@
+"""OpenAI-compatible inference: /v1/completions, /v1/chat/completions, /v1/models."""

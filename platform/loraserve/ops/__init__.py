@@ -1,0 +1,1 @@
+"""Operations: /health, /ready, /metrics, and graceful shutdown."""

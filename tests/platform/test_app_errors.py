@@ -1,0 +1,81 @@
+"""Bad input gets OpenAI's error body with the right 4xx, and the server keeps serving afterwards."""
+
+from __future__ import annotations
+
+import pytest
+from app_fixtures import MAX_MODEL_LEN, make_text_model
+from test_inference_completions import run
+
+GOOD = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
+CASES = [
+    # (path, raw body, status, code, words the message must contain)
+    ("/v1/completions", b'{"model": "tiny", "prompt": ', 400, "invalid_json", ["JSON"]),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": "ten"}', 400, "invalid_request", ["max_tokens"]),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": -3}', 400, "invalid_request", [">= 1", "max_tokens"]),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": 3}', 400, "invalid_request", ["temperature"]),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "n": 0}', 400, "invalid_request", ["n"]),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "logprobs": 50}', 400, "invalid_request", ["logprobs"]),
+    ("/v1/completions", b'{"model": "tiny"}', 400, "invalid_request", ["prompt"]),
+    ("/v1/completions", b'{"model": "tiny", "prompt": []}', 400, "invalid_request", ["prompt"]),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [1, "a"]}', 400, "invalid_request", ["prompt"]),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": ["a", ""]}', 400, "invalid_request", ["stop"]),
+    ("/v1/completions", b'{"model": "no-such-model", "prompt": "x"}', 404, "model_not_found", ["no-such-model"]),
+    ("/v1/completions", b'{"model": "../etc/passwd", "prompt": "x"}', 404, "model_not_found", ["does not exist"]),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, "invalid_request", ["messages"]),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}', 400,
+     "invalid_request", ["role"]),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
+     400, None, ["logprobs"]),
+    ("/v1/chat/completions", b'[1, 2]', 400, "invalid_request", ["object"]),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_text_model(tmp_path_factory.mktemp("errors") / "model")
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tmp_path, model_dir):
+    async def scenario(client, services):
+        answers = []
+        for path, body, *_ in CASES:
+            answers.append(await client.post(path, content=body, headers={"content-type": "application/json"}))
+        return answers, await client.post("/v1/completions", json=GOOD)
+
+    answers, after = run(tmp_path, model_dir, scenario)
+    for (path, body, status, code, words), response in zip(CASES, answers):
+        assert response.status_code == status, (body, response.text)
+        error = response.json()["error"]
+        assert set(error) >= {"message", "type", "code"}
+        assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+        if code is not None:
+            assert error["code"] == code, (body, error)
+        for word in words:
+            assert word in error["message"], (body, error["message"])
+    assert after.status_code == 200
+
+
+def test_oversize_prompt_is_400_with_the_limit(tmp_path, model_dir):
+    async def scenario(client, services):
+        too_long = {"model": "tiny", "prompt": list(range(1, MAX_MODEL_LEN + 5))}
+        return await client.post("/v1/completions", json=too_long)
+
+    response = run(tmp_path, model_dir, scenario)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and str(MAX_MODEL_LEN) in error["message"]
+
+
+def test_unknown_path_wrong_method_and_oversize_body(tmp_path, model_dir):
+    async def scenario(client, services):
+        missing = await client.get("/v1/nope")
+        wrong_method = await client.get("/v1/chat/completions")
+        huge = await client.post("/v1/completions", content=b'{"prompt": "' + b"a" * (17 << 20) + b'"}',
+                                 headers={"content-type": "application/json"})
+        return missing, wrong_method, huge, await client.post("/v1/completions", json=GOOD)
+
+    missing, wrong_method, huge, after = run(tmp_path, model_dir, scenario)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
+    assert after.status_code == 200

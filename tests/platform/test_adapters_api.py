@@ -165,7 +165,10 @@ def test_form_mistakes_are_422(client, peft_adapters):
     assert_error(
         client.post("/v1/adapters", data={"name": "a"}, files=[config], headers=h), 422, "missing_weights"
     )
-    assert_error(client.post("/v1/adapters", data={"name": "a"}, headers=h), 422, "missing_files")
+    assert_error(client.post("/v1/adapters", files=[("name", (None, b"a"))], headers=h), 422, "missing_files")
+    assert_error(
+        client.post("/v1/adapters", data={"name": "a"}, headers=h), 422, "bad_upload", "multipart/form-data"
+    )
     both = [config, weights, ("archive", ("a.tar.gz", tar_gz(folder)))]
     assert_error(
         client.post("/v1/adapters", data={"name": "a"}, files=both, headers=h), 422, "bad_upload", "not both"
@@ -261,3 +264,22 @@ def test_other_tenants_adapter_is_exactly_a_missing_one(client, env, peft_adapte
     assert client.delete("/v1/adapters/secret", headers=bearer(ADMIN_B)).status_code == 404
     assert env.engine.forgotten == []
     assert client.get("/v1/adapters/secret", headers=bearer(ADMIN_A)).status_code == 200
+
+
+def test_text_fields_are_capped_and_bodies_must_be_whole_multipart(client, peft_adapters):
+    h = bearer(ADMIN_A)
+    long_name = [("name", (None, b"n" * 5000)), *upload_files(peft_adapters["qv"])]
+    assert_error(
+        client.post("/v1/adapters", files=long_name, headers=h), 422, "bad_upload", "longer than 1024 bytes"
+    )
+    boundary = "b0undary"
+    truncated = f'--{boundary}\r\nContent-Disposition: form-data; name="name"\r\n\r\nabc'.encode()
+    headers = {**h, "content-type": f"multipart/form-data; boundary={boundary}"}
+    assert_error(client.post("/v1/adapters", content=truncated, headers=headers), 422, "bad_upload")
+    assert client.get("/v1/adapters", headers=h).json()["data"] == []
+
+
+def test_a_user_key_is_refused_before_the_body_is_read(client, env):
+    too_big = b"\x00" * (upload_limit_bytes(env.store_config) + 1)
+    response = upload_archive(client, "huge", "huge.tar.gz", too_big, key=USER_A)
+    assert_error(response, 403, "insufficient_permissions")

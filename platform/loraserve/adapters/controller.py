@@ -32,7 +32,7 @@ class AdaptersController(Controller):
 
     @post(status_code=HTTP_201_CREATED, summary="Upload an adapter (multipart: name, files or archive)")
     async def upload(self, request: Request, services: ServicesDep, principal: PrincipalDep) -> Adapter:
-        return await service.upload_adapter(services, principal, await request.form())
+        return await service.upload_adapter(services, principal, request)
 
     @get(summary="The tenant's adapters, latest version of each")
     async def list_adapters(self, services: ServicesDep, principal: PrincipalDep) -> AdapterList:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from litestar.datastructures import FormMultiDict
+from litestar import Request
 
 from adapters_store import parse_ref
+from loraserve.adapters.multipart_reader import read_upload_body
 from loraserve.adapters.schemas import Adapter, AdapterDeleted, AdapterDetail, AdapterList
 from loraserve.adapters.upload_form import read_upload_form
 from loraserve.services import Services, engine_adapter_id
@@ -21,9 +22,10 @@ from loraserve.tenancy import Principal, require_admin
 log = logging.getLogger(__name__)
 
 
-async def upload_adapter(services: Services, principal: Principal, form: FormMultiDict) -> Adapter:
+async def upload_adapter(services: Services, principal: Principal, request: Request) -> Adapter:
     """Validate and store the form's adapter as the next version of its name."""
-    require_admin(principal)
+    require_admin(principal)  # before reading the body: a user key gets its 403 without uploading
+    form = await read_upload_body(request)
     try:
         upload = read_upload_form(form)
         record = await asyncio.to_thread(

@@ -1,8 +1,8 @@
 """Read `POST /v1/adapters`' multipart form into a name and an upload source for the store.
 
-Litestar parses the body as it streams in and spools each file part to a temporary file (on disk past
-1 MiB), so nothing here holds an upload whole in memory; the store then copies from those files with
-its own byte limits. Form mistakes are InvalidAdapter (422) with a message showing a correct request.
+multipart_reader.py has spooled each file part to a temporary file (on disk past 1 MiB), so nothing
+here holds an upload whole in memory; the store then copies from those files with its own byte limits.
+Form mistakes are InvalidAdapter (422) with a message showing a correct request.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tmp_path, m
         return answers, await client.post("/v1/completions", json=GOOD)
 
     answers, after = run(tmp_path, model_dir, scenario)
-    for (path, body, status, code, words), response in zip(CASES, answers):
+    for (_, body, status, code, words), response in zip(CASES, answers):
         assert response.status_code == status, (body, response.text)
         error = response.json()["error"]
         assert set(error) >= {"message", "type", "code"}

@@ -1,0 +1,91 @@
+"""/metrics speaks vLLM's names where they overlap, counts route variants and adapter cache events;
+/health and /ready answer for probes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from app_fixtures import make_text_model
+from factories import make_adapter
+from loraserve.routing import Route, Variant
+from prometheus_client.parser import text_string_to_metric_families
+from test_inference_completions import run
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_text_model(tmp_path_factory.mktemp("metrics") / "model")
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(model_dir, tmp_path_factory):
+    return make_adapter(model_dir, tmp_path_factory.mktemp("metrics-adapter") / "a", seed=9, r=4, lora_alpha=8,
+                        target_modules=["q_proj", "v_proj"])
+
+
+def samples(text: str) -> dict:
+    """{(sample name, frozenset of labels): value}"""
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(found: dict, name: str, **labels) -> float:
+    return found[(name, frozenset(labels.items()))]
+
+
+def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_dir):
+    async def scenario(client, services):
+        before = (await client.get("/metrics")).text
+        services.adapter_store.put("default", "a", adapter_dir)
+        await services.config_store.put_route("default", Route(name="ab", variants=(Variant(adapter="a", weight=1),)))
+        body = {"prompt": [4, 5, 6], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        routed = await client.post("/v1/completions", json={**body, "model": "ab", "user": "u1"})
+        for _ in range(2):
+            await client.post("/v1/completions", json={**body, "model": "a"})
+        await client.post("/v1/completions", json={**body, "model": "tiny"})
+        for _ in range(200):  # the engine publishes its stats snapshot just after the last step's outputs
+            if services.engine.stats().num_generation_tokens == 20:
+                break
+            await asyncio.sleep(0.005)
+        return before, routed, await client.get("/metrics"), await client.get("/ready"), await client.get("/health")
+
+    before, routed, metrics, ready, health = run(tmp_path, model_dir, scenario)
+    assert routed.status_code == 200 and routed.headers["x-loraserve-variant"] == "a@1"
+    assert metrics.headers["content-type"].startswith("text/plain")
+    found = samples(metrics.text)
+    model = {"model_name": "tiny"}
+    assert value(found, "vllm:time_to_first_token_seconds_count", **model) == 4
+    assert value(found, "vllm:e2e_request_latency_seconds_count", **model) == 4
+    assert value(found, "vllm:time_per_output_token_seconds_count", **model) == 4
+    assert value(found, "vllm:generation_tokens_total", **model) == 20
+    assert value(found, "vllm:prompt_tokens_total", **model) == 12
+    assert value(found, "vllm:num_requests_running", **model) == 0
+    assert value(found, "vllm:num_requests_waiting", **model) == 0
+    assert 0 <= value(found, "vllm:kv_cache_usage_perc", **model) <= 1
+    assert ("vllm:num_preemptions_total", frozenset(model.items())) in found
+    assert value(found, "loraserve_route_requests_total", tenant="default", route="ab", variant="a") == 1
+    assert value(found, "loraserve_config_store_up") == 1
+    assert value(found, "loraserve_lora_slots_in_use") == 0
+    info = [labels for (name, labels) in found if name == "vllm:lora_requests_info"]
+    assert dict(info[0])["max_lora"] == "2" and dict(info[0])["running_lora_adapters"] == ""
+    # The first request for the adapter missed every tier; the later ones hit the GPU slot.
+    assert sum(v for (n, _), v in found.items() if n == "loraserve_adapter_cache_misses_total") >= 1
+    assert sum(v for (n, _), v in found.items() if n == "loraserve_adapter_cache_hits_total") >= 1
+    assert sum(v for (n, _), v in found.items() if n == "loraserve_adapter_load_seconds_count") >= 1
+    assert "vllm:time_to_first_token_seconds_count" in before  # registered before any request
+    assert ready.status_code == 200 and ready.json() == {"ready": True, "model": "tiny", "reasons": []}
+    assert health.json() == {"status": "ok"}
+
+
+def test_ready_reports_an_unreachable_adapter_store(tmp_path, model_dir):
+    async def scenario(client, services):
+        def broken():
+            raise OSError("disk gone")
+
+        services.adapter_store.check = broken
+        return await client.get("/ready")
+
+    ready = run(tmp_path, model_dir, scenario)
+    assert ready.status_code == 503
+    assert ready.json()["reasons"] == ["adapter store unreachable: disk gone"]

@@ -48,3 +48,7 @@ class Services:
     metrics: Any = None  # loraserve.ops metrics registry; None in tests that do not need it
     # Short-lived adapter-name lookups for model resolution; uploads and deletes invalidate it.
     adapter_lookup: AdapterLookup = field(default_factory=AdapterLookup)
+    tokenizer: Any = None  # the base model's Hugging Face tokenizer (prompts, chat templates, logprob tokens)
+    max_model_len: int | None = None  # prompt plus output tokens per sequence; None: not checked here
+    # Set by the app: SIGTERM's drain state (loraserve.ops.shutdown.Shutdown); None means never draining.
+    shutdown: Any = None

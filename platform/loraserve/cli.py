@@ -31,6 +31,7 @@ _SERVE_FIELDS = (
     "max_loras", "max_cpu_loras", "max_lora_rank", "adapter_store", "config_store", "api_keys",
     "shutdown_timeout", "max_concurrent_requests_per_tenant", "state_dir",
 )
+GiB = 1 << 30
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +61,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     add("--max-concurrent-requests-per-tenant", type=int, help="default per-tenant cap (keys may set their own)")
     add("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="demo model, embedded config, adapter cache")
+    add("--cpu-kv-cache-space", type=float, default=1.0,
+        help="GiB of KV cache when running on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -94,7 +97,10 @@ def _env_value(action: argparse.Action, raw: str) -> object:
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     values = {name: getattr(args, name) for name in _SERVE_FIELDS}
-    return ServerSettings(**values, lora_modules=tuple(args.lora_modules))
+    if args.cpu_kv_cache_space <= 0:
+        raise ValueError(f"--cpu-kv-cache-space must be a positive number of GiB (got {args.cpu_kv_cache_space})")
+    return ServerSettings(**values, lora_modules=tuple(args.lora_modules),
+                          cpu_kv_cache_bytes=int(args.cpu_kv_cache_space * GiB))
 
 
 class DrainingServer(uvicorn.Server):

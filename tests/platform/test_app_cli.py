@@ -1,0 +1,77 @@
+"""`loraserve serve` flags: vLLM names, LORASERVE_* environment defaults (flags win), validation, and the
+idempotent `--lora-modules` preload."""
+
+from __future__ import annotations
+
+import pytest
+from app_fixtures import make_text_model
+from factories import make_adapter
+
+from adapters_store import StoreConfig, open_store
+from engine import ModelShape
+from engine.model.loader import load_config
+from loraserve.bootstrap import preload_lora_modules
+from loraserve.cli import build_parser, settings_from_args
+
+
+def settings(argv, env=None):
+    return settings_from_args(build_parser(env or {}).parse_args(["serve", *argv]))
+
+
+def test_defaults_flags_and_environment(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    default = settings([])
+    assert (default.port, default.max_loras, default.shutdown_timeout, default.model) == (8000, 4, 30.0, None)
+    assert default.enable_prefix_caching and default.max_concurrent_requests_per_tenant is None
+    env = {"LORASERVE_MAX_LORAS": "7", "LORASERVE_ENABLE_PREFIX_CACHING": "false", "LORASERVE_PORT": "9001",
+           "LORASERVE_LORA_MODULES": f"a={tmp_path / 'a'}, b={tmp_path / 'b'}", "LORASERVE_SHUTDOWN_TIMEOUT": "5",
+           "LORASERVE_MAX_CONCURRENT_REQUESTS_PER_TENANT": "3", "LORASERVE_ADAPTER_STORE": "s3://bucket/prefix"}
+    from_env = settings([], env)
+    assert from_env.max_loras == 7 and not from_env.enable_prefix_caching and from_env.port == 9001
+    assert from_env.lora_modules == (("a", str(tmp_path / "a")), ("b", str(tmp_path / "b")))
+    assert from_env.shutdown_timeout == 5.0 and from_env.max_concurrent_requests_per_tenant == 3
+    assert from_env.adapter_store == "s3://bucket/prefix"
+    flags_win = settings(["--max-loras", "2", "--enable-prefix-caching", "--model", "m"], env)
+    assert flags_win.max_loras == 2 and flags_win.enable_prefix_caching and flags_win.model == "m"
+
+
+@pytest.mark.parametrize("argv, env, words", [
+    ([], {"LORASERVE_MAX_LORAS": "many"}, ["LORASERVE_MAX_LORAS", "many"]),
+    ([], {"LORASERVE_ENABLE_PREFIX_CACHING": "maybe"}, ["true or false"]),
+    (["--kv-cache-dtype", "fp8"], {}, ["--kv-cache-dtype"]),
+    (["--api-keys", "/no/such/keys.yaml"], {}, ["--api-keys"]),
+    (["--lora-modules", "nameonly"], {}, ["NAME=PATH"]),
+    (["--lora-modules", "x=/no/such/dir"], {}, ["PEFT adapter folder"]),
+    (["--adapter-store", "ftp://x"], {}, ["--adapter-store"]),
+    (["--shutdown-timeout", "-1"], {}, ["--shutdown-timeout"]),
+])
+def test_bad_settings_fail_with_the_flag_named(argv, env, words, capsys):
+    with pytest.raises(SystemExit):
+        parser = build_parser(env)
+        args = parser.parse_args(["serve", *argv])
+        try:
+            settings_from_args(args)
+        except ValueError as exc:
+            parser.error(str(exc))
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err
+
+
+def test_admin_client_commands_are_registered():
+    parser = build_parser({})
+    args = parser.parse_args(["adapters", "list"])
+    assert callable(args.func)
+
+
+def test_lora_modules_preload_creates_no_version_on_restart(tmp_path):
+    model_dir = make_text_model(tmp_path / "model")
+    first = make_adapter(model_dir, tmp_path / "first", seed=1, r=4, lora_alpha=8, target_modules=["q_proj"])
+    second = make_adapter(model_dir, tmp_path / "second", seed=2, r=4, lora_alpha=8, target_modules=["q_proj"])
+    store = open_store(StoreConfig(url=f"file://{tmp_path / 'store'}"), ModelShape.from_hf_config(load_config(model_dir)))
+    preload_lora_modules(store, (("bot", str(first)),))
+    preload_lora_modules(store, (("bot", str(first)),))  # a restart with the same folder
+    assert [r.version for r in store.versions("default", "bot")] == [1]
+    preload_lora_modules(store, (("bot", str(second)),))  # changed weights: a new version
+    assert [r.version for r in store.versions("default", "bot")] == [1, 2]

@@ -11,9 +11,17 @@ import time
 from collections import Counter
 
 import pytest
+import torch
 from factories import C1_ADAPTERS, load_peft_reference, make_adapter, make_model, reference_greedy
+from transformers import AutoConfig
 
-from engine import AsyncLLM, EngineConfig, EngineStats, LLMEngine, SamplingParams
+from engine import AsyncLLM, EngineConfig, EngineStats, LLMEngine, ModelShape, SamplingParams
+from engine.lora.manager import AdapterManager
+from engine.lora.model_shape import TARGET_MODULES
+from engine.lora.registry import AdapterRegistry
+from engine.lora.slots import LoRASlots
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 NUM_NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
@@ -228,3 +236,35 @@ async def _wait_for(llm: AsyncLLM, condition, timeout: float = 10.0) -> EngineSt
         assert time.monotonic() < deadline, f"stats never matched: {stats}"
         await asyncio.sleep(0.005)
     return stats
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])])
+def test_a_staged_copy_lands_in_its_slot_and_is_timed(case, device):
+    """On CUDA the copy runs on a side stream; is_ready turns true only once its event completed."""
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(case["model_dir"]))
+    slots = LoRASlots(shape, max_loras=2, max_rank=16, dtype=torch.bfloat16, device=torch.device(device))
+    registry = AdapterRegistry(shape, 16)
+    registry.register("x", case["adapters"]["ad3"])
+    events = []
+    manager = AdapterManager(registry, slots, max_cpu_loras=2, observer=lambda *event: events.append(event))
+    manager.prefetch("x")
+    while manager.num_loading:
+        manager.wait_for_loads(timeout=1.0)
+        assert manager.poll() == {}
+    manager.stage(["x"])
+    deadline = time.monotonic() + 10
+    while not manager.is_ready("x"):
+        assert time.monotonic() < deadline
+    slot = manager.acquire("x")
+    image = slots.image(registry.load("x"))
+    for module in TARGET_MODULES:
+        assert torch.equal(slots.lora_a[module][:, slot].cpu(), image.lora_a[module])
+        assert torch.equal(slots.lora_b[module][:, slot].cpu(), image.lora_b[module])
+        assert torch.equal(slots.scales[module][:, slot].cpu(), image.scales[module])
+    kinds = [(event, tier) for event, tier, _ in events]
+    assert kinds == [("miss", "gpu"), ("miss", "cpu"), ("load", "source"), ("load", "cpu")]
+    assert all(seconds > 0 for event, _, seconds in events if event == "load")
+    manager.release("x")
+    manager.forget("x")  # nobody holds it: dropped at once
+    assert manager.allocator.lookup("x") is None and not manager.is_ready("x")
+    manager.shutdown()

@@ -1,0 +1,330 @@
+"""Adapter loading benchmark (issue 3): load latency per tier, and decode step time while adapters load.
+
+    python3 benchmarks/adapter_loading.py            # on a CUDA machine; prints markdown tables
+    python3 benchmarks/adapter_loading.py --smoke    # anywhere: tiny shapes on the CPU, a few repeats
+
+Load latency: a rank-16 adapter over all seven projections of the Llama-3.1-8B shape (hidden 4096,
+intermediate 14336, 32 layers, 32 heads, 8 KV heads), random bf16 weights in a real PEFT folder
+(adapter_config.json + adapter_model.safetensors). Median of N after warm-up, per tier, exactly as the
+adapter manager does it:
+- disk: folder -> validated CPU tensors -> slot image (pinned on CUDA); page cache warm, and cold (the
+  file's pages dropped with posix_fadvise before each load).
+- CPU tier -> GPU slot: the pinned image copied into a slot on a side stream (GPU time between CUDA
+  events, and wall time from the first enqueue to completion). Target: under 20 ms.
+- S3 on loopback: an in-process moto server (only where boto3 and moto import), through the store and a
+  cold disk cache: manifest read, download, sha256, then the disk step.
+Decode under loading: LLMEngine on a random Llama-3.2-1B-shaped model (fewer layers, bf16) decoding a
+batch of running requests over a few adapters; step wall times with no loads, then while a stream of
+other adapters loads beside it (requests for them queue behind a full batch, so their adapters go disk
+-> CPU -> GPU slot and are then dropped for the next ones), then with no loads again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.lora.model_shape import TARGET_MODULES, ModelShape  # noqa: E402
+from engine.lora.peft_checkpoint import load_peft_adapter  # noqa: E402
+from engine.lora.slots import LoRASlots  # noqa: E402
+
+RANK = 16
+LLAMA_8B = ModelShape(num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
+                      head_dim=128)  # fmt: skip
+SMOKE_SHAPE = ModelShape(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                         head_dim=16)  # fmt: skip
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=64, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0)  # fmt: skip
+SMOKE_MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                   vocab_size=512)  # fmt: skip
+
+
+def write_peft_folder(folder: Path, shape: ModelShape, seed: int, dtype=torch.bfloat16) -> Path:
+    """A PEFT LoRA folder as save_pretrained writes it, random A and B of rank 16 on every projection."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(shape.num_layers):
+        for module in TARGET_MODULES:
+            block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            in_features, out_features = shape.module_dims(module)
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(RANK, in_features, generator=gen) * 0.01).to(dtype)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_features, RANK, generator=gen) * 0.01).to(dtype)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = dict(peft_type="LORA", r=RANK, lora_alpha=32, target_modules=list(TARGET_MODULES), bias="none",
+                  task_type="CAUSAL_LM", base_model_name_or_path=None)  # fmt: skip
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def drop_page_cache(folder: Path) -> None:
+    for path in folder.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def timed(fn, repeats: int, warmup: int, before=None) -> list[float]:
+    """Wall seconds of `fn()` per repeat, after `warmup` untimed calls; `before()` runs untimed each time."""
+    samples = []
+    for i in range(warmup + repeats):
+        if before is not None:
+            before()
+        started = time.perf_counter()
+        fn()
+        if i >= warmup:
+            samples.append(time.perf_counter() - started)
+    return samples
+
+
+def ms(samples: list[float], quantile: float | None = None) -> float:
+    """The median (or the given quantile, nearest rank) in milliseconds."""
+    if quantile is None:
+        return 1000.0 * statistics.median(samples)
+    ordered = sorted(samples)
+    return 1000.0 * ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
+
+
+# -- load latency per tier ------------------------------------------------------------------------
+
+
+def bench_tiers(
+    shape: ModelShape, device: torch.device, repeats: int, warmup: int, root: Path
+) -> tuple[float, list[tuple[str, str, list[float]]]]:
+    """(adapter MB, rows of (tier, what, seconds per repeat; empty when skipped))."""
+    cuda = device.type == "cuda"
+    folder = write_peft_folder(root / "adapter", shape, seed=0)
+    size_mb = (folder / "adapter_model.safetensors").stat().st_size / 1e6
+    slots = LoRASlots(shape, max_loras=4, max_rank=RANK, dtype=torch.bfloat16, device=device)
+
+    def disk_to_image():
+        return slots.image(load_peft_adapter(folder, shape, RANK), pin_memory=cuda)
+
+    rows = [
+        ("disk (page cache)", "folder -> CPU slot image", timed(disk_to_image, repeats, warmup)),
+        ("disk (cold)", "folder -> CPU slot image, pages dropped first",
+         timed(disk_to_image, repeats, warmup, before=lambda: drop_page_cache(folder))),
+    ]  # fmt: skip
+    image = disk_to_image()
+    if cuda:
+        stream = torch.cuda.Stream(device)
+        gpu_times = []
+
+        def to_slot():
+            stream.wait_stream(torch.cuda.current_stream(device))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                start.record(stream)
+                slots.load(1, image)
+                end.record(stream)
+            end.synchronize()
+            gpu_times.append(start.elapsed_time(end) / 1000.0)
+
+        wall = timed(to_slot, repeats, warmup)
+        rows.append(("CPU tier -> GPU slot", "pinned image -> slot, side stream (GPU time)", gpu_times[warmup:]))
+        rows.append(("CPU tier -> GPU slot", "same, wall: first enqueue to completion", wall))
+    else:
+        rows.append(("CPU tier -> slot", "image -> slot (CPU device: a plain copy)",
+                     timed(lambda: slots.load(1, image), repeats, warmup)))  # fmt: skip
+    rows.extend(bench_s3(shape, folder, repeats, warmup, root))
+    return size_mb, rows
+
+
+def bench_s3(shape: ModelShape, folder: Path, repeats: int, warmup: int, root: Path) -> list[tuple]:
+    try:
+        import boto3  # noqa: F401
+        from moto.server import ThreadedMotoServer
+    except ImportError as exc:
+        print(f"S3 tier skipped: {exc} (needs boto3 and moto[server])")
+        return [("S3 loopback", f"skipped: {exc.name or exc} not installed", [])]
+    import logging
+    import socket
+
+    from adapters_store import AdapterFiles, DiskCache, StoreConfig, open_store
+    from adapters_store.engine_source import StoreAdapterSource
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for var, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
+                       ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
+        os.environ.setdefault(var, value)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per HTTP request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
+        store = open_store(StoreConfig(url="s3://bench/adapters", endpoint_url=endpoint, max_lora_rank=RANK), shape)
+        files = AdapterFiles(config=folder / "adapter_config.json", weights=folder / "adapter_model.safetensors")
+        record = store.put("bench", "adapter", files)
+        events: dict[str, list[float]] = {"store": [], "disk": []}
+        caches = iter(range(1 << 30))
+
+        def observe(event, tier, seconds):
+            if event == "load" and tier in events:
+                events[tier].append(seconds)
+
+        def cold_load():
+            cache = DiskCache(store, root / f"cache-{next(caches)}", 1 << 34)  # cold: every load downloads
+            StoreAdapterSource(store, cache, shape, RANK, observer=observe).load(f"bench/{record.ref}")
+
+        total = timed(cold_load, repeats, warmup)
+        return [("S3 loopback", "manifest + download + sha256 -> disk cache", events["store"][warmup:]),
+                ("S3 loopback", "all of it -> validated CPU tensors", total)]  # fmt: skip
+    finally:
+        server.stop()
+
+
+# -- decode step time while adapters load -----------------------------------------------------------
+
+
+def make_model_dir(root: Path, sizes: dict, num_layers: int, device: torch.device) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**sizes, num_hidden_layers=num_layers, max_position_embeddings=4096)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    path = root / "model"
+    model.save_pretrained(path, safe_serialization=True)
+    del model
+    return path
+
+
+def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
+    sizes = SMOKE_MODEL if args.smoke else LLAMA_1B
+    model_dir = make_model_dir(root, sizes, args.decode_layers, device)
+    from transformers import AutoConfig
+
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    batch_folders = [write_peft_folder(root / f"batch-{i}", shape, seed=100 + i) for i in range(args.batch_adapters)]
+    bg_folders = [write_peft_folder(root / f"bg-{i}", shape, seed=200 + i) for i in range(args.background_adapters)]
+    steps = args.steps
+    prompt_len, max_tokens = args.prompt_len, 3 * steps + args.warmup + 16
+    blocks_per_request = -(-(prompt_len + max_tokens) // 16)
+    events = Counter()
+    config = EngineConfig(
+        model=str(model_dir), max_num_seqs=args.batch, max_num_batched_tokens=max(2048, prompt_len * 4),
+        max_model_len=prompt_len + max_tokens + 16, block_size=16,
+        num_kv_blocks=(args.batch + 8) * blocks_per_request, enable_prefix_caching=False,
+        max_loras=args.max_loras, max_cpu_loras=args.max_loras, max_lora_rank=RANK,
+        dtype="bfloat16" if device.type == "cuda" else "float32", device=str(device),
+    )  # fmt: skip
+    engine = LLMEngine(config, skip_tokenizer_init=True, adapter_observer=lambda e, t, s: events.update([(e, t)]))
+    vocab = sizes["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(args.batch):
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
+        engine.add_request(f"run{i}", prompt, params, str(batch_folders[i % len(batch_folders)].resolve()))
+    while not (engine.scheduler.num_running == args.batch
+               and all(r.num_output_tokens > 0 for r in engine.scheduler.running)):  # fmt: skip
+        engine.step()
+    for _ in range(args.warmup):
+        engine.step()
+
+    def measure(churn: bool) -> tuple[list[float], int]:
+        events.clear()
+        background: dict[str, str] = {}  # request id -> adapter id
+        cycle = itertools.cycle(str(f.resolve()) for f in bg_folders)
+        counter = itertools.count()
+        times = []
+        for _ in range(steps):
+            if churn:
+                for request_id, adapter_id in list(background.items()):
+                    if engine.lora.is_ready(adapter_id):  # arrived in a GPU slot: make room for the next
+                        engine.abort_request(request_id)
+                        del background[request_id]
+                while len(background) < args.concurrent_loads:
+                    request_id = f"bg{next(counter)}"
+                    background[request_id] = next(cycle)
+                    engine.add_request(request_id, [5, 6, 7], SamplingParams(max_tokens=1), background[request_id])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - started)
+            assert engine.scheduler.num_running == args.batch, "the measured batch must stay the same"
+        engine.abort_request(list(background))
+        return times, events[("load", "cpu")]
+
+    quiet_before, _ = measure(churn=False)
+    loading, num_loaded = measure(churn=True)
+    quiet_after, _ = measure(churn=False)
+    return [("no loads", quiet_before + quiet_after, 0), ("adapters loading beside", loading, num_loaded)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script runs")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=48, help="running requests in the measured decode batch")
+    parser.add_argument("--batch-adapters", type=int, default=8, help="distinct adapters of the running batch")
+    parser.add_argument("--background-adapters", type=int, default=32, help="adapters cycled through loading")
+    parser.add_argument("--concurrent-loads", type=int, default=4, help="background adapters in flight at once")
+    parser.add_argument("--max-loras", type=int, default=16)
+    parser.add_argument("--decode-layers", type=int, default=4, help="layers of the 1B-shaped decode model")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=200, help="decode steps measured per condition")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.repeats, args.warmup, args.batch, args.batch_adapters = 3, 1, 8, 2
+        args.background_adapters, args.max_loras, args.decode_layers = 6, 4, 2
+        args.prompt_len, args.steps, device = 8, 10, torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        parser.error("no CUDA device: run on a GPU machine, or pass --smoke")
+    torch.manual_seed(0)
+    shape = SMOKE_SHAPE if args.smoke else LLAMA_8B
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
+    with tempfile.TemporaryDirectory(prefix="adapter-bench-") as tmp:
+        size_mb, tiers = bench_tiers(shape, device, args.repeats, args.warmup, Path(tmp))
+        decode = bench_decode(args, device, Path(tmp))
+    print(f"\n- **Device**: {name}; torch {torch.__version__}, python {platform.python_version()}")
+    print(f"- **Command**: `python3 {' '.join(['benchmarks/adapter_loading.py', *(argv or sys.argv[1:])])}`")
+    print(f"- **Adapter**: rank {RANK}, all seven projections, {size_mb:.1f} MB bf16 safetensors, "
+          f"shape {'tiny (smoke)' if args.smoke else 'Llama-3.1-8B'}; median of {args.repeats} after {args.warmup} "
+          "warm-up\n")  # fmt: skip
+    print("| tier | what | median ms | p90 ms |\n|---|---|---|---|")
+    for tier, what, samples in tiers:
+        if not samples:
+            print(f"| {tier} | {what} | - | - |")
+        else:
+            print(f"| {tier} | {what} | **{ms(samples):.2f}** | {ms(samples, 0.9):.2f} |")
+    print(f"\n- **Decode**: {args.batch} running requests over {args.batch_adapters} adapters, "
+          f"{'tiny' if args.smoke else 'Llama-3.2-1B'}-shaped model with {args.decode_layers} layers, "
+          f"prompts of {args.prompt_len}; {args.steps} steps per condition; max_loras {args.max_loras}; "
+          f"background: {args.background_adapters} adapters cycled, {args.concurrent_loads} in flight\n")  # fmt: skip
+    print("| condition | steps | median step ms | p99 step ms | adapters copied into slots |\n|---|---|---|---|---|")
+    for label, times, num_loaded in decode:
+        print(f"| {label} | {len(times)} | **{ms(times):.2f}** | {ms(times, 0.99):.2f} | {num_loaded} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,7 +15,7 @@ from adapters_store.base import AdapterStore
 from adapters_store.cache import DiskCache
 from adapters_store.errors import AdapterNotFound, InvalidName, StoreError
 from adapters_store.names import check_name, check_tenant, check_version, format_ref, parse_ref
-from engine.lora.manager import Observer
+from engine.lora.manager import Observer, emit
 from engine.lora.model_shape import ModelShape
 from engine.lora.peft_checkpoint import AdapterError, PeftAdapter, load_peft_adapter
 
@@ -102,5 +102,4 @@ class StoreAdapterSource:
         return adapter
 
     def _emit(self, event: str, tier: str, seconds: float = 0.0) -> None:
-        if self._observer is not None:
-            self._observer(event, tier, seconds)
+        emit(self._observer, event, tier, seconds)

@@ -149,7 +149,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         for adapter_id, reason in self.lora.poll().items():
-            outputs.extend(self._fail_waiting(adapter_id, reason, started=True))
+            outputs.extend(self._fail_waiting(adapter_id, reason, include_preempted=True))
         self.lora.stage(r.adapter_id for r in self.scheduler.waiting if r.adapter_id is not None)
         scheduled = self.scheduler.schedule()
         for request in scheduled.preempted:
@@ -198,7 +198,7 @@ class LLMEngine:
         fail now (reported at the next step), running ones finish, and its slot frees after the last."""
         self.lora.forget(adapter_id)
         reason = f"adapter {adapter_id!r} was deleted before this request started"
-        self._pending.extend(self._fail_waiting(adapter_id, reason, started=False))
+        self._pending.extend(self._fail_waiting(adapter_id, reason, include_preempted=False))
 
     def stats(self) -> EngineStats:
         """The engine's load right now (engine thread only; AsyncLLM publishes copies for others)."""
@@ -225,14 +225,14 @@ class LLMEngine:
             raise AdapterError("load_failed", reason)
         return adapter_id
 
-    def _fail_waiting(self, adapter_id: str, reason: str, started: bool) -> list[RequestOutput]:
-        """Fail the waiting requests of one adapter with `reason`, nothing else; `started` includes the
-        preempted ones (which ran before), else only those never admitted."""
+    def _fail_waiting(self, adapter_id: str, reason: str, include_preempted: bool) -> list[RequestOutput]:
+        """Fail the waiting requests of one adapter with `reason`, nothing else: those never admitted,
+        and with `include_preempted` also those that ran before and wait to be recomputed."""
         outputs = []
         for request in [
             r
             for r in self.scheduler.waiting
-            if r.adapter_id == adapter_id and (started or r.status is RequestStatus.WAITING)
+            if r.adapter_id == adapter_id and (include_preempted or r.status is RequestStatus.WAITING)
         ]:
             request.error = reason
             self._finish(request, RequestStatus.FINISHED_ERROR)

@@ -28,10 +28,6 @@ class EngineStats:
     num_lora_slots_in_use: int  # GPU slots pinned by running requests
     num_adapters_loading: int  # background loads (store, disk) in flight
 
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.kv_cache_usage <= 1.0:
-            raise ValueError(f"kv_cache_usage must be within [0, 1] (got {self.kv_cache_usage})")
-
 
 def distinct_adapters(requests: Iterable[Request]) -> tuple[str, ...]:
     """The adapters some of `requests` use, sorted (base-model requests name none)."""

@@ -280,5 +280,14 @@ class AdapterManager:
         return start, end
 
     def _emit(self, event: str, tier: str, seconds: float = 0.0) -> None:
-        if self._observer is not None:
-            self._observer(event, tier, seconds)
+        emit(self._observer, event, tier, seconds)
+
+
+def emit(observer: Observer | None, event: str, tier: str, seconds: float = 0.0) -> None:
+    """Call an observer; a broken metrics hook is logged, never allowed to stop serving."""
+    if observer is None:
+        return
+    try:
+        observer(event, tier, seconds)
+    except Exception:
+        logger.exception("adapter observer failed on (%s, %s)", event, tier)

@@ -1,0 +1,78 @@
+"""A `loraserve serve` subprocess on a free loopback port, for the end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+STARTUP_TIMEOUT_S = 240.0  # the demo model converts on first start
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def loraserve_command() -> list[str]:
+    """The installed console script next to this interpreter, else the module (same code)."""
+    script = Path(sys.executable).parent / "loraserve"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "loraserve.cli"]
+
+
+class ServerProcess:
+    def __init__(self, workdir: Path, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / f"server-{self.port}.log"
+        command = [*loraserve_command(), "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--state-dir", str(workdir / "state"), "--device", "cpu", *args]
+        environment = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(command, cwd=workdir, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env=environment)
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"the server was not ready within {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def terminate(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self._log.close()
+
+
+def tiny_server_args(model_dir: Path, *extra: str) -> list[str]:
+    return ["--model", str(model_dir), "--served-model-name", "tiny", "--max-model-len", "128",
+            "--block-size", "4", "--cpu-kv-cache-space", "0.01", "--max-loras", "2", *extra]
+
+

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from app_fixtures import make_text_model
 from factories import make_adapter
+from loraserve.bootstrap import preload_lora_modules
+from loraserve.cli import build_parser, settings_from_args
 
 from adapters_store import StoreConfig, open_store
 from engine import ModelShape
 from engine.model.loader import load_config
-from loraserve.bootstrap import preload_lora_modules
-from loraserve.cli import build_parser, settings_from_args
 
 
 def settings(argv, env=None):

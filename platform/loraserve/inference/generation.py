@@ -64,6 +64,11 @@ class Generation:
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
+    @property
+    def has_tokens(self) -> bool:
+        """True once any prompt has produced a token."""
+        return any(t.first_token is not None for t in self._timings)
+
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Deltas of every prompt as they come; raises GenerationFailed / ServiceUnavailable on failure."""
         shutdown = self.services.shutdown

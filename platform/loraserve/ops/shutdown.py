@@ -34,6 +34,10 @@ class Shutdown:
     def num_in_flight(self) -> int:
         return len(self._active)
 
+    @property
+    def in_flight(self) -> tuple[Drainable, ...]:
+        return tuple(self._active)
+
     def track(self, item: Drainable) -> None:
         self._active.add(item)
 

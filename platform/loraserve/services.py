@@ -24,6 +24,15 @@ def engine_adapter_id(tenant: str, name: str, version: int) -> str:
     return f"{tenant}/{name}@{version}"
 
 
+def split_engine_adapter_id(adapter_id: str) -> tuple[str, str, int] | None:
+    """`(tenant, name, version)` of an id `engine_adapter_id` made; None for an id of any other form."""
+    tenant, slash, ref = adapter_id.partition("/")
+    name, at, version = ref.rpartition("@")
+    if not (tenant and slash and name and at and version.isdigit()):
+        return None
+    return tenant, name, int(version)
+
+
 class EngineClient(Protocol):
     """The part of the engine the handlers use (engine.AsyncLLM fits)."""
 

@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from app_fixtures import make_text_model
 from factories import make_adapter
+from loraserve.ops.metrics import Metrics, affinity_names
 from loraserve.routing import Route, Variant
 from prometheus_client.parser import text_string_to_metric_families
 from test_inference_completions import run
+
+from engine import EngineStats
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +71,7 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
     assert value(found, "loraserve_route_requests_total", tenant="default", route="ab", variant="a") == 1
     assert value(found, "loraserve_config_store_up") == 1
     assert value(found, "loraserve_lora_slots_in_use") == 0
-    info = [labels for (name, labels) in found if name == "vllm:lora_requests_info"]
-    assert dict(info[0])["max_lora"] == "2" and dict(info[0])["running_lora_adapters"] == ""
+    assert lora_info(found) == {"max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
     # The first request for the adapter missed every tier; the later ones hit the GPU slot.
     assert sum(v for (n, _), v in found.items() if n == "loraserve_adapter_cache_misses_total") >= 1
     assert sum(v for (n, _), v in found.items() if n == "loraserve_adapter_cache_hits_total") >= 1
@@ -76,6 +79,65 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
     assert "vllm:time_to_first_token_seconds_count" in before  # registered before any request
     assert ready.status_code == 200 and ready.json() == {"ready": True, "model": "tiny", "reasons": []}
     assert health.json() == {"status": "ok"}
+
+
+def lora_info(found: dict) -> dict:
+    """The labels of the one `vllm:lora_requests_info` series."""
+    (labels,) = [labels for (name, labels) in found if name == "vllm:lora_requests_info"]
+    return dict(labels)
+
+
+@pytest.mark.parametrize("adapter_ids, labelled", [
+    ((), ""),
+    (("default/a@1",), "a,a@1"),
+    # Two versions of one adapter, and another tenant's adapter of the same name: `a` is listed once.
+    (("alpha/a@2", "beta/a@1", "beta/b@3"), "a,a@2,a@1,b,b@3"),
+    (("alpha/a@2", "beta/a@2"), "a,a@2"),
+    (("alpha/x.y-1@10",), "x.y-1,x.y-1@10"),
+])
+def test_affinity_names_are_the_model_names_clients_send(adapter_ids, labelled):
+    assert affinity_names(adapter_ids) == labelled
+
+
+def engine_stats(running: tuple[str, ...], waiting: tuple[str, ...]) -> EngineStats:
+    return EngineStats(num_running=len(running), num_waiting=len(waiting), kv_cache_usage=0.5, num_preemptions=0,
+                       num_prompt_tokens=0, num_generation_tokens=0, running_adapters=running,
+                       waiting_adapters=waiting, max_loras=4, num_lora_slots_in_use=len(running),
+                       num_adapters_loading=0)
+
+
+def test_lora_requests_info_is_shaped_as_vllm_exports_it():
+    """What the Inference Extension's endpoint picker parses: one series, value the scrape time (it keeps
+    the newest series), `max_lora` an integer, adapter lists joined by "," with no spaces."""
+    stats = engine_stats(running=("alpha/a@2", "beta/b@1"), waiting=("alpha/a@2", "alpha/c@7"))
+    metrics = Metrics("tiny", engine_stats=lambda: stats)
+    before = time.time()
+    text = metrics.render().decode()
+    found = samples(text)
+    assert lora_info(found) == {"max_lora": "4", "running_lora_adapters": "a,a@2,b,b@1",
+                                "waiting_lora_adapters": "a,a@2,c,c@7"}
+    (stamp,) = [v for (name, _), v in found.items() if name == "vllm:lora_requests_info"]
+    assert before <= stamp <= time.time()
+    assert "# TYPE vllm:lora_requests_info gauge" in text
+
+
+def test_lora_requests_info_names_a_running_adapter_as_requests_name_it(tmp_path, model_dir, adapter_dir):
+    async def scenario(client, services):
+        services.adapter_store.put("default", "a", adapter_dir)
+        body = {"model": "a", "prompt": [4, 5, 6], "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+        request = asyncio.create_task(client.post("/v1/completions", json=body))
+        seen = []
+        while not request.done():  # scrape until one scrape lands while the request runs
+            info = lora_info(samples((await client.get("/metrics")).text))
+            if info["running_lora_adapters"]:
+                seen.append(info)
+                break
+            await asyncio.sleep(0.001)
+        return seen, await request
+
+    seen, response = run(tmp_path, model_dir, scenario)
+    assert response.status_code == 200 and response.json()["model"] == "a@1"
+    assert seen == [{"max_lora": "2", "running_lora_adapters": "a,a@1", "waiting_lora_adapters": ""}]
 
 
 def test_ready_reports_an_unreachable_adapter_store(tmp_path, model_dir):

@@ -6,6 +6,7 @@ from typing import Any
 
 from litestar import Controller, Request, get, post
 from litestar.di import NamedDependency
+from litestar.params import JSONBody
 
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.service import create_chat_completion, create_completion
@@ -20,14 +21,14 @@ class InferenceController(Controller):
 
     @post("/completions", status_code=200)
     async def completions(
-        self, data: CompletionRequest, request: Request, services: NamedDependency[Services],
+        self, data: JSONBody[CompletionRequest], request: Request, services: NamedDependency[Services],
         principal: NamedDependency[Principal],
     ) -> Any:
         return await create_completion(services, principal, data, request)
 
     @post("/chat/completions", status_code=200)
     async def chat_completions(
-        self, data: ChatCompletionRequest, request: Request, services: NamedDependency[Services],
+        self, data: JSONBody[ChatCompletionRequest], request: Request, services: NamedDependency[Services],
         principal: NamedDependency[Principal],
     ) -> Any:
         return await create_chat_completion(services, principal, data, request)

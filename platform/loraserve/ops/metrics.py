@@ -3,13 +3,14 @@
 Names follow vLLM where they overlap, so dashboards and the Gateway API Inference Extension's scorers
 work unchanged; engine gauges and counters are read from the engine's published `EngineStats` at
 scrape time rather than pushed on every step. `vllm:lora_requests_info` is, as in vLLM, a gauge whose
-value is a timestamp and whose labels carry the comma-joined running and waiting adapters.
+value is a timestamp and whose labels carry the comma-joined running and waiting adapters, named as
+clients name them in `model` (see `affinity_names`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -18,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from engine import EngineStats
 from loraserve.routing import Variant
+from loraserve.services import split_engine_adapter_id
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
@@ -104,13 +106,37 @@ class _StateCollector(Collector):
         slots = GaugeMetricFamily("loraserve_lora_slots_in_use", "GPU adapter slots pinned by running requests.")
         slots.add_metric([], stats.num_lora_slots_in_use)
         yield slots
+        # vLLM's labels, in vLLM's order; the value is the time of this snapshot (vLLM: set_to_current_time).
         info = GaugeMetricFamily(
             "vllm:lora_requests_info", "Running and waiting adapters (value: a timestamp).",
-            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
         )
-        info.add_metric([",".join(stats.running_adapters), ",".join(stats.waiting_adapters), str(stats.max_loras)],
-                        time.time())
+        info.add_metric([str(stats.max_loras), affinity_names(stats.waiting_adapters),
+                         affinity_names(stats.running_adapters)], time.time())
         yield info
+
+
+def affinity_names(adapter_ids: Iterable[str]) -> str:
+    """The comma-joined `model` names that reach these engine adapters: `name` and `name@version` of each.
+
+    The Gateway API Inference Extension's endpoint picker splits these labels on "," (no spaces, as
+    vLLM joins them) and looks the request's `model` up in the result, so the labels must hold what
+    clients send, not the engine's `tenant/name@version`. Names are not tenant-qualified: two tenants'
+    adapters of one name share an entry, which only makes the routing hint coarser. Order follows
+    `adapter_ids`, duplicates dropped; an id of another form passes unchanged.
+
+        ("alpha/a@2", "beta/a@1", "beta/b@3")  ->  "a,a@2,a@1,b,b@3"
+    """
+    names: dict[str, None] = {}  # an ordered set
+    for adapter_id in adapter_ids:
+        parts = split_engine_adapter_id(adapter_id)
+        if parts is None:
+            names[adapter_id] = None
+            continue
+        _, name, version = parts
+        names[name] = None
+        names[f"{name}@{version}"] = None
+    return ",".join(names)
 
 
 def _gauge(name: str, doc: str, value: Any, labels: list[str]) -> GaugeMetricFamily:

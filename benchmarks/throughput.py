@@ -106,10 +106,12 @@ def run_engine(args, name: str, model_dir: Path, adapters: list[Path], prompts: 
     w1.free_memory(device)
     engine = make_engine(args, model_dir, adapters, max_len)
     names = [f"a{i % len(adapters)}" if adapters else None for i in range(len(prompts))]
-    # Warm-up: every adapter made resident, the kernels compiled, before the clock starts.
-    warm = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4, ignore_eos=True)
-    for i, adapter in enumerate([*sorted(set(names), key=str)]):
-        engine.add_request(f"warm{i}", prompts[i][:32], warm, adapter)
+    # Warm-up on the measured requests themselves (2 tokens each): every adapter resident and every
+    # kernel variant the run's prefill and decode shapes need compiled before the clock starts. Triton
+    # compiles a variant on first use, which otherwise lands in the first run's TTFT.
+    warm = SamplingParams(temperature=0.0, max_tokens=2, min_tokens=2, ignore_eos=True)
+    for i, (prompt, adapter) in enumerate(zip(prompts, names)):
+        engine.add_request(f"warm{i}", prompt, warm, adapter)
     drain(engine)
 
     steps: list[StepRecord] = []

@@ -37,6 +37,7 @@ CASES = {
 }
 
 
+@pytest.mark.interpreted
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_float64_reference(name):
     seqs, heads, kv_heads, head_dim, block_size, window, splits = CASES[name]
@@ -47,6 +48,7 @@ def test_matches_float64_reference(name):
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
 
 
+@pytest.mark.interpreted
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision(dtype):
     batch = make_batch([(11, 3), (4, 1)], 4, 2, 16, 8, dtype, seed=7)
@@ -55,12 +57,14 @@ def test_half_precision(dtype):
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.interpreted
 def test_split_k_equals_one_split():
     batch = make_batch([(45, 1), (12, 1), (1, 1)], 4, 2, 16, 8, torch.float32, seed=3)
     one, many = run(batch, 0.3, num_splits=1), run(batch, 0.3, num_splits=4)
     torch.testing.assert_close(one, many, atol=1e-5, rtol=0)
 
 
+@pytest.mark.interpreted
 def test_rows_outside_the_batch_untouched():
     """out may be larger than needed in no dimension, but only q's rows are written: poison stays out."""
     batch = make_batch([(3, 2)], 2, 1, 16, 4, torch.float32, seed=5)
@@ -68,6 +72,7 @@ def test_rows_outside_the_batch_untouched():
     assert not out.isnan().any()
 
 
+@pytest.mark.interpreted
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -28,6 +28,7 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype(checkpoint_dtype(hf_config))
+        self.kv_cache_dtype = config.kv_cache_torch_dtype(self.dtype)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.attention_backend = config.resolved_attention_backend
@@ -51,16 +52,24 @@ class ModelRunner:
             )  # fmt: skip
             self.graphs.capture()
         logger.info(
-            "model loaded: %d layers, %s on %s; KV cache %d blocks of %d tokens; attention %s, %s",
+            "model loaded: %d layers, %s on %s; KV cache %d blocks of %d tokens, %s; attention %s, %s",
             self.model.num_layers, self.dtype, self.device, self.num_kv_blocks, self.block_size,
-            self.attention_backend, "CUDA graphs for decode" if self.graphs else "eager",
+            self._kv_cache_description(weights), self.attention_backend,
+            "CUDA graphs for decode" if self.graphs else "eager",
         )
 
     @property
     def kv_block_bytes(self) -> int:
+        """K and V of one block over all layers, in the cache dtype (fp8: 1 byte an element)."""
         m = self.model
-        element = torch.tensor([], dtype=self.dtype).element_size()
+        element = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * element
+
+    def _kv_cache_description(self, weights) -> str:
+        if self.kv_cache_dtype == self.dtype:
+            return f"dtype {self.dtype}"
+        source = "from the checkpoint" if weights.kv_scales_from_checkpoint else "1.0 (the checkpoint has none)"
+        return f"dtype {self.kv_cache_dtype} (fp8, per-tensor scales {source})"
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
@@ -133,8 +142,8 @@ class ModelRunner:
         m = self.model
         shape = (num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         return [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
             for _ in range(m.num_layers)
         ]
 

@@ -36,6 +36,8 @@ class ModelRunner:
             raise ValueError(
                 f"attention_backend 'triton' needs a CUDA device (got {self.device}); use 'auto' or 'torch'"
             )
+        if self.kv_cache_dtype != self.dtype and self.attention_backend == "triton" and self.device.type == "cuda":
+            _check_fp8_triton_support(self.device)
         weights = load_weights(model_path, hf_config, self.dtype, self.device)
         self.model = LlamaModel(hf_config, weights, max_model_len, self.attention_backend)
         self.shape = ModelShape.from_hf_config(hf_config)
@@ -191,6 +193,16 @@ class ModelRunner:
             self.model.compute_logits(hidden[:rows])
         del caches, hidden
         torch.cuda.synchronize(self.device)
+
+
+def _check_fp8_triton_support(device: torch.device) -> None:
+    """Triton reads float8 e4m3 (its fp8e4nv) on compute capability 8.9+ only (Ada, Hopper and later)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"kv_cache_dtype fp8 with the Triton attention backend needs compute capability 8.9 or newer "
+            f"(this GPU is {major}.{minor}); use kv_cache_dtype 'auto', or attention_backend 'torch'"
+        )
 
 
 def _is_decode_only(scheduled: list[ScheduledRequest], max_batch_size: int) -> bool:

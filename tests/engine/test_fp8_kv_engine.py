@@ -61,7 +61,9 @@ def make_llm(model_dir, kv_cache_dtype="auto", **kwargs):
 
 
 def generate(llm, prompts, logprobs=20):
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS, logprobs=logprobs)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS, logprobs=logprobs
+    )
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert all(o.error is None for o in outputs)
     return [o.outputs[0] for o in outputs]
@@ -106,7 +108,8 @@ def test_checkpoint_scales_are_loaded(models, tmp_path, names):
 
 
 def test_legacy_kv_scale_serves_k_and_v_and_defaults_are_one(models, tmp_path):
-    path = with_kv_scales(models["plain"], tmp_path / "m", [(0.5, 0.5)], ("self_attn.kv_scale", "self_attn.kv_scale"))
+    legacy = ("self_attn.kv_scale", "self_attn.kv_scale")
+    path = with_kv_scales(models["plain"], tmp_path / "m", [(0.5, 0.5)], legacy)
     weights = load_weights(path, load_config(path), torch.bfloat16, torch.device("cpu"))
     assert (weights.layers[0].k_scale.item(), weights.layers[0].v_scale.item()) == (0.5, 0.5)
     assert (weights.layers[1].k_scale.item(), weights.layers[1].v_scale.item()) == (1.0, 1.0)  # layer 1 has none

@@ -14,6 +14,7 @@ from engine.lora.context import LoRAContext
 from engine.lora.model_shape import ModelShape
 from engine.lora.slots import LoRASlots
 from engine.model.attention import AttentionMetadata
+from engine.model.kv_quant import FP8_DTYPE
 from engine.model.llama import LlamaModel
 from engine.model.loader import checkpoint_dtype, load_weights
 from engine.model.paged_attention_triton import interpreting
@@ -36,7 +37,7 @@ class ModelRunner:
             raise ValueError(
                 f"attention_backend 'triton' needs a CUDA device (got {self.device}); use 'auto' or 'torch'"
             )
-        if self.kv_cache_dtype != self.dtype and self.attention_backend == "triton" and self.device.type == "cuda":
+        if self.kv_cache_dtype == FP8_DTYPE and self.attention_backend == "triton" and self.device.type == "cuda":
             _check_fp8_triton_support(self.device)
         weights = load_weights(model_path, hf_config, self.dtype, self.device)
         self.model = LlamaModel(hf_config, weights, max_model_len, self.attention_backend)
@@ -68,9 +69,9 @@ class ModelRunner:
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * element
 
     def _kv_cache_description(self, weights) -> str:
-        if self.kv_cache_dtype == self.dtype:
-            return f"dtype {self.dtype}"
-        source = "from the checkpoint" if weights.kv_scales_from_checkpoint else "1.0 (the checkpoint has none)"
+        if self.kv_cache_dtype != FP8_DTYPE:
+            return f"dtype {self.kv_cache_dtype}"
+        source = "from the checkpoint" if weights.kv_scales_from_checkpoint else "1.0: none in the checkpoint"
         return f"dtype {self.kv_cache_dtype} (fp8, per-tensor scales {source})"
 
     @torch.inference_mode()

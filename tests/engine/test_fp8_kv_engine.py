@@ -22,8 +22,8 @@ from engine.model.loader import load_config, load_weights
 NUM_NEW_TOKENS = 16
 # Calibrated-like per-layer scales: K/V of this model peak at about 6 and 7 (amax / 448 ~ 0.015).
 CHECKPOINT_SCALES = [(0.02, 0.015), (0.025, 0.02)]  # (k_scale, v_scale) of layers 0 and 1
-# Scales that flush every K/V entry below e4m3's smallest subnormal: a cache of zeros, to show that the
-# closeness checks below would catch a broken scale or a garbage cache.
+# Scales so coarse that K/V land among e4m3's subnormals (steps of 2^-9 x 1000, about 2, for entries of
+# about +-2): a garbage cache, mostly zeros, to show that the closeness checks below would catch one.
 BROKEN_SCALES = [(1000.0, 1000.0), (1000.0, 1000.0)]
 
 
@@ -162,16 +162,17 @@ def first_step_drift(reference, outputs) -> tuple[float, int, int]:
 def test_fp8_stays_close_to_the_model_dtype_cache(models, prompts):
     """Measured on this random model (flat distributions: top-2 logprobs often within 0.1): the first-step
     top-5 logprobs move by 0.12 (scales 1.0) and 0.09 (checkpoint scales) on average, none leaves the top
-    20, at most 1 of 8 first tokens flips; 38% and 27% of the 128 greedy tokens match position for position
-    (greedy paths part after the first flip). Broken caches fail every check: scales that zero the cache
-    drift 0.97 with 28 of 40 top-5 tokens out of the top 20 and 8 first tokens flipped; K and V scales off
-    by 1.5x on read drift 0.45 with 8 out and 3 flipped; a read that ignores the scales, 37 out, 8 flipped."""
+    20, at most 1 of 8 first tokens flips; 38% and 27% of the 128 greedy tokens match position for
+    position (greedy paths part after the first flip). Broken caches fail every check: the garbage cache
+    of BROKEN_SCALES drifts 0.97 with 28 of 40 top-5 tokens out of the top 20 and all 8 first tokens
+    flipped; K and V scales off by 1.5x on read drift 0.45 with 8 out and 3 flipped; a read that ignores
+    the scales, 37 out and 8 flipped."""
     auto = generate(make_llm(models["plain"]), prompts)
     for model in ("plain", "scaled"):
         drift, missing, flipped = first_step_drift(auto, generate(make_llm(models[model], "fp8"), prompts))
         assert drift < 0.2 and missing == 0 and flipped <= 2, (model, drift, missing, flipped)
     drift, missing, flipped = first_step_drift(auto, generate(make_llm(models["broken"], "fp8"), prompts))
-    assert missing > 10 and flipped > 4, "the checks above should fail for a cache of zeros"
+    assert missing > 10 and flipped > 4, "the checks above should fail for a garbage cache"
 
 
 def test_prefix_caching_and_preemption_unchanged(models):

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model.kv_quant import FP8_DTYPE
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -15,6 +17,9 @@ _DTYPES = {
 }
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# "auto": K/V in the model dtype; "fp8" and "fp8_e4m3" (vLLM's two names for one thing): float8 e4m3
+# with a float32 scale per layer for K and one for V (engine/model/kv_quant.py).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,8 @@ class EngineConfig:
     # True: every step runs eagerly; False: decode-only steps replay CUDA graphs captured at start-up
     # (CUDA with the Triton attention backend only; the CPU always runs eagerly).
     enforce_eager: bool = False
+    # "auto": the model dtype; "fp8" / "fp8_e4m3": half the bytes of bf16 per token (see KV_CACHE_DTYPES).
+    kv_cache_dtype: str = "auto"
     # CPU only: bytes of KV cache when num_kv_blocks is not given (vLLM's VLLM_CPU_KVCACHE_SPACE).
     cpu_kv_cache_bytes: int = 1 << 30
 
@@ -78,6 +85,11 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} (got {self.attention_backend!r})"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype!r}); "
+                "'fp8' stores K/V as float8 e4m3 with a per-tensor scale"
             )
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool (got {self.enforce_eager!r})")
@@ -121,6 +133,10 @@ class EngineConfig:
         if checkpoint_dtype in (torch.float16, torch.bfloat16):
             return checkpoint_dtype
         return torch.bfloat16
+
+    def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype K/V are stored in: the model's, or float8 e4m3 for "fp8"."""
+        return model_dtype if self.kv_cache_dtype == "auto" else FP8_DTYPE
 
 
 def _positive(name: str, value: int) -> None:

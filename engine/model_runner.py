@@ -14,6 +14,7 @@ from engine.lora.context import LoRAContext
 from engine.lora.model_shape import ModelShape
 from engine.lora.slots import LoRASlots
 from engine.model.attention import AttentionMetadata
+from engine.model.kv_quant import FP8_DTYPE
 from engine.model.llama import LlamaModel
 from engine.model.loader import checkpoint_dtype, load_weights
 from engine.model.paged_attention_triton import interpreting
@@ -28,6 +29,7 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype(checkpoint_dtype(hf_config))
+        self.kv_cache_dtype = config.kv_cache_torch_dtype(self.dtype)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.attention_backend = config.resolved_attention_backend
@@ -35,6 +37,8 @@ class ModelRunner:
             raise ValueError(
                 f"attention_backend 'triton' needs a CUDA device (got {self.device}); use 'auto' or 'torch'"
             )
+        if self.kv_cache_dtype == FP8_DTYPE and self.attention_backend == "triton" and self.device.type == "cuda":
+            _check_fp8_triton_support(self.device)
         weights = load_weights(model_path, hf_config, self.dtype, self.device)
         self.model = LlamaModel(hf_config, weights, max_model_len, self.attention_backend)
         self.shape = ModelShape.from_hf_config(hf_config)
@@ -51,16 +55,24 @@ class ModelRunner:
             )  # fmt: skip
             self.graphs.capture()
         logger.info(
-            "model loaded: %d layers, %s on %s; KV cache %d blocks of %d tokens; attention %s, %s",
+            "model loaded: %d layers, %s on %s; KV cache %d blocks of %d tokens, %s; attention %s, %s",
             self.model.num_layers, self.dtype, self.device, self.num_kv_blocks, self.block_size,
-            self.attention_backend, "CUDA graphs for decode" if self.graphs else "eager",
+            self._kv_cache_description(weights), self.attention_backend,
+            "CUDA graphs for decode" if self.graphs else "eager",
         )
 
     @property
     def kv_block_bytes(self) -> int:
+        """K and V of one block over all layers, in the cache dtype (fp8: 1 byte an element)."""
         m = self.model
-        element = torch.tensor([], dtype=self.dtype).element_size()
+        element = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * element
+
+    def _kv_cache_description(self, weights) -> str:
+        if self.kv_cache_dtype != FP8_DTYPE:
+            return f"dtype {self.kv_cache_dtype}"
+        source = "from the checkpoint" if weights.kv_scales_from_checkpoint else "1.0: none in the checkpoint"
+        return f"dtype {self.kv_cache_dtype} (fp8, per-tensor scales {source})"
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
@@ -133,8 +145,8 @@ class ModelRunner:
         m = self.model
         shape = (num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         return [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
             for _ in range(m.num_layers)
         ]
 
@@ -182,6 +194,16 @@ class ModelRunner:
             self.model.compute_logits(hidden[:rows])
         del caches, hidden
         torch.cuda.synchronize(self.device)
+
+
+def _check_fp8_triton_support(device: torch.device) -> None:
+    """Triton reads float8 e4m3 (its fp8e4nv) on compute capability 8.9+ only (Ada, Hopper and later)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"kv_cache_dtype fp8 with the Triton attention backend needs compute capability 8.9 or newer "
+            f"(this GPU is {major}.{minor}); use kv_cache_dtype 'auto', or attention_backend 'torch'"
+        )
 
 
 def _is_decode_only(scheduled: list[ScheduledRequest], max_batch_size: int) -> bool:

@@ -1,7 +1,8 @@
 """Paged attention: K/V live in fixed-size blocks read through block tables.
 
 `attention` dispatches to the plain-torch path (`paged_attention`, which runs everywhere and is the
-reference) or to the Triton kernels (paged_attention_triton.py, the CUDA path).
+reference) or to the Triton kernels (paged_attention_triton.py, the CUDA path). Both read an fp8 cache
+(float8 e4m3 with per-layer K and V scales, kv_quant.py) as well as one in the model dtype.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.model.kv_quant import dequantize_fp8, is_fp8, quantize_fp8
 from engine.model.paged_attention_triton import paged_attention_triton
 
 
@@ -63,8 +65,20 @@ def write_kv(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens]
+    k_scale: torch.Tensor | None = None,  # [1] float32; used only by an fp8 cache
+    v_scale: torch.Tensor | None = None,  # [1] float32
 ) -> None:
-    """Store the step's new K/V; done for the whole batch before any sequence reads the cache."""
+    """Store the step's new K/V; done for the whole batch before any sequence reads the cache.
+
+    An fp8 cache gets K/V divided by their scales and saturated (kv_quant.quantize_fp8); the copy goes
+    through uint8 views since index_copy_ has no float8 kernel on the CPU.
+    """
+    if is_fp8(key_cache):
+        if k_scale is None or v_scale is None:
+            raise ValueError("an fp8 KV cache needs k_scale and v_scale")
+        k = quantize_fp8(k, k_scale).view(torch.uint8)
+        v = quantize_fp8(v, v_scale).view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
@@ -76,9 +90,18 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,  # [1] float32; fp8 caches only
+    v_scale: torch.Tensor | None = None,  # [1] float32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of each sequence's new tokens over its whole cached context."""
+    """Causal attention of each sequence's new tokens over its whole cached context.
+
+    An fp8 cache is dequantized (`.float() * scale`, then the model dtype) per sequence before the
+    softmax, which runs in the model dtype as for any other cache.
+    """
     block_size = key_cache.shape[1]
+    fp8 = is_fp8(key_cache)
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an fp8 KV cache needs k_scale and v_scale")
     out = torch.empty_like(q)
     for i in range(meta.num_seqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
@@ -86,6 +109,8 @@ def paged_attention(
         blocks = meta.block_tables[i, : -(-seq_len // block_size)]
         k = key_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
         v = value_cache[blocks].flatten(0, 1)[:seq_len]
+        if fp8:
+            k, v = dequantize_fp8(k, k_scale, q.dtype), dequantize_fp8(v, v_scale, q.dtype)
         q_positions = meta.positions[start:end]
         k_positions = torch.arange(seq_len, device=q.device)
         allowed = k_positions[None, :] <= q_positions[:, None]  # [num_new, seq_len]
@@ -111,13 +136,15 @@ def attention(
     scale: float,
     sliding_window: int | None,
     backend: str,  # "torch" or "triton" (resolved by EngineConfig.resolved_attention_backend)
+    k_scale: torch.Tensor | None = None,  # [1] float32; fp8 caches only
+    v_scale: torch.Tensor | None = None,  # [1] float32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     if backend == "torch":
-        return paged_attention(q, key_cache, value_cache, meta, scale, sliding_window)
+        return paged_attention(q, key_cache, value_cache, meta, scale, sliding_window, k_scale, v_scale)
     if backend != "triton":
         raise ValueError(f"attention backend must be 'torch' or 'triton', got {backend!r}")
     seq_lens, query_start_loc = meta.device_tensors()
     return paged_attention_triton(
         q, key_cache, value_cache, meta.block_tables[: meta.num_seqs], seq_lens, query_start_loc,
-        meta.max_query_len, scale, sliding_window,
+        meta.max_query_len, scale, sliding_window, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip

@@ -27,6 +27,9 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
+    # fp8 KV cache scales (stored * scale = real); 1.0 unless the checkpoint has them. Unused otherwise.
+    k_scale: torch.Tensor  # [1] float32
+    v_scale: torch.Tensor  # [1] float32
 
 
 @dataclass
@@ -35,6 +38,7 @@ class ModelWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+    kv_scales_from_checkpoint: bool = False  # True: the checkpoint carried k_scale/v_scale tensors
 
 
 class LlamaModel:
@@ -94,10 +98,11 @@ class LlamaModel:
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rope(meta.positions, q, k)
         key_cache, value_cache = kv_cache
-        write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+        write_kv(key_cache, value_cache, k, v, meta.slot_mapping, layer.k_scale, layer.v_scale)
         attn = attention(
-            q, key_cache, value_cache, meta, self.scale, self.sliding_windows[i], self.attention_backend
-        )
+            q, key_cache, value_cache, meta, self.scale, self.sliding_windows[i], self.attention_backend,
+            layer.k_scale, layer.v_scale,
+        )  # fmt: skip
         attn = attn.reshape(-1, self.q_size)
         out = F.linear(attn, layer.o)
         if lora is not None:

@@ -9,9 +9,15 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from engine.model.kv_quant import default_scale
 from engine.model.llama import LayerWeights, ModelWeights
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+# fp8 KV-cache scales under `model.layers.N.self_attn.`, as vLLM reads them: llm-compressor's and
+# vLLM's own names, ModelOpt's, AutoFP8's output scales of k_proj/v_proj, and the older single kv_scale.
+_K_SCALE_NAMES = ("k_scale", "attn.k_scale", "k_proj.k_scale", "k_proj.output_scale", "kv_scale")
+_V_SCALE_NAMES = ("v_scale", "attn.v_scale", "v_proj.v_scale", "v_proj.output_scale", "kv_scale")
+_SCALE_SUFFIXES = tuple(f".self_attn.{n}" for n in {*_K_SCALE_NAMES, *_V_SCALE_NAMES})
 
 
 def resolve_model_path(model: str) -> Path:
@@ -58,7 +64,9 @@ def load_weights(path: Path, config, dtype: torch.dtype, device: torch.device) -
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
-                raw[name] = f.get_tensor(name).to(dtype=dtype)
+                # Scales stay float32: rounded to bf16 they would be off by up to 0.4%.
+                is_scale = name.endswith(_SCALE_SUFFIXES)
+                raw[name] = f.get_tensor(name).to(dtype=torch.float32 if is_scale else dtype)
 
     def take(name: str) -> torch.Tensor:
         if name not in raw:
@@ -68,9 +76,29 @@ def load_weights(path: Path, config, dtype: torch.dtype, device: torch.device) -
     def take_optional(name: str) -> torch.Tensor | None:
         return take(name) if name in raw else None
 
+    def take_scale(layer: int, names: tuple[str, ...]) -> torch.Tensor | None:
+        """The first of `names` present, all of them removed (kv_scale serves both K and V)."""
+        found = [raw[n] for n in (f"model.layers.{layer}.self_attn.{m}" for m in names) if n in raw]
+        for name in names:
+            if name != "kv_scale":
+                raw.pop(f"model.layers.{layer}.self_attn.{name}", None)
+        if not found:
+            return None
+        scale = found[0]
+        if scale.numel() != 1 or not torch.isfinite(scale).all() or scale.item() <= 0:
+            raise ValueError(
+                f"layer {layer}: the KV cache scale {names[0]} must be one positive number (per-tensor), "
+                f"got shape {tuple(scale.shape)}"
+            )
+        return scale.reshape(1).to(device)
+
     layers = []
+    num_scales = 0
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
+        k_scale, v_scale = take_scale(i, _K_SCALE_NAMES), take_scale(i, _V_SCALE_NAMES)
+        raw.pop(f"{p}self_attn.kv_scale", None)
+        num_scales += (k_scale is not None) + (v_scale is not None)
         q, k, v = (take(f"{p}self_attn.{m}_proj.weight") for m in "qkv")
         biases = [take_optional(f"{p}self_attn.{m}_proj.bias") for m in "qkv"]
         if any(b is not None for b in biases) and not all(b is not None for b in biases):
@@ -84,6 +112,8 @@ def load_weights(path: Path, config, dtype: torch.dtype, device: torch.device) -
                 post_norm=take(f"{p}post_attention_layernorm.weight"),
                 gate_up=torch.cat([take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")]),
                 down=take(f"{p}mlp.down_proj.weight"),
+                k_scale=default_scale(device) if k_scale is None else k_scale,
+                v_scale=default_scale(device) if v_scale is None else v_scale,
             )
         )
     embed = take("model.embed_tokens.weight")
@@ -93,4 +123,6 @@ def load_weights(path: Path, config, dtype: torch.dtype, device: torch.device) -
         lm_head = embed
     if raw:
         raise ValueError(f"checkpoint {path} has tensors this model does not use: {sorted(raw)[:5]}")
-    return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
+    return ModelWeights(
+        embed=embed, layers=layers, norm=norm, lm_head=lm_head, kv_scales_from_checkpoint=num_scales > 0
+    )

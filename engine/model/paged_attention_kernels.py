@@ -18,6 +18,10 @@ Split-K (flash-decoding): with NUM_SPLITS > 1 each sequence's key range is cut i
 chunks, one program each; they write unnormalised partial outputs with their running max and sum,
 and `_combine_splits_kernel` merges them. Small decode batches over long contexts use it to fill the GPU.
 
+fp8 caches (KV_FP8): K/V tiles are float8 e4m3, converted exactly to the query dtype after the load;
+the K scale is folded into `qk_scale` and the V scale into the accumulator, both in float32, so the
+dots see the stored values and the scales cost two multiplies per program (see kv_quant.py).
+
 Under TRITON_INTERPRET=1 scalars loaded from memory cannot bound a `for` loop, so the key loop is a
 `while` loop there (INTERPRET); on the GPU it is a `for` loop that Triton can software-pipeline.
 """
@@ -67,6 +71,7 @@ def _attend_tile(
     TILE_N: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     keys = tile_start + tl.arange(0, TILE_N)  # [TILE_N] key positions
     key_valid = keys < key_hi
@@ -78,6 +83,10 @@ def _attend_tile(
     k = tl.load(k_cache_ptr + slot[None, :] + dims[:, None], mask=k_mask, other=0.0)  # [HEAD_DIM_P, TILE_N]
     v_mask = key_valid[:, None] & dim_valid[None, :]
     v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=v_mask, other=0.0)  # [TILE_N, HEAD_DIM_P]
+    if KV_FP8:
+        # Exact: every e4m3 value is a float16/bfloat16/float32 value; the scales are applied by the caller.
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     if DOT_FP32:
         s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
     else:
@@ -113,6 +122,8 @@ def paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq]
     seq_lens_ptr,  # [num_seqs] int32, cached + new tokens
     query_start_loc_ptr,  # [num_seqs + 1] int32
+    k_scale_ptr,  # [1] float32, read when KV_FP8
+    v_scale_ptr,  # [1] float32, read when KV_FP8
     num_seqs,
     qk_scale,
     stride_qt,
@@ -133,6 +144,7 @@ def paged_attention_kernel(
     SLIDING_WINDOW: tl.constexpr,  # 0: full attention
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the caches hold float8 e4m3 scaled by k_scale / v_scale
     INTERPRET: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
@@ -175,13 +187,15 @@ def paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_offset = kv_head * stride_kh
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)  # scores of the stored K times k_scale
     if INTERPRET:
         tile_start = split_lo
         while tile_start < split_hi:
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, q_pos, tile_start, split_hi, table_ptr, k_cache_ptr, v_cache_ptr,
                 head_offset, qk_scale, stride_kb, stride_ks,
-                HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, SLIDING_WINDOW, DOT_FP32,
+                HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, SLIDING_WINDOW, DOT_FP32, KV_FP8,
             )  # fmt: skip
             tile_start += TILE_N
     else:
@@ -189,8 +203,10 @@ def paged_attention_kernel(
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, q_pos, tile_start, split_hi, table_ptr, k_cache_ptr, v_cache_ptr,
                 head_offset, qk_scale, stride_kb, stride_ks,
-                HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, SLIDING_WINDOW, DOT_FP32,
+                HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, SLIDING_WINDOW, DOT_FP32, KV_FP8,
             )  # fmt: skip
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)  # sum of p * stored V, times v_scale: linear, so splits may combine
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

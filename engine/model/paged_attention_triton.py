@@ -12,6 +12,7 @@ import os
 import torch
 import triton
 
+from engine.model.kv_quant import FP8_DTYPE
 from engine.model.paged_attention_kernels import LOG2_E, combine_splits_kernel, paged_attention_kernel
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -48,7 +49,7 @@ def _fail(message: str) -> None:
     raise ValueError(message)
 
 
-def _check(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc) -> None:
+def _check(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale) -> None:
     if q.dim() != 3 or key_cache.dim() != 4:
         _fail(
             "q must be [num_tokens, num_heads, head_dim] and key_cache [num_blocks, block_size, "
@@ -56,8 +57,16 @@ def _check(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc) -
         )
     if q.dtype not in SUPPORTED_DTYPES:
         _fail(f"q has dtype {q.dtype}; supported: float16, bfloat16, float32")
-    if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
-        _fail(f"q ({q.dtype}), key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) must agree")
+    if value_cache.dtype != key_cache.dtype or key_cache.dtype not in (q.dtype, FP8_DTYPE):
+        _fail(
+            f"q ({q.dtype}), key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) must agree, "
+            "or both caches be float8_e4m3fn"
+        )
+    if key_cache.dtype == FP8_DTYPE:
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if t is None or t.dtype != torch.float32 or t.numel() != 1 or t.device != q.device:
+                got = "None" if t is None else f"{t.dtype} {tuple(t.shape)} on {t.device}"
+                _fail(f"an fp8 cache needs {name} as a one-element float32 tensor on {q.device}, got {got}")
     if value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
         _fail("value_cache must have the shape and strides of key_cache")
     if q.stride(2) != 1 or key_cache.stride(3) != 1:
@@ -97,9 +106,15 @@ def paged_attention_triton(
     sliding_window: int | None = None,
     num_splits: int | None = None,  # None: split the keys of decode batches (decode_num_splits), not prefill
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    k_scale: torch.Tensor | None = None,  # [1] float32: stored K * k_scale = K; float8_e4m3fn caches only
+    v_scale: torch.Tensor | None = None,  # [1] float32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of each sequence's new tokens (its last `query_len` tokens) over all its keys."""
-    _check(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    """Causal attention of each sequence's new tokens (its last `query_len` tokens) over all its keys.
+
+    The caches hold q's dtype, or float8 e4m3 with per-tensor scales (read on the device, never synced).
+    """
+    _check(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale)
+    fp8 = key_cache.dtype == FP8_DTYPE
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     num_seqs = seq_lens.numel()
@@ -125,14 +140,17 @@ def paged_attention_triton(
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out  # unused
+    if not fp8:
+        k_scale = v_scale = seq_lens  # unused
     paged_attention_kernel[grid](
         out, part_acc, part_max, part_sum, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        num_seqs, scale * LOG2_E,
+        k_scale, v_scale, num_seqs, scale * LOG2_E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         NUM_QUERIES_PER_KV=per_kv, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, SLIDING_WINDOW=sliding_window or 0,
-        NUM_SPLITS=num_splits, DOT_FP32=q.dtype == torch.float32 or interpret, INTERPRET=interpret,
+        NUM_SPLITS=num_splits, DOT_FP32=q.dtype == torch.float32 or interpret, KV_FP8=fp8,
+        INTERPRET=interpret,
         num_warps=4,
     )  # fmt: skip
     if num_splits > 1:

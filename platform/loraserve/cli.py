@@ -20,7 +20,14 @@ from types import FrameType
 import uvicorn
 
 from loraserve.ops.shutdown import Shutdown
-from loraserve.settings import DEFAULT_ADAPTER_STORE, DEFAULT_STATE_DIR, ServerSettings, parse_lora_module
+from loraserve.settings import (
+    ATTENTION_BACKENDS,
+    DEFAULT_ADAPTER_STORE,
+    DEFAULT_STATE_DIR,
+    KV_CACHE_DTYPES,
+    ServerSettings,
+    parse_lora_module,
+)
 
 ENV_PREFIX = "LORASERVE_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -28,8 +35,8 @@ _FALSE = {"0", "false", "no", "off"}
 _SERVE_FIELDS = (
     "model", "served_model_name", "host", "port", "dtype", "device", "max_num_seqs", "max_num_batched_tokens",
     "max_model_len", "block_size", "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching",
-    "max_loras", "max_cpu_loras", "max_lora_rank", "adapter_store", "config_store", "api_keys",
-    "shutdown_timeout", "max_concurrent_requests_per_tenant", "state_dir",
+    "enforce_eager", "attention_backend", "max_loras", "max_cpu_loras", "max_lora_rank", "adapter_store",
+    "config_store", "api_keys", "shutdown_timeout", "max_concurrent_requests_per_tenant", "state_dir",
 )
 GiB = 1 << 30
 
@@ -48,8 +55,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-model-len", type=int, help="context length (default: the model's)")
     add("--block-size", type=int, default=16, help="tokens per KV cache block")
     add("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use, model included")
-    add("--kv-cache-dtype", default="auto", help="auto only: the KV cache uses the model dtype")
+    add("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+        help="auto: the model dtype; fp8 (= fp8_e4m3): float8 e4m3 K/V with per-layer scales from the "
+             "checkpoint (else 1.0), twice the tokens of a bf16 cache")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    add("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+        help="run every step eagerly: no CUDA graphs for decode steps")
+    add("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+        help="auto: triton on CUDA, torch elsewhere; torch is the plain reference path (no CUDA graphs)")
     add("--max-loras", type=int, default=4, help="adapters resident on the GPU at once")
     add("--max-cpu-loras", type=int, help="adapters kept ready in host memory (default: --max-loras)")
     add("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")

@@ -15,7 +15,10 @@ from adapters_store.config import DEFAULT_URL as DEFAULT_ADAPTER_STORE
 from adapters_store.config import parse_store_url
 
 DEFAULT_STATE_DIR = Path(".loraserve")
-KV_CACHE_DTYPES = ("auto",)  # the KV cache uses the model's dtype; fp8 caches are not implemented
+# The engine's own choices (engine/config.py; a test keeps them equal), repeated so that `loraserve` client
+# commands need not import torch.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 = fp8_e4m3: float8 e4m3 K/V
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch elsewhere
 _MODULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -37,6 +40,8 @@ class ServerSettings:
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # True: no CUDA graphs
+    attention_backend: str = "auto"
     max_loras: int = 4
     max_cpu_loras: int | None = None
     max_lora_rank: int = 16
@@ -57,8 +62,13 @@ class ServerSettings:
             raise ValueError(f"--port must be in 0..65535 (got {self.port})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; the KV cache uses the model "
-                "dtype (--kv-cache-dtype auto)"
+                f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; use one of "
+                f"{', '.join(KV_CACHE_DTYPES)} (auto: the model dtype; fp8: float8 e4m3 with per-layer scales)"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"--attention-backend {self.attention_backend!r} is not supported; use one of "
+                f"{', '.join(ATTENTION_BACKENDS)}"
             )
         try:
             parse_store_url(self.adapter_store)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+
+from engine.model.kv_quant import dequantize_fp8, quantize_fp8
 
 
 @dataclass
@@ -85,3 +88,15 @@ def reference_attention(batch: PagedBatch, scale: float, sliding_window: int | N
                 scores[~allowed] = float("-inf")
                 out[starts[i] + j, h] = torch.softmax(scores, 0) @ v[:, kv]
     return out
+
+
+def quantize_batch(batch: PagedBatch, k_scale: float, v_scale: float):
+    """(the batch with float8 e4m3 caches, the same batch with those caches dequantized to q's dtype,
+    k_scale [1], v_scale [1]): the reference for an fp8 read is the reference on the dequantized K/V."""
+    ks, vs = torch.tensor([k_scale]), torch.tensor([v_scale])
+    kq, vq = quantize_fp8(batch.key_cache, ks), quantize_fp8(batch.value_cache, vs)
+    fp8 = dataclasses.replace(batch, key_cache=kq, value_cache=vq)
+    dequantized = dataclasses.replace(
+        batch, key_cache=dequantize_fp8(kq, ks, batch.q.dtype), value_cache=dequantize_fp8(vq, vs, batch.q.dtype)
+    )
+    return fp8, dequantized, ks, vs

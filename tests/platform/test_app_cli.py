@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 from app_fixtures import make_text_model
 from factories import make_adapter
-from loraserve.bootstrap import preload_lora_modules
+from loraserve.bootstrap import engine_config, preload_lora_modules
 from loraserve.cli import build_parser, settings_from_args
+from loraserve.settings import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 
 from adapters_store import StoreConfig, open_store
 from engine import ModelShape
+from engine import config as engine_config_module
 from engine.model.loader import load_config
 
 
@@ -39,7 +41,11 @@ def test_defaults_flags_and_environment(tmp_path):
 @pytest.mark.parametrize("argv, env, words", [
     ([], {"LORASERVE_MAX_LORAS": "many"}, ["LORASERVE_MAX_LORAS", "many"]),
     ([], {"LORASERVE_ENABLE_PREFIX_CACHING": "maybe"}, ["true or false"]),
-    (["--kv-cache-dtype", "fp8"], {}, ["--kv-cache-dtype"]),
+    (["--kv-cache-dtype", "int8"], {}, ["--kv-cache-dtype", "int8"]),
+    ([], {"LORASERVE_KV_CACHE_DTYPE": "fp16"}, ["LORASERVE_KV_CACHE_DTYPE", "expected one of auto, fp8"]),
+    (["--attention-backend", "flash"], {}, ["--attention-backend", "flash"]),
+    ([], {"LORASERVE_ATTENTION_BACKEND": "flash"}, ["LORASERVE_ATTENTION_BACKEND", "auto, torch, triton"]),
+    ([], {"LORASERVE_ENFORCE_EAGER": "sometimes"}, ["LORASERVE_ENFORCE_EAGER", "true or false"]),
     (["--api-keys", "/no/such/keys.yaml"], {}, ["--api-keys"]),
     (["--lora-modules", "nameonly"], {}, ["NAME=PATH"]),
     (["--lora-modules", "x=/no/such/dir"], {}, ["PEFT adapter folder"]),
@@ -57,6 +63,28 @@ def test_bad_settings_fail_with_the_flag_named(argv, env, words, capsys):
     err = capsys.readouterr().err
     for word in words:
         assert word in err
+
+
+def test_engine_gpu_options_from_flags_and_environment():
+    default = settings([])
+    assert (default.kv_cache_dtype, default.enforce_eager, default.attention_backend) == ("auto", False, "auto")
+    flags = settings(["--kv-cache-dtype", "fp8", "--enforce-eager", "--attention-backend", "torch"])
+    assert (flags.kv_cache_dtype, flags.enforce_eager, flags.attention_backend) == ("fp8", True, "torch")
+    env = {"LORASERVE_KV_CACHE_DTYPE": "fp8_e4m3", "LORASERVE_ENFORCE_EAGER": "true",
+           "LORASERVE_ATTENTION_BACKEND": "triton"}
+    from_env = settings([], env)
+    assert (from_env.kv_cache_dtype, from_env.enforce_eager, from_env.attention_backend) == ("fp8_e4m3", True, "triton")
+    flags_win = settings(["--no-enforce-eager", "--kv-cache-dtype", "auto", "--attention-backend", "auto"], env)
+    assert (flags_win.kv_cache_dtype, flags_win.enforce_eager, flags_win.attention_backend) == ("auto", False, "auto")
+    # ... and they reach the engine.
+    config = engine_config(from_env, "some/model")
+    assert (config.kv_cache_dtype, config.enforce_eager, config.attention_backend) == ("fp8_e4m3", True, "triton")
+
+
+def test_server_choices_are_the_engines():
+    """settings.py repeats the engine's choices so that client commands need not import torch."""
+    assert KV_CACHE_DTYPES == engine_config_module.KV_CACHE_DTYPES
+    assert ATTENTION_BACKENDS == engine_config_module.ATTENTION_BACKENDS
 
 
 def test_admin_client_commands_are_registered():

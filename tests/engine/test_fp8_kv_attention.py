@@ -92,6 +92,7 @@ def test_torch_path_reads_fp8(name, scales):
     assert error.max() < QUANTIZATION_MAX_ERROR and error.mean() < QUANTIZATION_MEAN_ERROR
 
 
+@pytest.mark.interpreted
 @pytest.mark.parametrize("scales", sorted(SCALES))
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_triton_reads_fp8_like_the_torch_path(name, scales):
@@ -109,6 +110,7 @@ def test_triton_reads_fp8_like_the_torch_path(name, scales):
     torch.testing.assert_close(out, torch_path, atol=1e-4, rtol=0)
 
 
+@pytest.mark.interpreted
 def test_triton_fp8_with_half_precision_queries():
     batch, scale, window, splits = case_batch("chunked_prefill_gqa", torch.float16)
     fp8, dequantized, k_scale, v_scale = quantize_batch(batch, 0.01, 0.02)

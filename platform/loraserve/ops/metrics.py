@@ -117,25 +117,21 @@ class _StateCollector(Collector):
 
 
 def affinity_names(adapter_ids: Iterable[str]) -> str:
-    """The comma-joined `model` names that reach these engine adapters: `name` and `name@version` of each.
+    """The comma-joined adapter names, as clients send them in `model`, of these engine adapters.
 
     The Gateway API Inference Extension's endpoint picker splits these labels on "," (no spaces, as
     vLLM joins them) and looks the request's `model` up in the result, so the labels must hold what
-    clients send, not the engine's `tenant/name@version`. Names are not tenant-qualified: two tenants'
-    adapters of one name share an entry, which only makes the routing hint coarser. Order follows
-    `adapter_ids`, duplicates dropped; an id of another form passes unchanged.
+    clients send, not the engine's `tenant/name@version`. It also counts the entries against
+    `max_lora` to find a free slot, so each adapter is listed once, under its bare name: `name@version`
+    requests get no affinity, and two versions (or two tenants' adapters) of one name count once.
+    Order follows `adapter_ids`, duplicates dropped; an id of another form passes unchanged.
 
-        ("alpha/a@2", "beta/a@1", "beta/b@3")  ->  "a,a@2,a@1,b,b@3"
+        ("alpha/a@2", "beta/a@1", "beta/b@3")  ->  "a,b"
     """
     names: dict[str, None] = {}  # an ordered set
     for adapter_id in adapter_ids:
         parts = split_engine_adapter_id(adapter_id)
-        if parts is None:
-            names[adapter_id] = None
-            continue
-        _, name, version = parts
-        names[name] = None
-        names[f"{name}@{version}"] = None
+        names[adapter_id if parts is None else parts[1]] = None
     return ",".join(names)
 
 

@@ -81,22 +81,20 @@ class LoRASlots:
             raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.max_rank}")
         n, r = self.shape.num_layers, self.max_rank
         image = SlotImage({}, {}, {}, {})
+        # Pinned from the start (not pinned afterwards), so the image is written once, not copied again.
+        pinned = {"pin_memory": pin_memory}
         for module in TARGET_MODULES:
             in_features, out_features = self.shape.module_dims(module)
-            image.lora_a[module] = torch.zeros(n, r, in_features, dtype=self.dtype)
-            image.lora_b[module] = torch.zeros(n, out_features, r, dtype=self.dtype)
-            image.scales[module] = torch.zeros(n, dtype=torch.float32)
-            image.ranks[module] = torch.zeros(n, dtype=torch.int32)
+            image.lora_a[module] = torch.zeros(n, r, in_features, dtype=self.dtype, **pinned)
+            image.lora_b[module] = torch.zeros(n, out_features, r, dtype=self.dtype, **pinned)
+            image.scales[module] = torch.zeros(n, dtype=torch.float32, **pinned)
+            image.ranks[module] = torch.zeros(n, dtype=torch.int32, **pinned)
         for (layer, module), weights in adapter.modules.items():
             rank = weights.rank
             image.lora_a[module][layer, :rank] = weights.lora_a
             image.lora_b[module][layer, :, :rank] = weights.lora_b
             image.scales[module][layer] = weights.scale
             image.ranks[module][layer] = rank
-        if pin_memory:
-            for part in (image.lora_a, image.lora_b, image.scales, image.ranks):
-                for module, tensor in part.items():
-                    part[module] = tensor.pin_memory()
         return image
 
     def load(self, slot: int, image: SlotImage) -> None:

@@ -4,6 +4,7 @@ transformers (+ PEFT) static batches, all in one run on the same random-weight m
     python3 benchmarks/throughput.py                 # shape S (Llama-3.2-1B), bf16
     python3 benchmarks/throughput.py --shape L       # Llama-3.1-8B
     python3 benchmarks/throughput.py --profile       # also: where one decode step's time goes
+    python3 benchmarks/throughput.py --kv-cache-dtype fp8 --skip-transformers   # the engine, fp8 KV cache
     python3 benchmarks/throughput.py --smoke         # tiny shapes on the CPU (checks that it runs)
 
 Requests: prompts of uniform [128, 512] random tokens, exactly 128 output tokens, adapters assigned round
@@ -87,6 +88,7 @@ def make_engine(args, model_dir: Path, adapters: list[Path], max_len: int) -> LL
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len, block_size=16,
         num_kv_blocks=(args.max_num_seqs + 1) * blocks_per_seq, enable_prefix_caching=False,
         max_loras=max(1, len(adapters)), max_lora_rank=args.rank, enforce_eager=args.enforce_eager,
+        kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     engine = LLMEngine(config, skip_tokenizer_init=True)
     for i, path in enumerate(adapters):
@@ -219,9 +221,10 @@ def run_transformers(args, name, model_dir, adapters, prompts, output_tokens, ba
 # -- report -------------------------------------------------------------------------------------------
 
 
-def step_floor(config, steps: list[StepRecord], rank: int, element: int, bandwidth: float) -> float:
+def step_floor(config, steps: list[StepRecord], rank: int, element: int, bandwidth: float,
+               kv_element: int) -> float:
     base = w1.base_weight_bytes(config, element)
-    per_token, per_adapter = w1.kv_bytes_per_token(config, element), w1.adapter_bytes(config, rank, element)
+    per_token, per_adapter = w1.kv_bytes_per_token(config, kv_element), w1.adapter_bytes(config, rank, element)
     return statistics.mean((base + s.kv_tokens * per_token + s.num_adapters * per_adapter) / bandwidth for s in steps)
 
 
@@ -229,7 +232,8 @@ def report(args, config, results: list[RunResult], bandwidth: float, element: in
     lines = [
         f"W1, shape {args.shape}, {args.dtype}, {args.num_requests} requests, prompts [{args.min_prompt}, "
         f"{args.max_prompt}] tokens, {args.output_tokens} output tokens, rank {args.rank} over all 7 projections, "
-        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}; copy bandwidth "
+        f"KV cache {args.kv_cache_dtype}, {torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}; "
+        f"copy bandwidth "
         f"{bandwidth / 1e9:.0f} GB/s",
         "",
         "| run | requests | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | peak mem (GiB) "
@@ -243,7 +247,8 @@ def report(args, config, results: list[RunResult], bandwidth: float, element: in
         step_cells = "| - | - | -"
         if steps:
             step = statistics.median(s.seconds for s in steps)
-            floor = step_floor(config, steps, args.rank, element, bandwidth)
+            kv_element = 1 if args.kv_cache_dtype.startswith("fp8") else element
+            floor = step_floor(config, steps, args.rank, element, bandwidth, kv_element)
             steady[r.name] = (step, floor)
             step_cells = f"| {1e3 * step:.2f} @ {steps[0].num_seqs} | {1e3 * floor:.2f} | {step / floor:.2f}"
         lines.append(
@@ -283,6 +288,7 @@ def parse_args(argv=None):
     p.add_argument("--hf-batch", type=int, default=32)
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="the engine without CUDA graphs")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the engine's KV cache")
     p.add_argument("--profile", action="store_true", help="break a decode step of the largest N down")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few requests")
     args = p.parse_args(argv)

@@ -223,7 +223,7 @@ def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
     batch_folders = [write_peft_folder(root / f"batch-{i}", shape, seed=100 + i) for i in range(args.batch_adapters)]
     bg_folders = [write_peft_folder(root / f"bg-{i}", shape, seed=200 + i) for i in range(args.background_adapters)]
     steps = args.steps
-    prompt_len, max_tokens = args.prompt_len, 3 * steps + args.warmup + 16
+    prompt_len, max_tokens = args.prompt_len, 4 * steps + args.warmup + 16  # four measured conditions
     blocks_per_request = -(-(prompt_len + max_tokens) // 16)
     events = Counter()
     config = EngineConfig(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 import lora_kernels
 from engine.lora.slots import LoRASlots
+from lora_kernels import tiles
+from lora_kernels.meta import LoRABatchMeta
 
 
 @dataclass
@@ -16,6 +18,7 @@ class LoRAContext:
 
     slots: LoRASlots
     token_slots: torch.Tensor  # [num_tokens] int32, NO_LORA (-1) for base-model tokens
+    _meta: LoRABatchMeta | None = field(default=None, init=False)
 
     def apply(
         self,
@@ -25,10 +28,6 @@ class LoRAContext:
         modules: tuple[str, ...],  # the projections fused into y, in column order
     ) -> None:
         targets = [self.slots.layers[layer][m] for m in modules]
-        if len(targets) == 1:
-            t = targets[0]
-            lora_kernels.add_lora(y, x, t.lora_a, t.lora_b, self.token_slots, t.scales)
-            return
         lora_kernels.add_lora_multi(
             y,
             x,
@@ -37,4 +36,16 @@ class LoRAContext:
             self.token_slots,
             [t.scales for t in targets],
             [t.lora_b.shape[1] for t in targets],
+            slot_ranks=self.slots.slot_ranks(layer, modules),
+            meta=self._segments(),
         )
+
+    def _segments(self) -> LoRABatchMeta | None:
+        """The tokens grouped by slot for the segmented kernels: the same in every layer, so built once a
+        step instead of once per projection (about 25 small launches each). Only CUDA uses it."""
+        num_tokens = self.token_slots.numel()
+        if self.token_slots.device.type != "cuda" or tiles.choose_path(num_tokens) != "segmented":
+            return None
+        if self._meta is None:
+            self._meta = LoRABatchMeta.build(self.token_slots, self.slots.max_loras)
+        return self._meta

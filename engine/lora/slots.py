@@ -15,6 +15,9 @@ import torch
 from engine.lora.model_shape import TARGET_MODULES, ModelShape
 from engine.lora.peft_checkpoint import PeftAdapter
 
+# Projections the model applies LoRA to in one launch (one fused base GEMM), in column order.
+FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
 
 @dataclass
 class ModuleSlots:
@@ -67,6 +70,11 @@ class LoRASlots:
             self.lora_b[module] = torch.zeros(n, max_loras, out_features, max_rank, dtype=dtype, device=device)
             self.scales[module] = torch.zeros(n, max_loras, dtype=torch.float32, device=device)
             self.ranks[module] = torch.zeros(n, max_loras, dtype=torch.int32, device=device)
+        # Per group the model applies at once, the largest rank of its projections per layer and slot:
+        # the kernels skip the zero-padded tail beyond it, so a rank-8 adapter does not pay for max_rank.
+        self.rank_bounds: dict[tuple[str, ...], torch.Tensor] = {(m,): self.ranks[m] for m in TARGET_MODULES}
+        for group in FUSED_PROJECTIONS:
+            self.rank_bounds[group] = torch.zeros(n, max_loras, dtype=torch.int32, device=device)
         self.layers: list[dict[str, ModuleSlots]] = [
             {
                 m: ModuleSlots(self.lora_a[m][i], self.lora_b[m][i], self.scales[m][i], self.ranks[m][i])
@@ -106,3 +114,9 @@ class LoRASlots:
             self.lora_b[module][:, slot].copy_(image.lora_b[module], non_blocking=True)
             self.scales[module][:, slot].copy_(image.scales[module], non_blocking=True)
             self.ranks[module][:, slot].copy_(image.ranks[module], non_blocking=True)
+        for group in FUSED_PROJECTIONS:  # on the device, after the copies (same stream)
+            self.rank_bounds[group][:, slot] = torch.stack([self.ranks[m][:, slot] for m in group]).amax(0)
+
+    def slot_ranks(self, layer: int, modules: tuple[str, ...]) -> torch.Tensor:
+        """[max_loras] int32: the rank each slot needs for these projections of `layer`, applied at once."""
+        return self.rank_bounds[modules][layer]

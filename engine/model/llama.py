@@ -12,8 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.lora.context import LoRAContext
+from engine.lora.slots import FUSED_PROJECTIONS
 from engine.model.attention import AttentionMetadata, attention, write_kv
 from engine.model.rope import RotaryEmbedding
+
+QKV, GATE_UP = FUSED_PROJECTIONS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -91,7 +94,7 @@ class LlamaModel:
     def _attention(self, i, layer, x, meta, kv_cache, lora):
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
         if lora is not None:
-            lora.apply(qkv, x, i, ("q_proj", "k_proj", "v_proj"))
+            lora.apply(qkv, x, i, QKV)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -112,7 +115,7 @@ class LlamaModel:
     def _mlp(self, i, layer, x, lora):
         gate_up = F.linear(x, layer.gate_up)
         if lora is not None:
-            lora.apply(gate_up, x, i, ("gate_proj", "up_proj"))
+            lora.apply(gate_up, x, i, GATE_UP)
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate) * up
         out = F.linear(act, layer.down)

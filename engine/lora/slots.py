@@ -41,6 +41,7 @@ class SlotImage:
     lora_b: dict[str, torch.Tensor]  # module -> [num_layers, out, max_rank]
     scales: dict[str, torch.Tensor]  # module -> [num_layers] float32
     ranks: dict[str, torch.Tensor]  # module -> [num_layers] int32
+    rank_bounds: dict[tuple[str, ...], torch.Tensor]  # fused group -> [num_layers] int32, its largest rank
 
     @property
     def num_bytes(self) -> int:
@@ -88,7 +89,7 @@ class LoRASlots:
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.max_rank}")
         n, r = self.shape.num_layers, self.max_rank
-        image = SlotImage({}, {}, {}, {})
+        image = SlotImage({}, {}, {}, {}, {})
         # Pinned from the start (not pinned afterwards), so the image is written once, not copied again.
         pinned = {"pin_memory": pin_memory}
         for module in TARGET_MODULES:
@@ -103,6 +104,9 @@ class LoRASlots:
             image.lora_b[module][layer, :, :rank] = weights.lora_b
             image.scales[module][layer] = weights.scale
             image.ranks[module][layer] = rank
+        for group in FUSED_PROJECTIONS:
+            bound = torch.zeros(n, dtype=torch.int32, **pinned)
+            image.rank_bounds[group] = torch.amax(torch.stack([image.ranks[m] for m in group]), 0, out=bound)
         return image
 
     def load(self, slot: int, image: SlotImage) -> None:
@@ -114,8 +118,8 @@ class LoRASlots:
             self.lora_b[module][:, slot].copy_(image.lora_b[module], non_blocking=True)
             self.scales[module][:, slot].copy_(image.scales[module], non_blocking=True)
             self.ranks[module][:, slot].copy_(image.ranks[module], non_blocking=True)
-        for group in FUSED_PROJECTIONS:  # on the device, after the copies (same stream)
-            self.rank_bounds[group][:, slot] = torch.stack([self.ranks[m][:, slot] for m in group]).amax(0)
+        for group in FUSED_PROJECTIONS:
+            self.rank_bounds[group][:, slot].copy_(image.rank_bounds[group], non_blocking=True)
 
     def slot_ranks(self, layer: int, modules: tuple[str, ...]) -> torch.Tensor:
         """[max_loras] int32: the rank each slot needs for these projections of `layer`, applied at once."""

@@ -3,7 +3,9 @@
 The model reads these tensors directly (`lora_kernels.add_lora` indexes them by slot), so loading an
 adapter is a copy into a slot and never reallocates anything the model holds. Each projection's
 tensors span all layers ([num_layers, max_loras, ...]): a layer's view is contiguous for the kernels,
-and loading one adapter is one copy per projection and tensor (14 copies), not one per layer.
+and loading one adapter is one copy per projection and tensor (30 copies with scales, ranks and rank
+bounds), not one per layer. The slot views are strided across layers, which makes each copy cost the
+calling thread far more than a contiguous one would (docs/BENCHMARKS.md, adapter loading).
 """
 
 from __future__ import annotations

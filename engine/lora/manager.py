@@ -12,8 +12,7 @@ Two counts per adapter: pins (running requests; `acquire`/`release`) keep its GP
 or running requests; `hold`/`unhold`) keep it known at all. `retire` (replaced by a new version) and
 `forget` (deleted; new requests are refused) drop its copies once the last holder finishes.
 
-Every method runs on the engine thread except `AdapterSource.load`, which runs on the workers, and
-`_enqueue_copy`, which runs on the one copier thread (CUDA only).
+Every method runs on the engine thread except `AdapterSource.load`, which runs on the workers.
 """
 
 from __future__ import annotations
@@ -48,9 +47,8 @@ FAILURE_TTL_S = 10.0
 #   "fail"        tier "source": a load failed (its requests fail with the reason).
 Observer = Callable[[str, str, float], None]
 
-# A GPU copy in flight: enqueued on the copier thread, which returns the events recorded before and
-# after it on the side stream.
-_Copy = Future  # Future[tuple[torch.cuda.Event, torch.cuda.Event]]
+# A GPU copy in flight: events recorded before and after it on the side stream.
+_Copy = tuple[torch.cuda.Event, torch.cuda.Event]
 
 
 class AdapterSource(Protocol):
@@ -82,9 +80,6 @@ class AdapterManager:
         self._cuda = slots.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(slots.device) if self._cuda else None
         self._workers = ThreadPoolExecutor(num_workers, thread_name_prefix="adapter-load")
-        # Enqueueing a slot copy costs the calling thread ~0.6 ms (30 copies into strided slot views), so
-        # one thread does it off the engine thread; being one, it keeps copies to a slot in order.
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="adapter-copy") if self._cuda else None
         self._cpu: OrderedDict[str, SlotImage] = OrderedDict()  # LRU first
         self._loading: dict[str, tuple[Future, float]] = {}  # adapter id -> (future, start time)
         self._copies: dict[str, tuple[int, _Copy | None]] = {}  # id -> (slot, copy still in flight)
@@ -193,9 +188,7 @@ class AdapterManager:
             return False
         slot, copy = self._copies[adapter_id]
         if copy is not None:
-            if not copy.done():
-                return False
-            start, end = copy.result()
+            start, end = copy
             if not end.query():
                 return False
             self._emit("load", "cpu", start.elapsed_time(end) / 1000.0)
@@ -244,8 +237,6 @@ class AdapterManager:
 
     def shutdown(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)  # copies already queued reference slots the model owns
 
     # -- internals ----------------------------------------------------------------------------------
 
@@ -280,15 +271,9 @@ class AdapterManager:
             self._emit("load", "cpu", time.perf_counter() - started)
             return None
         # The slot may have served the previous step, whose kernels can still be in flight.
-        steps_so_far = torch.cuda.Event()
-        steps_so_far.record(torch.cuda.current_stream(self.slots.device))
-        return self._copier.submit(self._enqueue_copy, slot, image, steps_so_far)
-
-    def _enqueue_copy(self, slot: int, image: SlotImage, after: torch.cuda.Event) -> tuple:
-        """On the copier thread: the copy into `slot` on the side stream, once `after` has passed."""
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.slots.device))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._copy_stream):
-            self._copy_stream.wait_event(after)
             start.record(self._copy_stream)
             self.slots.load(slot, image)
             end.record(self._copy_stream)

@@ -14,9 +14,11 @@ adapter manager does it:
 - S3 on loopback: an in-process moto server (only where boto3 and moto import), through the store and a
   cold disk cache: manifest read, download, sha256, then the disk step.
 Decode under loading: LLMEngine on a random Llama-3.2-1B-shaped model (fewer layers, bf16) decoding a
-batch of running requests over a few adapters; step wall times with no loads, then while a stream of
-other adapters loads beside it (requests for them queue behind a full batch, so their adapters go disk
--> CPU -> GPU slot and are then dropped for the next ones), then with no loads again.
+batch of running requests over a few adapters; step wall times with no loads; with the same request
+traffic as below but for adapters already resident (the control: requests arrive and are aborted, nothing
+loads); while a stream of other adapters loads beside it (requests for them queue behind a full batch, so
+their adapters go disk -> CPU -> GPU slot and are then dropped for the next ones); the same with every
+adapter already in the CPU tier (only slot copies); then with no loads again.
 """
 
 from __future__ import annotations
@@ -214,78 +216,116 @@ def make_model_dir(root: Path, sizes: dict, num_layers: int, device: torch.devic
     return path
 
 
+class Background:
+    """Requests for other adapters that queue behind the full batch, only so that their adapters load.
+
+    Before each step: requests whose adapter has become ready are aborted, and new ones are added every
+    `every` steps up to `in_flight` at once, cycling through `adapter_ids`. With `cold`, an adapter is
+    retired once it was ready, so its next use reads it from disk again (not from the CPU tier).
+    """
+
+    def __init__(self, engine, adapter_ids: list[str], in_flight: int, every: int = 1, cold: bool = False):
+        self.engine, self.in_flight, self.every, self.cold = engine, in_flight, every, cold
+        self.cycle = itertools.cycle(adapter_ids)
+        self.requests: dict[str, str] = {}  # request id -> adapter id
+        self.steps = 0
+
+    def before_step(self) -> None:
+        lora = self.engine.lora
+        for request_id, adapter_id in list(self.requests.items()):
+            if lora.is_ready(adapter_id):
+                self.engine.abort_request(request_id)
+                del self.requests[request_id]
+                if self.cold:
+                    lora.retire(adapter_id)  # no holder left: its CPU image and slot are dropped now
+        if self.steps % self.every == 0 and len(self.requests) < self.in_flight:
+            request_id = f"bg{next(_request_ids)}"
+            self.requests[request_id] = next(self.cycle)
+            self.engine.add_request(request_id, [5, 6, 7], SamplingParams(max_tokens=1), self.requests[request_id])
+        self.steps += 1
+
+    def stop(self) -> None:
+        self.engine.abort_request(list(self.requests))
+        self.requests.clear()
+
+
+_request_ids = itertools.count()
+
+
 def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
+    """Rows of (condition, step seconds, adapters copied into slots, loads per step)."""
     sizes = SMOKE_MODEL if args.smoke else LLAMA_1B
     model_dir = make_model_dir(root, sizes, args.decode_layers, device)
     from transformers import AutoConfig
 
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
-    batch_folders = [write_peft_folder(root / f"batch-{i}", shape, seed=100 + i) for i in range(args.batch_adapters)]
-    bg_folders = [write_peft_folder(root / f"bg-{i}", shape, seed=200 + i) for i in range(args.background_adapters)]
-    steps = args.steps
-    prompt_len, max_tokens = args.prompt_len, 4 * steps + args.warmup + 16  # four measured conditions
-    blocks_per_request = -(-(prompt_len + max_tokens) // 16)
+    batch_ids = [str(write_peft_folder(root / f"batch-{i}", shape, seed=100 + i).resolve())
+                 for i in range(args.batch_adapters)]  # fmt: skip
+    disk_ids = [str(write_peft_folder(root / f"disk-{i}", shape, seed=200 + i).resolve())
+                for i in range(args.background_adapters)]  # fmt: skip
+    cpu_ids = [str(write_peft_folder(root / f"cpu-{i}", shape, seed=300 + i).resolve())
+               for i in range(args.background_adapters)]  # fmt: skip
+    conditions = {
+        "no loads": None,
+        "request traffic only (adapters already resident)": lambda: Background(engine, batch_ids, args.concurrent_loads),
+        "slot copies beside (CPU tier -> GPU), stress": lambda: Background(engine, cpu_ids, args.concurrent_loads),
+        "disk loads beside (disk -> CPU -> GPU), stress": lambda: Background(engine, disk_ids, args.concurrent_loads,
+                                                                              cold=True),
+        f"disk loads beside, one every {args.load_every} steps": lambda: Background(engine, disk_ids, 1,
+                                                                                     args.load_every, cold=True),
+    }  # fmt: skip
+    block, settle = args.block_steps, args.settle_steps
+    total_steps = args.rounds * len(conditions) * (block + settle)
+    prompt_len, max_tokens = args.prompt_len, total_steps + args.warmup + 16
     events = Counter()
     config = EngineConfig(
         model=str(model_dir), max_num_seqs=args.batch, max_num_batched_tokens=max(2048, prompt_len * 4),
         max_model_len=prompt_len + max_tokens + 16, block_size=16,
-        num_kv_blocks=(args.batch + 8) * blocks_per_request, enable_prefix_caching=False,
-        max_loras=args.max_loras, max_cpu_loras=args.max_loras, max_lora_rank=RANK,
-        dtype="bfloat16" if device.type == "cuda" else "float32", device=str(device),
+        num_kv_blocks=(args.batch + 8) * -(-(prompt_len + max_tokens) // 16), enable_prefix_caching=False,
+        max_loras=args.max_loras, max_cpu_loras=len(batch_ids) + len(cpu_ids) + args.concurrent_loads + 2,
+        max_lora_rank=RANK, dtype="bfloat16" if device.type == "cuda" else "float32", device=str(device),
     )  # fmt: skip
     engine = LLMEngine(config, skip_tokenizer_init=True, adapter_observer=lambda e, t, s: events.update([(e, t)]))
-    vocab = sizes["vocab_size"]
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(args.batch):
-        prompt = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
-        engine.add_request(f"run{i}", prompt, params, str(batch_folders[i % len(batch_folders)].resolve()))
+        prompt = torch.randint(3, sizes["vocab_size"], (prompt_len,), generator=gen).tolist()
+        engine.add_request(f"run{i}", prompt, params, batch_ids[i % len(batch_ids)])
     while not (engine.scheduler.num_running == args.batch
                and all(r.num_output_tokens > 0 for r in engine.scheduler.running)):  # fmt: skip
         engine.step()
+    for adapter_id in cpu_ids:  # the copy-only condition's adapters wait in the CPU tier
+        engine.lora.prefetch(engine.lora.resolve(adapter_id))
+    while engine.lora.num_loading:
+        engine.lora.wait_for_loads(timeout=1.0)
+        assert not engine.lora.poll(), "an adapter failed to load"
     for _ in range(args.warmup):
         engine.step()
 
-    def measure(churn: bool) -> tuple[list[float], int]:
-        events.clear()
-        background: dict[str, str] = {}  # request id -> adapter id
-        cycle = itertools.cycle(str(f.resolve()) for f in bg_folders)
-        counter = itertools.count()
-        times = []
-        for _ in range(steps):
-            if churn:
-                for request_id, adapter_id in list(background.items()):
-                    if engine.lora.is_ready(adapter_id):  # arrived in a GPU slot: make room for the next
-                        engine.abort_request(request_id)
-                        del background[request_id]
-                while len(background) < args.concurrent_loads:
-                    request_id = f"bg{next(counter)}"
-                    background[request_id] = next(cycle)
-                    engine.add_request(request_id, [5, 6, 7], SamplingParams(max_tokens=1), background[request_id])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - started)
-            assert engine.scheduler.num_running == args.batch, "the measured batch must stay the same"
-        engine.abort_request(list(background))
-        return times, events[("load", "cpu")]
-
-    quiet_before, _ = measure(churn=False)
-    loading, num_loaded = measure(churn=True)
-    # The same churn with every background adapter already in the CPU tier: only the CPU -> GPU slot
-    # copies run beside the batch, no disk reads or validation on the workers. (A benchmark-only knob:
-    # the tier is widened in place so the batch and its KV cache stay exactly as measured above.)
-    engine.lora.max_cpu_loras = args.batch_adapters + args.background_adapters
-    for folder in bg_folders:
-        engine.lora.prefetch(str(folder.resolve()))
-    while engine.lora.num_loading:
-        engine.lora.wait_for_loads(timeout=1.0)
-        engine.lora.poll()
-    copying, num_copied = measure(churn=True)
-    quiet_after, _ = measure(churn=False)
-    return [("no loads", quiet_before + quiet_after, 0), ("adapters loading beside (disk -> CPU -> GPU)",
-            loading, num_loaded), ("adapters copied beside (CPU tier -> GPU)", copying, num_copied)]
+    times: dict[str, list[float]] = {label: [] for label in conditions}
+    copies: Counter[str] = Counter()
+    # Rounds of short blocks, one per condition in turn, so that drift in the machine's speed over the
+    # run hits every condition alike; the first `settle` steps of a block (loads still finishing from
+    # the block before) are not counted.
+    for _ in range(args.rounds):
+        for label, start in conditions.items():
+            background = start() if start is not None else None
+            for i in range(settle + block):
+                if background is not None:
+                    background.before_step()
+                if i == settle:
+                    events.clear()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                started = time.perf_counter()
+                engine.step()
+                if i >= settle:
+                    times[label].append(time.perf_counter() - started)
+                assert engine.scheduler.num_running == args.batch, "the measured batch must stay the same"
+            copies[label] += events[("load", "cpu")]
+            if background is not None:
+                background.stop()
+    return [(label, times[label], copies[label], copies[label] / len(times[label])) for label in conditions]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,7 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-loras", type=int, default=16)
     parser.add_argument("--decode-layers", type=int, default=4, help="layers of the 1B-shaped decode model")
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=200, help="decode steps measured per condition")
+    parser.add_argument("--rounds", type=int, default=10, help="rounds of one block per decode condition")
+    parser.add_argument("--block-steps", type=int, default=40, help="decode steps measured per block")
+    parser.add_argument("--settle-steps", type=int, default=10, help="uncounted steps starting each block")
+    parser.add_argument("--load-every", type=int, default=20, help="steps between loads, realistic condition")
     parser.add_argument("--decode-only", action="store_true", help="skip the per-tier load latencies")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval for the run (seconds; Python's default is 0.005)")
@@ -310,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.repeats, args.warmup, args.batch, args.batch_adapters = 3, 1, 8, 2
         args.background_adapters, args.max_loras, args.decode_layers = 6, 4, 2
-        args.prompt_len, args.steps, device = 8, 10, torch.device("cpu")
+        args.prompt_len, args.rounds, args.block_steps, args.settle_steps = 8, 2, 4, 2
+        args.load_every, device = 2, torch.device("cpu")
     elif torch.cuda.is_available():
         device = torch.device("cuda")
     else:
@@ -336,11 +380,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {tier} | {what} | **{ms(samples):.2f}** | {ms(samples, 0.9):.2f} |")
     print(f"\n- **Decode**: {args.batch} running requests over {args.batch_adapters} adapters, "
           f"{'tiny' if args.smoke else 'Llama-3.2-1B'}-shaped model with {args.decode_layers} layers, "
-          f"prompts of {args.prompt_len}; {args.steps} steps per condition; max_loras {args.max_loras}; "
-          f"background: {args.background_adapters} adapters cycled, {args.concurrent_loads} in flight\n")  # fmt: skip
-    print("| condition | steps | median step ms | p99 step ms | adapters copied into slots |\n|---|---|---|---|---|")
-    for label, times, num_loaded in decode:
-        print(f"| {label} | {len(times)} | **{ms(times):.2f}** | {ms(times, 0.99):.2f} | {num_loaded} |")
+          f"prompts of {args.prompt_len}; max_loras {args.max_loras}; {args.rounds} rounds of one block per "
+          f"condition ({args.block_steps} steps counted after {args.settle_steps}); stress: "
+          f"a new adapter requested every step, up to {args.concurrent_loads} loads in flight\n")  # fmt: skip
+    quiet = statistics.median(decode[0][1])
+    print("| condition | steps | median step ms | p99 step ms | vs no loads | loads per step |\n|---|---|---|---|---|---|")
+    for label, times, _, per_step in decode:
+        ratio = statistics.median(times) / quiet
+        print(f"| {label} | {len(times)} | **{ms(times):.2f}** | {ms(times, 0.99):.2f} | {ratio:.3f} | {per_step:.2f} |")
+    traffic = statistics.median(decode[1][1])
+    for label, times, _, per_step in decode[2:]:
+        if per_step:
+            extra = (statistics.median(times) - traffic) / per_step * 1e3
+            print(f"- {label}: {extra:.3f} ms of step time per load, beyond the same request traffic")
     return 0
 
 

@@ -62,8 +62,11 @@ def check_weights(
             _fail(f"{name} must be 3-D, got shape {tuple(t.shape)}")
         if t.dtype != dtype:
             _fail(f"{name} has dtype {t.dtype} but x/y have {dtype}; cast the adapter weights")
-        if not t.is_contiguous():
-            _fail(f"{name} must be contiguous; call .contiguous() first")
+        if not _dense_slots(t):
+            _fail(
+                f"{name} must be contiguous within each slot (strides (>= {t[0].numel()}, {t.shape[2]}, 1), "
+                f"got {t.stride()}); call .contiguous() first"
+            )
     first = groups[0][1]
     num_slots = first.shape[0]
     max_rank = first.shape[1] if groups[0][0] == "lora_a" else first.shape[2]
@@ -80,6 +83,14 @@ def check_weights(
                 f"lora_b must be [num_slots, out_slice, max_rank] = {(num_slots, width, max_rank)}, got {tuple(t.shape)}"
             )
     return num_slots, max_rank
+
+
+def _dense_slots(t: torch.Tensor) -> bool:
+    """Each slot's [rows, cols] block is row-major and blocks do not overlap: a dense stack, or slot
+    views into a larger pool (the engine keeps each slot's whole adapter in one block, engine/lora/slots.py)."""
+    rows, cols = t.shape[1], t.shape[2]
+    row_major = (cols <= 1 or t.stride(2) == 1) and (rows <= 1 or t.stride(1) == cols)
+    return row_major and (t.shape[0] <= 1 or t.stride(0) >= rows * cols)
 
 
 def check_h(h: torch.Tensor, num_slices: int, num_tokens: int, max_rank: int) -> torch.Tensor:
@@ -114,15 +125,19 @@ def check_slots(
             f"shape {tuple(token_slots.shape)}; use .to(torch.int32)"
         )
     for s in scales or ():
-        if s.dtype != torch.float32 or tuple(s.shape) != (num_slots,):
+        if s.dtype != torch.float32 or tuple(s.shape) != (num_slots,) or not s.is_contiguous():
             _fail(
-                f"scales must be float32 [num_slots] = [{num_slots}], got {s.dtype} of shape {tuple(s.shape)}"
+                f"scales must be contiguous float32 [num_slots] = [{num_slots}], got {s.dtype} of shape "
+                f"{tuple(s.shape)} and strides {s.stride()}"
             )
     if slot_ranks is not None and (
-        slot_ranks.dtype != torch.int32 or tuple(slot_ranks.shape) != (num_slots,)
+        slot_ranks.dtype != torch.int32
+        or tuple(slot_ranks.shape) != (num_slots,)
+        or not slot_ranks.is_contiguous()
     ):
         _fail(
-            f"slot_ranks must be int32 [num_slots] = [{num_slots}], got {slot_ranks.dtype} {tuple(slot_ranks.shape)}"
+            f"slot_ranks must be contiguous int32 [num_slots] = [{num_slots}], got {slot_ranks.dtype} "
+            f"{tuple(slot_ranks.shape)} with strides {slot_ranks.stride()}"
         )
     tensors = [token_slots, *(scales or ()), *([slot_ranks] if slot_ranks is not None else [])]
     for t in tensors:

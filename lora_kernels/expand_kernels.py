@@ -30,16 +30,18 @@ def _slice_of_block(pid_n, tiles0, tiles1, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _load_b(b0_ptr, b1_ptr, b2_ptr, slice_id, slot, n0, w0, w1, w2, slot_ranks_ptr,
+def _load_b(b0_ptr, b1_ptr, b2_ptr, slice_id, slot, n0, w0, w1, w2, sb0, sb1, sb2, slot_ranks_ptr,
             NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_R: tl.constexpr, HAS_RANKS: tl.constexpr):  # fmt: skip
     """B[slot, n0:n0+BLOCK_N, :] of the slice as [BLOCK_N, BLOCK_R], plus (width, column offset, rank limit)."""
     b_ptr = b0_ptr
     width = w0
+    stride_b = sb0
     col0 = 0
     if NUM_SLICES > 1:
         b_ptr = pick(slice_id, b0_ptr, b1_ptr, b2_ptr)
         width = pick(slice_id, w0, w1, w2)
+        stride_b = pick(slice_id, sb0, sb1, sb2)
         col0 = pick(slice_id, 0, w0, w0 + w1)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
@@ -51,7 +53,7 @@ def _load_b(b0_ptr, b1_ptr, b2_ptr, slice_id, slot, n0, w0, w1, w2, slot_ranks_p
         b_mask &= offs_r[None, :] < r_limit
     elif BLOCK_R != MAX_RANK:
         b_mask &= offs_r[None, :] < MAX_RANK
-    b_rows = b_ptr + slot.to(tl.int64) * width * MAX_RANK + offs_n[:, None] * MAX_RANK
+    b_rows = b_ptr + slot.to(tl.int64) * stride_b + offs_n[:, None] * MAX_RANK
     b = tl.load(b_rows + offs_r[None, :], mask=b_mask, other=0.0)
     return b, width, col0, r_limit
 
@@ -69,6 +71,7 @@ def _expand_gathered_kernel(
     token_slots_ptr,  # [num_tokens] int32
     slot_ranks_ptr,  # [num_slots] int32, read only if HAS_RANKS
     w0, w1, w2,  # output_slices
+    sb0, sb1, sb2,  # slot strides of each slice's B (width * max_rank for a dense stack)
     tiles0, tiles1,  # output blocks of slices 0 and 1
     stride_yt, stride_hk, stride_hs, stride_ht,
     SPLIT_K: tl.constexpr,  # partials of h to sum
@@ -86,8 +89,8 @@ def _expand_gathered_kernel(
     if slot < 0:
         return
     slice_id, n0 = _slice_of_block(pid_n, tiles0, tiles1, BLOCK_N)
-    b, width, col0, r_limit = _load_b(b0_ptr, b1_ptr, b2_ptr, slice_id, slot, n0, w0, w1, w2, slot_ranks_ptr,
-                                   NUM_SLICES, MAX_RANK, BLOCK_N, BLOCK_R, HAS_RANKS)  # fmt: skip
+    b, width, col0, r_limit = _load_b(b0_ptr, b1_ptr, b2_ptr, slice_id, slot, n0, w0, w1, w2, sb0, sb1, sb2,
+                                   slot_ranks_ptr, NUM_SLICES, MAX_RANK, BLOCK_N, BLOCK_R, HAS_RANKS)  # fmt: skip
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < width
     y_row = y_ptr + token * stride_yt + col0 + offs_n
@@ -122,7 +125,7 @@ def _expand_segmented_kernel(
     tile_slot_ptr,  # [max_tiles] int32
     tile_start_ptr,  # [max_tiles] int32
     tile_len_ptr,  # [max_tiles] int32
-    w0, w1, w2, tiles0, tiles1,
+    w0, w1, w2, sb0, sb1, sb2, tiles0, tiles1,
     stride_yt, stride_hk, stride_hs, stride_ht,
     SPLIT_K: tl.constexpr,  # partials of h to sum
     NUM_SLICES: tl.constexpr,
@@ -142,8 +145,8 @@ def _expand_segmented_kernel(
     if (num_rows == 0) | (slot < 0):
         return
     slice_id, n0 = _slice_of_block(pid_n, tiles0, tiles1, BLOCK_N)
-    b, width, col0, r_limit = _load_b(b0_ptr, b1_ptr, b2_ptr, slice_id, slot, n0, w0, w1, w2, slot_ranks_ptr,
-                                   NUM_SLICES, MAX_RANK, BLOCK_N, BLOCK_R, HAS_RANKS)  # fmt: skip
+    b, width, col0, r_limit = _load_b(b0_ptr, b1_ptr, b2_ptr, slice_id, slot, n0, w0, w1, w2, sb0, sb1, sb2,
+                                   slot_ranks_ptr, NUM_SLICES, MAX_RANK, BLOCK_N, BLOCK_R, HAS_RANKS)  # fmt: skip
     start = tl.load(tile_start_ptr + tile)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -199,7 +202,8 @@ def launch_expand(y, h, lora_bs, scales, token_slots, slot_ranks, output_slices,
     )
     if config.use_pdl:
         common["launch_pdl"] = True
-    tail = (*widths, tiles[0], tiles[1], y.stride(0), h.stride(0), h.stride(1), h.stride(2))
+    slot_strides = [t.stride(0) for t in b]
+    tail = (*widths, *slot_strides, tiles[0], tiles[1], y.stride(0), h.stride(0), h.stride(1), h.stride(2))
     if path == "gathered":
         grid = (sum(tiles), y.shape[0])
         _expand_gathered_kernel[grid](y, h, *b, *s, token_slots, ranks, *tail, **common)

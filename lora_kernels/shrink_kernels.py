@@ -36,7 +36,7 @@ def pick(i, v0, v1, v2):
 @triton.jit
 def _shrink_gathered_kernel(
     x_ptr,  # [num_tokens, in]
-    a0_ptr,  # [num_slots, max_rank, in], slice 0 (slices 1 and 2 likewise; unused ones repeat slice 0)
+    a0_ptr,  # [num_slots, max_rank, in] with slot stride stride_a0, slice 0 (1 and 2 likewise; unused repeat 0)
     a1_ptr,
     a2_ptr,
     h_ptr,  # [split_k, num_slices, num_tokens, max_rank] float32, rank contiguous
@@ -47,6 +47,9 @@ def _shrink_gathered_kernel(
     stride_hk,
     stride_hs,
     stride_ht,
+    stride_a0,  # slot stride of each slice's A (max_rank * in for a dense stack; more in a slot-major pool)
+    stride_a1,
+    stride_a2,
     NUM_SLICES: tl.constexpr,
     MAX_RANK: tl.constexpr,
     BLOCK_R: tl.constexpr,  # next power of two >= max(max_rank, 16)
@@ -71,9 +74,11 @@ def _shrink_gathered_kernel(
     if HAS_RANKS:
         rank = tl.minimum(tl.load(slot_ranks_ptr + slot), MAX_RANK)
     a_ptr = a0_ptr
+    stride_a = stride_a0
     if NUM_SLICES > 1:
         a_ptr = pick(slice_id, a0_ptr, a1_ptr, a2_ptr)
-    a_rows = a_ptr + slot.to(tl.int64) * (MAX_RANK * in_features) + offs_r[:, None] * in_features
+        stride_a = pick(slice_id, stride_a0, stride_a1, stride_a2)
+    a_rows = a_ptr + slot.to(tl.int64) * stride_a + offs_r[:, None] * in_features
     r_ok = offs_r[:, None] < rank
     offs_k = split * (K_ITERS * BLOCK_K) + tl.arange(0, BLOCK_K)
     # Products summed elementwise, reduced across K once at the end: one shuffle tree, not one per block.
@@ -104,6 +109,9 @@ def _shrink_segmented_kernel(
     stride_hk,
     stride_hs,
     stride_ht,
+    stride_a0,
+    stride_a1,
+    stride_a2,
     NUM_SLICES: tl.constexpr,
     MAX_RANK: tl.constexpr,
     BLOCK_M: tl.constexpr,  # LoRABatchMeta.block_m
@@ -138,9 +146,11 @@ def _shrink_segmented_kernel(
     if HAS_RANKS:
         rank = tl.minimum(tl.load(slot_ranks_ptr + slot), MAX_RANK)
     a_ptr = a0_ptr
+    stride_a = stride_a0
     if NUM_SLICES > 1:
         a_ptr = pick(slice_id, a0_ptr, a1_ptr, a2_ptr)
-    a_rows = a_ptr + slot.to(tl.int64) * (MAX_RANK * in_features) + offs_r[:, None] * in_features
+        stride_a = pick(slice_id, stride_a0, stride_a1, stride_a2)
+    a_rows = a_ptr + slot.to(tl.int64) * stride_a + offs_r[:, None] * in_features
     x_rows = x_ptr + tokens[:, None] * stride_xt
     r_ok = offs_r[:, None] < rank
     offs_k = split * (K_ITERS * BLOCK_K) + tl.arange(0, BLOCK_K)
@@ -173,7 +183,7 @@ def launch_shrink(h, x, lora_as, token_slots, slot_ranks, meta, path, config) ->
         USE_PDL=config.use_pdl,
         num_warps=config.num_warps,
     )
-    strides = (x.stride(0), h.stride(0), h.stride(1), h.stride(2))
+    strides = (x.stride(0), h.stride(0), h.stride(1), h.stride(2), *(t.stride(0) for t in a))
     if path == "gathered":
         grid = (num_slices, config.split_k, x.shape[0])
         _shrink_gathered_kernel[grid](x, *a, h, token_slots, ranks, in_features, *strides, **common)

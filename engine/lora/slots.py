@@ -1,11 +1,13 @@
 """Adapter weights resident on the device: `max_loras` slots of stacked A/B per layer and projection.
 
 The model reads these tensors directly (`lora_kernels.add_lora` indexes them by slot), so loading an
-adapter is a copy into a slot and never reallocates anything the model holds. Each projection's
-tensors span all layers ([num_layers, max_loras, ...]): a layer's view is contiguous for the kernels,
-and loading one adapter is one copy per projection and tensor (30 copies with scales, ranks and rank
-bounds), not one per layer. The slot views are strided across layers, which makes each copy cost the
-calling thread far more than a contiguous one would (docs/BENCHMARKS.md, adapter loading).
+adapter is a copy into a slot and never reallocates anything the model holds. The layout is slot-major:
+all of one slot's weights (every layer and projection, A and B) form one contiguous block of `weights`,
+and all of its scales and ranks one column of `table`. Making an adapter resident is therefore two
+copies from its pinned CPU image, however many layers the model has; per-projection views with a slot
+stride give the kernels their usual [max_loras, ...] stacks. (A layer-major layout needed one copy per
+projection into views strided across layers, 30 in all, which cost the engine thread ~0.6 ms of host
+time per adapter and slowed the running batch; docs/BENCHMARKS.md, adapter loading.)
 """
 
 from __future__ import annotations
@@ -20,13 +22,51 @@ from engine.lora.peft_checkpoint import PeftAdapter
 # Projections the model applies LoRA to in one launch (one fused base GEMM), in column order.
 FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
+# Every block starts on a 64-element boundary, so every view is 128-byte aligned and Triton compiles one
+# kernel variant for all of them.
+_ALIGN = 64
+
+# Columns of the per-layer table: a scale (float32 bits) and a rank per projection, then each fused
+# group's largest rank.
+_SCALE_COLUMN = {m: i for i, m in enumerate(TARGET_MODULES)}
+_RANK_COLUMN = {m: len(TARGET_MODULES) + i for i, m in enumerate(TARGET_MODULES)}
+_BOUND_COLUMN = {g: 2 * len(TARGET_MODULES) + i for i, g in enumerate(FUSED_PROJECTIONS)}
+TABLE_COLUMNS = 2 * len(TARGET_MODULES) + len(FUSED_PROJECTIONS)
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where each projection's A and B sit inside one slot's block of weights."""
+
+    shape: ModelShape
+    max_rank: int
+
+    def blocks(self) -> dict[tuple[str, str], tuple[int, tuple[int, ...]]]:
+        """(module, "a" or "b") -> (offset, [num_layers, rows, cols]) inside the slot's block."""
+        n, r, offset, blocks = self.shape.num_layers, self.max_rank, 0, {}
+        for module in TARGET_MODULES:
+            in_features, out_features = self.shape.module_dims(module)
+            for kind, dims in (("a", (n, r, in_features)), ("b", (n, out_features, r))):
+                blocks[module, kind] = (offset, dims)
+                offset = _align(offset + dims[0] * dims[1] * dims[2])
+        return blocks
+
+    @property
+    def numel(self) -> int:
+        offset, dims = self.blocks()[TARGET_MODULES[-1], "b"]
+        return _align(offset + dims[0] * dims[1] * dims[2])
+
 
 @dataclass
 class ModuleSlots:
     """One projection of one layer, across all slots (views into `LoRASlots`' tensors)."""
 
-    lora_a: torch.Tensor  # [max_loras, max_rank, in]
-    lora_b: torch.Tensor  # [max_loras, out, max_rank]
+    lora_a: torch.Tensor  # [max_loras, max_rank, in], slot stride: a slot's whole block
+    lora_b: torch.Tensor  # [max_loras, out, max_rank], likewise
     scales: torch.Tensor  # [max_loras] float32; 0 where the slot's adapter does not target this module
     ranks: torch.Tensor  # [max_loras] int32; 0 where untargeted
 
@@ -35,10 +75,12 @@ class ModuleSlots:
 class SlotImage:
     """An adapter laid out exactly as one slot: zero-padded to max_rank, zeros for untargeted modules.
 
-    Built once per adapter on the CPU (pinned when CUDA is present), so making it resident is a
-    plain host-to-device copy that can run on a side stream.
+    Built once per adapter on the CPU (pinned when CUDA is present), so making it resident is two plain
+    host-to-device copies that can run on a side stream. The dicts are views into `weights` and `table`.
     """
 
+    weights: torch.Tensor  # [SlotLayout.numel], the slot's whole block
+    table: torch.Tensor  # [num_layers, TABLE_COLUMNS] int32 (scales as float32 bits)
     lora_a: dict[str, torch.Tensor]  # module -> [num_layers, max_rank, in]
     lora_b: dict[str, torch.Tensor]  # module -> [num_layers, out, max_rank]
     scales: dict[str, torch.Tensor]  # module -> [num_layers] float32
@@ -47,8 +89,31 @@ class SlotImage:
 
     @property
     def num_bytes(self) -> int:
-        tensors = [*self.lora_a.values(), *self.lora_b.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return self.weights.numel() * self.weights.element_size()
+
+
+def build_image(layout: SlotLayout, dtype: torch.dtype, adapter: PeftAdapter, pin_memory: bool = False) -> SlotImage:
+    """Lay an adapter (validated against the model) out as one slot of `layout`, on the CPU."""
+    if adapter.rank > layout.max_rank:
+        raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {layout.max_rank}")
+    # Pinned from the start (not pinned afterwards), so the image is written once, not copied again.
+    weights = torch.zeros(layout.numel, dtype=dtype, pin_memory=pin_memory)
+    table = torch.zeros(layout.shape.num_layers, TABLE_COLUMNS, dtype=torch.int32, pin_memory=pin_memory)
+    image = SlotImage(weights, table, {}, {}, {}, {}, {})
+    for (module, kind), (offset, dims) in layout.blocks().items():
+        view = weights[offset : offset + dims[0] * dims[1] * dims[2]].view(dims)
+        (image.lora_a if kind == "a" else image.lora_b)[module] = view
+    image.scales = {m: table[:, c].view(torch.float32) for m, c in _SCALE_COLUMN.items()}
+    image.ranks = {m: table[:, c] for m, c in _RANK_COLUMN.items()}
+    image.rank_bounds = {g: table[:, c] for g, c in _BOUND_COLUMN.items()}
+    for (layer, module), pair in adapter.modules.items():
+        image.lora_a[module][layer, : pair.rank] = pair.lora_a
+        image.lora_b[module][layer, :, : pair.rank] = pair.lora_b
+        image.scales[module][layer] = pair.scale
+        image.ranks[module][layer] = pair.rank
+    for group, bound in image.rank_bounds.items():
+        bound.copy_(torch.stack([image.ranks[m] for m in group]).amax(0))
+    return image
 
 
 class LoRASlots:
@@ -62,22 +127,23 @@ class LoRASlots:
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
+        self.layout = SlotLayout(shape, max_rank)
         n = shape.num_layers
+        self.weights = torch.zeros(max_loras, self.layout.numel, dtype=dtype, device=device)
+        self.table = torch.zeros(n, TABLE_COLUMNS, max_loras, dtype=torch.int32, device=device)
         self.lora_a: dict[str, torch.Tensor] = {}  # module -> [num_layers, max_loras, max_rank, in]
         self.lora_b: dict[str, torch.Tensor] = {}  # module -> [num_layers, max_loras, out, max_rank]
-        self.scales: dict[str, torch.Tensor] = {}  # module -> [num_layers, max_loras]
-        self.ranks: dict[str, torch.Tensor] = {}  # module -> [num_layers, max_loras]
-        for module in TARGET_MODULES:
-            in_features, out_features = shape.module_dims(module)
-            self.lora_a[module] = torch.zeros(n, max_loras, max_rank, in_features, dtype=dtype, device=device)
-            self.lora_b[module] = torch.zeros(n, max_loras, out_features, max_rank, dtype=dtype, device=device)
-            self.scales[module] = torch.zeros(n, max_loras, dtype=torch.float32, device=device)
-            self.ranks[module] = torch.zeros(n, max_loras, dtype=torch.int32, device=device)
+        for (module, kind), (offset, dims) in self.layout.blocks().items():
+            size = dims[0] * dims[1] * dims[2]
+            view = self.weights[:, offset : offset + size].view(max_loras, *dims).transpose(0, 1)
+            (self.lora_a if kind == "a" else self.lora_b)[module] = view
+        # module -> [num_layers, max_loras]; each layer's row is contiguous, as the kernels need.
+        self.scales = {m: self.table[:, c].view(torch.float32) for m, c in _SCALE_COLUMN.items()}
+        self.ranks = {m: self.table[:, c] for m, c in _RANK_COLUMN.items()}
         # Per group the model applies at once, the largest rank of its projections per layer and slot:
         # the kernels skip the zero-padded tail beyond it, so a rank-8 adapter does not pay for max_rank.
         self.rank_bounds: dict[tuple[str, ...], torch.Tensor] = {(m,): self.ranks[m] for m in TARGET_MODULES}
-        for group in FUSED_PROJECTIONS:
-            self.rank_bounds[group] = torch.zeros(n, max_loras, dtype=torch.int32, device=device)
+        self.rank_bounds.update({g: self.table[:, c] for g, c in _BOUND_COLUMN.items()})
         self.layers: list[dict[str, ModuleSlots]] = [
             {
                 m: ModuleSlots(self.lora_a[m][i], self.lora_b[m][i], self.scales[m][i], self.ranks[m][i])
@@ -88,40 +154,14 @@ class LoRASlots:
 
     def image(self, adapter: PeftAdapter, pin_memory: bool = False) -> SlotImage:
         """Lay an adapter (validated against this model) out as one slot, on the CPU."""
-        if adapter.rank > self.max_rank:
-            raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.max_rank}")
-        n, r = self.shape.num_layers, self.max_rank
-        image = SlotImage({}, {}, {}, {}, {})
-        # Pinned from the start (not pinned afterwards), so the image is written once, not copied again.
-        pinned = {"pin_memory": pin_memory}
-        for module in TARGET_MODULES:
-            in_features, out_features = self.shape.module_dims(module)
-            image.lora_a[module] = torch.zeros(n, r, in_features, dtype=self.dtype, **pinned)
-            image.lora_b[module] = torch.zeros(n, out_features, r, dtype=self.dtype, **pinned)
-            image.scales[module] = torch.zeros(n, dtype=torch.float32, **pinned)
-            image.ranks[module] = torch.zeros(n, dtype=torch.int32, **pinned)
-        for (layer, module), weights in adapter.modules.items():
-            rank = weights.rank
-            image.lora_a[module][layer, :rank] = weights.lora_a
-            image.lora_b[module][layer, :, :rank] = weights.lora_b
-            image.scales[module][layer] = weights.scale
-            image.ranks[module][layer] = rank
-        for group in FUSED_PROJECTIONS:
-            bound = torch.zeros(n, dtype=torch.int32, **pinned)
-            image.rank_bounds[group] = torch.amax(torch.stack([image.ranks[m] for m in group]), 0, out=bound)
-        return image
+        return build_image(self.layout, self.dtype, adapter, pin_memory)
 
     def load(self, slot: int, image: SlotImage) -> None:
-        """Copy an adapter's image into `slot` (asynchronously on CUDA when the image is pinned)."""
+        """Copy an adapter's image into `slot` (asynchronously on CUDA when the image is pinned): two copies."""
         if not 0 <= slot < self.max_loras:
             raise ValueError(f"slot {slot} is outside [0, {self.max_loras})")
-        for module in TARGET_MODULES:
-            self.lora_a[module][:, slot].copy_(image.lora_a[module], non_blocking=True)
-            self.lora_b[module][:, slot].copy_(image.lora_b[module], non_blocking=True)
-            self.scales[module][:, slot].copy_(image.scales[module], non_blocking=True)
-            self.ranks[module][:, slot].copy_(image.ranks[module], non_blocking=True)
-        for group in FUSED_PROJECTIONS:
-            self.rank_bounds[group][:, slot].copy_(image.rank_bounds[group], non_blocking=True)
+        self.weights[slot].copy_(image.weights, non_blocking=True)
+        self.table[:, :, slot].copy_(image.table, non_blocking=True)
 
     def slot_ranks(self, layer: int, modules: tuple[str, ...]) -> torch.Tensor:
         """[max_loras] int32: the rank each slot needs for these projections of `layer`, applied at once."""

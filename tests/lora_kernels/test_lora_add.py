@@ -138,3 +138,37 @@ def test_split_k_partials_are_summed(path: str, monkeypatch) -> None:
         backend="triton",
     )
     assert_lora_result(case, case.y, y)
+
+
+def pooled(stacks: list[torch.Tensor], gap: int) -> list[torch.Tensor]:
+    """The same stacks as views into one slot-major pool (as engine/lora/slots.py lays adapters out): each
+    slot's blocks of every slice side by side, `gap` elements of NaN between them and after each slot."""
+    num_slots = stacks[0].shape[0]
+    sizes = [t[0].numel() for t in stacks]
+    pool = torch.full((num_slots, sum(sizes) + gap * len(stacks)), float("nan"), dtype=stacks[0].dtype,
+                      device=stacks[0].device)  # fmt: skip
+    views, offset = [], 0
+    for t, size in zip(stacks, sizes):
+        view = pool[:, offset : offset + size].view(t.shape)
+        view.copy_(t)
+        views.append(view)
+        offset += size + gap
+    return views
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("path", PATHS)
+def test_slot_strided_weights_in_a_pool_match_reference(path: str, dtype: torch.dtype) -> None:
+    """Compiled on a GPU run (the engine's layout), interpreted on the CPU."""
+    out_slices = [96, 32, 32]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    case = make_case(seed_of("pool", path, dtype), 13, 128, out_slices, 4, 16, dtype, mixed_ranks=True,
+                     device=device)  # fmt: skip
+    lora_as, lora_bs = pooled(case.lora_as, gap=64), pooled(case.lora_bs, gap=64)
+    assert all(not t.is_contiguous() for t in lora_as + lora_bs)  # NaN gaps between slots, read by nothing
+    y = case.y.clone()
+    lora_kernels.add_lora_multi(
+        y, case.x, lora_as, lora_bs, case.token_slots, case.scales, out_slices,
+        slot_ranks=case.slot_ranks, path=path, backend="triton",
+    )  # fmt: skip
+    assert_lora_result(case, case.y, y)

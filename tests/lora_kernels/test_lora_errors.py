@@ -41,6 +41,15 @@ def call(case, backend: str = "triton", **changes):
         (lambda c: dict(x=c.x[:5]), "rows"),
         (lambda c: dict(scales=c.scales[0].double()), "scales"),
         (lambda c: dict(scales=c.scales[0][:2]), "scales"),
+        (lambda c: dict(scales=c.scales[0].repeat(2)[::2]), "contiguous float32"),
+        (
+            lambda c: dict(lora_a=c.lora_as[0].reshape(-1)[: 8 * 64 + 2].as_strided((3, 8, 64), (1, 64, 1))),
+            "contiguous within each slot",
+        ),
+        (
+            lambda c: dict(slot_ranks=torch.tensor([1, 2, 3, 4, 5, 6], dtype=torch.int32)[::2]),
+            "contiguous int32",
+        ),
         (lambda c: dict(slot_ranks=torch.tensor([1, 2], dtype=torch.int32)), "slot_ranks"),
         (lambda c: dict(path="bgmv"), "path"),
     ],

@@ -178,7 +178,7 @@ def read_adapter_config(folder: Path) -> dict:
 
 
 def load_peft_adapter(folder: str | Path, shape: ModelShape, max_lora_rank: int) -> PeftAdapter:
-    """Read, validate and load a PEFT adapter folder onto the CPU (float32 weights)."""
+    """Read, validate and load a PEFT adapter folder onto the CPU (weights in their stored dtype)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise AdapterError("not_found", f"adapter folder {folder} does not exist")
@@ -201,7 +201,7 @@ def load_peft_adapter(folder: str | Path, shape: ModelShape, max_lora_rank: int)
     for name, tensor in tensors.items():
         match = _TENSOR_NAME.match(name)
         key = (int(match["layer"]), match["module"])
-        loaded.setdefault(key, {})[match["ab"]] = tensor.to(torch.float32)
+        loaded.setdefault(key, {})[match["ab"]] = tensor  # as stored; the slot image converts it once
     modules = {
         key: ModuleLoRA(rank=m.rank, scale=m.scale, lora_a=loaded[key]["A"], lora_b=loaded[key]["B"])
         for key, m in adapter.modules.items()

@@ -28,10 +28,12 @@ _ALIGN = 64
 
 # Columns of the per-layer table: a scale (float32 bits) and a rank per projection, then each fused
 # group's largest rank.
-_SCALE_COLUMN = {m: i for i, m in enumerate(TARGET_MODULES)}
-_RANK_COLUMN = {m: len(TARGET_MODULES) + i for i, m in enumerate(TARGET_MODULES)}
-_BOUND_COLUMN = {g: 2 * len(TARGET_MODULES) + i for i, g in enumerate(FUSED_PROJECTIONS)}
-TABLE_COLUMNS = 2 * len(TARGET_MODULES) + len(FUSED_PROJECTIONS)
+_SCALES = slice(0, len(TARGET_MODULES))  # in TARGET_MODULES order
+_RANKS = slice(len(TARGET_MODULES), 2 * len(TARGET_MODULES))
+_SCALE_COLUMN = {m: _SCALES.start + i for i, m in enumerate(TARGET_MODULES)}
+_RANK_COLUMN = {m: _RANKS.start + i for i, m in enumerate(TARGET_MODULES)}
+_BOUND_COLUMN = {g: _RANKS.stop + i for i, g in enumerate(FUSED_PROJECTIONS)}
+TABLE_COLUMNS = _RANKS.stop + len(FUSED_PROJECTIONS)
 
 
 def _align(n: int) -> int:
@@ -106,11 +108,17 @@ def build_image(layout: SlotLayout, dtype: torch.dtype, adapter: PeftAdapter, pi
     image.scales = {m: table[:, c].view(torch.float32) for m, c in _SCALE_COLUMN.items()}
     image.ranks = {m: table[:, c] for m, c in _RANK_COLUMN.items()}
     image.rank_bounds = {g: table[:, c] for g, c in _BOUND_COLUMN.items()}
+    # As few torch calls as possible: this runs on a loader thread, and each call is a GIL hand-over
+    # that the engine thread pays for (docs/BENCHMARKS.md, adapter loading).
     for (layer, module), pair in adapter.modules.items():
         image.lora_a[module][layer, : pair.rank] = pair.lora_a
         image.lora_b[module][layer, :, : pair.rank] = pair.lora_b
-        image.scales[module][layer] = pair.scale
-        image.ranks[module][layer] = pair.rank
+    if adapter.modules:
+        layers = torch.tensor([layer for layer, _ in adapter.modules])
+        modules = torch.tensor([TARGET_MODULES.index(module) for _, module in adapter.modules])
+        pairs = adapter.modules.values()
+        table[:, _SCALES].view(torch.float32)[layers, modules] = torch.tensor([p.scale for p in pairs])
+        table[:, _RANKS][layers, modules] = torch.tensor([p.rank for p in pairs], dtype=torch.int32)
     for group, bound in image.rank_bounds.items():
         bound.copy_(torch.stack([image.ranks[m] for m in group]).amax(0))
     return image

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from lora_kernels.shrink_kernels import pick
+from lora_kernels.shrink_kernels import pick, slot_alignment
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def _slice_of_block(pid_n, tiles0, tiles1, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _load_b(b0_ptr, b1_ptr, b2_ptr, slice_id, slot, n0, w0, w1, w2, sb0, sb1, sb2, slot_ranks_ptr,
-            NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr, BLOCK_N: tl.constexpr,
+            NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr, SLOT_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_R: tl.constexpr, HAS_RANKS: tl.constexpr):  # fmt: skip
     """B[slot, n0:n0+BLOCK_N, :] of the slice as [BLOCK_N, BLOCK_R], plus (width, column offset, rank limit)."""
     b_ptr = b0_ptr
@@ -53,7 +53,7 @@ def _load_b(b0_ptr, b1_ptr, b2_ptr, slice_id, slot, n0, w0, w1, w2, sb0, sb1, sb
         b_mask &= offs_r[None, :] < r_limit
     elif BLOCK_R != MAX_RANK:
         b_mask &= offs_r[None, :] < MAX_RANK
-    b_rows = b_ptr + slot.to(tl.int64) * stride_b + offs_n[:, None] * MAX_RANK
+    b_rows = b_ptr + slot.to(tl.int64) * (stride_b * SLOT_ALIGN) + offs_n[:, None] * MAX_RANK
     b = tl.load(b_rows + offs_r[None, :], mask=b_mask, other=0.0)
     return b, width, col0, r_limit
 
@@ -71,12 +71,13 @@ def _expand_gathered_kernel(
     token_slots_ptr,  # [num_tokens] int32
     slot_ranks_ptr,  # [num_slots] int32, read only if HAS_RANKS
     w0, w1, w2,  # output_slices
-    sb0, sb1, sb2,  # slot strides of each slice's B (width * max_rank for a dense stack)
+    sb0, sb1, sb2,  # slot strides of each slice's B over SLOT_ALIGN (width * max_rank for a dense stack)
     tiles0, tiles1,  # output blocks of slices 0 and 1
     stride_yt, stride_hk, stride_hs, stride_ht,
     SPLIT_K: tl.constexpr,  # partials of h to sum
     NUM_SLICES: tl.constexpr,
     MAX_RANK: tl.constexpr,
+    SLOT_ALIGN: tl.constexpr,  # divides every slot stride (shrink_kernels.slot_alignment)
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     HAS_RANKS: tl.constexpr,
@@ -90,7 +91,7 @@ def _expand_gathered_kernel(
         return
     slice_id, n0 = _slice_of_block(pid_n, tiles0, tiles1, BLOCK_N)
     b, width, col0, r_limit = _load_b(b0_ptr, b1_ptr, b2_ptr, slice_id, slot, n0, w0, w1, w2, sb0, sb1, sb2,
-                                   slot_ranks_ptr, NUM_SLICES, MAX_RANK, BLOCK_N, BLOCK_R, HAS_RANKS)  # fmt: skip
+                                   slot_ranks_ptr, NUM_SLICES, MAX_RANK, SLOT_ALIGN, BLOCK_N, BLOCK_R, HAS_RANKS)  # fmt: skip
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < width
     y_row = y_ptr + token * stride_yt + col0 + offs_n
@@ -130,6 +131,7 @@ def _expand_segmented_kernel(
     SPLIT_K: tl.constexpr,  # partials of h to sum
     NUM_SLICES: tl.constexpr,
     MAX_RANK: tl.constexpr,
+    SLOT_ALIGN: tl.constexpr,  # divides every slot stride (shrink_kernels.slot_alignment)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -146,7 +148,7 @@ def _expand_segmented_kernel(
         return
     slice_id, n0 = _slice_of_block(pid_n, tiles0, tiles1, BLOCK_N)
     b, width, col0, r_limit = _load_b(b0_ptr, b1_ptr, b2_ptr, slice_id, slot, n0, w0, w1, w2, sb0, sb1, sb2,
-                                   slot_ranks_ptr, NUM_SLICES, MAX_RANK, BLOCK_N, BLOCK_R, HAS_RANKS)  # fmt: skip
+                                   slot_ranks_ptr, NUM_SLICES, MAX_RANK, SLOT_ALIGN, BLOCK_N, BLOCK_R, HAS_RANKS)  # fmt: skip
     start = tl.load(tile_start_ptr + tile)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -190,10 +192,12 @@ def launch_expand(y, h, lora_bs, scales, token_slots, slot_ranks, output_slices,
     widths = list(output_slices) + [0] * (3 - num_slices)
     tiles = [triton.cdiv(w, config.block_n) for w in widths]
     ranks = slot_ranks if slot_ranks is not None else token_slots
+    align = slot_alignment(b)
     common = dict(
         SPLIT_K=h.shape[0],
         NUM_SLICES=num_slices,
         MAX_RANK=lora_bs[0].shape[2],
+        SLOT_ALIGN=align,
         BLOCK_N=config.block_n,
         BLOCK_R=config.block_r,
         HAS_RANKS=slot_ranks is not None,
@@ -202,7 +206,7 @@ def launch_expand(y, h, lora_bs, scales, token_slots, slot_ranks, output_slices,
     )
     if config.use_pdl:
         common["launch_pdl"] = True
-    slot_strides = [t.stride(0) for t in b]
+    slot_strides = [t.stride(0) // align for t in b]
     tail = (*widths, *slot_strides, tiles[0], tiles[1], y.stride(0), h.stride(0), h.stride(1), h.stride(2))
     if path == "gathered":
         grid = (sum(tiles), y.shape[0])

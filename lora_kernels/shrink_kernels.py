@@ -12,6 +12,8 @@ stay 16-byte vectors): a rank-8 adapter in a max-rank-64 pool reads 1/8 of the b
 
 from __future__ import annotations
 
+import math
+
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
@@ -47,11 +49,12 @@ def _shrink_gathered_kernel(
     stride_hk,
     stride_hs,
     stride_ht,
-    stride_a0,  # slot stride of each slice's A (max_rank * in for a dense stack; more in a slot-major pool)
+    stride_a0,  # slot stride of each slice's A over SLOT_ALIGN (max_rank * in for a dense stack; more in a pool)
     stride_a1,
     stride_a2,
     NUM_SLICES: tl.constexpr,
     MAX_RANK: tl.constexpr,
+    SLOT_ALIGN: tl.constexpr,  # divides every slot stride: keeps loads vectorized past the runtime pick
     BLOCK_R: tl.constexpr,  # next power of two >= max(max_rank, 16)
     BLOCK_K: tl.constexpr,
     K_ITERS: tl.constexpr,  # K blocks per split (constexpr: the interpreter cannot loop to a runtime bound)
@@ -78,7 +81,7 @@ def _shrink_gathered_kernel(
     if NUM_SLICES > 1:
         a_ptr = pick(slice_id, a0_ptr, a1_ptr, a2_ptr)
         stride_a = pick(slice_id, stride_a0, stride_a1, stride_a2)
-    a_rows = a_ptr + slot.to(tl.int64) * stride_a + offs_r[:, None] * in_features
+    a_rows = a_ptr + slot.to(tl.int64) * (stride_a * SLOT_ALIGN) + offs_r[:, None] * in_features
     r_ok = offs_r[:, None] < rank
     offs_k = split * (K_ITERS * BLOCK_K) + tl.arange(0, BLOCK_K)
     # Products summed elementwise, reduced across K once at the end: one shuffle tree, not one per block.
@@ -114,6 +117,7 @@ def _shrink_segmented_kernel(
     stride_a2,
     NUM_SLICES: tl.constexpr,
     MAX_RANK: tl.constexpr,
+    SLOT_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr,  # LoRABatchMeta.block_m
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -150,7 +154,7 @@ def _shrink_segmented_kernel(
     if NUM_SLICES > 1:
         a_ptr = pick(slice_id, a0_ptr, a1_ptr, a2_ptr)
         stride_a = pick(slice_id, stride_a0, stride_a1, stride_a2)
-    a_rows = a_ptr + slot.to(tl.int64) * stride_a + offs_r[:, None] * in_features
+    a_rows = a_ptr + slot.to(tl.int64) * (stride_a * SLOT_ALIGN) + offs_r[:, None] * in_features
     x_rows = x_ptr + tokens[:, None] * stride_xt
     r_ok = offs_r[:, None] < rank
     offs_k = split * (K_ITERS * BLOCK_K) + tl.arange(0, BLOCK_K)
@@ -167,15 +171,23 @@ def _shrink_segmented_kernel(
     tl.store(h_tile, acc, mask=h_mask)
 
 
+def slot_alignment(stacks) -> int:
+    """The largest of 16, 8, 4, 2, 1 that divides every slot stride: passed as a constexpr factor, so
+    Triton still knows slot offsets are aligned after a slice's stride is picked at run time."""
+    return math.gcd(16, *(t.stride(0) for t in stacks))
+
+
 def launch_shrink(h, x, lora_as, token_slots, slot_ranks, meta, path, config) -> None:
     """Launch one shrink kernel for all slices; `config` is a ShrinkConfig from tiles.py."""
     num_slices = len(lora_as)
     a = list(lora_as) + [lora_as[0]] * (3 - num_slices)
     ranks = slot_ranks if slot_ranks is not None else token_slots
     in_features = x.shape[1]
+    align = slot_alignment(a)
     common = dict(
         NUM_SLICES=num_slices,
         MAX_RANK=lora_as[0].shape[1],
+        SLOT_ALIGN=align,
         BLOCK_R=config.block_r,
         BLOCK_K=config.block_k,
         K_ITERS=config.k_per_split // config.block_k,
@@ -183,7 +195,7 @@ def launch_shrink(h, x, lora_as, token_slots, slot_ranks, meta, path, config) ->
         USE_PDL=config.use_pdl,
         num_warps=config.num_warps,
     )
-    strides = (x.stride(0), h.stride(0), h.stride(1), h.stride(2), *(t.stride(0) for t in a))
+    strides = (x.stride(0), h.stride(0), h.stride(1), h.stride(2), *(t.stride(0) // align for t in a))
     if path == "gathered":
         grid = (num_slices, config.split_k, x.shape[0])
         _shrink_gathered_kernel[grid](x, *a, h, token_slots, ranks, in_features, *strides, **common)

@@ -12,6 +12,7 @@ time per adapter and slowed the running batch; docs/BENCHMARKS.md, adapter loadi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -54,13 +55,13 @@ class SlotLayout:
             in_features, out_features = self.shape.module_dims(module)
             for kind, dims in (("a", (n, r, in_features)), ("b", (n, out_features, r))):
                 blocks[module, kind] = (offset, dims)
-                offset = _align(offset + dims[0] * dims[1] * dims[2])
+                offset = _align(offset + math.prod(dims))
         return blocks
 
     @property
     def numel(self) -> int:
         offset, dims = self.blocks()[TARGET_MODULES[-1], "b"]
-        return _align(offset + dims[0] * dims[1] * dims[2])
+        return _align(offset + math.prod(dims))
 
 
 @dataclass
@@ -103,7 +104,7 @@ def build_image(layout: SlotLayout, dtype: torch.dtype, adapter: PeftAdapter, pi
     table = torch.zeros(layout.shape.num_layers, TABLE_COLUMNS, dtype=torch.int32, pin_memory=pin_memory)
     image = SlotImage(weights, table, {}, {}, {}, {}, {})
     for (module, kind), (offset, dims) in layout.blocks().items():
-        view = weights[offset : offset + dims[0] * dims[1] * dims[2]].view(dims)
+        view = weights[offset : offset + math.prod(dims)].view(dims)
         (image.lora_a if kind == "a" else image.lora_b)[module] = view
     image.scales = {m: table[:, c].view(torch.float32) for m, c in _SCALE_COLUMN.items()}
     image.ranks = {m: table[:, c] for m, c in _RANK_COLUMN.items()}
@@ -142,7 +143,7 @@ class LoRASlots:
         self.lora_a: dict[str, torch.Tensor] = {}  # module -> [num_layers, max_loras, max_rank, in]
         self.lora_b: dict[str, torch.Tensor] = {}  # module -> [num_layers, max_loras, out, max_rank]
         for (module, kind), (offset, dims) in self.layout.blocks().items():
-            size = dims[0] * dims[1] * dims[2]
+            size = math.prod(dims)
             view = self.weights[:, offset : offset + size].view(max_loras, *dims).transpose(0, 1)
             (self.lora_a if kind == "a" else self.lora_b)[module] = view
         # module -> [num_layers, max_loras]; each layer's row is contiguous, as the kernels need.

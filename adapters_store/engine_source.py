@@ -10,6 +10,9 @@ versions are never reused, so an id always means the same bytes (hot swap is a n
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from adapters_store.base import AdapterStore
 from adapters_store.cache import DiskCache
@@ -17,7 +20,7 @@ from adapters_store.errors import AdapterNotFound, InvalidName, StoreError
 from adapters_store.names import check_name, check_tenant, check_version, format_ref, parse_ref
 from engine.lora.manager import Observer, emit
 from engine.lora.model_shape import ModelShape
-from engine.lora.peft_checkpoint import AdapterError, PeftAdapter, load_peft_adapter
+from engine.lora.peft_checkpoint import AdapterError, load_peft_adapter
 
 _ID_FORM = "tenant/name@version, e.g. acme/support-bot@3"
 
@@ -49,7 +52,8 @@ class StoreAdapterSource:
 
     `observer` (the engine's adapter observer) learns, per load, whether the disk cache held the
     adapter ("hit"/"miss", tier "disk"), the download seconds ("load", "store") and the seconds to read
-    the cached folder into CPU tensors ("load", "disk"). It is called on worker threads.
+    the cached folder into CPU tensors ("load", "disk": the engine's reader, in a loader process on
+    CUDA). It is called on worker threads.
     """
 
     def __init__(
@@ -74,8 +78,9 @@ class StoreAdapterSource:
             raise AdapterError("unknown_adapter", f"unknown adapter {ref!r}: {exc}") from None
         return ref
 
-    def load(self, adapter_id: str) -> PeftAdapter:
-        """Read the manifest, fetch through the disk cache, validate and load onto the CPU."""
+    def load(self, adapter_id: str, read: Callable[[Path], Any] | None = None) -> Any:
+        """Read the manifest, fetch through the disk cache, and return `read(folder)` with the cached folder
+        pinned; by default, the validated PeftAdapter."""
         tenant, name, version = parse_adapter_id(adapter_id)
         try:
             record = self.store.get(tenant, name, version)
@@ -85,7 +90,10 @@ class StoreAdapterSource:
                 if not cached.hit:
                     self._emit("load", "store", time.perf_counter() - started)
                 started = time.perf_counter()
-                adapter = load_peft_adapter(cached.path, self.shape, self.max_lora_rank)
+                if read is None:
+                    loaded = load_peft_adapter(cached.path, self.shape, self.max_lora_rank)
+                else:
+                    loaded = read(cached.path)
                 self._emit("load", "disk", time.perf_counter() - started)
         except AdapterNotFound as exc:
             raise AdapterError("unknown_adapter", f"adapter {adapter_id!r} does not exist: {exc}") from None
@@ -99,7 +107,7 @@ class StoreAdapterSource:
             raise AdapterError(
                 "load_failed", f"adapter {adapter_id!r} could not be cached on local disk: {exc}"
             ) from None
-        return adapter
+        return loaded
 
     def _emit(self, event: str, tier: str, seconds: float = 0.0) -> None:
         emit(self._observer, event, tier, seconds)

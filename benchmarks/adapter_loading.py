@@ -8,7 +8,9 @@ intermediate 14336, 32 layers, 32 heads, 8 KV heads), random bf16 weights in a r
 (adapter_config.json + adapter_model.safetensors). Median of N after warm-up, per tier, exactly as the
 adapter manager does it:
 - disk: folder -> validated CPU tensors -> slot image (pinned on CUDA); page cache warm, and cold (the
-  file's pages dropped with posix_fadvise before each load).
+  file's pages dropped with posix_fadvise before each load); read in the calling thread, and through a
+  loader process (the engine's default on CUDA: the image comes back in shared memory and is copied
+  into pinned memory).
 - CPU tier -> GPU slot: the pinned image copied into a slot on a side stream (GPU time between CUDA
   events, and wall time from the first enqueue to completion). Target: under 20 ms.
 - S3 on loopback: an in-process moto server (only where boto3 and moto import), through the store and a
@@ -17,8 +19,9 @@ Decode under loading: LLMEngine on a random Llama-3.2-1B-shaped model (fewer lay
 batch of running requests over a few adapters; step wall times with no loads; with the same request
 traffic as below but for adapters already resident (the control: requests arrive and are aborted, nothing
 loads); while a stream of other adapters loads beside it (requests for them queue behind a full batch, so
-their adapters go disk -> CPU -> GPU slot and are then dropped for the next ones); the same with every
-adapter already in the CPU tier (only slot copies); then with no loads again.
+their adapters go disk -> CPU -> GPU slot and are then dropped for the next ones), read by loader
+processes and, for comparison, by loader threads; the same with every adapter already in the CPU tier
+(only slot copies). The conditions take turns in rounds.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.lora.image_reader import ProcessImageReader, ThreadImageReader  # noqa: E402
 from engine.lora.model_shape import TARGET_MODULES, ModelShape  # noqa: E402
 from engine.lora.peft_checkpoint import load_peft_adapter  # noqa: E402
 from engine.lora.slots import LoRASlots  # noqa: E402
@@ -122,11 +126,15 @@ def bench_tiers(
     def disk_to_image():
         return slots.image(load_peft_adapter(folder, shape, RANK), pin_memory=cuda)
 
+    loader = ProcessImageReader(slots.layout, slots.dtype, pin_memory=cuda)
+    loader.read(folder)  # the processes are up
     rows = [
-        ("disk (page cache)", "folder -> CPU slot image", timed(disk_to_image, repeats, warmup)),
+        ("disk (page cache)", "folder -> CPU slot image, calling thread", timed(disk_to_image, repeats, warmup)),
+        ("disk (page cache)", "same, through a loader process", timed(lambda: loader.read(folder), repeats, warmup)),
         ("disk (cold)", "folder -> CPU slot image, pages dropped first",
          timed(disk_to_image, repeats, warmup, before=lambda: drop_page_cache(folder))),
     ]  # fmt: skip
+    loader.close()
     image = disk_to_image()
     if cuda:
         stream = torch.cuda.Stream(device)
@@ -224,8 +232,12 @@ class Background:
     retired once it was ready, so its next use reads it from disk again (not from the CPU tier).
     """
 
-    def __init__(self, engine, adapter_ids: list[str], in_flight: int, every: int = 1, cold: bool = False):
+    def __init__(self, engine, adapter_ids: list[str], in_flight: int, every: int = 1, cold: bool = False,
+                 reader=None):  # fmt: skip
         self.engine, self.in_flight, self.every, self.cold = engine, in_flight, every, cold
+        self.default_reader = engine.lora.reader
+        if reader is not None:  # this block's loads are read by `reader` instead of the engine's own
+            engine.lora.reader = reader
         self.cycle = itertools.cycle(adapter_ids)
         self.requests: dict[str, str] = {}  # request id -> adapter id
         self.steps = 0
@@ -247,6 +259,7 @@ class Background:
     def stop(self) -> None:
         self.engine.abort_request(list(self.requests))
         self.requests.clear()
+        self.engine.lora.reader = self.default_reader
 
 
 _request_ids = itertools.count()
@@ -265,14 +278,18 @@ def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
                 for i in range(args.background_adapters)]  # fmt: skip
     cpu_ids = [str(write_peft_folder(root / f"cpu-{i}", shape, seed=300 + i).resolve())
                for i in range(args.background_adapters)]  # fmt: skip
+    in_flight, every = args.concurrent_loads, args.load_every
     conditions = {
         "no loads": None,
-        "request traffic only (adapters already resident)": lambda: Background(engine, batch_ids, args.concurrent_loads),
-        "slot copies beside (CPU tier -> GPU), stress": lambda: Background(engine, cpu_ids, args.concurrent_loads),
-        "disk loads beside (disk -> CPU -> GPU), stress": lambda: Background(engine, disk_ids, args.concurrent_loads,
-                                                                              cold=True),
-        f"disk loads beside, one every {args.load_every} steps": lambda: Background(engine, disk_ids, 1,
-                                                                                     args.load_every, cold=True),
+        "request traffic only (adapters already resident)": lambda: Background(engine, batch_ids, in_flight),
+        "slot copies beside (CPU tier -> GPU), stress": lambda: Background(engine, cpu_ids, in_flight),
+        "disk loads beside, stress, loader processes": lambda: Background(engine, disk_ids, in_flight, cold=True),
+        "disk loads beside, stress, loader threads": lambda: Background(engine, disk_ids, in_flight, cold=True,
+                                                                        reader=threads),
+        f"disk loads beside, one every {every} steps, loader processes": lambda: Background(engine, disk_ids, 1, every,
+                                                                                            cold=True),
+        f"disk loads beside, one every {every} steps, loader threads": lambda: Background(engine, disk_ids, 1, every,
+                                                                                          cold=True, reader=threads),
     }  # fmt: skip
     block, settle = args.block_steps, args.settle_steps
     total_steps = args.rounds * len(conditions) * (block + settle)
@@ -284,8 +301,11 @@ def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
         num_kv_blocks=(args.batch + 8) * -(-(prompt_len + max_tokens) // 16), enable_prefix_caching=False,
         max_loras=args.max_loras, max_cpu_loras=len(batch_ids) + len(cpu_ids) + args.concurrent_loads + 2,
         max_lora_rank=RANK, dtype="bfloat16" if device.type == "cuda" else "float32", device=str(device),
+        adapter_loader="process",
     )  # fmt: skip
     engine = LLMEngine(config, skip_tokenizer_init=True, adapter_observer=lambda e, t, s: events.update([(e, t)]))
+    slots = engine.lora.slots
+    threads = ThreadImageReader(slots.layout, slots.dtype, pin_memory=device.type == "cuda")
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(args.batch):
@@ -325,6 +345,7 @@ def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
             copies[label] += events[("load", "cpu")]
             if background is not None:
                 background.stop()
+    engine.shutdown()
     return [(label, times[label], copies[label], copies[label] / len(times[label])) for label in conditions]
 
 

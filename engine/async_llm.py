@@ -93,6 +93,7 @@ class AsyncLLM:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout)
+        self.engine.shutdown()
 
     # -- the engine thread ------------------------------------------------------------------------
 

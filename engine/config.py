@@ -20,6 +20,10 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # "auto": K/V in the model dtype; "fp8" and "fp8_e4m3" (vLLM's two names for one thing): float8 e4m3
 # with a float32 scale per layer for K and one for V (engine/model/kv_quant.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# Where adapter folders are read into slot images: "process" (spawned loader processes, so loads never
+# compete with the engine thread for the GIL), "thread" (the manager's worker threads), or "auto"
+# (processes on CUDA, threads on the CPU). engine/lora/image_reader.py.
+ADAPTER_LOADERS = ("auto", "thread", "process")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     # Adapters kept on the host, ready to copy into a GPU slot; None: as many as max_loras.
     max_cpu_loras: int | None = None
+    adapter_loader: str = "auto"  # see ADAPTER_LOADERS
     # "auto": float32 on the CPU, the checkpoint's dtype (bf16 for fp32 checkpoints) on CUDA.
     dtype: str = "auto"
     device: str = "auto"
@@ -86,6 +91,10 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} (got {self.attention_backend!r})"
             )
+        if self.adapter_loader not in ADAPTER_LOADERS:
+            raise ValueError(
+                f"adapter_loader must be one of {', '.join(ADAPTER_LOADERS)} (got {self.adapter_loader!r})"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype!r}); "
@@ -102,6 +111,13 @@ class EngineConfig:
     @property
     def num_cpu_loras(self) -> int:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+    @property
+    def loads_in_processes(self) -> bool:
+        """Whether adapters are read in loader processes (see ADAPTER_LOADERS)."""
+        if self.adapter_loader == "auto":
+            return self.torch_device.type == "cuda"
+        return self.adapter_loader == "process"
 
     @property
     def torch_device(self) -> torch.device:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
+from engine.lora.image_reader import make_reader
 from engine.lora.manager import AdapterManager, AdapterSource, Observer
 from engine.lora.model_shape import ModelShape
 from engine.lora.peft_checkpoint import AdapterError, PeftAdapter
@@ -71,8 +72,10 @@ class LLMEngine:
         self.adapters = AdapterRegistry(self.runner.shape, config.max_lora_rank)
         if adapter_source_factory is not None:
             adapter_source = adapter_source_factory(self.runner.shape, config.max_lora_rank)
+        slots = self.runner.lora_slots
+        reader = make_reader(config.loads_in_processes, slots.layout, slots.dtype, slots.device)
         self.lora = AdapterManager(
-            adapter_source or self.adapters, self.runner.lora_slots, config.num_cpu_loras, observer=adapter_observer
+            adapter_source or self.adapters, slots, config.num_cpu_loras, observer=adapter_observer, reader=reader
         )
         self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len, adapter_ready=self.lora.is_ready)
         self.sampler = Sampler(config.seed)
@@ -199,6 +202,10 @@ class LLMEngine:
         self.lora.forget(adapter_id)
         reason = f"adapter {adapter_id!r} was deleted before this request started"
         self._pending.extend(self._fail_waiting(adapter_id, reason, include_preempted=False))
+
+    def shutdown(self) -> None:
+        """Stop the adapter loaders (threads and processes); the engine serves no adapter loads after it."""
+        self.lora.shutdown()
 
     def stats(self) -> EngineStats:
         """The engine's load right now (engine thread only; AsyncLLM publishes copies for others)."""

@@ -1,7 +1,8 @@
 """Tiered adapter residency: source (store, disk, folder) -> CPU tier -> GPU slot, loaded in the background.
 
 The batch never waits for an adapter. A request's adapter is fetched and validated on a worker thread
-into the CPU tier (an LRU of `max_cpu_loras` slot images, pinned when CUDA is present); before each
+into the CPU tier (an LRU of `max_cpu_loras` slot images, pinned when CUDA is present; the reading
+itself runs in loader processes on CUDA, engine/lora/image_reader.py); before each
 step, the adapters that waiting requests need are copied into free or evictable GPU slots on a side
 CUDA stream, and the scheduler admits a request only once its adapter's copy has completed (`is_ready`).
 A slot is pinned while any running request uses it; eviction is least-recently-used among the rest and
@@ -12,7 +13,7 @@ Two counts per adapter: pins (running requests; `acquire`/`release`) keep its GP
 or running requests; `hold`/`unhold`) keep it known at all. `retire` (replaced by a new version) and
 `forget` (deleted; new requests are refused) drop its copies once the last holder finishes.
 
-Every method runs on the engine thread except `AdapterSource.load`, which runs on the workers.
+Every method runs on the engine thread except `AdapterSource.load` and the reader, which run on the workers.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Protocol
+from pathlib import Path
+from typing import Protocol, TypeVar
 
 import torch
 
-from engine.lora.peft_checkpoint import AdapterError, PeftAdapter
+from engine.lora.image_reader import ImageReader, ThreadImageReader
+from engine.lora.peft_checkpoint import AdapterError
 from engine.lora.slot_allocator import SlotAllocator
 from engine.lora.slots import LoRASlots, SlotImage
 
@@ -49,6 +52,7 @@ Observer = Callable[[str, str, float], None]
 
 # A GPU copy in flight: events recorded before and after it on the side stream.
 _Copy = tuple[torch.cuda.Event, torch.cuda.Event]
+T = TypeVar("T")
 
 
 class AdapterSource(Protocol):
@@ -57,8 +61,9 @@ class AdapterSource(Protocol):
     def resolve(self, ref: str) -> str:
         """The adapter id for a user-facing reference; raises AdapterError if there is none. Must be fast."""
 
-    def load(self, adapter_id: str) -> PeftAdapter:
-        """Fetch and validate the weights onto the CPU; may be slow (runs on a worker thread)."""
+    def load(self, adapter_id: str, read: Callable[[Path], T]) -> T:
+        """Bring the adapter's PEFT folder to local disk and return `read(folder)`, the folder kept in place
+        until `read` returns; may be slow (runs on a worker thread). Raises AdapterError naming the cause."""
 
 
 class AdapterManager:
@@ -69,6 +74,7 @@ class AdapterManager:
         max_cpu_loras: int,
         num_workers: int = 2,
         observer: Observer | None = None,
+        reader: ImageReader | None = None,
     ):
         if max_cpu_loras < 1:
             raise ValueError(f"max_cpu_loras must be positive (got {max_cpu_loras})")
@@ -78,6 +84,7 @@ class AdapterManager:
         self.allocator = SlotAllocator(slots.max_loras)
         self._observer = observer
         self._cuda = slots.device.type == "cuda"
+        self.reader = reader or ThreadImageReader(slots.layout, slots.dtype, pin_memory=self._cuda)
         self._copy_stream = torch.cuda.Stream(slots.device) if self._cuda else None
         self._workers = ThreadPoolExecutor(num_workers, thread_name_prefix="adapter-load")
         self._cpu: OrderedDict[str, SlotImage] = OrderedDict()  # LRU first
@@ -237,6 +244,7 @@ class AdapterManager:
 
     def shutdown(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
+        self.reader.close()
 
     # -- internals ----------------------------------------------------------------------------------
 
@@ -250,8 +258,7 @@ class AdapterManager:
         self._loading[adapter_id] = (self._workers.submit(self._load, adapter_id), time.perf_counter())
 
     def _load(self, adapter_id: str) -> SlotImage:
-        adapter = self.source.load(adapter_id)
-        return self.slots.image(adapter, pin_memory=self._cuda)
+        return self.source.load(adapter_id, self.reader.read)
 
     def _drop(self, adapter_id: str) -> None:
         """No request holds it any more: free everything it occupies (its slot is unpinned by now)."""

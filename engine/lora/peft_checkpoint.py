@@ -36,6 +36,9 @@ class AdapterError(ValueError):
         super().__init__(message)
         self.code = code
 
+    def __reduce__(self):  # raised in a loader process, re-raised in the engine's: keep the code
+        return type(self), (self.code, str(self))
+
 
 @dataclass(frozen=True)
 class ModuleLoRA:

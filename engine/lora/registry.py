@@ -7,7 +7,9 @@ adapter id, `load` it onto the CPU).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from engine.lora.model_shape import ModelShape
 from engine.lora.peft_checkpoint import AdapterError, PeftAdapter, load_peft_adapter
@@ -66,9 +68,12 @@ class AdapterRegistry:
             self._paths[adapter_id] = path.resolve()
         return adapter_id
 
-    def load(self, adapter_id: str) -> PeftAdapter:
+    def load(self, adapter_id: str, read: Callable[[Path], Any] | None = None) -> Any:
+        """`read(folder)` for the adapter's folder; by default, the validated PeftAdapter."""
         with self._lock:
             path = self._paths.get(adapter_id)
         if path is None:
             raise AdapterError("unknown_adapter", f"unknown adapter {adapter_id!r}")
-        return load_peft_adapter(path, self.shape, self.max_lora_rank)
+        if read is None:
+            return load_peft_adapter(path, self.shape, self.max_lora_rank)
+        return read(path)

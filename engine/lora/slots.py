@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -79,38 +80,67 @@ class SlotImage:
     """An adapter laid out exactly as one slot: zero-padded to max_rank, zeros for untargeted modules.
 
     Built once per adapter on the CPU (pinned when CUDA is present), so making it resident is two plain
-    host-to-device copies that can run on a side stream. The dicts are views into `weights` and `table`.
+    host-to-device copies that can run on a side stream. The per-module views are made on first use:
+    an image that crosses from a loader process is just its two tensors.
     """
 
+    layout: SlotLayout
     weights: torch.Tensor  # [SlotLayout.numel], the slot's whole block
     table: torch.Tensor  # [num_layers, TABLE_COLUMNS] int32 (scales as float32 bits)
-    lora_a: dict[str, torch.Tensor]  # module -> [num_layers, max_rank, in]
-    lora_b: dict[str, torch.Tensor]  # module -> [num_layers, out, max_rank]
-    scales: dict[str, torch.Tensor]  # module -> [num_layers] float32
-    ranks: dict[str, torch.Tensor]  # module -> [num_layers] int32
-    rank_bounds: dict[tuple[str, ...], torch.Tensor]  # fused group -> [num_layers] int32, its largest rank
 
     @property
     def num_bytes(self) -> int:
         return self.weights.numel() * self.weights.element_size()
 
+    @cached_property
+    def lora_a(self) -> dict[str, torch.Tensor]:  # module -> [num_layers, max_rank, in]
+        return self._views("a")
 
-def build_image(layout: SlotLayout, dtype: torch.dtype, adapter: PeftAdapter, pin_memory: bool = False) -> SlotImage:
-    """Lay an adapter (validated against the model) out as one slot of `layout`, on the CPU."""
+    @cached_property
+    def lora_b(self) -> dict[str, torch.Tensor]:  # module -> [num_layers, out, max_rank]
+        return self._views("b")
+
+    @cached_property
+    def scales(self) -> dict[str, torch.Tensor]:  # module -> [num_layers] float32
+        return {m: self.table[:, c].view(torch.float32) for m, c in _SCALE_COLUMN.items()}
+
+    @cached_property
+    def ranks(self) -> dict[str, torch.Tensor]:  # module -> [num_layers] int32
+        return {m: self.table[:, c] for m, c in _RANK_COLUMN.items()}
+
+    @cached_property
+    def rank_bounds(self) -> dict[tuple[str, ...], torch.Tensor]:  # fused group -> [num_layers], largest rank
+        return {g: self.table[:, c] for g, c in _BOUND_COLUMN.items()}
+
+    def _views(self, kind: str) -> dict[str, torch.Tensor]:
+        return {
+            module: self.weights[offset : offset + math.prod(dims)].view(dims)
+            for (module, k), (offset, dims) in self.layout.blocks().items()
+            if k == kind
+        }
+
+
+def build_image(
+    layout: SlotLayout,
+    dtype: torch.dtype,
+    adapter: PeftAdapter,
+    pin_memory: bool = False,
+    share_memory: bool = False,
+) -> SlotImage:
+    """Lay an adapter (validated against the model) out as one slot of `layout`, on the CPU.
+
+    `pin_memory`: page-locked, ready for asynchronous copies to the GPU. `share_memory`: in shared memory,
+    so that a loader process can hand the image to the engine's without copying it through a pipe."""
     if adapter.rank > layout.max_rank:
         raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {layout.max_rank}")
-    # Pinned from the start (not pinned afterwards), so the image is written once, not copied again.
+    # Allocated where it will live (not moved afterwards), so the image is written once, not copied again.
     weights = torch.zeros(layout.numel, dtype=dtype, pin_memory=pin_memory)
     table = torch.zeros(layout.shape.num_layers, TABLE_COLUMNS, dtype=torch.int32, pin_memory=pin_memory)
-    image = SlotImage(weights, table, {}, {}, {}, {}, {})
-    for (module, kind), (offset, dims) in layout.blocks().items():
-        view = weights[offset : offset + math.prod(dims)].view(dims)
-        (image.lora_a if kind == "a" else image.lora_b)[module] = view
-    image.scales = {m: table[:, c].view(torch.float32) for m, c in _SCALE_COLUMN.items()}
-    image.ranks = {m: table[:, c] for m, c in _RANK_COLUMN.items()}
-    image.rank_bounds = {g: table[:, c] for g, c in _BOUND_COLUMN.items()}
-    # As few torch calls as possible: this runs on a loader thread, and each call is a GIL hand-over
-    # that the engine thread pays for (docs/BENCHMARKS.md, adapter loading).
+    if share_memory:
+        weights, table = weights.share_memory_(), table.share_memory_()
+    image = SlotImage(layout, weights, table)
+    # As few torch calls as possible: on a loader thread, each call is a GIL hand-over that the engine
+    # thread pays for (docs/BENCHMARKS.md, adapter loading).
     for (layer, module), pair in adapter.modules.items():
         image.lora_a[module][layer, : pair.rank] = pair.lora_a
         image.lora_b[module][layer, :, : pair.rank] = pair.lora_b

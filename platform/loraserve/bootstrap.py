@@ -48,6 +48,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         max_loras=settings.max_loras,
         max_lora_rank=settings.max_lora_rank,
         max_cpu_loras=settings.max_cpu_loras,
+        adapter_loader=settings.adapter_loader,
         dtype=settings.dtype,
         device=settings.device,
         cpu_kv_cache_bytes=settings.cpu_kv_cache_bytes,

@@ -21,6 +21,7 @@ import uvicorn
 
 from loraserve.ops.shutdown import Shutdown
 from loraserve.settings import (
+    ADAPTER_LOADERS,
     ATTENTION_BACKENDS,
     DEFAULT_ADAPTER_STORE,
     DEFAULT_STATE_DIR,
@@ -35,7 +36,7 @@ _FALSE = {"0", "false", "no", "off"}
 _SERVE_FIELDS = (
     "model", "served_model_name", "host", "port", "dtype", "device", "max_num_seqs", "max_num_batched_tokens",
     "max_model_len", "block_size", "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching",
-    "enforce_eager", "attention_backend", "max_loras", "max_cpu_loras", "max_lora_rank", "adapter_store",
+    "enforce_eager", "attention_backend", "max_loras", "max_cpu_loras", "adapter_loader", "max_lora_rank", "adapter_store",
     "config_store", "api_keys", "shutdown_timeout", "max_concurrent_requests_per_tenant", "state_dir",
 )
 GiB = 1 << 30
@@ -66,6 +67,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-loras", type=int, default=4, help="adapters resident on the GPU at once")
     add("--max-cpu-loras", type=int, help="adapters kept ready in host memory (default: --max-loras)")
     add("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
+    add("--adapter-loader", default="auto", choices=ADAPTER_LOADERS,
+        help="where adapter files are read: process (loader processes, off the engine's GIL), thread, or "
+             "auto (process on CUDA, thread on the CPU)")
     add("--lora-modules", nargs="+", type=parse_lora_module, default=[], metavar="NAME=PATH",
         help="PEFT folders stored as the default tenant's adapters at start (skipped if unchanged)")
     add("--adapter-store", default=DEFAULT_ADAPTER_STORE, help="file:///dir, file://./dir or s3://bucket/prefix")

@@ -19,6 +19,7 @@ DEFAULT_STATE_DIR = Path(".loraserve")
 # commands need not import torch.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 = fp8_e4m3: float8 e4m3 K/V
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch elsewhere
+ADAPTER_LOADERS = ("auto", "thread", "process")  # auto: loader processes on CUDA, threads elsewhere
 _MODULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -44,6 +45,7 @@ class ServerSettings:
     attention_backend: str = "auto"
     max_loras: int = 4
     max_cpu_loras: int | None = None
+    adapter_loader: str = "auto"  # engine.config.ADAPTER_LOADERS
     max_lora_rank: int = 16
     # (name, local PEFT folder) pairs put into the default tenant's store at start.
     lora_modules: tuple[tuple[str, str], ...] = ()
@@ -64,6 +66,10 @@ class ServerSettings:
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; use one of "
                 f"{', '.join(KV_CACHE_DTYPES)} (auto: the model dtype; fp8: float8 e4m3 with per-layer scales)"
+            )
+        if self.adapter_loader not in ADAPTER_LOADERS:
+            raise ValueError(
+                f"--adapter-loader {self.adapter_loader!r} is not supported; use one of {', '.join(ADAPTER_LOADERS)}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

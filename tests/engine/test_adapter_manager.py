@@ -75,10 +75,14 @@ def prompts(seed: int, count: int) -> list[list[int]]:
     return [[rng.randrange(3, 512) for _ in range(rng.randrange(3, 21))] for _ in range(count)]
 
 
-def test_eight_adapters_through_two_slots_match_peft(case):
-    """32 requests over 8 adapters arrive a few per step; only 2 GPU slots and 2 CPU images exist."""
+@pytest.mark.parametrize("loader", ["thread", "process"])
+def test_eight_adapters_through_two_slots_match_peft(case, loader):
+    """32 requests over 8 adapters arrive a few per step; only 2 GPU slots and 2 CPU images exist. With
+    "process", every adapter is read in a loader process and crosses back through shared memory."""
     events = Counter()
-    engine = make_engine(case, observer=lambda event, tier, seconds: events.update([(event, tier)]))
+    engine = make_engine(
+        case, observer=lambda event, tier, seconds: events.update([(event, tier)]), adapter_loader=loader
+    )
     rng = random.Random(7)
     assigned = [f"ad{i % 8}" for i in range(32)]
     rng.shuffle(assigned)
@@ -100,14 +104,18 @@ def test_eight_adapters_through_two_slots_match_peft(case):
     assert events[("hit", "gpu")] + events[("miss", "gpu")] == 32  # one lookup per request
     assert events[("load", "source")] >= 8 and events[("load", "cpu")] >= 8
     assert engine.stats().num_lora_slots_in_use == 0
+    engine.shutdown()
 
 
-def test_an_adapter_that_fails_to_load_fails_only_its_requests(case, tmp_path):
+@pytest.mark.parametrize("loader", ["thread", "process"])
+def test_an_adapter_that_fails_to_load_fails_only_its_requests(case, tmp_path, loader):
     corrupt = tmp_path / "corrupt"
     shutil.copytree(case["adapters"]["ad1"], corrupt)
     (corrupt / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
     events = Counter()
-    engine = make_engine(case, observer=lambda event, tier, seconds: events.update([(event, tier)]))
+    engine = make_engine(
+        case, observer=lambda event, tier, seconds: events.update([(event, tier)]), adapter_loader=loader
+    )
     plan = ["ad0", str(corrupt), "ad2", None, str(corrupt), "ad0", str(corrupt), "ad2"]
     all_prompts = prompts(2, len(plan))
     for i, (prompt, adapter) in enumerate(zip(all_prompts, plan)):
@@ -128,6 +136,7 @@ def test_an_adapter_that_fails_to_load_fails_only_its_requests(case, tmp_path):
     finals = run_to_end(engine)
     assert "not a readable safetensors file" in finals["again"].error
     assert finals["fine"].outputs[0].token_ids == case["expected"](all_prompts[0], "ad0")
+    engine.shutdown()
 
 
 def test_version_swap_leaves_running_and_queued_requests_on_the_old_version(case):

@@ -1,0 +1,105 @@
+"""Reading adapter folders into slot images in loader processes: the same bytes as reading in the
+calling thread, errors that keep their code and message across the process boundary, and a loader
+process that dies failing only the read it was doing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from factories import make_adapter, make_model
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from engine import AdapterError, EngineConfig, ModelShape
+from engine.lora.image_reader import ProcessImageReader, ThreadImageReader, make_reader
+from engine.lora.slots import SlotLayout
+
+MAX_RANK = 16
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    root = tmp_path_factory.mktemp("image-reader")
+    model_dir = make_model(root / "model", seed=3)
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    adapter = make_adapter(
+        model_dir, root / "adapter", seed=11, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]
+    )
+    too_large = make_adapter(model_dir, root / "too-large", seed=12, r=32, lora_alpha=32, target_modules=["o_proj"])
+    corrupt = root / "corrupt"
+    shutil.copytree(adapter, corrupt)
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    return dict(model_dir=model_dir, layout=SlotLayout(shape, MAX_RANK), adapter=adapter, too_large=too_large,
+                corrupt=corrupt)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reader(case):
+    reader = ProcessImageReader(case["layout"], torch.float32, pin_memory=False)
+    yield reader
+    reader.close()
+
+
+def test_a_process_read_is_the_thread_read(case, reader):
+    image = reader.read(case["adapter"])
+    local = ThreadImageReader(case["layout"], torch.float32, pin_memory=False).read(case["adapter"])
+    assert image.weights.shape == (case["layout"].numel,) and image.table.dtype == torch.int32
+    assert torch.equal(image.weights, local.weights) and torch.equal(image.table, local.table)
+    # Against the file itself, not only against the other reader.
+    scale = json.loads((case["adapter"] / "adapter_config.json").read_text())["lora_alpha"] / 8
+    with safe_open(str(case["adapter"] / "adapter_model.safetensors"), framework="pt") as f:
+        stored_a = f.get_tensor("base_model.model.model.layers.1.mlp.down_proj.lora_A.weight")
+        stored_b = f.get_tensor("base_model.model.model.layers.1.mlp.down_proj.lora_B.weight")
+    assert torch.equal(image.lora_a["down_proj"][1, :8], stored_a)
+    assert torch.equal(image.lora_b["down_proj"][1, :, :8], stored_b)
+    assert not image.lora_a["down_proj"][1, 8:].any() and not image.lora_a["o_proj"].any()
+    assert image.scales["down_proj"][1].item() == scale and image.ranks["down_proj"][1].item() == 8
+    assert image.ranks["o_proj"][1].item() == 0
+    assert not image.weights.is_shared()  # a private copy: the shared segment is already released
+
+
+@pytest.mark.parametrize(
+    "folder, code, message",
+    [
+        ("too_large", "rank_too_large", "exceeds max_lora_rank 16"),
+        ("corrupt", "bad_weights", "not a readable safetensors file"),
+        ("missing", "not_found", "does not exist"),
+    ],
+)
+def test_errors_cross_the_process_boundary_intact(case, reader, folder, code, message):
+    path = case.get(folder, case["adapter"].parent / "no-such-adapter")
+    with pytest.raises(AdapterError, match=message) as err:
+        reader.read(path)
+    assert err.value.code == code
+
+
+def test_a_dead_loader_process_fails_one_read_and_is_replaced(case):
+    reader = ProcessImageReader(case["layout"], torch.float32, pin_memory=False, num_processes=1)
+    try:
+        reader.read(case["adapter"])  # the process is up
+        for process in list(reader._pool._processes.values()):
+            process.kill()
+            process.join()
+        with pytest.raises(AdapterError, match="loader process died") as err:
+            reader.read(case["adapter"])
+        assert err.value.code == "load_failed"
+        image = reader.read(case["adapter"])  # a new process serves the next load
+        assert image.ranks["q_proj"].tolist() == [8] * case["layout"].shape.num_layers
+    finally:
+        reader.close()
+
+
+def test_the_config_picks_the_reader(case):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not EngineConfig(model="m", device="cpu").loads_in_processes  # auto: threads on the CPU
+    assert EngineConfig(model="m", device="cuda").loads_in_processes  # auto: processes on CUDA
+    assert EngineConfig(model="m", device="cpu", adapter_loader="process").loads_in_processes
+    assert not EngineConfig(model="m", device="cuda", adapter_loader="thread").loads_in_processes
+    with pytest.raises(ValueError, match="adapter_loader must be one of auto, thread, process"):
+        EngineConfig(model="m", adapter_loader="fork")
+    thread = make_reader(False, case["layout"], torch.float32, cuda)
+    assert isinstance(thread, ThreadImageReader) and thread.pin_memory
+    assert not make_reader(False, case["layout"], torch.float32, cpu).pin_memory

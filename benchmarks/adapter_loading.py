@@ -7,10 +7,9 @@ Load latency: a rank-16 adapter over all seven projections of the Llama-3.1-8B s
 intermediate 14336, 32 layers, 32 heads, 8 KV heads), random bf16 weights in a real PEFT folder
 (adapter_config.json + adapter_model.safetensors). Median of N after warm-up, per tier, exactly as the
 adapter manager does it:
-- disk: folder -> validated CPU tensors -> slot image (pinned on CUDA); page cache warm, and cold (the
-  file's pages dropped with posix_fadvise before each load); read in the calling thread, and through a
-  loader process (the engine's default on CUDA: the image comes back in shared memory and is copied
-  into pinned memory).
+- disk: folder -> validated CPU tensors -> a row of the CPU tier (pinned on CUDA); page cache warm, and
+  cold (the file's pages dropped with posix_fadvise before each load); read in the calling thread, and
+  by a loader process writing into the tier's shared rows (the engine's default on CUDA).
 - CPU tier -> GPU slot: the pinned image copied into a slot on a side stream (GPU time between CUDA
   events, and wall time from the first enqueue to completion). Target: under 20 ms.
 - S3 on loopback: an in-process moto server (only where boto3 and moto import), through the store and a
@@ -20,8 +19,9 @@ batch of running requests over a few adapters; step wall times with no loads; wi
 traffic as below but for adapters already resident (the control: requests arrive and are aborted, nothing
 loads); while a stream of other adapters loads beside it (requests for them queue behind a full batch, so
 their adapters go disk -> CPU -> GPU slot and are then dropped for the next ones), read by loader
-processes and, for comparison, by loader threads; the same with every adapter already in the CPU tier
-(only slot copies). The conditions take turns in rounds.
+processes and, for comparison, by loader threads; the same with loads that only sleep (the cost of
+requests waiting on loads and of the slot copies, without any reading); the same with every adapter
+already in the CPU tier (only slot copies). The conditions take turns in rounds.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.lora.host_tier import HostTier  # noqa: E402
 from engine.lora.image_reader import ProcessImageReader, ThreadImageReader  # noqa: E402
 from engine.lora.model_shape import TARGET_MODULES, ModelShape  # noqa: E402
-from engine.lora.peft_checkpoint import load_peft_adapter  # noqa: E402
 from engine.lora.slots import LoRASlots  # noqa: E402
 
 RANK = 16
@@ -123,19 +123,20 @@ def bench_tiers(
     size_mb = (folder / "adapter_model.safetensors").stat().st_size / 1e6
     slots = LoRASlots(shape, max_loras=4, max_rank=RANK, dtype=torch.bfloat16, device=device)
 
-    def disk_to_image():
-        return slots.image(load_peft_adapter(folder, shape, RANK), pin_memory=cuda)
-
-    loader = ProcessImageReader(slots.layout, slots.dtype, pin_memory=cuda)
-    loader.read(folder)  # the processes are up
+    threads = ThreadImageReader(HostTier(slots.layout, slots.dtype, 1, shared=False, pinned=cuda))
+    processes = ProcessImageReader(HostTier(slots.layout, slots.dtype, 1, shared=True, pinned=cuda))
+    processes.read(folder, 0)  # the processes are up
+    drop = dict(before=lambda: drop_page_cache(folder))
     rows = [
-        ("disk (page cache)", "folder -> CPU slot image, calling thread", timed(disk_to_image, repeats, warmup)),
-        ("disk (page cache)", "same, through a loader process", timed(lambda: loader.read(folder), repeats, warmup)),
-        ("disk (cold)", "folder -> CPU slot image, pages dropped first",
-         timed(disk_to_image, repeats, warmup, before=lambda: drop_page_cache(folder))),
+        ("disk (page cache)", "folder -> CPU tier row, calling thread",
+         timed(lambda: threads.read(folder, 0), repeats, warmup)),
+        ("disk (page cache)", "same, by a loader process", timed(lambda: processes.read(folder, 0), repeats, warmup)),
+        ("disk (cold)", "folder -> CPU tier row, pages dropped first, calling thread",
+         timed(lambda: threads.read(folder, 0), repeats, warmup, **drop)),
+        ("disk (cold)", "same, by a loader process", timed(lambda: processes.read(folder, 0), repeats, warmup, **drop)),
     ]  # fmt: skip
-    loader.close()
-    image = disk_to_image()
+    processes.close()
+    image = threads.tier.image(0)
     if cuda:
         stream = torch.cuda.Stream(device)
         gpu_times = []
@@ -265,6 +266,19 @@ class Background:
 _request_ids = itertools.count()
 
 
+class SleepingReader:
+    """A load that takes as long as a real one but reads nothing: the row keeps whatever it held."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def read(self, folder: Path, row: int) -> None:
+        time.sleep(self.seconds)
+
+    def close(self) -> None:
+        pass
+
+
 def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
     """Rows of (condition, step seconds, adapters copied into slots, loads per step)."""
     sizes = SMOKE_MODEL if args.smoke else LLAMA_1B
@@ -286,6 +300,8 @@ def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
         "disk loads beside, stress, loader processes": lambda: Background(engine, disk_ids, in_flight, cold=True),
         "disk loads beside, stress, loader threads": lambda: Background(engine, disk_ids, in_flight, cold=True,
                                                                         reader=threads),
+        "loads that only sleep 30 ms, stress": lambda: Background(engine, disk_ids, in_flight, cold=True,
+                                                                  reader=SleepingReader(0.03)),
         f"disk loads beside, one every {every} steps, loader processes": lambda: Background(engine, disk_ids, 1, every,
                                                                                             cold=True),
         f"disk loads beside, one every {every} steps, loader threads": lambda: Background(engine, disk_ids, 1, every,
@@ -304,8 +320,7 @@ def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
         adapter_loader="process",
     )  # fmt: skip
     engine = LLMEngine(config, skip_tokenizer_init=True, adapter_observer=lambda e, t, s: events.update([(e, t)]))
-    slots = engine.lora.slots
-    threads = ThreadImageReader(slots.layout, slots.dtype, pin_memory=device.type == "cuda")
+    threads = ThreadImageReader(engine.lora.tier)  # the engine's own rows, read on its worker threads
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(args.batch):

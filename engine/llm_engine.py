@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
-from engine.lora.image_reader import make_reader
 from engine.lora.manager import AdapterManager, AdapterSource, Observer
 from engine.lora.model_shape import ModelShape
 from engine.lora.peft_checkpoint import AdapterError, PeftAdapter
@@ -72,10 +71,12 @@ class LLMEngine:
         self.adapters = AdapterRegistry(self.runner.shape, config.max_lora_rank)
         if adapter_source_factory is not None:
             adapter_source = adapter_source_factory(self.runner.shape, config.max_lora_rank)
-        slots = self.runner.lora_slots
-        reader = make_reader(config.loads_in_processes, slots.layout, slots.dtype, slots.device)
         self.lora = AdapterManager(
-            adapter_source or self.adapters, slots, config.num_cpu_loras, observer=adapter_observer, reader=reader
+            adapter_source or self.adapters,
+            self.runner.lora_slots,
+            config.num_cpu_loras,
+            observer=adapter_observer,
+            in_processes=config.loads_in_processes,
         )
         self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len, adapter_ready=self.lora.is_ready)
         self.sampler = Sampler(config.seed)

@@ -1,12 +1,11 @@
-"""Reading a PEFT adapter folder into a slot image: in the calling thread, or in loader processes.
+"""Reading a PEFT adapter folder into a row of the CPU tier: in the calling thread, or in loader processes.
 
 A read is mostly Python and small torch calls (the safetensors header, name and shape checks, one copy
 per tensor into the image). On a thread of the serving process each of them competes with the engine
-thread for the GIL, and every load slowed the running batch by milliseconds (docs/BENCHMARKS.md,
-adapter loading). `ProcessImageReader` does the whole read in a pool of spawned processes that build
-the image in shared memory; the calling thread only waits for it and copies it into pinned memory with
-one call per tensor, which runs without the GIL. `ThreadImageReader` reads in the calling thread: no
-processes to start, for the CPU device and for tests.
+thread for the GIL, which slows the running batch (docs/BENCHMARKS.md, adapter loading).
+`ProcessImageReader` does the whole read in a pool of spawned processes that write straight into the
+CPU tier's shared rows; the calling thread only waits. `ThreadImageReader` reads in the calling thread:
+no processes to start, for the CPU device and for tests.
 """
 
 from __future__ import annotations
@@ -19,89 +18,87 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Protocol
 
-import torch
-
+from engine.lora.host_tier import HostTier
 from engine.lora.peft_checkpoint import AdapterError, load_peft_adapter
-from engine.lora.slots import SlotImage, SlotLayout, build_image
+from engine.lora.slots import build_image
 
 logger = logging.getLogger(__name__)
 
+
 class ImageReader(Protocol):
-    def read(self, folder: Path) -> SlotImage:
-        """Validate the adapter in `folder` against the model and lay it out as one slot (AdapterError if
-        it cannot be served). Called on the adapter manager's worker threads."""
+    tier: HostTier
+
+    def read(self, folder: Path, row: int) -> None:
+        """Validate the adapter in `folder` against the model and lay it out in row `row` of the tier
+        (AdapterError if it cannot be served). Called on the adapter manager's worker threads; the caller
+        owns the row until this returns."""
 
     def close(self) -> None:
         """Release what the reader holds (its processes); reads already running may fail."""
 
 
-def read_image(folder: str | Path, layout: SlotLayout, dtype: torch.dtype, pin_memory: bool, share_memory: bool):
-    """The whole read: validate against the layout's model and rank, then lay out (one function, so a
-    loader process runs all of it)."""
-    adapter = load_peft_adapter(folder, layout.shape, layout.max_rank)
-    return build_image(layout, dtype, adapter, pin_memory=pin_memory, share_memory=share_memory)
+def read_into(tier: HostTier, folder: str | Path, row: int) -> None:
+    """The whole read (one function, so a loader process runs all of it)."""
+    adapter = load_peft_adapter(folder, tier.layout.shape, tier.layout.max_rank)
+    build_image(tier.layout, tier.dtype, adapter, out=tier.image(row))
 
 
 class ThreadImageReader:
-    def __init__(self, layout: SlotLayout, dtype: torch.dtype, pin_memory: bool):
-        self.layout, self.dtype, self.pin_memory = layout, dtype, pin_memory
+    def __init__(self, tier: HostTier):
+        self.tier = tier
 
-    def read(self, folder: Path) -> SlotImage:
-        return read_image(folder, self.layout, self.dtype, self.pin_memory, share_memory=False)
+    def read(self, folder: Path, row: int) -> None:
+        read_into(self.tier, folder, row)
 
     def close(self) -> None:
         pass
 
 
-def _read_shared(folder: str, layout: SlotLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs in a loader process; the tensors travel back as shared-memory handles, not bytes."""
-    image = read_image(folder, layout, dtype, pin_memory=False, share_memory=True)
-    return image.weights, image.table
+_worker_tier: HostTier | None = None  # in a loader process: the tier, received once at start
 
 
-def _start_worker() -> None:
-    # One thread: the copies are small, and the serving process's threads need the cores more.
-    torch.set_num_threads(1)
+def _start_worker(tier: HostTier) -> None:
+    global _worker_tier
+    _worker_tier = tier
+
+
+def _read_in_worker(folder: str, row: int) -> None:
+    read_into(_worker_tier, folder, row)
 
 
 class ProcessImageReader:
     """Reads in `num_processes` spawned processes (spawned, not forked: the server holds CUDA state and
-    threads that a fork would copy half-way). They start at once, so the first load does not wait for
-    their imports, and are replaced if one dies (the read it was doing fails, with the reason)."""
+    threads that a fork would copy half-way), which receive the tier's shared memory once at start.
+    They start at once, so the first load does not wait for their imports, and are replaced if one dies
+    (the read it was doing fails, with the reason)."""
 
-    def __init__(self, layout: SlotLayout, dtype: torch.dtype, pin_memory: bool, num_processes: int = 2):
+    def __init__(self, tier: HostTier, num_processes: int = 2):
+        if not tier.shared:
+            raise ValueError("loader processes need a CPU tier in shared memory (HostTier(shared=True))")
         if num_processes < 1:
             raise ValueError(f"num_processes must be positive (got {num_processes})")
-        self.layout, self.dtype, self.pin_memory = layout, dtype, pin_memory
+        self.tier = tier
         self.num_processes = num_processes
         self._lock = threading.Lock()
         self._pool = self._start()
 
-    def read(self, folder: Path) -> SlotImage:
+    def read(self, folder: Path, row: int) -> None:
         pool = self._pool
         try:
-            weights, table = pool.submit(_read_shared, str(folder), self.layout, self.dtype).result()
+            pool.submit(_read_in_worker, str(folder), row).result()
         except BrokenProcessPool:
             self._restart(pool)
             raise AdapterError(
                 "load_failed",
                 f"the adapter loader process died while reading {folder} (out of memory?); the next request retries",
             ) from None
-        return SlotImage(self.layout, self._own(weights), self._own(table))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _own(self, shared: torch.Tensor) -> torch.Tensor:
-        """A private (pinned) copy, so the shared segment is freed now and the copy to the GPU is async."""
-        local = torch.empty(shared.shape, dtype=shared.dtype, pin_memory=self.pin_memory)
-        local.copy_(shared)
-        return local
-
     def _start(self) -> ProcessPoolExecutor:
-        pool = ProcessPoolExecutor(
-            self.num_processes, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker
-        )
+        context = multiprocessing.get_context("spawn")
+        pool = ProcessPoolExecutor(self.num_processes, context, initializer=_start_worker, initargs=(self.tier,))
         for _ in range(self.num_processes):
             pool.submit(int)  # starts the processes now, in the background
         return pool
@@ -114,9 +111,6 @@ class ProcessImageReader:
                 self._pool = self._start()
 
 
-def make_reader(in_processes: bool, layout: SlotLayout, dtype: torch.dtype, device: torch.device) -> ImageReader:
-    """The reader for an engine (EngineConfig.loads_in_processes); images are pinned when `device` is CUDA."""
-    cuda = device.type == "cuda"
-    if in_processes:
-        return ProcessImageReader(layout, dtype, pin_memory=cuda)
-    return ThreadImageReader(layout, dtype, pin_memory=cuda)
+def make_reader(in_processes: bool, tier: HostTier) -> ImageReader:
+    return ProcessImageReader(tier) if in_processes else ThreadImageReader(tier)
+

@@ -1,8 +1,9 @@
 """Tiered adapter residency: source (store, disk, folder) -> CPU tier -> GPU slot, loaded in the background.
 
 The batch never waits for an adapter. A request's adapter is fetched and validated on a worker thread
-into the CPU tier (an LRU of `max_cpu_loras` slot images, pinned when CUDA is present; the reading
-itself runs in loader processes on CUDA, engine/lora/image_reader.py); before each
+into the CPU tier (`max_cpu_loras` rows of slot images allocated once, pinned when CUDA is present and
+kept as an LRU; engine/lora/host_tier.py), read there by loader processes on CUDA
+(engine/lora/image_reader.py); before each
 step, the adapters that waiting requests need are copied into free or evictable GPU slots on a side
 CUDA stream, and the scheduler admits a request only once its adapter's copy has completed (`is_ready`).
 A slot is pinned while any running request uses it; eviction is least-recently-used among the rest and
@@ -28,10 +29,11 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from engine.lora.image_reader import ImageReader, ThreadImageReader
+from engine.lora.host_tier import HostTier
+from engine.lora.image_reader import make_reader
 from engine.lora.peft_checkpoint import AdapterError
 from engine.lora.slot_allocator import SlotAllocator
-from engine.lora.slots import LoRASlots, SlotImage
+from engine.lora.slots import LoRASlots
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,7 @@ class AdapterManager:
         max_cpu_loras: int,
         num_workers: int = 2,
         observer: Observer | None = None,
-        reader: ImageReader | None = None,
+        in_processes: bool = False,
     ):
         if max_cpu_loras < 1:
             raise ValueError(f"max_cpu_loras must be positive (got {max_cpu_loras})")
@@ -84,11 +86,15 @@ class AdapterManager:
         self.allocator = SlotAllocator(slots.max_loras)
         self._observer = observer
         self._cuda = slots.device.type == "cuda"
-        self.reader = reader or ThreadImageReader(slots.layout, slots.dtype, pin_memory=self._cuda)
+        self.tier = HostTier(slots.layout, slots.dtype, max_cpu_loras, shared=in_processes, pinned=self._cuda)
+        self.reader = make_reader(in_processes, self.tier)
         self._copy_stream = torch.cuda.Stream(slots.device) if self._cuda else None
         self._workers = ThreadPoolExecutor(num_workers, thread_name_prefix="adapter-load")
-        self._cpu: OrderedDict[str, SlotImage] = OrderedDict()  # LRU first
-        self._loading: dict[str, tuple[Future, float]] = {}  # adapter id -> (future, start time)
+        self._free_rows = list(range(max_cpu_loras))  # rows of the tier no adapter occupies
+        self._cpu: OrderedDict[str, int] = OrderedDict()  # adapter id -> its row, LRU first
+        self._loading: dict[str, tuple[Future, float, int]] = {}  # id -> (future, start time, row it fills)
+        self._abandoned: set[str] = set()  # dropped while loading: the row is freed when the load ends
+        self._row_reads: dict[int, torch.cuda.Event] = {}  # row -> end of the last GPU copy out of it
         self._copies: dict[str, tuple[int, _Copy | None]] = {}  # id -> (slot, copy still in flight)
         self._failed: dict[str, tuple[str, float]] = {}  # id -> (reason, when)
         self._holds: Counter[str] = Counter()  # id -> queued or running requests
@@ -141,22 +147,25 @@ class AdapterManager:
     def poll(self) -> dict[str, str]:
         """Collect finished background loads; returns {adapter id: reason} for the ones that failed."""
         failures = {}
-        for adapter_id, (future, started) in list(self._loading.items()):
+        for adapter_id, (future, started, row) in list(self._loading.items()):
             if not future.done():
                 continue
             del self._loading[adapter_id]
+            if adapter_id in self._abandoned:
+                self._abandoned.discard(adapter_id)
+                self._free_rows.append(row)
+                continue
             try:
-                image = future.result()
+                future.result()
             except AdapterError as exc:
                 failures[adapter_id] = str(exc)
             except Exception as exc:  # store outages, corrupt files: the request learns why
                 failures[adapter_id] = f"adapter {adapter_id!r} could not be loaded: {exc}"
             else:
                 self._emit("load", "source", time.perf_counter() - started)
-                self._cpu[adapter_id] = image
-                while len(self._cpu) > self.max_cpu_loras:
-                    self._cpu.popitem(last=False)
-                    self._emit("evict", "cpu")
+                self._cpu[adapter_id] = row
+                continue
+            self._free_rows.append(row)
         for adapter_id, reason in failures.items():
             logger.warning("adapter load failed: %s", reason)
             self._emit("fail", "source")
@@ -172,8 +181,8 @@ class AdapterManager:
             if self._resident(adapter_id):
                 protected.add(adapter_id)
                 continue
-            image = self._cpu.get(adapter_id)
-            if image is None:
+            row = self._cpu.get(adapter_id)
+            if row is None:
                 if self.error(adapter_id) is None:
                     self._start_load(adapter_id)  # e.g. dropped by the CPU tier's LRU while it waited
                 continue
@@ -186,7 +195,7 @@ class AdapterManager:
             for victim in before - set(self.allocator.resident):
                 self._copies.pop(victim, None)
                 self._emit("evict", "gpu")
-            self._copies[adapter_id] = (slot, self._copy_into(slot, image))
+            self._copies[adapter_id] = (slot, self._copy_into(slot, row))
             protected.add(adapter_id)
 
     def is_ready(self, adapter_id: str) -> bool:
@@ -238,7 +247,7 @@ class AdapterManager:
 
     def wait_for_loads(self, timeout: float) -> None:
         """Block briefly until some background load finishes (used when nothing else can run)."""
-        futures = [future for future, _ in self._loading.values()]
+        futures = [future for future, _, _ in self._loading.values()]
         if futures:
             wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
@@ -253,25 +262,54 @@ class AdapterManager:
         return entry is not None and self.allocator.lookup(adapter_id) == entry[0]
 
     def _start_load(self, adapter_id: str) -> None:
-        if adapter_id in self._cpu or adapter_id in self._loading or self._resident(adapter_id):
+        if adapter_id in self._loading:
+            self._abandoned.discard(adapter_id)  # wanted again: the load still running serves it
             return
-        self._loading[adapter_id] = (self._workers.submit(self._load, adapter_id), time.perf_counter())
+        if adapter_id in self._cpu or self._resident(adapter_id):
+            return
+        row = self._take_row()
+        if row is None:
+            return  # every row is being filled or copied from; `stage` tries again next step
+        future = self._workers.submit(self._load, adapter_id, row)
+        self._loading[adapter_id] = (future, time.perf_counter(), row)
 
-    def _load(self, adapter_id: str) -> SlotImage:
-        return self.source.load(adapter_id, self.reader.read)
+    def _load(self, adapter_id: str, row: int) -> None:
+        self.source.load(adapter_id, lambda folder: self.reader.read(folder, row))
+
+    def _take_row(self) -> int | None:
+        """A row to load into: a free one, else the least recently used adapter's, never one that a GPU
+        copy still reads."""
+        for i, row in enumerate(self._free_rows):
+            if self._row_writable(row):
+                return self._free_rows.pop(i)
+        for adapter_id, row in self._cpu.items():
+            if self._row_writable(row):
+                del self._cpu[adapter_id]
+                self._emit("evict", "cpu")
+                return row
+        return None
+
+    def _row_writable(self, row: int) -> bool:
+        copy_end = self._row_reads.get(row)
+        if copy_end is not None and not copy_end.query():
+            return False
+        self._row_reads.pop(row, None)
+        return True
 
     def _drop(self, adapter_id: str) -> None:
         """No request holds it any more: free everything it occupies (its slot is unpinned by now)."""
         self._retiring.discard(adapter_id)
-        self._cpu.pop(adapter_id, None)
+        row = self._cpu.pop(adapter_id, None)
+        if row is not None:
+            self._free_rows.append(row)
         self._failed.pop(adapter_id, None)
-        loading = self._loading.pop(adapter_id, None)
-        if loading is not None:
-            loading[0].cancel()  # a load already running finishes on its worker and is ignored
+        if adapter_id in self._loading:
+            self._abandoned.add(adapter_id)  # it still writes its row; `poll` frees the row when it ends
         if self.allocator.evict(adapter_id):
             self._copies.pop(adapter_id, None)
 
-    def _copy_into(self, slot: int, image: SlotImage) -> _Copy | None:
+    def _copy_into(self, slot: int, row: int) -> _Copy | None:
+        image = self.tier.image(row)
         if self._copy_stream is None:
             started = time.perf_counter()
             self.slots.load(slot, image)
@@ -284,6 +322,7 @@ class AdapterManager:
             start.record(self._copy_stream)
             self.slots.load(slot, image)
             end.record(self._copy_stream)
+        self._row_reads[row] = end
         return start, end
 
     def _emit(self, event: str, tier: str, seconds: float = 0.0) -> None:

@@ -125,20 +125,20 @@ def build_image(
     dtype: torch.dtype,
     adapter: PeftAdapter,
     pin_memory: bool = False,
-    share_memory: bool = False,
+    out: SlotImage | None = None,
 ) -> SlotImage:
-    """Lay an adapter (validated against the model) out as one slot of `layout`, on the CPU.
-
-    `pin_memory`: page-locked, ready for asynchronous copies to the GPU. `share_memory`: in shared memory,
-    so that a loader process can hand the image to the engine's without copying it through a pipe."""
+    """Lay an adapter (validated against the model) out as one slot of `layout`, on the CPU: into `out`
+    (a row of the CPU tier, overwritten whole), or into new tensors, page-locked with `pin_memory`."""
     if adapter.rank > layout.max_rank:
         raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {layout.max_rank}")
-    # Allocated where it will live (not moved afterwards), so the image is written once, not copied again.
-    weights = torch.zeros(layout.numel, dtype=dtype, pin_memory=pin_memory)
-    table = torch.zeros(layout.shape.num_layers, TABLE_COLUMNS, dtype=torch.int32, pin_memory=pin_memory)
-    if share_memory:
-        weights, table = weights.share_memory_(), table.share_memory_()
-    image = SlotImage(layout, weights, table)
+    if out is None:
+        weights = torch.zeros(layout.numel, dtype=dtype, pin_memory=pin_memory)
+        table = torch.zeros(layout.shape.num_layers, TABLE_COLUMNS, dtype=torch.int32, pin_memory=pin_memory)
+        image = SlotImage(layout, weights, table)
+    else:
+        if out.layout != layout or out.weights.dtype != dtype:
+            raise ValueError("the image to write into has another layout or dtype")
+        image, weights, table = out, out.weights.zero_(), out.table.zero_()
     # As few torch calls as possible: on a loader thread, each call is a GIL hand-over that the engine
     # thread pays for (docs/BENCHMARKS.md, adapter loading).
     for (layer, module), pair in adapter.modules.items():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import shutil
+import threading
 import time
 from collections import Counter
 
@@ -198,7 +199,7 @@ def test_stats_reflect_running_waiting_and_adapters(case):
     stats = engine.stats()
     assert (stats.num_waiting, stats.num_adapters_loading) == (4, 2)
     assert stats.waiting_adapters == ("ad5", "ad6") and stats.running_adapters == ()
-    for future, _ in engine.lora._loading.values():  # both loads land before the first step
+    for future, _, _ in engine.lora._loading.values():  # both loads land before the first step
         future.result(timeout=30)
     engine.step()
     stats = engine.stats()
@@ -276,4 +277,42 @@ def test_a_staged_copy_lands_in_its_slot_and_is_timed(case, device):
     manager.release("x")
     manager.forget("x")  # nobody holds it: dropped at once
     assert manager.allocator.lookup("x") is None and not manager.is_ready("x")
+    manager.shutdown()
+
+
+def test_a_row_of_the_cpu_tier_is_not_reused_while_a_dropped_load_still_writes_it(case):
+    """One row: an adapter deleted mid-load keeps its row until the load ends; only then does the next
+    adapter load into it, and what lands in the slot is the next adapter's."""
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(case["model_dir"]))
+    slots = LoRASlots(shape, max_loras=1, max_rank=16, dtype=torch.float32, device=torch.device("cpu"))
+    gate = threading.Event()
+
+    class GatedRegistry(AdapterRegistry):
+        def load(self, adapter_id, read=None):
+            if adapter_id == "slow":
+                assert gate.wait(10)
+            return super().load(adapter_id, read)
+
+    registry = GatedRegistry(shape, 16)
+    registry.register("slow", case["adapters"]["ad1"])
+    registry.register("next", case["adapters"]["ad2"])
+    manager = AdapterManager(registry, slots, max_cpu_loras=1)
+    manager.prefetch("slow")
+    manager.forget("slow")  # nobody holds it; its load is already running
+    manager.prefetch("next")
+    manager.stage(["next"])
+    assert manager.num_loading == 1 and manager.poll() == {}  # "next" waits: the only row is being written
+    gate.set()
+    deadline = time.monotonic() + 10
+    while not manager.is_ready("next"):
+        assert time.monotonic() < deadline
+        manager.wait_for_loads(timeout=0.1)
+        assert manager.poll() == {}
+        manager.stage(["next"])
+    slot = manager.acquire("next")
+    expected = slots.image(registry.load("next"))
+    for module in TARGET_MODULES:
+        assert torch.equal(slots.lora_a[module][:, slot], expected.lora_a[module])
+        assert torch.equal(slots.lora_b[module][:, slot], expected.lora_b[module])
+    assert not manager.is_ready("slow") and "slow" not in manager._cpu
     manager.shutdown()

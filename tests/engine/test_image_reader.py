@@ -1,5 +1,5 @@
-"""Reading adapter folders into slot images in loader processes: the same bytes as reading in the
-calling thread, errors that keep their code and message across the process boundary, and a loader
+"""Reading adapter folders into rows of the CPU tier in loader processes: the same bytes as reading in
+the calling thread, errors that keep their code and message across the process boundary, and a loader
 process that dies failing only the read it was doing."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from engine import AdapterError, EngineConfig, ModelShape
-from engine.lora.image_reader import ProcessImageReader, ThreadImageReader, make_reader
+from engine.lora.host_tier import HostTier
+from engine.lora.image_reader import ProcessImageReader, ThreadImageReader
 from engine.lora.slots import SlotLayout
 
 MAX_RANK = 16
@@ -36,18 +37,27 @@ def case(tmp_path_factory):
                 corrupt=corrupt)  # fmt: skip
 
 
+def shared_tier(case, capacity: int = 3) -> HostTier:
+    return HostTier(case["layout"], torch.float32, capacity, shared=True, pinned=False)
+
+
 @pytest.fixture(scope="module")
 def reader(case):
-    reader = ProcessImageReader(case["layout"], torch.float32, pin_memory=False)
+    reader = ProcessImageReader(shared_tier(case))
     yield reader
     reader.close()
 
 
 def test_a_process_read_is_the_thread_read(case, reader):
-    image = reader.read(case["adapter"])
-    local = ThreadImageReader(case["layout"], torch.float32, pin_memory=False).read(case["adapter"])
-    assert image.weights.shape == (case["layout"].numel,) and image.table.dtype == torch.int32
-    assert torch.equal(image.weights, local.weights) and torch.equal(image.table, local.table)
+    tier = reader.tier
+    tier.weights.fill_(float("nan"))  # poisoned: every byte of the row must be written
+    tier.table.fill_(-1)
+    reader.read(case["adapter"], 1)
+    image = tier.image(1)
+    local = HostTier(case["layout"], torch.float32, 1, shared=False, pinned=False)
+    ThreadImageReader(local).read(case["adapter"], 0)
+    assert torch.equal(image.weights, local.weights[0]) and torch.equal(image.table, local.table[0])
+    assert tier.weights[0].isnan().all() and tier.weights[2].isnan().all()  # other rows untouched
     # Against the file itself, not only against the other reader.
     scale = json.loads((case["adapter"] / "adapter_config.json").read_text())["lora_alpha"] / 8
     with safe_open(str(case["adapter"] / "adapter_model.safetensors"), framework="pt") as f:
@@ -58,7 +68,6 @@ def test_a_process_read_is_the_thread_read(case, reader):
     assert not image.lora_a["down_proj"][1, 8:].any() and not image.lora_a["o_proj"].any()
     assert image.scales["down_proj"][1].item() == scale and image.ranks["down_proj"][1].item() == 8
     assert image.ranks["o_proj"][1].item() == 0
-    assert not image.weights.is_shared()  # a private copy: the shared segment is already released
 
 
 @pytest.mark.parametrize(
@@ -72,34 +81,35 @@ def test_a_process_read_is_the_thread_read(case, reader):
 def test_errors_cross_the_process_boundary_intact(case, reader, folder, code, message):
     path = case.get(folder, case["adapter"].parent / "no-such-adapter")
     with pytest.raises(AdapterError, match=message) as err:
-        reader.read(path)
+        reader.read(path, 0)
     assert err.value.code == code
 
 
 def test_a_dead_loader_process_fails_one_read_and_is_replaced(case):
-    reader = ProcessImageReader(case["layout"], torch.float32, pin_memory=False, num_processes=1)
+    reader = ProcessImageReader(shared_tier(case), num_processes=1)
     try:
-        reader.read(case["adapter"])  # the process is up
+        reader.read(case["adapter"], 0)  # the process is up
         for process in list(reader._pool._processes.values()):
             process.kill()
             process.join()
         with pytest.raises(AdapterError, match="loader process died") as err:
-            reader.read(case["adapter"])
+            reader.read(case["adapter"], 1)
         assert err.value.code == "load_failed"
-        image = reader.read(case["adapter"])  # a new process serves the next load
-        assert image.ranks["q_proj"].tolist() == [8] * case["layout"].shape.num_layers
+        reader.read(case["adapter"], 2)  # a new process serves the next load
+        assert reader.tier.image(2).ranks["q_proj"].tolist() == [8] * case["layout"].shape.num_layers
     finally:
         reader.close()
 
 
-def test_the_config_picks_the_reader(case):
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+def test_the_config_picks_the_reader():
     assert not EngineConfig(model="m", device="cpu").loads_in_processes  # auto: threads on the CPU
     assert EngineConfig(model="m", device="cuda").loads_in_processes  # auto: processes on CUDA
     assert EngineConfig(model="m", device="cpu", adapter_loader="process").loads_in_processes
     assert not EngineConfig(model="m", device="cuda", adapter_loader="thread").loads_in_processes
     with pytest.raises(ValueError, match="adapter_loader must be one of auto, thread, process"):
         EngineConfig(model="m", adapter_loader="fork")
-    thread = make_reader(False, case["layout"], torch.float32, cuda)
-    assert isinstance(thread, ThreadImageReader) and thread.pin_memory
-    assert not make_reader(False, case["layout"], torch.float32, cpu).pin_memory
+
+
+def test_loader_processes_need_a_shared_tier(case):
+    with pytest.raises(ValueError, match="shared memory"):
+        ProcessImageReader(HostTier(case["layout"], torch.float32, 1, shared=False, pinned=False))

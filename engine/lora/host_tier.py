@@ -1,0 +1,57 @@
+"""The CPU tier: a fixed number of slot images in one block of host memory, allocated once at start.
+
+Loaders write an adapter straight into a free row, and a GPU slot is filled by two asynchronous copies
+out of it. Allocating host memory per load cost more than the load: page-locking a fresh buffer takes
+the CUDA driver's locks that the engine thread's launches need, and mapping and unmapping large buffers
+stalls every thread of the process (docs/BENCHMARKS.md, adapter loading). Here nothing is allocated or
+mapped after start. With `shared`, the rows live in shared memory, so loader processes write them in
+place; with `pinned`, they are page-locked (registered with CUDA when shared), so copies to the GPU
+run asynchronously on a side stream.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from engine.lora.slots import TABLE_COLUMNS, SlotImage, SlotLayout
+
+
+class HostTier:
+    def __init__(self, layout: SlotLayout, dtype: torch.dtype, capacity: int, shared: bool, pinned: bool):
+        if capacity < 1:
+            raise ValueError(f"the CPU tier needs at least one row (got {capacity})")
+        self.layout, self.dtype, self.capacity = layout, dtype, capacity
+        self.shared, self.pinned = shared, pinned
+        pin_now = pinned and not shared  # shared memory is registered after it is made
+        self.weights = torch.zeros(capacity, layout.numel, dtype=dtype, pin_memory=pin_now)
+        self.table = torch.zeros(capacity, layout.shape.num_layers, TABLE_COLUMNS, dtype=torch.int32,
+                                 pin_memory=pin_now)  # fmt: skip
+        if shared:
+            self.weights.share_memory_()
+            self.table.share_memory_()
+            if pinned:
+                _register(self.weights)
+                _register(self.table)
+
+    def image(self, row: int) -> SlotImage:
+        """Row `row` as a slot image (views: what a loader writes there is what the slot copy reads)."""
+        if not 0 <= row < self.capacity:
+            raise ValueError(f"row {row} is outside the CPU tier's [0, {self.capacity})")
+        return SlotImage(self.layout, self.weights[row], self.table[row])
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weights, self.table))
+
+
+def _register(tensor: torch.Tensor) -> None:
+    """Page-lock memory torch did not allocate as pinned (the shared rows), as torch's own checkpoint
+    stager does; unregistered when the tensor is freed."""
+    cudart = torch.cuda.cudart()
+    nbytes = tensor.numel() * tensor.element_size()
+    error = int(cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 1))  # 1: cudaHostRegisterPortable
+    if error != 0:
+        raise RuntimeError(f"page-locking {nbytes} bytes of shared memory for the CPU tier failed (cudaError {error})")
+    weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())

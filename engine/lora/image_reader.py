@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Protocol
+
+import torch
 
 from engine.lora.host_tier import HostTier
 from engine.lora.peft_checkpoint import AdapterError, load_peft_adapter
@@ -60,6 +63,11 @@ _worker_tier: HostTier | None = None  # in a loader process: the tier, received 
 def _start_worker(tier: HostTier) -> None:
     global _worker_tier
     _worker_tier = tier
+    # One torch thread and a lower priority: a loader's copies are small, and idle OpenMP threads spin,
+    # taking cores from the serving process (with torch's default of a thread per core, two loaders
+    # slowed the decode steps and their own loads; docs/BENCHMARKS.md, adapter loading).
+    torch.set_num_threads(1)
+    os.nice(10)
 
 
 def _read_in_worker(folder: str, row: int) -> None:

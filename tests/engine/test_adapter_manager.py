@@ -147,7 +147,9 @@ def test_version_swap_leaves_running_and_queued_requests_on_the_old_version(case
     for i, prompt in enumerate(old_prompts):
         engine.add_request(f"old{i}", prompt, GREEDY, "bot")
     finals: dict = {}
-    for _ in range(3):
+    deadline = time.monotonic() + 60  # the first load may wait for loader processes to start
+    while engine.scheduler.num_running < 2:
+        assert time.monotonic() < deadline
         engine.step()
     assert engine.scheduler.num_running == 2 and engine.scheduler.num_waiting == 1  # one still queued
     engine.register_adapter("bot", str(case["adapters"]["ad2"]))  # v2 ("bot~2") serves from now on

@@ -1,16 +1,31 @@
-"""A paged, continuously batching inference engine in which every request may use its own LoRA adapter."""
+"""A paged, continuously batching inference engine in which every request may use its own LoRA adapter.
 
-from engine.async_llm import AsyncLLM, EngineDeadError
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import AdapterSourceFactory, LLMEngine, RequestError
-from engine.lora.manager import AdapterSource, Observer
-from engine.lora.model_shape import ModelShape
-from engine.lora.peft_checkpoint import AdapterError
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
+The public names are imported on first use, so that a process which needs one submodule (an adapter
+loader process imports engine.lora.image_reader) does not pay for the whole engine and transformers.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "AdapterError": "engine.lora.peft_checkpoint",
+    "AdapterSource": "engine.lora.manager",
+    "AdapterSourceFactory": "engine.llm_engine",
+    "AsyncLLM": "engine.async_llm",
+    "CompletionOutput": "engine.outputs",
+    "EngineConfig": "engine.config",
+    "EngineDeadError": "engine.async_llm",
+    "EngineStats": "engine.stats",
+    "LLMEngine": "engine.llm_engine",
+    "ModelShape": "engine.lora.model_shape",
+    "Observer": "engine.lora.manager",
+    "RequestError": "engine.llm_engine",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+}
 __all__ = [
     "LLM",
     "AdapterError",
@@ -28,3 +43,29 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from engine.async_llm import AsyncLLM, EngineDeadError
+    from engine.config import EngineConfig
+    from engine.llm import LLM
+    from engine.llm_engine import AdapterSourceFactory, LLMEngine, RequestError
+    from engine.lora.manager import AdapterSource, Observer
+    from engine.lora.model_shape import ModelShape
+    from engine.lora.peft_checkpoint import AdapterError
+    from engine.outputs import CompletionOutput, RequestOutput
+    from engine.sampling_params import SamplingParams
+    from engine.stats import EngineStats

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft.utils.other import get_pattern_key
 from safetensors import safe_open
 
 from engine.lora.model_shape import ATTENTION_MODULES, TARGET_MODULES, ModelShape
@@ -162,6 +161,8 @@ def _scaling(config: Mapping, layer: int, module: str, rank: int, alpha: float) 
     key = f"model.layers.{layer}.{block}.{module}"
     alpha_pattern = dict(config.get("alpha_pattern") or {})
     if alpha_pattern:
+        from peft.utils.other import get_pattern_key  # PEFT's own matching; imported only when needed (slow)
+
         matched = get_pattern_key(alpha_pattern.keys(), key)
         alpha = float(alpha_pattern.get(matched, alpha))
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank

@@ -88,6 +88,11 @@ class AdapterManager:
         self._cuda = slots.device.type == "cuda"
         self.tier = HostTier(slots.layout, slots.dtype, max_cpu_loras, shared=in_processes, pinned=self._cuda)
         self.reader = make_reader(in_processes, self.tier)
+        logger.info(
+            "CPU tier: %d adapters in %.0f MiB of %shost memory; adapters read by loader %s",
+            max_cpu_loras, self.tier.num_bytes / 2**20, "page-locked " if self._cuda else "",
+            "processes" if in_processes else "threads",
+        )  # fmt: skip
         self._copy_stream = torch.cuda.Stream(slots.device) if self._cuda else None
         self._workers = ThreadPoolExecutor(num_workers, thread_name_prefix="adapter-load")
         self._free_rows = list(range(max_cpu_loras))  # rows of the tier no adapter occupies

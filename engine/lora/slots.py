@@ -4,7 +4,7 @@ The model reads these tensors directly (`lora_kernels.add_lora` indexes them by 
 adapter is a copy into a slot and never reallocates anything the model holds. The layout is slot-major:
 all of one slot's weights (every layer and projection, A and B) form one contiguous block of `weights`,
 and all of its scales and ranks one column of `table`. Making an adapter resident is therefore two
-copies from its pinned CPU image, however many layers the model has; per-projection views with a slot
+copies from its pinned row of the CPU tier, however many layers the model has; per-projection views with a slot
 stride give the kernels their usual [max_loras, ...] stacks. (A layer-major layout needed one copy per
 projection into views strided across layers, 30 in all, which cost the engine thread ~0.6 ms of host
 time per adapter and slowed the running batch; docs/BENCHMARKS.md, adapter loading.)
@@ -79,9 +79,9 @@ class ModuleSlots:
 class SlotImage:
     """An adapter laid out exactly as one slot: zero-padded to max_rank, zeros for untargeted modules.
 
-    Built once per adapter on the CPU (pinned when CUDA is present), so making it resident is two plain
-    host-to-device copies that can run on a side stream. The per-module views are made on first use:
-    an image that crosses from a loader process is just its two tensors.
+    Usually a row of the CPU tier (engine/lora/host_tier.py; pinned when CUDA is present), so making it
+    resident is two plain host-to-device copies that can run on a side stream. The per-module views are
+    made on first use: the engine itself only ever copies the two tensors.
     """
 
     layout: SlotLayout

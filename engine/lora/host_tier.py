@@ -11,6 +11,8 @@ run asynchronously on a side stream.
 
 from __future__ import annotations
 
+import os
+import shutil
 import weakref
 
 import torch
@@ -24,6 +26,8 @@ class HostTier:
             raise ValueError(f"the CPU tier needs at least one row (got {capacity})")
         self.layout, self.dtype, self.capacity = layout, dtype, capacity
         self.shared, self.pinned = shared, pinned
+        if shared:
+            _check_shared_memory(capacity * (layout.numel * dtype.itemsize + layout.shape.num_layers * TABLE_COLUMNS * 4))
         pin_now = pinned and not shared  # shared memory is registered after it is made
         self.weights = torch.zeros(capacity, layout.numel, dtype=dtype, pin_memory=pin_now)
         self.table = torch.zeros(capacity, layout.shape.num_layers, TABLE_COLUMNS, dtype=torch.int32,
@@ -44,6 +48,20 @@ class HostTier:
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weights, self.table))
+
+
+def _check_shared_memory(nbytes: int, path: str = "/dev/shm") -> None:
+    """Fail with the remedy now: a tier larger than the shared-memory mount kills the process with SIGBUS
+    when its pages are first written (Docker's default /dev/shm is 64 MB)."""
+    if not os.path.isdir(path):
+        return
+    free = shutil.disk_usage(path).free
+    if nbytes > free:
+        raise RuntimeError(
+            f"the CPU tier of adapters needs {nbytes / 2**20:.0f} MiB of shared memory, but {path} has "
+            f"{free / 2**20:.0f} MiB free: give the container a larger {path} (docker --shm-size, a "
+            "memory-backed emptyDir in Kubernetes), lower --max-cpu-loras, or use --adapter-loader thread"
+        )
 
 
 def _register(tensor: torch.Tensor) -> None:

@@ -113,3 +113,12 @@ def test_the_config_picks_the_reader():
 def test_loader_processes_need_a_shared_tier(case):
     with pytest.raises(ValueError, match="shared memory"):
         ProcessImageReader(HostTier(case["layout"], torch.float32, 1, shared=False, pinned=False))
+
+
+def test_a_tier_larger_than_shared_memory_fails_at_start_with_the_remedy(case, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(64 << 20, 64 << 20, 0))
+    with pytest.raises(RuntimeError, match=r"needs \d+ MiB of shared memory, but /dev/shm has 0 MiB free"):
+        HostTier(case["layout"], torch.float32, 1, shared=True, pinned=False)
+    HostTier(case["layout"], torch.float32, 1, shared=False, pinned=False)  # private memory: not checked

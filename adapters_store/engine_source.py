@@ -52,8 +52,8 @@ class StoreAdapterSource:
 
     `observer` (the engine's adapter observer) learns, per load, whether the disk cache held the
     adapter ("hit"/"miss", tier "disk"), the download seconds ("load", "store") and the seconds to read
-    the cached folder into CPU tensors ("load", "disk": the engine's reader, in a loader process on
-    CUDA). It is called on worker threads.
+    the cached folder into the CPU tier ("load", "disk": the engine's reader, a loader process on CUDA).
+    It is called on worker threads.
     """
 
     def __init__(

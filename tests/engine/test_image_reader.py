@@ -122,3 +122,27 @@ def test_a_tier_larger_than_shared_memory_fails_at_start_with_the_remedy(case, m
     with pytest.raises(RuntimeError, match=r"needs \d+ MiB of shared memory, but /dev/shm has 0 MiB free"):
         HostTier(case["layout"], torch.float32, 1, shared=True, pinned=False)
     HostTier(case["layout"], torch.float32, 1, shared=False, pinned=False)  # private memory: not checked
+
+
+def test_alpha_and_rank_patterns_scale_each_module_as_peft_does(case, tmp_path):
+    """`alpha_pattern` goes through PEFT's own key matching (imported only for it); the scales in the
+    image must equal the `scaling` PEFT's LoRA layers use."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folder = make_adapter(
+        case["model_dir"], tmp_path / "patterns", seed=13, r=8, lora_alpha=16,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        alpha_pattern={"q_proj": 64, "model.layers.1.mlp.down_proj": 4}, rank_pattern={"v_proj": 4},
+    )  # fmt: skip
+    tier = HostTier(case["layout"], torch.float32, 1, shared=False, pinned=False)
+    ThreadImageReader(tier).read(folder, 0)
+    image = tier.image(0)
+    base = AutoModelForCausalLM.from_pretrained(case["model_dir"], dtype=torch.float32)
+    peft_layers = PeftModel.from_pretrained(base, folder).base_model.model.model.layers
+    for layer, modules in enumerate(peft_layers):
+        for module, peft_module in (("q_proj", modules.self_attn.q_proj), ("v_proj", modules.self_attn.v_proj),
+                                    ("down_proj", modules.mlp.down_proj)):  # fmt: skip
+            assert image.scales[module][layer].item() == pytest.approx(peft_module.scaling["default"]), (layer, module)
+            assert image.ranks[module][layer].item() == peft_module.r["default"]
+    assert image.scales["down_proj"][1].item() == pytest.approx(4 / 8)  # the layer-specific pattern won

@@ -5,7 +5,7 @@ out of it. Nothing is allocated, mapped or page-locked per load: when a loader p
 image back in fresh shared memory and the server copied it into fresh pinned memory, a load took 139 ms
 instead of 41 ms (Llama-3.1-8B shape, rank 16; docs/BENCHMARKS.md, adapter loading). With `shared`, the
 rows live in shared memory, so loader processes write them in place; with `pinned`, they are
-page-locked (registered with CUDA when shared), so copies to the GPU run asynchronously on a side stream.
+page-locked (registered with CUDA), so copies to the GPU run asynchronously on a side stream.
 """
 
 from __future__ import annotations
@@ -27,16 +27,14 @@ class HostTier:
         self.shared, self.pinned = shared, pinned
         if shared:
             _check_shared_memory(capacity * (layout.numel * dtype.itemsize + layout.shape.num_layers * TABLE_COLUMNS * 4))
-        pin_now = pinned and not shared  # shared memory is registered after it is made
-        self.weights = torch.zeros(capacity, layout.numel, dtype=dtype, pin_memory=pin_now)
-        self.table = torch.zeros(capacity, layout.shape.num_layers, TABLE_COLUMNS, dtype=torch.int32,
-                                 pin_memory=pin_now)  # fmt: skip
+        self.weights = torch.zeros(capacity, layout.numel, dtype=dtype)
+        self.table = torch.zeros(capacity, layout.shape.num_layers, TABLE_COLUMNS, dtype=torch.int32)
         if shared:
             self.weights.share_memory_()
             self.table.share_memory_()
-            if pinned:
-                _register(self.weights)
-                _register(self.table)
+        if pinned:  # registered in place: torch's pinned allocator may round the size up to a power of two
+            _register(self.weights)
+            _register(self.table)
 
     def image(self, row: int) -> SlotImage:
         """Row `row` as a slot image (views: what a loader writes there is what the slot copy reads)."""
@@ -64,8 +62,8 @@ def _check_shared_memory(nbytes: int, path: str = "/dev/shm") -> None:
 
 
 def _register(tensor: torch.Tensor) -> None:
-    """Page-lock memory torch did not allocate as pinned (the shared rows), as torch's own checkpoint
-    stager does; unregistered when the tensor is freed."""
+    """Page-lock memory torch did not allocate as pinned, as torch's own checkpoint stager does;
+    unregistered when the tensor is freed."""
     cudart = torch.cuda.cudart()
     nbytes = tensor.numel() * tensor.element_size()
     error = int(cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 1))  # 1: cudaHostRegisterPortable

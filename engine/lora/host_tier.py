@@ -25,10 +25,12 @@ class HostTier:
             raise ValueError(f"the CPU tier needs at least one row (got {capacity})")
         self.layout, self.dtype, self.capacity = layout, dtype, capacity
         self.shared, self.pinned = shared, pinned
+        table_row = (layout.shape.num_layers, TABLE_COLUMNS)
+        self.num_bytes = capacity * (layout.numel * dtype.itemsize + table_row[0] * table_row[1] * 4)
         if shared:
-            _check_shared_memory(capacity * (layout.numel * dtype.itemsize + layout.shape.num_layers * TABLE_COLUMNS * 4))
+            _check_shared_memory(self.num_bytes)
         self.weights = torch.zeros(capacity, layout.numel, dtype=dtype)
-        self.table = torch.zeros(capacity, layout.shape.num_layers, TABLE_COLUMNS, dtype=torch.int32)
+        self.table = torch.zeros(capacity, *table_row, dtype=torch.int32)
         if shared:
             self.weights.share_memory_()
             self.table.share_memory_()
@@ -41,10 +43,6 @@ class HostTier:
         if not 0 <= row < self.capacity:
             raise ValueError(f"row {row} is outside the CPU tier's [0, {self.capacity})")
         return SlotImage(self.layout, self.weights[row], self.table[row])
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.weights, self.table))
 
 
 def _check_shared_memory(nbytes: int, path: str = "/dev/shm") -> None:

@@ -4,8 +4,8 @@ The model reads these tensors directly (`lora_kernels.add_lora` indexes them by 
 adapter is a copy into a slot and never reallocates anything the model holds. The layout is slot-major:
 all of one slot's weights (every layer and projection, A and B) form one contiguous block of `weights`,
 and all of its scales and ranks one column of `table`. Making an adapter resident is therefore two
-copies from its pinned row of the CPU tier, however many layers the model has; per-projection views with a slot
-stride give the kernels their usual [max_loras, ...] stacks. (A layer-major layout needed one copy per
+copies from its pinned row of the CPU tier, however many layers the model has; per-projection views
+with a slot stride give the kernels their usual [max_loras, ...] stacks. (A layer-major layout needed one copy per
 projection into views strided across layers, 30 in all, which cost the engine thread ~0.6 ms of host
 time per adapter and slowed the running batch; docs/BENCHMARKS.md, adapter loading.)
 """

@@ -36,8 +36,8 @@ _FALSE = {"0", "false", "no", "off"}
 _SERVE_FIELDS = (
     "model", "served_model_name", "host", "port", "dtype", "device", "max_num_seqs", "max_num_batched_tokens",
     "max_model_len", "block_size", "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching",
-    "enforce_eager", "attention_backend", "max_loras", "max_cpu_loras", "adapter_loader", "max_lora_rank", "adapter_store",
-    "config_store", "api_keys", "shutdown_timeout", "max_concurrent_requests_per_tenant", "state_dir",
+    "enforce_eager", "attention_backend", "max_loras", "max_cpu_loras", "adapter_loader", "max_lora_rank",
+    "adapter_store", "config_store", "api_keys", "shutdown_timeout", "max_concurrent_requests_per_tenant", "state_dir",
 )
 GiB = 1 << 30
 

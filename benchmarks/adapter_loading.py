@@ -111,6 +111,17 @@ def ms(samples: list[float], quantile: float | None = None) -> float:
     return 1000.0 * ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
 
 
+def paired_ratios(times: list[float], control: list[float], block: int) -> tuple[float, float, float]:
+    """Per round, a block's median step over the control block's median in the same round: the median
+    and quartiles of those ratios across rounds (drift between rounds cancels out of each ratio)."""
+    ratios = [statistics.median(times[i : i + block]) / statistics.median(control[i : i + block])
+              for i in range(0, len(times), block)]  # fmt: skip
+    if len(ratios) < 2:
+        return ratios[0], ratios[0], ratios[0]
+    q1, q2, q3 = statistics.quantiles(ratios, n=4)
+    return q2, q1, q3
+
+
 # -- load latency per tier ------------------------------------------------------------------------
 
 
@@ -420,10 +431,14 @@ def main(argv: list[str] | None = None) -> int:
           f"condition ({args.block_steps} steps counted after {args.settle_steps}); stress: "
           f"a new adapter requested every step, up to {args.concurrent_loads} loads in flight\n")  # fmt: skip
     quiet = statistics.median(decode[0][1])
-    print("| condition | steps | median step ms | p99 step ms | vs no loads | loads per step |\n|---|---|---|---|---|---|")
+    traffic_times = decode[1][1]
+    print("| condition | steps | median step ms | p99 step ms | vs no loads | vs control, by round: median [IQR] "
+          "| loads per step |\n|---|---|---|---|---|---|---|")  # fmt: skip
     for label, times, _, per_step in decode:
         ratio = statistics.median(times) / quiet
-        print(f"| {label} | {len(times)} | **{ms(times):.2f}** | {ms(times, 0.99):.2f} | {ratio:.3f} | {per_step:.2f} |")
+        mid, q1, q3 = paired_ratios(times, traffic_times, args.block_steps)
+        print(f"| {label} | {len(times)} | **{ms(times):.2f}** | {ms(times, 0.99):.2f} | {ratio:.3f} | "
+              f"**{mid:.3f}** [{q1:.3f}, {q3:.3f}] | {per_step:.2f} |")  # fmt: skip
     traffic = statistics.median(decode[1][1])
     for label, times, _, per_step in decode[2:]:
         if per_step:

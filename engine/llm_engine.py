@@ -161,10 +161,12 @@ class LLMEngine:
         for request in scheduled.newly_admitted:
             self._pin(request)
         if not scheduled.scheduled:
+            self.lora.start_copies()
             if self.lora.num_loading:
                 self.lora.wait_for_loads(timeout=0.05)  # nothing runnable until an adapter arrives
             return outputs
         logits = self.runner.execute(scheduled.scheduled)
+        self.lora.start_copies()  # while the GPU runs the step: issuing copies must not delay its launch
         sampling = [s.request for s in scheduled.scheduled if s.samples]
         if not sampling:
             return outputs

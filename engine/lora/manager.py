@@ -3,9 +3,10 @@
 The batch never waits for an adapter. A request's adapter is fetched and validated on a worker thread
 into the CPU tier (`max_cpu_loras` rows of slot images allocated once, pinned when CUDA is present and
 kept as an LRU; engine/lora/host_tier.py), read there by loader processes on CUDA
-(engine/lora/image_reader.py); before each
-step, the adapters that waiting requests need are copied into free or evictable GPU slots on a side
-CUDA stream, and the scheduler admits a request only once its adapter's copy has completed (`is_ready`).
+(engine/lora/image_reader.py). Before each step, the adapters that waiting requests need are given free
+or evictable GPU slots (`stage`); once the step's forward pass is launched, their copies are issued on a
+side CUDA stream (`start_copies`), and the scheduler admits a request only once its adapter's copy has
+completed (`is_ready`).
 A slot is pinned while any running request uses it; eviction is least-recently-used among the rest and
 never touches an adapter that an earlier waiting request is about to use. A load that fails fails only
 the requests for that adapter, with the reason.
@@ -54,6 +55,12 @@ Observer = Callable[[str, str, float], None]
 
 # A GPU copy in flight: events recorded before and after it on the side stream.
 _Copy = tuple[torch.cuda.Event, torch.cuda.Event]
+
+
+class _Pending:
+    """A copy that `stage` decided on and `start_copies` has not issued yet."""
+
+
 T = TypeVar("T")
 
 
@@ -99,8 +106,9 @@ class AdapterManager:
         self._cpu: OrderedDict[str, int] = OrderedDict()  # adapter id -> its row, LRU first
         self._loading: dict[str, tuple[Future, float, int]] = {}  # id -> (future, start time, row it fills)
         self._abandoned: set[str] = set()  # dropped while loading: the row is freed when the load ends
-        self._row_reads: dict[int, torch.cuda.Event] = {}  # row -> end of the last GPU copy out of it
-        self._copies: dict[str, tuple[int, _Copy | None]] = {}  # id -> (slot, copy still in flight)
+        self._row_reads: dict[int, torch.cuda.Event | _Pending] = {}  # row -> the last copy out of it
+        self._copies: dict[str, tuple[int, _Copy | _Pending | None]] = {}  # id -> (slot, copy not done yet)
+        self._to_copy: list[tuple[str, int, int, _Pending]] = []  # (id, slot, row, ticket) for `start_copies`
         self._failed: dict[str, tuple[str, float]] = {}  # id -> (reason, when)
         self._holds: Counter[str] = Counter()  # id -> queued or running requests
         self._retiring: set[str] = set()  # dropped once their last holder finishes
@@ -178,7 +186,8 @@ class AdapterManager:
         return failures
 
     def stage(self, wanted: Iterable[str]) -> None:
-        """Copy the adapters waiting requests need (in queue order) into GPU slots, without waiting.
+        """Give the adapters waiting requests need (in queue order) GPU slots; `start_copies` then copies
+        them in, without waiting.
 
         An adapter already resident is protected from eviction by the ones that come after it."""
         protected: set[str] = set()
@@ -200,14 +209,38 @@ class AdapterManager:
             for victim in before - set(self.allocator.resident):
                 self._copies.pop(victim, None)
                 self._emit("evict", "gpu")
-            self._copies[adapter_id] = (slot, self._copy_into(slot, row))
+            if not self._to_copy and self._copy_stream is not None:
+                # The slot may have served an earlier step whose kernels are still in flight; this step's
+                # own kernels never read it (no request for it or for its old adapter is admitted).
+                self._copy_stream.wait_stream(torch.cuda.current_stream(self.slots.device))
+            ticket = _Pending()
+            self._to_copy.append((adapter_id, slot, row, ticket))
+            self._copies[adapter_id], self._row_reads[row] = (slot, ticket), ticket
             protected.add(adapter_id)
+        if self._copy_stream is None:
+            self.start_copies()  # on the CPU a copy is synchronous: nothing to overlap it with
+
+    def start_copies(self) -> None:
+        """Issue the slot copies that `stage` decided on. On CUDA the engine calls this right after
+        launching the step's forward pass: issuing a copy costs the host a fraction of a millisecond, which
+        then overlaps the GPU's work instead of delaying the launch (docs/BENCHMARKS.md, adapter loading)."""
+        for adapter_id, slot, row, ticket in self._to_copy:
+            copy = self._copy_into(slot, row)
+            if copy is None:  # done already (CPU)
+                self._row_reads.pop(row, None)
+            else:
+                self._row_reads[row] = copy[1]
+            if self._copies.get(adapter_id) == (slot, ticket):  # not evicted, dropped or restaged since
+                self._copies[adapter_id] = (slot, copy)
+        self._to_copy.clear()
 
     def is_ready(self, adapter_id: str) -> bool:
         """Resident and fully copied: the scheduler may admit requests for it."""
         if not self._resident(adapter_id):
             return False
         slot, copy = self._copies[adapter_id]
+        if isinstance(copy, _Pending):
+            return False
         if copy is not None:
             start, end = copy
             if not end.query():
@@ -296,7 +329,7 @@ class AdapterManager:
 
     def _row_writable(self, row: int) -> bool:
         copy_end = self._row_reads.get(row)
-        if copy_end is not None and not copy_end.query():
+        if isinstance(copy_end, _Pending) or (copy_end is not None and not copy_end.query()):
             return False
         self._row_reads.pop(row, None)
         return True
@@ -320,14 +353,11 @@ class AdapterManager:
             self.slots.load(slot, image)
             self._emit("load", "cpu", time.perf_counter() - started)
             return None
-        # The slot may have served the previous step, whose kernels can still be in flight.
-        self._copy_stream.wait_stream(torch.cuda.current_stream(self.slots.device))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._copy_stream):
             start.record(self._copy_stream)
             self.slots.load(slot, image)
             end.record(self._copy_stream)
-        self._row_reads[row] = end
         return start, end
 
     def _emit(self, event: str, tier: str, seconds: float = 0.0) -> None:

@@ -204,8 +204,12 @@ def test_stats_reflect_running_waiting_and_adapters(case):
     for future, _, _ in engine.lora._loading.values():  # both loads land before the first step
         future.result(timeout=30)
     engine.step()
+    for _ in range(3):  # on CUDA the slot copy is issued after the first step's launch: "a" joins later
+        if engine.scheduler.num_running == 2:
+            break
+        engine.step()
     stats = engine.stats()
-    assert [r.request_id for r in engine.scheduler.running] == ["a", "b"]
+    assert sorted(r.request_id for r in engine.scheduler.running) == ["a", "b"]
     assert stats.running_adapters == ("ad5",) and stats.waiting_adapters == ("ad5", "ad6")
     assert stats.num_lora_slots_in_use == 1 and 0.0 < stats.kv_cache_usage <= 1.0
     assert stats.num_adapters_loading == 0
@@ -252,7 +256,8 @@ async def _wait_for(llm: AsyncLLM, condition, timeout: float = 10.0) -> EngineSt
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])])
 def test_a_staged_copy_lands_in_its_slot_and_is_timed(case, device):
-    """On CUDA the copy runs on a side stream; is_ready turns true only once its event completed."""
+    """The copy is issued by start_copies (after the step's launch), on CUDA on a side stream; is_ready
+    turns true only once it completed."""
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(case["model_dir"]))
     slots = LoRASlots(shape, max_loras=2, max_rank=16, dtype=torch.bfloat16, device=torch.device(device))
     registry = AdapterRegistry(shape, 16)
@@ -264,6 +269,9 @@ def test_a_staged_copy_lands_in_its_slot_and_is_timed(case, device):
         manager.wait_for_loads(timeout=1.0)
         assert manager.poll() == {}
     manager.stage(["x"])
+    if device == "cuda":
+        assert not manager.is_ready("x")  # a slot is chosen; the copy waits for the step's launch
+    manager.start_copies()
     deadline = time.monotonic() + 10
     while not manager.is_ready("x"):
         assert time.monotonic() < deadline
@@ -311,10 +319,73 @@ def test_a_row_of_the_cpu_tier_is_not_reused_while_a_dropped_load_still_writes_i
         manager.wait_for_loads(timeout=0.1)
         assert manager.poll() == {}
         manager.stage(["next"])
+        manager.start_copies()
     slot = manager.acquire("next")
     expected = slots.image(registry.load("next"))
     for module in TARGET_MODULES:
         assert torch.equal(slots.lora_a[module][:, slot], expected.lora_a[module])
         assert torch.equal(slots.lora_b[module][:, slot], expected.lora_b[module])
     assert not manager.is_ready("slow") and "slow" not in manager._cpu
+    manager.shutdown()
+
+
+class _FakeEvent:
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end) -> float:
+        return 1.0
+
+
+class _FakeStream:
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+def test_a_copy_is_decided_by_stage_and_issued_by_start_copies_in_order(case, monkeypatch):
+    """The CUDA path without a GPU: `stage` only picks the slot (nothing is copied, the adapter is not
+    ready, its row may not be rewritten); `start_copies` issues the copies in the order they were staged,
+    and an adapter evicted before its copy was issued never reads as ready."""
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(case["model_dir"]))
+    slots = LoRASlots(shape, max_loras=1, max_rank=16, dtype=torch.float32, device=torch.device("cpu"))
+    registry = AdapterRegistry(shape, 16)
+    registry.register("a", case["adapters"]["ad1"])
+    registry.register("b", case["adapters"]["ad2"])
+    manager = AdapterManager(registry, slots, max_cpu_loras=2)
+    for adapter_id in ("a", "b"):
+        manager.prefetch(adapter_id)
+    while manager.num_loading:
+        manager.wait_for_loads(timeout=1.0)
+        assert manager.poll() == {}
+    issued: list[tuple[int, int, _FakeEvent]] = []
+
+    def copy_into(slot, row):
+        issued.append((slot, row, _FakeEvent()))
+        return _FakeEvent(), issued[-1][2]
+
+    monkeypatch.setattr(manager, "_copy_stream", _FakeStream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(manager, "_copy_into", copy_into)
+    row_a, row_b = manager._cpu["a"], manager._cpu["b"]
+
+    manager.stage(["a"])
+    assert issued == [] and not manager.is_ready("a") and not manager._row_writable(row_a)
+    manager.start_copies()
+    assert [(slot, row) for slot, row, _ in issued] == [(0, row_a)]
+    assert not manager.is_ready("a") and not manager._row_writable(row_a)  # the copy is still in flight
+    issued[0][2].done = True
+    assert manager.is_ready("a") and manager._row_writable(row_a)
+
+    manager.stage(["b"])  # evicts "a" (unpinned) from the only slot
+    manager.stage(["a"])  # and "a" evicts "b" before either copy was issued
+    assert not manager.is_ready("a") and not manager.is_ready("b")
+    manager.start_copies()
+    assert [(slot, row) for slot, row, _ in issued[1:]] == [(0, row_b), (0, row_a)]
+    issued[1][2].done = True  # "b" landed, but "a" was copied over it afterwards
+    assert not manager.is_ready("b") and not manager.is_ready("a")
+    issued[2][2].done = True
+    assert manager.is_ready("a") and not manager.is_ready("b")
     manager.shutdown()

@@ -21,7 +21,9 @@ loads); while a stream of other adapters loads beside it (requests for them queu
 their adapters go disk -> CPU -> GPU slot and are then dropped for the next ones), read by loader
 processes and, for comparison, by loader threads; the same with loads that only sleep (the cost of
 requests waiting on loads and of the slot copies, without any reading); the same with every adapter
-already in the CPU tier (only slot copies). The conditions take turns in rounds.
+already in the CPU tier (only slot copies). The conditions take turns in rounds; besides each condition's
+median step, the table gives its step over the control's in the same round (median and quartiles across
+rounds), which cancels the machine's drift between rounds.
 """
 
 from __future__ import annotations

@@ -191,6 +191,7 @@ class AdapterManager:
 
         An adapter already resident is protected from eviction by the ones that come after it."""
         protected: set[str] = set()
+        waited = self._copy_stream is None
         for adapter_id in dict.fromkeys(wanted):
             if self._resident(adapter_id):
                 protected.add(adapter_id)
@@ -209,10 +210,11 @@ class AdapterManager:
             for victim in before - set(self.allocator.resident):
                 self._copies.pop(victim, None)
                 self._emit("evict", "gpu")
-            if not self._to_copy and self._copy_stream is not None:
+            if not waited:
                 # The slot may have served an earlier step whose kernels are still in flight; this step's
                 # own kernels never read it (no request for it or for its old adapter is admitted).
                 self._copy_stream.wait_stream(torch.cuda.current_stream(self.slots.device))
+                waited = True
             ticket = _Pending()
             self._to_copy.append((adapter_id, slot, row, ticket))
             self._copies[adapter_id], self._row_reads[row] = (slot, ticket), ticket

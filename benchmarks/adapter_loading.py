@@ -238,6 +238,35 @@ def make_model_dir(root: Path, sizes: dict, num_layers: int, device: torch.devic
     return path
 
 
+def decode_engine(args, device, model_dir, sizes, batch_ids, cpu_ids, max_tokens, max_cpu_loras, adapter_loader,
+                  observer) -> LLMEngine:  # fmt: skip
+    """An engine running `args.batch` greedy requests over `batch_ids` (each past its prefill, `max_tokens`
+    long), with the adapters of `cpu_ids` waiting in its CPU tier."""
+    prompt_len = args.prompt_len
+    config = EngineConfig(
+        model=str(model_dir), max_num_seqs=args.batch, max_num_batched_tokens=max(2048, prompt_len * 4),
+        max_model_len=prompt_len + max_tokens + 16, block_size=16,
+        num_kv_blocks=(args.batch + 8) * -(-(prompt_len + max_tokens) // 16), enable_prefix_caching=False,
+        max_loras=args.max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=RANK,
+        dtype="bfloat16" if device.type == "cuda" else "float32", device=str(device), adapter_loader=adapter_loader,
+    )  # fmt: skip
+    engine = LLMEngine(config, skip_tokenizer_init=True, adapter_observer=observer)
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(args.batch):
+        prompt = torch.randint(3, sizes["vocab_size"], (prompt_len,), generator=gen).tolist()
+        engine.add_request(f"run{i}", prompt, params, batch_ids[i % len(batch_ids)])
+    while not (engine.scheduler.num_running == args.batch
+               and all(r.num_output_tokens > 0 for r in engine.scheduler.running)):  # fmt: skip
+        engine.step()
+    for adapter_id in cpu_ids:
+        engine.lora.prefetch(engine.lora.resolve(adapter_id))
+    while engine.lora.num_loading:
+        engine.lora.wait_for_loads(timeout=1.0)
+        assert not engine.lora.poll(), "an adapter failed to load"
+    return engine
+
+
 class Background:
     """Requests for other adapters that queue behind the full batch, only so that their adapters load.
 
@@ -322,31 +351,12 @@ def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
     }  # fmt: skip
     block, settle = args.block_steps, args.settle_steps
     total_steps = args.rounds * len(conditions) * (block + settle)
-    prompt_len, max_tokens = args.prompt_len, total_steps + args.warmup + 16
+    max_tokens = total_steps + args.warmup + 16
     events = Counter()
-    config = EngineConfig(
-        model=str(model_dir), max_num_seqs=args.batch, max_num_batched_tokens=max(2048, prompt_len * 4),
-        max_model_len=prompt_len + max_tokens + 16, block_size=16,
-        num_kv_blocks=(args.batch + 8) * -(-(prompt_len + max_tokens) // 16), enable_prefix_caching=False,
-        max_loras=args.max_loras, max_cpu_loras=len(batch_ids) + len(cpu_ids) + args.concurrent_loads + 2,
-        max_lora_rank=RANK, dtype="bfloat16" if device.type == "cuda" else "float32", device=str(device),
-        adapter_loader="process",
-    )  # fmt: skip
-    engine = LLMEngine(config, skip_tokenizer_init=True, adapter_observer=lambda e, t, s: events.update([(e, t)]))
+    engine = decode_engine(args, device, model_dir, sizes, batch_ids, cpu_ids, max_tokens,
+                           max_cpu_loras=len(batch_ids) + len(cpu_ids) + args.concurrent_loads + 2,
+                           adapter_loader="process", observer=lambda e, t, s: events.update([(e, t)]))  # fmt: skip
     threads = ThreadImageReader(engine.lora.tier)  # the engine's own rows, read on its worker threads
-    gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i in range(args.batch):
-        prompt = torch.randint(3, sizes["vocab_size"], (prompt_len,), generator=gen).tolist()
-        engine.add_request(f"run{i}", prompt, params, batch_ids[i % len(batch_ids)])
-    while not (engine.scheduler.num_running == args.batch
-               and all(r.num_output_tokens > 0 for r in engine.scheduler.running)):  # fmt: skip
-        engine.step()
-    for adapter_id in cpu_ids:  # the copy-only condition's adapters wait in the CPU tier
-        engine.lora.prefetch(engine.lora.resolve(adapter_id))
-    while engine.lora.num_loading:
-        engine.lora.wait_for_loads(timeout=1.0)
-        assert not engine.lora.poll(), "an adapter failed to load"
     for _ in range(args.warmup):
         engine.step()
 

@@ -38,16 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapter_loading import (  # noqa: E402
     LLAMA_1B,
-    RANK,
     SMOKE_MODEL,
     Background,
+    decode_engine,
     make_model_dir,
     ms,
     paired_ratios,
     write_peft_folder,
 )  # fmt: skip
 
-from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.lora.model_shape import ModelShape  # noqa: E402
 
 VARIANTS = ("control", "as built", "issued before the launch", "no copy", "no CUDA calls")
@@ -114,14 +113,9 @@ def run(args, device: torch.device, root: Path) -> list[tuple]:
     rounds_steps = args.rounds * len(VARIANTS) * (args.block_steps + args.settle_steps)
     max_tokens = rounds_steps + 64 + (60 if args.trace_dir else 0)
     events = Counter()
-    config = EngineConfig(
-        model=str(model_dir), max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.prompt_len * 4),
-        max_model_len=args.prompt_len + max_tokens + 16, block_size=16,
-        num_kv_blocks=(args.batch + 8) * -(-(args.prompt_len + max_tokens) // 16), enable_prefix_caching=False,
-        max_loras=args.max_loras, max_cpu_loras=len(batch_ids) + len(copy_ids) + 2, max_lora_rank=RANK,
-        dtype="bfloat16" if device.type == "cuda" else "float32", device=str(device), adapter_loader="thread",
-    )  # fmt: skip
-    engine = LLMEngine(config, skip_tokenizer_init=True, adapter_observer=lambda e, t, s: events.update([(e, t)]))
+    engine = decode_engine(args, device, model_dir, sizes, batch_ids, copy_ids, max_tokens,
+                           max_cpu_loras=len(batch_ids) + len(copy_ids) + 2, adapter_loader="thread",
+                           observer=lambda e, t, s: events.update([(e, t)]))  # fmt: skip
     lora = engine.lora
     own_stage, own_start, own_load = lora.stage, lora.start_copies, lora.slots.load
     own_stream, own_copy_into = lora._copy_stream, lora._copy_into
@@ -143,19 +137,6 @@ def run(args, device: torch.device, root: Path) -> list[tuple]:
     sampler = engine.sampler
     engine.sampler = _timed(sampler, phases["sample"])
     engine.sampler.free = sampler.free
-    gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i in range(args.batch):
-        prompt = torch.randint(3, sizes["vocab_size"], (args.prompt_len,), generator=gen).tolist()
-        engine.add_request(f"run{i}", prompt, params, batch_ids[i % len(batch_ids)])
-    while not (engine.scheduler.num_running == args.batch
-               and all(r.num_output_tokens > 0 for r in engine.scheduler.running)):  # fmt: skip
-        engine.step()
-    for adapter_id in copy_ids:  # every copied adapter waits in the CPU tier
-        lora.prefetch(lora.resolve(adapter_id))
-    while lora.num_loading:
-        lora.wait_for_loads(timeout=1.0)
-        assert not lora.poll(), "an adapter failed to load"
     for _ in range(10):
         engine.step()
 

@@ -238,6 +238,20 @@ def make_model_dir(root: Path, sizes: dict, num_layers: int, device: torch.devic
     return path
 
 
+def decode_model(args, device: torch.device, root: Path) -> tuple[dict, Path, ModelShape]:
+    """The decode benchmark's model (sizes, saved folder, shape): Llama-3.2-1B-shaped, or tiny with --smoke."""
+    from transformers import AutoConfig
+
+    sizes = SMOKE_MODEL if args.smoke else LLAMA_1B
+    model_dir = make_model_dir(root, sizes, args.decode_layers, device)
+    return sizes, model_dir, ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+
+
+def adapter_folders(root: Path, shape: ModelShape, name: str, seed: int, count: int) -> list[str]:
+    """`count` fresh PEFT folders for `shape`; their absolute paths are the adapter ids."""
+    return [str(write_peft_folder(root / f"{name}-{i}", shape, seed=seed + i).resolve()) for i in range(count)]
+
+
 def decode_engine(args, device, model_dir, sizes, batch_ids, cpu_ids, max_tokens, max_cpu_loras, adapter_loader,
                   observer) -> LLMEngine:  # fmt: skip
     """An engine running `args.batch` greedy requests over `batch_ids` (each past its prefill, `max_tokens`
@@ -323,17 +337,10 @@ class SleepingReader:
 
 def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
     """Rows of (condition, step seconds, adapters copied into slots, loads per step)."""
-    sizes = SMOKE_MODEL if args.smoke else LLAMA_1B
-    model_dir = make_model_dir(root, sizes, args.decode_layers, device)
-    from transformers import AutoConfig
-
-    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
-    batch_ids = [str(write_peft_folder(root / f"batch-{i}", shape, seed=100 + i).resolve())
-                 for i in range(args.batch_adapters)]  # fmt: skip
-    disk_ids = [str(write_peft_folder(root / f"disk-{i}", shape, seed=200 + i).resolve())
-                for i in range(args.background_adapters)]  # fmt: skip
-    cpu_ids = [str(write_peft_folder(root / f"cpu-{i}", shape, seed=300 + i).resolve())
-               for i in range(args.background_adapters)]  # fmt: skip
+    sizes, model_dir, shape = decode_model(args, device, root)
+    batch_ids = adapter_folders(root, shape, "batch", 100, args.batch_adapters)
+    disk_ids = adapter_folders(root, shape, "disk", 200, args.background_adapters)
+    cpu_ids = adapter_folders(root, shape, "cpu", 300, args.background_adapters)
     in_flight, every = args.concurrent_loads, args.load_every
     conditions = {
         "no loads": None,

@@ -36,18 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapter_loading import (  # noqa: E402
-    LLAMA_1B,
-    SMOKE_MODEL,
-    Background,
-    decode_engine,
-    make_model_dir,
-    ms,
-    paired_ratios,
-    write_peft_folder,
-)  # fmt: skip
-
-from engine.lora.model_shape import ModelShape  # noqa: E402
+from adapter_loading import Background, adapter_folders, decode_engine, decode_model, ms, paired_ratios  # noqa: E402
 
 VARIANTS = ("control", "as built", "issued before the launch", "no copy", "no CUDA calls")
 # Parts of LLMEngine.step timed on the engine thread (manager: poll, stage and is_ready).
@@ -101,15 +90,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args, device: torch.device, root: Path) -> list[tuple]:
-    sizes = SMOKE_MODEL if args.smoke else LLAMA_1B
-    model_dir = make_model_dir(root, sizes, args.decode_layers, device)
-    from transformers import AutoConfig
-
-    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
-    batch_ids = [str(write_peft_folder(root / f"batch-{i}", shape, seed=100 + i).resolve())
-                 for i in range(args.batch_adapters)]  # fmt: skip
-    copy_ids = [str(write_peft_folder(root / f"cpu-{i}", shape, seed=300 + i).resolve())
-                for i in range(args.copy_adapters)]  # fmt: skip
+    sizes, model_dir, shape = decode_model(args, device, root)
+    batch_ids = adapter_folders(root, shape, "batch", 100, args.batch_adapters)
+    copy_ids = adapter_folders(root, shape, "cpu", 300, args.copy_adapters)
     rounds_steps = args.rounds * len(VARIANTS) * (args.block_steps + args.settle_steps)
     max_tokens = rounds_steps + 64 + (60 if args.trace_dir else 0)
     events = Counter()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -89,7 +91,7 @@ def test_a_dead_loader_process_fails_one_read_and_is_replaced(case):
     reader = ProcessImageReader(shared_tier(case), num_processes=1)
     try:
         reader.read(case["adapter"], 0)  # the process is up
-        for process in list(reader._pool._processes.values()):
+        for process in reader.processes:
             process.kill()
             process.join()
         with pytest.raises(AdapterError, match="loader process died") as err:
@@ -99,6 +101,33 @@ def test_a_dead_loader_process_fails_one_read_and_is_replaced(case):
         assert reader.tier.image(2).ranks["q_proj"].tolist() == [8] * case["layout"].shape.num_layers
     finally:
         reader.close()
+
+
+def test_concurrent_reads_share_the_processes_without_helper_threads(case):
+    """Four threads read at once through two processes: every row gets its adapter, and the serving
+    process gains no threads of the reader's (each wake-up of one takes the GIL from the engine)."""
+    threads_before = threading.active_count()
+    reader = ProcessImageReader(shared_tier(case, capacity=4), num_processes=2)
+    try:
+        reader.tier.weights.fill_(float("nan"))
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda row: reader.read(case["adapter"], row), range(4)))
+            assert threading.active_count() == threads_before + 4  # the pool's own, nothing more
+        assert not reader.tier.weights.isnan().any()
+        assert all(torch.equal(reader.tier.weights[row], reader.tier.weights[0]) for row in range(1, 4))
+    finally:
+        reader.close()
+
+
+def test_a_closed_reader_refuses_reads_and_its_processes_exit(case):
+    reader = ProcessImageReader(shared_tier(case), num_processes=1)
+    reader.read(case["adapter"], 0)
+    reader.close()
+    with pytest.raises(AdapterError, match="shut down"):
+        reader.read(case["adapter"], 1)
+    for process in reader.processes:
+        process.join(timeout=30)
+        assert process.exitcode == 0
 
 
 def test_the_config_picks_the_reader():

@@ -15,7 +15,9 @@ adapter manager does it:
 - S3 on loopback: an in-process moto server (only where boto3 and moto import), through the store and a
   cold disk cache: manifest read, download, sha256, then the disk step.
 Decode under loading: LLMEngine on a random Llama-3.2-1B-shaped model (fewer layers, bf16) decoding a
-batch of running requests over a few adapters; step wall times with no loads; with the same request
+batch of running requests over a few adapters, which come (as in the server's default) from a local
+adapter store through a warm disk cache, or with `--source folders` straight from PEFT folders; step
+wall times with no loads; with the same request
 traffic as below but for adapters already resident (the control: requests arrive and are aborted, nothing
 loads); while a stream of other adapters loads beside it (requests for them queue behind a full batch, so
 their adapters go disk -> CPU -> GPU slot and are then dropped for the next ones), read by loader
@@ -23,7 +25,7 @@ processes and, for comparison, by loader threads; the same with loads that only 
 requests waiting on loads and of the slot copies, without any reading); the same with every adapter
 already in the CPU tier (only slot copies). The conditions take turns in rounds; besides each condition's
 median step, the table gives its step over the control's in the same round (median and quartiles across
-rounds), which cancels the machine's drift between rounds.
+rounds, and a bootstrap 95% interval of that median), which cancels the machine's drift between rounds.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import itertools
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -113,15 +116,28 @@ def ms(samples: list[float], quantile: float | None = None) -> float:
     return 1000.0 * ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
 
 
+def round_ratios(times: list[float], control: list[float], block: int) -> list[float]:
+    """Per round, a block's median step over the control block's median in the same round (drift
+    between rounds cancels out of each ratio)."""
+    return [statistics.median(times[i : i + block]) / statistics.median(control[i : i + block])
+            for i in range(0, len(times), block)]  # fmt: skip
+
+
 def paired_ratios(times: list[float], control: list[float], block: int) -> tuple[float, float, float]:
-    """Per round, a block's median step over the control block's median in the same round: the median
-    and quartiles of those ratios across rounds (drift between rounds cancels out of each ratio)."""
-    ratios = [statistics.median(times[i : i + block]) / statistics.median(control[i : i + block])
-              for i in range(0, len(times), block)]  # fmt: skip
+    """The median and quartiles across rounds of `round_ratios`."""
+    ratios = round_ratios(times, control, block)
     if len(ratios) < 2:
         return ratios[0], ratios[0], ratios[0]
     q1, q2, q3 = statistics.quantiles(ratios, n=4)
     return q2, q1, q3
+
+
+def median_ci(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95% percentile-bootstrap interval of the median: a ratio whose interval holds 1.0 is a cost
+    these rounds cannot tell from none."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 # -- load latency per tier ------------------------------------------------------------------------
@@ -252,10 +268,31 @@ def adapter_folders(root: Path, shape: ModelShape, name: str, seed: int, count: 
     return [str(write_peft_folder(root / f"{name}-{i}", shape, seed=seed + i).resolve()) for i in range(count)]
 
 
+def store_adapters(root: Path, shape: ModelShape, folders: dict[str, list[str]]):
+    """The folders uploaded to a local adapter store with a disk cache in front, as the server runs by
+    default: ({kind: adapter ids `bench/name@1`}, a factory of the engine's StoreAdapterSource). The disk
+    cache is filled first, so a load reads the cached folder as the server does once it has seen one."""
+    from adapters_store import AdapterFiles, DiskCache, StoreConfig, open_store
+    from adapters_store.engine_source import StoreAdapterSource, format_adapter_id
+
+    store = open_store(StoreConfig(url=f"file://{root / 'store'}", max_lora_rank=RANK), shape)
+    cache = DiskCache(store, root / "disk-cache", 1 << 40)
+    ids = {}
+    for kind, paths in folders.items():
+        ids[kind] = []
+        for path in map(Path, paths):
+            files = AdapterFiles(config=path / "adapter_config.json", weights=path / "adapter_model.safetensors")
+            record = store.put("bench", path.name, files)
+            cache.fetch_record("bench", record)
+            ids[kind].append(format_adapter_id("bench", record.name, record.version))
+    return ids, lambda shape, rank: StoreAdapterSource(store, cache, shape, rank)
+
+
 def decode_engine(args, device, model_dir, sizes, batch_ids, cpu_ids, max_tokens, max_cpu_loras, adapter_loader,
-                  observer) -> LLMEngine:  # fmt: skip
+                  observer, adapter_source_factory=None) -> LLMEngine:  # fmt: skip
     """An engine running `args.batch` greedy requests over `batch_ids` (each past its prefill, `max_tokens`
-    long), with the adapters of `cpu_ids` waiting in its CPU tier."""
+    long), with the adapters of `cpu_ids` waiting in its CPU tier; adapters from local folders, or from
+    `adapter_source_factory`."""
     prompt_len = args.prompt_len
     config = EngineConfig(
         model=str(model_dir), max_num_seqs=args.batch, max_num_batched_tokens=max(2048, prompt_len * 4),
@@ -264,7 +301,8 @@ def decode_engine(args, device, model_dir, sizes, batch_ids, cpu_ids, max_tokens
         max_loras=args.max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=RANK,
         dtype="bfloat16" if device.type == "cuda" else "float32", device=str(device), adapter_loader=adapter_loader,
     )  # fmt: skip
-    engine = LLMEngine(config, skip_tokenizer_init=True, adapter_observer=observer)
+    engine = LLMEngine(config, skip_tokenizer_init=True, adapter_observer=observer,
+                       adapter_source_factory=adapter_source_factory)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(args.batch):
@@ -338,9 +376,11 @@ class SleepingReader:
 def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
     """Rows of (condition, step seconds, adapters copied into slots, loads per step)."""
     sizes, model_dir, shape = decode_model(args, device, root)
-    batch_ids = adapter_folders(root, shape, "batch", 100, args.batch_adapters)
-    disk_ids = adapter_folders(root, shape, "disk", 200, args.background_adapters)
-    cpu_ids = adapter_folders(root, shape, "cpu", 300, args.background_adapters)
+    folders = dict(batch=adapter_folders(root, shape, "batch", 100, args.batch_adapters),
+                   disk=adapter_folders(root, shape, "disk", 200, args.background_adapters),
+                   cpu=adapter_folders(root, shape, "cpu", 300, args.background_adapters))  # fmt: skip
+    ids, source_factory = store_adapters(root, shape, folders) if args.source == "store" else (folders, None)
+    batch_ids, disk_ids, cpu_ids = ids["batch"], ids["disk"], ids["cpu"]
     in_flight, every = args.concurrent_loads, args.load_every
     conditions = {
         "no loads": None,
@@ -356,13 +396,17 @@ def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
         f"disk loads beside, one every {every} steps, loader threads": lambda: Background(engine, disk_ids, 1, every,
                                                                                           cold=True, reader=threads),
     }  # fmt: skip
+    if args.only:  # the first two stay: the paired ratios need the control
+        conditions = {label: start for i, (label, start) in enumerate(conditions.items())
+                      if i < 2 or any(part in label for part in args.only)}  # fmt: skip
     block, settle = args.block_steps, args.settle_steps
     total_steps = args.rounds * len(conditions) * (block + settle)
     max_tokens = total_steps + args.warmup + 16
     events = Counter()
     engine = decode_engine(args, device, model_dir, sizes, batch_ids, cpu_ids, max_tokens,
                            max_cpu_loras=len(batch_ids) + len(cpu_ids) + args.concurrent_loads + 2,
-                           adapter_loader="process", observer=lambda e, t, s: events.update([(e, t)]))  # fmt: skip
+                           adapter_loader="process", observer=lambda e, t, s: events.update([(e, t)]),
+                           adapter_source_factory=source_factory)  # fmt: skip
     threads = ThreadImageReader(engine.lora.tier)  # the engine's own rows, read on its worker threads
     for _ in range(args.warmup):
         engine.step()
@@ -411,6 +455,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle-steps", type=int, default=10, help="uncounted steps starting each block")
     parser.add_argument("--load-every", type=int, default=20, help="steps between loads, realistic condition")
     parser.add_argument("--decode-only", action="store_true", help="skip the per-tier load latencies")
+    parser.add_argument("--source", choices=("store", "folders"), default="store",
+                        help="decode: adapters from a local store through the disk cache (the server's default), "
+                             "or straight from PEFT folders")
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
+                        help="decode: run only the conditions whose name contains TEXT (repeatable), besides "
+                             "the no-loads and control conditions")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval for the run (seconds; Python's default is 0.005)")
     args = parser.parse_args(argv)
@@ -448,16 +498,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{'tiny' if args.smoke else 'Llama-3.2-1B'}-shaped model with {args.decode_layers} layers, "
           f"prompts of {args.prompt_len}; max_loras {args.max_loras}; {args.rounds} rounds of one block per "
           f"condition ({args.block_steps} steps counted after {args.settle_steps}); stress: "
-          f"a new adapter requested every step, up to {args.concurrent_loads} loads in flight\n")  # fmt: skip
+          f"a new adapter requested every step, up to {args.concurrent_loads} loads in flight; adapters "
+          f"{'from a local store through the disk cache' if args.source == 'store' else 'from PEFT folders'}\n")  # fmt: skip
     quiet = statistics.median(decode[0][1])
     traffic_times = decode[1][1]
     print("| condition | steps | median step ms | p99 step ms | vs no loads | vs control, by round: median [IQR] "
-          "| loads per step |\n|---|---|---|---|---|---|---|")  # fmt: skip
+          "| 95% CI of that median | loads per step |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for label, times, _, per_step in decode:
         ratio = statistics.median(times) / quiet
         mid, q1, q3 = paired_ratios(times, traffic_times, args.block_steps)
+        low, high = median_ci(round_ratios(times, traffic_times, args.block_steps))
         print(f"| {label} | {len(times)} | **{ms(times):.2f}** | {ms(times, 0.99):.2f} | {ratio:.3f} | "
-              f"**{mid:.3f}** [{q1:.3f}, {q3:.3f}] | {per_step:.2f} |")  # fmt: skip
+              f"**{mid:.3f}** [{q1:.3f}, {q3:.3f}] | {low:.3f}-{high:.3f} | {per_step:.2f} |")  # fmt: skip
     traffic = statistics.median(decode[1][1])
     for label, times, _, per_step in decode[2:]:
         if per_step:

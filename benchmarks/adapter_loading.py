@@ -244,7 +244,7 @@ def bench_s3(shape: ModelShape, folder: Path, repeats: int, warmup: int, root: P
 def make_model_dir(root: Path, sizes: dict, num_layers: int, device: torch.device) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(**sizes, num_hidden_layers=num_layers, max_position_embeddings=16384)
+    config = LlamaConfig(**sizes, num_hidden_layers=num_layers, max_position_embeddings=131072)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

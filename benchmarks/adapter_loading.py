@@ -23,7 +23,8 @@ loads); while a stream of other adapters loads beside it (requests for them queu
 their adapters go disk -> CPU -> GPU slot and are then dropped for the next ones), read by loader
 processes and, for comparison, by loader threads; the same with loads that only sleep (the cost of
 requests waiting on loads and of the slot copies, without any reading); the same with every adapter
-already in the CPU tier (only slot copies). The conditions take turns in rounds; besides each condition's
+already in the CPU tier (only slot copies). The conditions take turns in rounds, in a shuffled order
+(the running requests' contexts grow every step); besides each condition's
 median step, the table gives its step over the control's in the same round (median and quartiles across
 rounds, and a bootstrap 95% interval of that median), which cancels the machine's drift between rounds.
 """
@@ -413,11 +414,15 @@ def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
 
     times: dict[str, list[float]] = {label: [] for label in conditions}
     copies: Counter[str] = Counter()
-    # Rounds of short blocks, one per condition in turn, so that drift in the machine's speed over the
-    # run hits every condition alike; the first `settle` steps of a block (loads still finishing from
-    # the block before) are not counted.
+    # Rounds of short blocks, one per condition, so that drift in the machine's speed over the run hits
+    # every condition alike; the first `settle` steps of a block (loads still finishing from the block
+    # before) are not counted. The order within a round is shuffled: the running requests grow a token
+    # per step, so their attention slows every step a little, and a fixed order would bill the blocks
+    # that come later in each round for it.
+    order, shuffle = list(conditions.items()), random.Random(0).shuffle
     for _ in range(args.rounds):
-        for label, start in conditions.items():
+        shuffle(order)
+        for label, start in order:
             background = start() if start is not None else None
             for i in range(settle + block):
                 if background is not None:

@@ -24,6 +24,7 @@ sampling (which waits for the GPU).
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import tempfile
@@ -128,8 +129,10 @@ def run(args, device: torch.device, root: Path) -> list[tuple]:
     phase_ms = {label: {name: [] for name in PHASES} for label in VARIANTS}
     gpu_ms = {label: [] for label in VARIANTS}
     copies: Counter[str] = Counter()
+    order, rng = list(VARIANTS), random.Random(0)  # shuffled per round: later blocks run longer contexts
     for _ in range(args.rounds):
-        for label in VARIANTS:
+        rng.shuffle(order)
+        for label in order:
             condition[0] = label
             lora.slots.load = (lambda slot, image: None) if label == "no copy" else own_load
             lora._copy_stream, lora._copy_into = (

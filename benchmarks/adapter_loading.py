@@ -517,8 +517,8 @@ def main(argv: list[str] | None = None) -> int:
               f"**{mid:.3f}** [{q1:.3f}, {q3:.3f}] | {low:.3f}-{high:.3f} | {per_step:.2f} |")  # fmt: skip
     traffic = statistics.median(decode[1][1])
     for label, times, _, per_step in decode[2:]:
-        if per_step:
-            extra = (statistics.median(times) - traffic) / per_step * 1e3
+        if per_step:  # from the paired ratio: the medians of whole runs differ by the contexts' growth too
+            extra = (paired_ratios(times, traffic_times, args.block_steps)[0] - 1.0) * traffic / per_step * 1e3
             print(f"- {label}: {extra:.3f} ms of step time per load, beyond the same request traffic")
     return 0
 

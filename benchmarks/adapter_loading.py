@@ -304,6 +304,14 @@ def decode_engine(args, device, model_dir, sizes, batch_ids, cpu_ids, max_tokens
     )  # fmt: skip
     engine = LLMEngine(config, skip_tokenizer_init=True, adapter_observer=observer,
                        adapter_source_factory=adapter_source_factory)  # fmt: skip
+    # Every adapter reaches the CPU tier first, so that all requests start together: a request whose
+    # adapter arrived early would otherwise run ahead (by hundreds of tokens while the loader processes
+    # start) and reach max_tokens before the run ends.
+    for adapter_id in [*batch_ids, *cpu_ids]:
+        engine.lora.prefetch(engine.lora.resolve(adapter_id))
+    while engine.lora.num_loading:
+        engine.lora.wait_for_loads(timeout=1.0)
+        assert not engine.lora.poll(), "an adapter failed to load"
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(args.batch):
@@ -312,11 +320,8 @@ def decode_engine(args, device, model_dir, sizes, batch_ids, cpu_ids, max_tokens
     while not (engine.scheduler.num_running == args.batch
                and all(r.num_output_tokens > 0 for r in engine.scheduler.running)):  # fmt: skip
         engine.step()
-    for adapter_id in cpu_ids:
-        engine.lora.prefetch(engine.lora.resolve(adapter_id))
-    while engine.lora.num_loading:
-        engine.lora.wait_for_loads(timeout=1.0)
-        assert not engine.lora.poll(), "an adapter failed to load"
+    lengths = [r.num_output_tokens for r in engine.scheduler.running]
+    assert max(lengths) - min(lengths) < 8, f"the batch started unevenly: {min(lengths)}-{max(lengths)} tokens"
     return engine
 
 

@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -493,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                           Path(tmp))
         decode = bench_decode(args, device, Path(tmp))
     print(f"\n- **Device**: {name}; torch {torch.__version__}, python {platform.python_version()}")
-    print(f"- **Command**: `python3 {' '.join(['benchmarks/adapter_loading.py', *(argv or sys.argv[1:])])}`")
+    print(f"- **Command**: `python3 {shlex.join(['benchmarks/adapter_loading.py', *(argv or sys.argv[1:])])}`")
     print(f"- **Adapter**: rank {RANK}, all seven projections, {size_mb:.1f} MB bf16 safetensors, "
           f"shape {'tiny (smoke)' if args.smoke else 'Llama-3.1-8B'}; median of {args.repeats} after {args.warmup} "
           "warm-up\n")  # fmt: skip

@@ -16,17 +16,17 @@ adapter manager does it:
   cold disk cache: manifest read, download, sha256, then the disk step.
 Decode under loading: LLMEngine on a random Llama-3.2-1B-shaped model (fewer layers, bf16) decoding a
 batch of running requests over a few adapters, which come (as in the server's default) from a local
-adapter store through a warm disk cache, or with `--source folders` straight from PEFT folders; step
-wall times with no loads; with the same request
-traffic as below but for adapters already resident (the control: requests arrive and are aborted, nothing
-loads); while a stream of other adapters loads beside it (requests for them queue behind a full batch, so
-their adapters go disk -> CPU -> GPU slot and are then dropped for the next ones), read by loader
-processes and, for comparison, by loader threads; the same with loads that only sleep (the cost of
-requests waiting on loads and of the slot copies, without any reading); the same with every adapter
-already in the CPU tier (only slot copies). The conditions take turns in rounds, in a shuffled order
-(the running requests' contexts grow every step); besides each condition's
-median step, the table gives its step over the control's in the same round (median and quartiles across
-rounds, and a bootstrap 95% interval of that median), which cancels the machine's drift between rounds.
+adapter store through a warm disk cache, or with `--source folders` straight from PEFT folders; step wall
+times with no loads; with the same request traffic as below but for adapters already resident (the
+control: requests arrive and are aborted, nothing loads); while a stream of other adapters loads beside
+it (requests for them queue behind a full batch, so their adapters go disk -> CPU -> GPU slot and are
+then dropped for the next ones), read by loader processes and, for comparison, by loader threads; the
+same with loads that only sleep (the cost of requests waiting on loads and of the slot copies, without
+any reading); the same with every adapter already in the CPU tier (only slot copies). The conditions take
+turns in rounds, in a shuffled order (the running requests' contexts grow every step); besides each
+condition's median step, the table gives its step over the control's in the same round (median and
+quartiles across rounds, and a bootstrap 95% interval of that median), which cancels the machine's drift
+between rounds.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ A read is mostly Python and small torch calls (the safetensors header, name and 
 per tensor into the image). On a thread of the serving process each of them competes with the engine
 thread for the GIL, which slows the running batch (docs/BENCHMARKS.md, adapter loading).
 `ProcessImageReader` does the whole read in spawned processes that write straight into the CPU tier's
-shared rows; the calling thread only sends the job down a pipe and waits for the answer. `ThreadImageReader` reads in the calling thread:
-no processes to start, for the CPU device and for tests.
+shared rows; the calling thread only sends the job down a pipe and waits for the answer.
+`ThreadImageReader` reads in the calling thread: no processes to start, for the CPU device and for tests.
 """
 
 from __future__ import annotations

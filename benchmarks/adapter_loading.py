@@ -449,21 +449,26 @@ def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
     return [(label, times[label], copies[label], copies[label] / len(times[label])) for label in conditions]
 
 
+def add_decode_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
+    """The options `decode_model`, `decode_engine` and the rounds of blocks read."""
+    parser.add_argument("--batch", type=int, default=48, help="running requests in the measured decode batch")
+    parser.add_argument("--batch-adapters", type=int, default=8, help="distinct adapters of the running batch")
+    parser.add_argument("--max-loras", type=int, default=16)
+    parser.add_argument("--decode-layers", type=int, default=4, help="layers of the 1B-shaped decode model")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=rounds, help="rounds of one block per decode condition")
+    parser.add_argument("--block-steps", type=int, default=40, help="decode steps measured per block")
+    parser.add_argument("--settle-steps", type=int, default=10, help="uncounted steps starting each block")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script runs")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=48, help="running requests in the measured decode batch")
-    parser.add_argument("--batch-adapters", type=int, default=8, help="distinct adapters of the running batch")
+    add_decode_arguments(parser, rounds=10)
     parser.add_argument("--background-adapters", type=int, default=32, help="adapters cycled through loading")
     parser.add_argument("--concurrent-loads", type=int, default=4, help="background adapters in flight at once")
-    parser.add_argument("--max-loras", type=int, default=16)
-    parser.add_argument("--decode-layers", type=int, default=4, help="layers of the 1B-shaped decode model")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=10, help="rounds of one block per decode condition")
-    parser.add_argument("--block-steps", type=int, default=40, help="decode steps measured per block")
-    parser.add_argument("--settle-steps", type=int, default=10, help="uncounted steps starting each block")
     parser.add_argument("--load-every", type=int, default=20, help="steps between loads, realistic condition")
     parser.add_argument("--decode-only", action="store_true", help="skip the per-tier load latencies")
     parser.add_argument("--source", choices=("store", "folders"), default="store",

@@ -37,7 +37,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapter_loading import Background, adapter_folders, decode_engine, decode_model, ms, paired_ratios  # noqa: E402
+from adapter_loading import (  # noqa: E402
+    Background,
+    adapter_folders,
+    add_decode_arguments,
+    decode_engine,
+    decode_model,
+    ms,
+    paired_ratios,
+)
 
 VARIANTS = ("control", "as built", "issued before the launch", "no copy", "no CUDA calls")
 # Parts of LLMEngine.step timed on the engine thread (manager: poll, stage and is_ready).
@@ -47,16 +55,9 @@ PHASES = ("manager", "schedule", "execute", "start_copies", "sample")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script runs")
-    parser.add_argument("--batch", type=int, default=48)
-    parser.add_argument("--batch-adapters", type=int, default=8)
+    add_decode_arguments(parser, rounds=8)
     parser.add_argument("--copy-adapters", type=int, default=24, help="adapters cycled through the slots")
     parser.add_argument("--concurrent", type=int, default=4, help="queued requests for them at once")
-    parser.add_argument("--max-loras", type=int, default=16)
-    parser.add_argument("--decode-layers", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--block-steps", type=int, default=40)
-    parser.add_argument("--settle-steps", type=int, default=10)
     parser.add_argument("--trace-dir", type=Path, default=None, help="write profiler traces here (CUDA only)")
     args = parser.parse_args(argv)
     if args.smoke:

@@ -4,23 +4,31 @@ Keyed by (tenant, name, version, sha256): versions are never reused and the chec
 bytes, so an entry can never serve stale content, and a hit needs no call to the store when the
 caller already holds the record. Folders land as `{dir}/{tenant}/{name}/{version}-{sha256}/`, each
 downloaded (and checksum-verified) under a temporary name and renamed into place, so a folder with
-its final name is always complete; a restart re-indexes them, oldest use first (mtime, touched on
-every hit).
+its final name is always complete.
 
-Eviction happens when a new entry is inserted, least recently used first, skipping entries pinned
-by `checkout()`; while pins hold, the cache may exceed its budget. A lock per key makes concurrent
-fetches of one adapter download it once. One process per cache directory.
+Any number of processes may share one directory (the engine's loader processes, the server that
+discards deleted versions, replicas on one host): the directory itself is the index, and file locks
+(`flock`, which also separates threads, each holding its own descriptor) coordinate them:
+- a checkout holds a shared lock on its folder, and eviction takes an entry only if it gets the
+  exclusive lock at once, so a folder in use is never removed;
+- recency is the folder's mtime, set on every hit, so the LRU order is the same for every process
+  and survives a restart;
+- inserting, evicting and discarding happen under an exclusive lock on the cache directory, and one
+  download per adapter name at a time under a lock on its `{tenant}/{name}` folder, so concurrent
+  fetches of one adapter download it once.
+Eviction happens when a new entry is inserted (and at start, for a smaller budget), least recently used
+first, skipping pinned entries; while pins hold, the cache may exceed its budget.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
 import shutil
-import threading
+import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -33,7 +41,6 @@ from adapters_store.names import is_valid_name
 from adapters_store.record import AdapterRecord
 
 log = logging.getLogger(__name__)
-CacheKey = tuple[str, str, int, str]  # (tenant, name, version, sha256)
 _FOLDER = re.compile(r"(?P<version>[1-9][0-9]*)-(?P<sha256>[0-9a-f]{64})")
 _TEMP_PREFIXES = (".tmp-", ".trash-")
 
@@ -45,11 +52,11 @@ class CachedAdapter:
     hit: bool  # served from disk without a download
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Entry:
     path: Path
     size_bytes: int
-    pins: int = 0  # checkouts in progress; a pinned entry is never evicted
+    used_at: int  # mtime in ns: the last download or hit
 
 
 class DiskCache:
@@ -68,18 +75,18 @@ class DiskCache:
         self.directory = Path(directory).absolute()
         self.max_bytes = max_bytes
         self.metrics = metrics or store.metrics
-        self._lock = threading.Lock()  # guards everything below
-        self._entries: OrderedDict[CacheKey, _Entry] = OrderedDict()  # least recently used first
-        self._key_locks: dict[CacheKey, threading.Lock] = {}  # one per key ever fetched: tiny, never pruned
-        self._total_bytes = 0
-        self._load_index()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with self._locked(self.directory):
+            self._remove_leftovers()
+            victims = self._evict_over_budget()
+        self._delete(victims)
 
     @property
     def total_bytes(self) -> int:
-        return self._total_bytes
+        return sum(entry.size_bytes for entry in self._scan())
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._scan())
 
     def fetch(self, tenant: str, name: str, version: int | None = None) -> CachedAdapter:
         """Resolve with the store (one manifest read), then serve from disk or download."""
@@ -93,123 +100,171 @@ class DiskCache:
     @contextmanager
     def checkout(self, tenant: str, record: AdapterRecord) -> Iterator[CachedAdapter]:
         """The adapter's folder, guaranteed to stay on disk until the block ends."""
-        key = (tenant, record.name, record.version, record.sha256)
-        cached = self._acquire(key, tenant, record)
+        folder = self.directory.joinpath(tenant, record.name, f"{record.version}-{record.sha256}")
+        pin, hit = self._pin(folder), True
+        if pin is None:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            with self._locked(folder.parent):  # one download of this name at a time, in any process
+                pin = self._pin(folder)  # another thread or process may just have fetched it
+                if pin is None:
+                    pin, hit = self._download(folder, tenant, record), False
+        if hit:
+            _touch(folder)
+            self.metrics.cache_hit()
         try:
-            yield cached
+            yield CachedAdapter(record, folder, hit)
         finally:
-            with self._lock:
-                self._entries[key].pins -= 1
+            os.close(pin)
 
     def discard(self, tenant: str, name: str, version: int | None = None) -> int:
         """Drop cached versions of a deleted adapter now instead of waiting for LRU; returns how many."""
-        with self._lock:
-            keys = [
-                key
-                for key, entry in self._entries.items()
-                if key[:2] == (tenant, name) and (version is None or key[2] == version) and entry.pins == 0
+        with self._locked(self.directory):
+            victims = [
+                entry
+                for entry in _scan_name(self.directory / tenant / name)
+                if version is None or entry.path.name.startswith(f"{version}-")
             ]
-            victims = [self._pop(key) for key in keys]
+            victims = [moved for entry in victims if (moved := self._move_aside(entry)) is not None]
         self._delete(victims)
         return len(victims)
 
-    def _acquire(self, key: CacheKey, tenant: str, record: AdapterRecord) -> CachedAdapter:
-        if (hit := self._pin_if_cached(key, record)) is not None:
-            return hit
-        with self._key_lock(key):
-            if (hit := self._pin_if_cached(key, record)) is not None:  # another thread just fetched it
-                return hit
-            self.metrics.cache_miss()
-            path = self._download(key, tenant, record)
-            size = sum(f.stat().st_size for f in path.iterdir())
-            with self._lock:
-                self._entries[key] = _Entry(path, size, pins=1)
-                self._total_bytes += size
-                victims = self._pick_victims()
-            self._delete(victims)
-            return CachedAdapter(record, path, hit=False)
+    def _pin(self, folder: Path) -> int | None:
+        """A descriptor holding a shared lock on the folder, or None if it is not (or no longer) cached."""
+        try:
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while an eviction moves this folder aside
+        try:
+            current = os.stat(folder)
+        except FileNotFoundError:
+            current = None
+        if current is None or not os.path.samestat(os.fstat(fd), current):  # evicted before the lock
+            os.close(fd)
+            return None
+        return fd
 
-    def _pin_if_cached(self, key: CacheKey, record: AdapterRecord) -> CachedAdapter | None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return None
-            self._entries.move_to_end(key)
-            entry.pins += 1
-        with suppress(OSError):
-            os.utime(entry.path)  # recency survives a restart
-        self.metrics.cache_hit()
-        return CachedAdapter(record, entry.path, hit=True)
-
-    def _key_lock(self, key: CacheKey) -> threading.Lock:
-        with self._lock:
-            return self._key_locks.setdefault(key, threading.Lock())
-
-    def _download(self, key: CacheKey, tenant: str, record: AdapterRecord) -> Path:
-        final = self.directory.joinpath(tenant, record.name, f"{record.version}-{record.sha256}")
+    def _download(self, folder: Path, tenant: str, record: AdapterRecord) -> int:
+        """Download into a temporary folder, move it into place, evict for room; returns the new pin."""
+        self.metrics.cache_miss()
         tmp = self.directory / f".tmp-{uuid.uuid4().hex}"
+        tmp.mkdir()
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # tells other processes' start-up clean-up that it is in use
         try:
             self.store.fetch_record(tenant, record, tmp)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            if final.exists():  # an incomplete leftover the index skipped
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        finally:
+            with self._locked(self.directory):
+                if folder.exists():  # an incomplete leftover (a complete one would have been pinned)
+                    shutil.rmtree(folder)
+                os.rename(tmp, folder)
+                _touch(folder)
+                fcntl.flock(fd, fcntl.LOCK_SH)  # now a pin; under the directory lock, so no eviction sees it free
+                victims = self._evict_over_budget()
+        except BaseException:
+            os.close(fd)
             shutil.rmtree(tmp, ignore_errors=True)
-        return final
+            raise
+        self._delete(victims)
+        return fd
 
-    def _pick_victims(self) -> list[_Entry]:
-        """Under the lock: pop unpinned entries, least recently used first, until within budget."""
+    def _evict_over_budget(self) -> list[_Entry]:
+        """Under the directory lock: move unpinned entries aside, least recently used first, until within
+        budget; returns them for `_delete`."""
+        entries = sorted(self._scan(), key=lambda entry: (entry.used_at, str(entry.path)))
+        total = sum(entry.size_bytes for entry in entries)
         victims = []
-        for key in list(self._entries):
-            if self._total_bytes <= self.max_bytes:
+        for entry in entries:
+            if total <= self.max_bytes:
                 break
-            if self._entries[key].pins == 0:
-                victims.append(self._pop(key))
+            moved = self._move_aside(entry)
+            if moved is not None:
+                victims.append(moved)
+                total -= entry.size_bytes
         return victims
 
-    def _pop(self, key: CacheKey) -> _Entry:
-        """Under the lock: unindex an entry and move its folder aside, so its name is free at once."""
-        entry = self._entries.pop(key)
-        self._total_bytes -= entry.size_bytes
+    def _move_aside(self, entry: _Entry) -> _Entry | None:
+        """Under the directory lock: rename an unpinned entry to a trash name (its name is free at once);
+        None if it is pinned or gone."""
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # checked out
+            os.close(fd)
+            return None
         trash = self.directory / f".trash-{uuid.uuid4().hex}"
         try:
             os.rename(entry.path, trash)
-            entry.path = trash
         except OSError as exc:
             log.warning("could not move evicted %s aside: %s", entry.path, exc)
-        return entry
+            return None
+        finally:
+            os.close(fd)
+        return _Entry(trash, entry.size_bytes, entry.used_at)
 
     def _delete(self, victims: list[_Entry]) -> None:
         for entry in victims:
             shutil.rmtree(entry.path, ignore_errors=True)
             self.metrics.cache_eviction(entry.size_bytes)
 
-    def _load_index(self) -> None:
-        """Index complete folders left by an earlier run; remove temporary ones."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        found = []
-        for top in self.directory.iterdir():
-            if top.name.startswith(_TEMP_PREFIXES):
-                shutil.rmtree(top, ignore_errors=True)
-            elif top.is_dir() and is_valid_name(top.name):
-                found.extend(_scan_tenant(top))
-        for _mtime, key, path, size in sorted(found):
-            self._entries[key] = _Entry(path, size)
-            self._total_bytes += size
-        self._delete(self._pick_victims())
-
-
-def _scan_tenant(tenant_dir: Path) -> list[tuple[float, CacheKey, Path, int]]:
-    found = []
-    for name_dir in tenant_dir.iterdir():
-        if not (name_dir.is_dir() and is_valid_name(name_dir.name)):
-            continue
-        for folder in name_dir.iterdir():
-            match = _FOLDER.fullmatch(folder.name)
-            if match is None or not all((folder / f).is_file() for f in ADAPTER_FILES):
+    def _remove_leftovers(self) -> None:
+        """Under the directory lock: remove temporary folders no process is using (a crash's leftovers)."""
+        for path in self.directory.iterdir():
+            if not path.name.startswith(_TEMP_PREFIXES):
                 continue
-            key = (tenant_dir.name, name_dir.name, int(match["version"]), match["sha256"])
-            size = sum(f.stat().st_size for f in folder.iterdir())
-            found.append((folder.stat().st_mtime, key, folder, size))
-    return found
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a download in progress in another process
+                continue
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+            finally:
+                os.close(fd)
+
+    def _scan(self) -> list[_Entry]:
+        """Every complete cached version on disk."""
+        entries = []
+        for tenant_dir in self.directory.iterdir():
+            if tenant_dir.is_dir() and is_valid_name(tenant_dir.name):
+                for name_dir in tenant_dir.iterdir():
+                    if is_valid_name(name_dir.name):
+                        entries.extend(_scan_name(name_dir))
+        return entries
+
+    @contextmanager
+    def _locked(self, directory: Path) -> Iterator[None]:
+        """An exclusive lock on a folder, against other threads and processes alike."""
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+def _scan_name(name_dir: Path) -> list[_Entry]:
+    entries = []
+    with suppress(FileNotFoundError, NotADirectoryError):
+        for folder in name_dir.iterdir():
+            if _FOLDER.fullmatch(folder.name) is None:
+                continue
+            with suppress(FileNotFoundError):  # moved aside by another process meanwhile
+                if not all((folder / f).is_file() for f in ADAPTER_FILES):
+                    continue
+                size = sum(f.stat().st_size for f in folder.iterdir())
+                entries.append(_Entry(folder, size, folder.stat().st_mtime_ns))
+    return entries
+
+
+def _touch(folder: Path) -> None:
+    """Mark a folder used now. An explicit time keeps full precision (the kernel's own stamps are as
+    coarse as a clock tick, which would tie entries used within a few milliseconds)."""
+    now = time.time_ns()
+    with suppress(OSError):
+        os.utime(folder, ns=(now, now))

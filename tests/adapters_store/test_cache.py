@@ -1,7 +1,11 @@
-"""The disk cache: LRU by bytes, hit/miss counting, pins, one download under concurrency, restarts."""
+"""The disk cache: LRU by bytes, hit/miss counting, pins, one download under concurrency, restarts, and
+several processes sharing one directory."""
 
 from __future__ import annotations
 
+import fcntl
+import multiprocessing
+import os
 import threading
 
 import pytest
@@ -149,3 +153,74 @@ def test_the_cache_works_in_front_of_s3(s3_endpoint, s3_bucket, adapter_dir, fil
     assert not cache.fetch("acme", "a").hit
     with cache.checkout("acme", record) as cached:
         assert cached.hit and (cached.path / WEIGHTS).read_bytes() == (adapter_dir / WEIGHTS).read_bytes()
+
+
+def test_caches_on_one_directory_share_entries_and_respect_each_others_pins(local_store, three_adapters, tmp_path):
+    """Two instances stand for two processes: flock separates open descriptors, not processes."""
+    (a, b, c), entry_bytes = three_adapters
+    first = make_cache(local_store, tmp_path, entry_bytes)  # room for one
+    second = make_cache(local_store, tmp_path, entry_bytes)
+    with first.checkout("acme", a) as pinned:
+        assert second.fetch_record("acme", a).hit  # downloaded by the other one
+        second.fetch_record("acme", b)  # over budget, but a is checked out by `first`
+        assert (pinned.path / WEIGHTS).is_file()
+        assert second.total_bytes == first.total_bytes == 2 * entry_bytes
+    second.fetch_record("acme", c)  # a and b are free now: both go, oldest first
+    assert len(first) == 1 and first.fetch_record("acme", c).hit
+    assert second.metrics.num_evictions == 2
+
+
+def test_a_download_in_progress_elsewhere_survives_a_start(local_store, three_adapters, tmp_path):
+    (a, _, _), entry_bytes = three_adapters
+    make_cache(local_store, tmp_path, entry_bytes)
+    busy, stale = tmp_path / "cache/.tmp-busy", tmp_path / "cache/.trash-stale"
+    busy.mkdir()
+    stale.mkdir()
+    fd = os.open(busy, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a downloading process holds it
+        make_cache(local_store, tmp_path, entry_bytes)
+        assert busy.is_dir() and not stale.exists()
+    finally:
+        os.close(fd)
+    make_cache(local_store, tmp_path, entry_bytes)
+    assert not busy.exists()
+
+
+def _churn(store_url, shape, cache_dir, max_bytes, records, rounds, errors):
+    """In a spawned process: fetch the adapters in turn through a tiny shared cache, reading each while
+    it is checked out."""
+    from adapters_store import DiskCache, StoreConfig, open_store
+
+    cache = DiskCache(open_store(StoreConfig(url=store_url), shape), cache_dir, max_bytes)
+    for i in range(rounds):
+        for record in records[i % 2 :] + records[: i % 2]:
+            try:
+                with cache.checkout("acme", record) as cached:
+                    if len((cached.path / WEIGHTS).read_bytes()) != record.size_bytes:
+                        errors.put(f"short read of {record.name}")
+            except Exception as exc:
+                errors.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_processes_sharing_a_directory_never_read_a_folder_another_evicts(
+    local_store, three_adapters, tmp_path, model_shape
+):
+    records, entry_bytes = three_adapters
+    context = multiprocessing.get_context("spawn")
+    errors = context.Queue()
+    args = (f"file://{tmp_path}/store", model_shape, tmp_path / "cache", entry_bytes, records, 15, errors)
+    processes = [context.Process(target=_churn, args=args) for _ in range(3)]
+    for process in processes:
+        process.start()
+    _churn(*args)  # this process churns too
+    for process in processes:
+        process.join(120)
+    assert [process.exitcode for process in processes] == [0, 0, 0]
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    assert found == []
+    cache = make_cache(local_store, tmp_path, entry_bytes)
+    assert len(cache) == 1  # back within budget once nothing is checked out
+    assert not list((tmp_path / "cache").glob(".t*"))

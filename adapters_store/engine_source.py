@@ -9,6 +9,7 @@ versions are never reused, so an id always means the same bytes (hot swap is a n
 
 from __future__ import annotations
 
+import pickle
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 from adapters_store.base import AdapterStore
 from adapters_store.cache import DiskCache
 from adapters_store.errors import AdapterNotFound, InvalidName, StoreError
+from adapters_store.metrics import RecordingMetrics, replay_metrics
 from adapters_store.names import check_name, check_tenant, check_version, format_ref, parse_ref
 from engine.lora.manager import Observer, emit
 from engine.lora.model_shape import ModelShape
@@ -52,8 +54,12 @@ class StoreAdapterSource:
 
     `observer` (the engine's adapter observer) learns, per load, whether the disk cache held the
     adapter ("hit"/"miss", tier "disk"), the download seconds ("load", "store") and the seconds to read
-    the cached folder into the CPU tier ("load", "disk": the engine's reader, a loader process on CUDA).
-    It is called on worker threads.
+    the cached folder into the CPU tier ("load", "disk"). It is called on worker threads.
+
+    On CUDA the engine runs whole loads in its loader processes (engine/lora/background_loads.py): the
+    source pickles into a recipe (the store, the disk cache's directory and budget, the shape), which
+    each process builds once and keeps. There, the observer's events and the store's and cache's
+    metrics are recorded (`drain`), and `replay` hands them to this source's observer and metrics.
     """
 
     def __init__(
@@ -69,6 +75,31 @@ class StoreAdapterSource:
         self.shape = shape
         self.max_lora_rank = max_lora_rank
         self._observer = observer
+        self._records: list | None = None  # a loader process's copy records here instead of observing
+        self._recipe: bytes | None = None
+
+    def __reduce__(self):
+        if self._recipe is None:  # pickled once, sent with every job
+            cache = self.disk_cache
+            recipe = (self.store, str(cache.directory), cache.max_bytes, self.shape, self.max_lora_rank)
+            self._recipe = pickle.dumps(recipe)
+        return _loader_copy, (self._recipe,)
+
+    def drain(self) -> list:
+        """In a loader process: what the observer and metrics saw since the last call."""
+        if self._records is None:
+            return []
+        records = list(self._records)
+        self._records.clear()  # in place: the store's and cache's RecordingMetrics append to this list
+        return records
+
+    def replay(self, records: list) -> None:
+        """In the serving process: a loader process's records onto this source's observer and metrics."""
+        for hook, args in records:
+            if hook == "event":
+                self._emit(*args)
+            else:
+                replay_metrics(hook, args, self.store.metrics, self.disk_cache.metrics)
 
     def resolve(self, ref: str) -> str:
         """Check the id's syntax; no I/O (a missing version fails its requests when `load` runs)."""
@@ -110,4 +141,23 @@ class StoreAdapterSource:
         return loaded
 
     def _emit(self, event: str, tier: str, seconds: float = 0.0) -> None:
-        emit(self._observer, event, tier, seconds)
+        if self._records is not None:
+            self._records.append(("event", (event, tier, seconds)))
+        else:
+            emit(self._observer, event, tier, seconds)
+
+
+_LOADER_COPIES: dict[bytes, StoreAdapterSource] = {}  # in a loader process: one source per recipe
+
+
+def _loader_copy(recipe: bytes) -> StoreAdapterSource:
+    """The source a recipe describes, built once per process: its own store client, the shared disk cache."""
+    source = _LOADER_COPIES.get(recipe)
+    if source is None:
+        store, directory, max_bytes, shape, max_lora_rank = pickle.loads(recipe)
+        records: list = []
+        store.metrics = RecordingMetrics(records)
+        source = StoreAdapterSource(store, DiskCache(store, directory, max_bytes), shape, max_lora_rank)
+        source._records = records
+        _LOADER_COPIES[recipe] = source
+    return source

@@ -48,6 +48,10 @@ class LocalStore(AdapterStore):
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
 
+    def __reduce__(self):
+        """The same store in another process (an engine loader process); metrics stay behind."""
+        return LocalStore, (self.root, self.config, self.shape)
+
     def check(self) -> None:
         probe = self.root / f".probe-{uuid.uuid4().hex}"
         try:

@@ -65,3 +65,37 @@ class CountingMetrics(StoreMetrics):
             self.num_retries += 1
             if len(self.retry_reasons) < 100:  # a bounded sample, for messages and tests
                 self.retry_reasons.append(f"{operation}: {reason}")
+
+
+class RecordingMetrics(StoreMetrics):
+    """Appends each hook call to `calls` as (hook name, args): a loader process records what its store and
+    disk cache saw, and the serving process replays the calls onto its own metrics (`replay_metrics`)."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def cache_hit(self) -> None:
+        self.calls.append(("cache_hit", ()))
+
+    def cache_miss(self) -> None:
+        self.calls.append(("cache_miss", ()))
+
+    def cache_eviction(self, num_bytes: int) -> None:
+        self.calls.append(("cache_eviction", (num_bytes,)))
+
+    def fetch_seconds(self, seconds: float) -> None:
+        self.calls.append(("fetch_seconds", (seconds,)))
+
+    def retry(self, operation: str, reason: str) -> None:
+        self.calls.append(("retry", (operation, reason)))
+
+
+def replay_metrics(hook: str, args: tuple, store_metrics: StoreMetrics, cache_metrics: StoreMetrics) -> None:
+    """One recorded call onto the serving process's metrics: the cache's hooks, or the store's."""
+    if hook not in _HOOKS:
+        raise ValueError(f"unknown metrics hook {hook!r}")
+    target = cache_metrics if hook.startswith("cache_") else store_metrics
+    getattr(target, hook)(*args)
+
+
+_HOOKS = frozenset(("cache_hit", "cache_miss", "cache_eviction", "fetch_seconds", "retry"))

@@ -83,6 +83,11 @@ class S3Store(AdapterStore):
     def __repr__(self) -> str:
         return f"S3Store('s3://{self.bucket}/{self.prefix}', endpoint={self.client.meta.endpoint_url!r})"
 
+    def __reduce__(self):
+        """The same store in another process (an engine loader process), with its own client made from
+        the config and the environment; metrics stay behind."""
+        return S3Store, (self.bucket, self.prefix, self.config, self.shape)
+
     def check(self) -> None:
         self._call(f"open bucket {self.bucket}", lambda: self.client.head_bucket(Bucket=self.bucket))
 

@@ -1,7 +1,7 @@
 """A paged, continuously batching inference engine in which every request may use its own LoRA adapter.
 
 The public names are imported on first use, so that a process which needs one submodule (an adapter
-loader process imports engine.lora.image_reader) does not pay for the whole engine and transformers.
+loader process imports engine.lora.background_loads) does not pay for the whole engine and transformers.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # "auto": K/V in the model dtype; "fp8" and "fp8_e4m3" (vLLM's two names for one thing): float8 e4m3
 # with a float32 scale per layer for K and one for V (engine/model/kv_quant.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-# Where adapter folders are read into slot images: "process" (spawned loader processes, so loads never
-# compete with the engine thread for the GIL), "thread" (the manager's worker threads), or "auto"
-# (processes on CUDA, threads on the CPU). engine/lora/image_reader.py.
+# Where adapter loads run: "process" (whole, in spawned loader processes, so loads never compete with
+# the engine thread for the GIL), "thread" (the manager's worker threads), or "auto" (processes on
+# CUDA, threads on the CPU). engine/lora/background_loads.py.
 ADAPTER_LOADERS = ("auto", "thread", "process")
 
 

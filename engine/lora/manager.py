@@ -1,9 +1,9 @@
 """Tiered adapter residency: source (store, disk, folder) -> CPU tier -> GPU slot, loaded in the background.
 
-The batch never waits for an adapter. A request's adapter is fetched and validated on a worker thread
-into the CPU tier (`max_cpu_loras` rows of slot images allocated once, pinned when CUDA is present and
-kept as an LRU; engine/lora/host_tier.py), read there by loader processes on CUDA
-(engine/lora/image_reader.py). Before each step, the adapters that waiting requests need are given free
+The batch never waits for an adapter. A request's adapter is fetched and validated in the background,
+whole in a loader process on CUDA or on a worker thread (engine/lora/background_loads.py), into the CPU
+tier (`max_cpu_loras` rows of slot images allocated once, pinned when CUDA is present and kept as an
+LRU; engine/lora/host_tier.py). Before each step, the adapters that waiting requests need are given free
 or evictable GPU slots (`stage`); once the step's forward pass is launched, their copies are issued on a
 side CUDA stream (`start_copies`), and the scheduler admits a request only once its adapter's copy has
 completed (`is_ready`).
@@ -15,7 +15,7 @@ Two counts per adapter: pins (running requests; `acquire`/`release`) keep its GP
 or running requests; `hold`/`unhold`) keep it known at all. `retire` (replaced by a new version) and
 `forget` (deleted; new requests are refused) drop its copies once the last holder finishes.
 
-Every method runs on the engine thread except `AdapterSource.load` and the reader, which run on the workers.
+Every method runs on the engine thread; `AdapterSource.load` runs in the background loads.
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Protocol, TypeVar
 
 import torch
 
+from engine.lora.background_loads import make_loads
 from engine.lora.host_tier import HostTier
-from engine.lora.image_reader import make_reader
 from engine.lora.peft_checkpoint import AdapterError
 from engine.lora.slot_allocator import SlotAllocator
 from engine.lora.slots import LoRASlots
@@ -65,14 +64,19 @@ T = TypeVar("T")
 
 
 class AdapterSource(Protocol):
-    """Where adapter weights come from (a folder registry, or the adapter store)."""
+    """Where adapter weights come from (a folder registry, or the adapter store).
+
+    With loads in processes, the source is pickled with each job, so it must pickle into something
+    that loads the same adapters in a loader process; it may also define `drain() -> list` (called there
+    after each load: what its observer and metrics saw) and `replay(records)` (called here with that
+    list). engine/lora/background_loads.py."""
 
     def resolve(self, ref: str) -> str:
         """The adapter id for a user-facing reference; raises AdapterError if there is none. Must be fast."""
 
     def load(self, adapter_id: str, read: Callable[[Path], T]) -> T:
         """Bring the adapter's PEFT folder to local disk and return `read(folder)`, the folder kept in place
-        until `read` returns; may be slow (runs on a worker thread). Raises AdapterError naming the cause."""
+        until `read` returns; may be slow (runs in the background). Raises AdapterError naming the cause."""
 
 
 class AdapterManager:
@@ -81,7 +85,6 @@ class AdapterManager:
         source: AdapterSource,
         slots: LoRASlots,
         max_cpu_loras: int,
-        num_workers: int = 2,
         observer: Observer | None = None,
         in_processes: bool = False,
     ):
@@ -94,17 +97,16 @@ class AdapterManager:
         self._observer = observer
         self._cuda = slots.device.type == "cuda"
         self.tier = HostTier(slots.layout, slots.dtype, max_cpu_loras, shared=in_processes, pinned=self._cuda)
-        self.reader = make_reader(in_processes, self.tier)
+        self.loads = make_loads(in_processes, source, self.tier)
         logger.info(
             "CPU tier: %d adapters in %.0f MiB of %shost memory; adapters read by loader %s",
             max_cpu_loras, self.tier.num_bytes / 2**20, "page-locked " if self._cuda else "",
             "processes" if in_processes else "threads",
         )  # fmt: skip
         self._copy_stream = torch.cuda.Stream(slots.device) if self._cuda else None
-        self._workers = ThreadPoolExecutor(num_workers, thread_name_prefix="adapter-load")
         self._free_rows = list(range(max_cpu_loras))  # rows of the tier no adapter occupies
         self._cpu: OrderedDict[str, int] = OrderedDict()  # adapter id -> its row, LRU first
-        self._loading: dict[str, tuple[Future, float, int]] = {}  # id -> (future, start time, row it fills)
+        self._loading: dict[str, tuple[float, int]] = {}  # id -> (start time, row it fills)
         self._abandoned: set[str] = set()  # dropped while loading: the row is freed when the load ends
         self._row_reads: dict[int, torch.cuda.Event | _Pending] = {}  # row -> the last copy out of it
         self._copies: dict[str, tuple[int, _Copy | _Pending | None]] = {}  # id -> (slot, copy not done yet)
@@ -160,25 +162,17 @@ class AdapterManager:
     def poll(self) -> dict[str, str]:
         """Collect finished background loads; returns {adapter id: reason} for the ones that failed."""
         failures = {}
-        for adapter_id, (future, started, row) in list(self._loading.items()):
-            if not future.done():
-                continue
-            del self._loading[adapter_id]
+        for adapter_id, error in self.loads.finished():
+            started, row = self._loading.pop(adapter_id)
             if adapter_id in self._abandoned:
                 self._abandoned.discard(adapter_id)
                 self._free_rows.append(row)
-                continue
-            try:
-                future.result()
-            except AdapterError as exc:
-                failures[adapter_id] = str(exc)
-            except Exception as exc:  # store outages, corrupt files: the request learns why
-                failures[adapter_id] = f"adapter {adapter_id!r} could not be loaded: {exc}"
-            else:
+            elif error is None:
                 self._emit("load", "source", time.perf_counter() - started)
                 self._cpu[adapter_id] = row
-                continue
-            self._free_rows.append(row)
+            else:
+                self._free_rows.append(row)
+                failures[adapter_id] = _reason(adapter_id, error)
         for adapter_id, reason in failures.items():
             logger.warning("adapter load failed: %s", reason)
             self._emit("fail", "source")
@@ -287,13 +281,11 @@ class AdapterManager:
 
     def wait_for_loads(self, timeout: float) -> None:
         """Block briefly until some background load finishes (used when nothing else can run)."""
-        futures = [future for future, _, _ in self._loading.values()]
-        if futures:
-            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+        if self._loading:
+            self.loads.wait(timeout)
 
     def shutdown(self) -> None:
-        self._workers.shutdown(wait=False, cancel_futures=True)
-        self.reader.close()
+        self.loads.close()
 
     # -- internals ----------------------------------------------------------------------------------
 
@@ -310,11 +302,8 @@ class AdapterManager:
         row = self._take_row()
         if row is None:
             return  # every row is being filled or copied from; `stage` tries again next step
-        future = self._workers.submit(self._load, adapter_id, row)
-        self._loading[adapter_id] = (future, time.perf_counter(), row)
-
-    def _load(self, adapter_id: str, row: int) -> None:
-        self.source.load(adapter_id, lambda folder: self.reader.read(folder, row))
+        self._loading[adapter_id] = (time.perf_counter(), row)
+        self.loads.start(adapter_id, row)
 
     def _take_row(self) -> int | None:
         """A row to load into: a free one, else the least recently used adapter's, never one that a GPU
@@ -364,6 +353,12 @@ class AdapterManager:
 
     def _emit(self, event: str, tier: str, seconds: float = 0.0) -> None:
         emit(self._observer, event, tier, seconds)
+
+
+def _reason(adapter_id: str, error: BaseException) -> str:
+    if isinstance(error, AdapterError):
+        return str(error)
+    return f"adapter {adapter_id!r} could not be loaded: {error}"  # store outages, corrupt files
 
 
 def emit(observer: Observer | None, event: str, tier: str, seconds: float = 0.0) -> None:

@@ -24,7 +24,19 @@ class AdapterRegistry:
         # requests already running keep the weights they started with.
         self._current: dict[str, str] = {}
         self._generation: dict[str, int] = {}
-        self._lock = threading.Lock()  # `load` runs on the manager's worker threads
+        self._lock = threading.Lock()  # `load` may run on the manager's worker threads
+
+    def __getstate__(self) -> dict:
+        """Pickled with each job for a loader process: a copy of the folders bound so far (ids never
+        change their folder, so the copy loads any id issued before it was made)."""
+        with self._lock:
+            state = dict(self.__dict__, _paths=dict(self._paths), _current=dict(self._current))
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def register(self, name: str, path: str | Path) -> PeftAdapter:
         """Bind `name` to a PEFT folder, validating it now so a bad adapter fails at registration."""

@@ -77,7 +77,9 @@ def files(folder) -> AdapterFiles:
     return AdapterFiles(config=folder / "adapter_config.json", weights=folder / WEIGHTS)
 
 
-def make_engine(setup, store, cache_dir, events: Counter | None = None) -> LLMEngine:
+def make_engine(setup, store, cache_dir, events: Counter | None = None, loader: str = "thread") -> LLMEngine:
+    """`loader` "process": whole loads (manifest, disk cache, read) in loader processes, their observer
+    events and store metrics sent back (engine/lora/background_loads.py), as on CUDA by default."""
     def observe(event, tier, seconds):
         if events is not None:
             events[(event, tier)] += 1
@@ -86,7 +88,7 @@ def make_engine(setup, store, cache_dir, events: Counter | None = None) -> LLMEn
     # Room for every adapter in the CPU tier, so each is loaded from the source exactly once.
     config = EngineConfig(
         model=str(setup["model_dir"]), max_loras=2, max_cpu_loras=4, max_lora_rank=16, block_size=8,
-        max_model_len=64, dtype="float32",
+        max_model_len=64, dtype="float32", adapter_loader=loader,
     )
     return LLMEngine(
         config,
@@ -116,9 +118,10 @@ def local_store(setup, tmp_path):
     return store
 
 
-def test_store_adapters_end_to_end_match_peft(setup, local_store, tmp_path):
+@pytest.mark.parametrize("loader", ["thread", "process"])
+def test_store_adapters_end_to_end_match_peft(setup, local_store, tmp_path, loader):
     events = Counter()
-    engine = make_engine(setup, local_store, tmp_path / "cache", events)
+    engine = make_engine(setup, local_store, tmp_path / "cache", events, loader)
     plan = [(0, "acme/a@1"), (1, "acme/a@2"), (2, "acme/b@1"), (3, None), (0, "other/a@1"), (1, "acme/a@9"),
             (2, "acme/nope@1"), (3, "acme/a@2")]
     served = {"acme/a@1": "a1", "acme/a@2": "a2", "acme/b@1": "b1", "other/a@1": "b1", None: None}
@@ -132,16 +135,21 @@ def test_store_adapters_end_to_end_match_peft(setup, local_store, tmp_path):
     # Four adapters came from the store through the disk cache; nothing hit it yet.
     assert events[("miss", "disk")] == events[("load", "store")] == events[("load", "disk")] == 4
     assert events[("hit", "disk")] == 0 and events[("fail", "source")] == 2
+    assert local_store.metrics.num_fetches == 4  # the store's own metrics, wherever the loads ran
+    engine.shutdown()
 
     # A second engine (a restart) finds them in the disk cache: no downloads.
     events.clear()
-    again = make_engine(setup, local_store, tmp_path / "cache", events)
+    again = make_engine(setup, local_store, tmp_path / "cache", events, loader)
     outputs = run(again, setup["prompts"], [(2, "acme/b@1")])
     assert outputs[0].outputs[0].token_ids == setup["expected"][(2, "b1")]
     assert (events[("hit", "disk")], events[("miss", "disk")], events[("load", "store")]) == (1, 0, 0)
+    again.shutdown()
 
 
 def test_a_store_outage_fails_only_that_adapters_requests(setup, local_store, tmp_path, monkeypatch):
+    """On loader threads: the patched store does not travel to loader processes (the S3 test below
+    covers a store error in them)."""
     real_get = local_store.get
 
     def flaky_get(tenant, name, version=None):
@@ -160,7 +168,10 @@ def test_a_store_outage_fails_only_that_adapters_requests(setup, local_store, tm
     assert outputs[3].outputs[0].token_ids == setup["expected"][(3, None)]
 
 
-def test_through_s3_a_checksum_mismatch_is_that_requests_error(setup, s3_endpoint, s3_bucket, s3_admin, tmp_path):
+@pytest.mark.parametrize("loader", ["thread", "process"])
+def test_through_s3_a_checksum_mismatch_is_that_requests_error(
+    setup, s3_endpoint, s3_bucket, s3_admin, tmp_path, loader
+):
     config = StoreConfig(url=f"s3://{s3_bucket}/p", endpoint_url=s3_endpoint, retries=0)
     store = open_store(config, setup["shape"], CountingMetrics())
     store.put("acme", "good", files(setup["folders"]["a2"]))
@@ -170,8 +181,9 @@ def test_through_s3_a_checksum_mismatch_is_that_requests_error(setup, s3_endpoin
     body[-1] ^= 0xFF  # same size, other bytes: only the checksum can tell
     s3_admin.put_object(Bucket=s3_bucket, Key=key, Body=bytes(body))
     events = Counter()
-    engine = make_engine(setup, store, tmp_path / "cache", events)
+    engine = make_engine(setup, store, tmp_path / "cache", events, loader)
     outputs = run(engine, setup["prompts"], [(0, "acme/bad@1"), (1, "acme/good@1"), (2, "acme/bad@1")])
+    engine.shutdown()
     assert outputs[1].error is None
     assert outputs[1].outputs[0].token_ids == setup["expected"][(1, "a2")]
     for output in (outputs[0], outputs[2]):

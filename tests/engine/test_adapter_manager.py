@@ -201,8 +201,9 @@ def test_stats_reflect_running_waiting_and_adapters(case):
     stats = engine.stats()
     assert (stats.num_waiting, stats.num_adapters_loading) == (4, 2)
     assert stats.waiting_adapters == ("ad5", "ad6") and stats.running_adapters == ()
-    for future, _, _ in engine.lora._loading.values():  # both loads land before the first step
-        future.result(timeout=30)
+    while engine.lora.num_loading:  # both loads land before the first step
+        engine.lora.wait_for_loads(1.0)
+        assert engine.lora.poll() == {}
     engine.step()
     for _ in range(3):  # on CUDA the slot copy is issued after the first step's launch: "a" joins later
         if engine.scheduler.num_running == 2:

@@ -20,10 +20,10 @@ adapter store through a warm disk cache, or with `--source folders` straight fro
 times with no loads; with the same request traffic as below but for adapters already resident (the
 control: requests arrive and are aborted, nothing loads); while a stream of other adapters loads beside
 it (requests for them queue behind a full batch, so their adapters go disk -> CPU -> GPU slot and are
-then dropped for the next ones), read by loader processes and, for comparison, by loader threads; the
-same with loads that only sleep (the cost of requests waiting on loads and of the slot copies, without
-any reading); the same with every adapter already in the CPU tier (only slot copies). The conditions take
-turns in rounds, in a shuffled order (the running requests' contexts grow every step); besides each
+then dropped for the next ones), loaded whole in loader processes (the engine's default on CUDA) and,
+for comparison, on loader threads; the same with loader processes that only sleep (the cost of the
+loads' plumbing, of requests waiting on loads and of the slot copies, without any reading); the same
+with every adapter already in the CPU tier (only slot copies). The conditions take turns in rounds, in a shuffled order (the running requests' contexts grow every step); besides each
 condition's median step, the table gives its step over the control's in the same round (median and
 quartiles across rounds, and a bootstrap 95% interval of that median), which cancels the machine's drift
 between rounds.
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -50,9 +51,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.lora.background_loads import ProcessLoads, ThreadLoads, read_into  # noqa: E402
 from engine.lora.host_tier import HostTier  # noqa: E402
-from engine.lora.image_reader import ProcessImageReader, ThreadImageReader  # noqa: E402
 from engine.lora.model_shape import TARGET_MODULES, ModelShape  # noqa: E402
+from engine.lora.registry import AdapterRegistry  # noqa: E402
 from engine.lora.slots import LoRASlots  # noqa: E402
 
 RANK = 16
@@ -154,20 +156,23 @@ def bench_tiers(
     size_mb = (folder / "adapter_model.safetensors").stat().st_size / 1e6
     slots = LoRASlots(shape, max_loras=4, max_rank=RANK, dtype=torch.bfloat16, device=device)
 
-    threads = ThreadImageReader(HostTier(slots.layout, slots.dtype, 1, shared=False, pinned=cuda))
-    processes = ProcessImageReader(HostTier(slots.layout, slots.dtype, 1, shared=True, pinned=cuda))
-    processes.read(folder, 0)  # the processes are up
+    tier = HostTier(slots.layout, slots.dtype, 1, shared=False, pinned=cuda)
+    registry = AdapterRegistry(shape, RANK)
+    adapter_id = registry.resolve(str(folder))
+    processes = ProcessLoads(registry, HostTier(slots.layout, slots.dtype, 1, shared=True, pinned=cuda))
+    in_process = lambda: load_now(processes, adapter_id)  # noqa: E731
+    in_process()  # the processes are up
     drop = dict(before=lambda: drop_page_cache(folder))
     rows = [
         ("disk (page cache)", "folder -> CPU tier row, calling thread",
-         timed(lambda: threads.read(folder, 0), repeats, warmup)),
-        ("disk (page cache)", "same, by a loader process", timed(lambda: processes.read(folder, 0), repeats, warmup)),
+         timed(lambda: read_into(tier, 0, folder), repeats, warmup)),
+        ("disk (page cache)", "same, by a loader process (job sent, answer polled)", timed(in_process, repeats, warmup)),
         ("disk (cold)", "folder -> CPU tier row, pages dropped first, calling thread",
-         timed(lambda: threads.read(folder, 0), repeats, warmup, **drop)),
-        ("disk (cold)", "same, by a loader process", timed(lambda: processes.read(folder, 0), repeats, warmup, **drop)),
+         timed(lambda: read_into(tier, 0, folder), repeats, warmup, **drop)),
+        ("disk (cold)", "same, by a loader process", timed(in_process, repeats, warmup, **drop)),
     ]  # fmt: skip
     processes.close()
-    image = threads.tier.image(0)
+    image = tier.image(0)
     if cuda:
         stream = torch.cuda.Stream(device)
         gpu_times = []
@@ -190,6 +195,16 @@ def bench_tiers(
                      timed(lambda: slots.load(1, image), repeats, warmup)))  # fmt: skip
     rows.extend(bench_s3(shape, folder, repeats, warmup, root))
     return size_mb, rows
+
+
+def load_now(loads, adapter_id: str, row: int = 0) -> None:
+    """One load into `row`, waited for (the engine collects answers once per step instead)."""
+    loads.start(adapter_id, row)
+    while not (done := loads.finished()):
+        loads.wait(1.0)
+    [(_, error)] = done
+    if error is not None:
+        raise error
 
 
 def bench_s3(shape: ModelShape, folder: Path, repeats: int, warmup: int, root: Path) -> list[tuple]:
@@ -335,11 +350,11 @@ class Background:
     """
 
     def __init__(self, engine, adapter_ids: list[str], in_flight: int, every: int = 1, cold: bool = False,
-                 reader=None):  # fmt: skip
+                 loads=None):  # fmt: skip
         self.engine, self.in_flight, self.every, self.cold = engine, in_flight, every, cold
-        self.default_reader = engine.lora.reader
-        if reader is not None:  # this block's loads are read by `reader` instead of the engine's own
-            engine.lora.reader = reader
+        self.default_loads = engine.lora.loads
+        if loads is not None:  # this block's loads run in `loads` instead of the engine's own
+            engine.lora.loads = loads
         self.cycle = itertools.cycle(adapter_ids)
         self.requests: dict[str, str] = {}  # request id -> adapter id
         self.steps = 0
@@ -359,25 +374,72 @@ class Background:
         self.steps += 1
 
     def stop(self) -> None:
+        """Abort this block's requests and let its loads end where they started (not measured)."""
         self.engine.abort_request(list(self.requests))
         self.requests.clear()
-        self.engine.lora.reader = self.default_reader
+        lora = self.engine.lora
+        while lora.num_loading:
+            lora.wait_for_loads(timeout=1.0)
+            assert not lora.poll(), "a background adapter failed to load"
+        lora.loads = self.default_loads
 
 
 _request_ids = itertools.count()
 
 
-class SleepingReader:
-    """A load that takes as long as a real one but reads nothing: the row keeps whatever it held."""
+class BusyBeside:
+    """No loads: a spawned process spinning at the loaders' priority for the whole block, which shows what
+    any busy process beside the engine costs the batch on this host (shared caches, clocks, cores)."""
+
+    def __init__(self):
+        self.process = multiprocessing.get_context("spawn").Process(target=spin, daemon=True)
+        self.process.start()
+        time.sleep(0.5)  # its imports done, spinning
+
+    def before_step(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.join()
+
+
+def spin() -> None:
+    os.nice(10)
+    while True:
+        pass
+
+
+def pin_apart(processes) -> str:
+    """Pin this thread (the engine's) to one CPU and the loader processes to the CPUs of the other cores
+    (not its hyperthread siblings); returns what was done, for the report."""
+    cpus = sorted(os.sched_getaffinity(0))
+    engine_cpu = cpus[0]
+    siblings = Path(f"/sys/devices/system/cpu/cpu{engine_cpu}/topology/thread_siblings_list")
+    apart = set(cpus) - parse_cpu_list(siblings.read_text()) if siblings.exists() else set(cpus[1:])
+    os.sched_setaffinity(0, {engine_cpu})  # 0: the calling thread only (threads already started keep theirs)
+    for process in processes:
+        os.sched_setaffinity(process.pid, apart)
+    return f"engine thread on CPU {engine_cpu}, loader processes on CPUs {min(apart)}-{max(apart)}"
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    cpus = set()
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+class SleepingSource:
+    """Loads that take as long as a real one but read nothing (the row keeps whatever it held): what the
+    loads' plumbing and the slot copies cost, without the reading."""
 
     def __init__(self, seconds: float):
         self.seconds = seconds
 
-    def read(self, folder: Path, row: int) -> None:
+    def load(self, adapter_id: str, read) -> None:
         time.sleep(self.seconds)
-
-    def close(self) -> None:
-        pass
 
 
 def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
@@ -395,13 +457,14 @@ def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
         "slot copies beside (CPU tier -> GPU), stress": lambda: Background(engine, cpu_ids, in_flight),
         "disk loads beside, stress, loader processes": lambda: Background(engine, disk_ids, in_flight, cold=True),
         "disk loads beside, stress, loader threads": lambda: Background(engine, disk_ids, in_flight, cold=True,
-                                                                        reader=threads),
-        "loads that only sleep 30 ms, stress": lambda: Background(engine, disk_ids, in_flight, cold=True,
-                                                                  reader=SleepingReader(0.03)),
+                                                                        loads=threads),
+        "loads that only sleep 30 ms, stress, loader processes": lambda: Background(engine, disk_ids, in_flight,
+                                                                                    cold=True, loads=sleeping),
+        "a busy process beside, no loads": BusyBeside,
         f"disk loads beside, one every {every} steps, loader processes": lambda: Background(engine, disk_ids, 1, every,
                                                                                             cold=True),
         f"disk loads beside, one every {every} steps, loader threads": lambda: Background(engine, disk_ids, 1, every,
-                                                                                          cold=True, reader=threads),
+                                                                                          cold=True, loads=threads),
     }  # fmt: skip
     if args.only:  # the first two stay: the paired ratios need the control
         conditions = {label: start for i, (label, start) in enumerate(conditions.items())
@@ -414,15 +477,20 @@ def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
                            max_cpu_loras=len(batch_ids) + len(cpu_ids) + args.concurrent_loads + 2,
                            adapter_loader="process", observer=lambda e, t, s: events.update([(e, t)]),
                            adapter_source_factory=source_factory)  # fmt: skip
-    threads = ThreadImageReader(engine.lora.tier)  # the engine's own rows, read on its worker threads
+    # The engine's own source and rows, loaded on worker threads, or by processes that only sleep.
+    threads = ThreadLoads(engine.lora.source, engine.lora.tier)
+    sleeping = ProcessLoads(SleepingSource(0.03), engine.lora.tier) if "sleep" in " ".join(conditions) else None
+    if args.pin_loaders and device.type == "cuda":
+        loaders = engine.lora.loads.processes + (sleeping.processes if sleeping is not None else [])
+        print(f"- **Pinned**: {pin_apart(loaders)}")
     for _ in range(args.warmup):
         engine.step()
 
     times: dict[str, list[float]] = {label: [] for label in conditions}
     copies: Counter[str] = Counter()
     # Rounds of short blocks, one per condition, so that drift in the machine's speed over the run hits
-    # every condition alike; the first `settle` steps of a block (loads still finishing from the block
-    # before) are not counted. The order within a round is shuffled: the running requests grow a token
+    # every condition alike; the first `settle` steps of a block (while its first loads are still on the
+    # way) are not counted, and a block's loads end before the next block starts. The order within a round is shuffled: the running requests grow a token
     # per step, so their attention slows every step a little, and a fixed order would bill the blocks
     # that come later in each round for it.
     order, shuffle = list(conditions.items()), random.Random(0).shuffle
@@ -446,6 +514,9 @@ def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
             if background is not None:
                 background.stop()
     engine.shutdown()
+    threads.close()
+    if sleeping is not None:
+        sleeping.close()
     return [(label, times[label], copies[label], copies[label] / len(times[label])) for label in conditions]
 
 
@@ -477,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=[], metavar="TEXT",
                         help="decode: run only the conditions whose name contains TEXT (repeatable), besides "
                              "the no-loads and control conditions")
+    parser.add_argument("--pin-loaders", action="store_true",
+                        help="decode: pin the engine thread to one CPU and the loader processes to other cores")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval for the run (seconds; Python's default is 0.005)")
     args = parser.parse_args(argv)

@@ -410,27 +410,6 @@ def spin() -> None:
         pass
 
 
-def pin_apart(processes) -> str:
-    """Pin this thread (the engine's) to one CPU and the loader processes to the CPUs of the other cores
-    (not its hyperthread siblings); returns what was done, for the report."""
-    cpus = sorted(os.sched_getaffinity(0))
-    engine_cpu = cpus[0]
-    siblings = Path(f"/sys/devices/system/cpu/cpu{engine_cpu}/topology/thread_siblings_list")
-    apart = set(cpus) - parse_cpu_list(siblings.read_text()) if siblings.exists() else set(cpus[1:])
-    os.sched_setaffinity(0, {engine_cpu})  # 0: the calling thread only (threads already started keep theirs)
-    for process in processes:
-        os.sched_setaffinity(process.pid, apart)
-    return f"engine thread on CPU {engine_cpu}, loader processes on CPUs {min(apart)}-{max(apart)}"
-
-
-def parse_cpu_list(text: str) -> set[int]:
-    cpus = set()
-    for part in text.strip().split(","):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
-
-
 class SleepingSource:
     """Loads that take as long as a real one but read nothing (the row keeps whatever it held): what the
     loads' plumbing and the slot copies cost, without the reading."""
@@ -480,9 +459,6 @@ def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
     # The engine's own source and rows, loaded on worker threads, or by processes that only sleep.
     threads = ThreadLoads(engine.lora.source, engine.lora.tier)
     sleeping = ProcessLoads(SleepingSource(0.03), engine.lora.tier) if "sleep" in " ".join(conditions) else None
-    if args.pin_loaders and device.type == "cuda":
-        loaders = engine.lora.loads.processes + (sleeping.processes if sleeping is not None else [])
-        print(f"- **Pinned**: {pin_apart(loaders)}")
     for _ in range(args.warmup):
         engine.step()
 
@@ -548,8 +524,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=[], metavar="TEXT",
                         help="decode: run only the conditions whose name contains TEXT (repeatable), besides "
                              "the no-loads and control conditions")
-    parser.add_argument("--pin-loaders", action="store_true",
-                        help="decode: pin the engine thread to one CPU and the loader processes to other cores")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval for the run (seconds; Python's default is 0.005)")
     args = parser.parse_args(argv)

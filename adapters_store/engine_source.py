@@ -1,7 +1,7 @@
 """The adapter store as the engine's AdapterSource: ids `tenant/name@version`, loads through the disk cache.
 
 `resolve` only checks the id's syntax (it runs on the engine thread for every request, so it does no
-I/O); whether the version exists is learnt by `load`, on a worker thread, where every store error
+I/O); whether the version exists is learnt by `load`, in the background, where every store error
 becomes an AdapterError that names the adapter and the cause, so only that adapter's requests fail.
 The tenant is part of the id, so two tenants' adapters of one name never share a slot or a KV prefix;
 versions are never reused, so an id always means the same bytes (hot swap is a new id).

@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 # transient store outage is retried soon after.
 FAILURE_TTL_S = 10.0
 
-# observer(event, tier, seconds), called on the engine thread and, by sources, on worker threads:
+# observer(event, tier, seconds), called on the engine thread and, by sources, on worker threads (a loader
+# process's events are replayed on the engine thread):
 #   "hit"/"miss"  tier "gpu", "cpu": per request arrival, whether the adapter was already in that tier
 #                 (a request that misses the GPU looks in the CPU tier); tier "disk": per store load
 #                 (StoreAdapterSource), whether the local disk cache held it.

@@ -100,7 +100,7 @@ class AdapterManager:
         self.tier = HostTier(slots.layout, slots.dtype, max_cpu_loras, shared=in_processes, pinned=self._cuda)
         self.loads = make_loads(in_processes, source, self.tier)
         logger.info(
-            "CPU tier: %d adapters in %.0f MiB of %shost memory; adapters read by loader %s",
+            "CPU tier: %d adapters in %.0f MiB of %shost memory; adapter loads run in loader %s",
             max_cpu_loras, self.tier.num_bytes / 2**20, "page-locked " if self._cuda else "",
             "processes" if in_processes else "threads",
         )  # fmt: skip

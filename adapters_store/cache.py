@@ -142,6 +142,9 @@ class DiskCache:
         if current is None or not os.path.samestat(os.fstat(fd), current):  # evicted before the lock
             os.close(fd)
             return None
+        if not all((folder / f).is_file() for f in ADAPTER_FILES):  # tampered with: fetched again
+            os.close(fd)
+            return None
         return fd
 
     def _download(self, folder: Path, tenant: str, record: AdapterRecord) -> int:
@@ -154,11 +157,11 @@ class DiskCache:
         try:
             self.store.fetch_record(tenant, record, tmp)
             with self._locked(self.directory):
-                if folder.exists():  # an incomplete leftover (a complete one would have been pinned)
+                if folder.exists():  # incomplete (a complete one would have been pinned): replaced
                     shutil.rmtree(folder)
                 os.rename(tmp, folder)
                 _touch(folder)
-                fcntl.flock(fd, fcntl.LOCK_SH)  # now a pin; under the directory lock, so no eviction sees it free
+                fcntl.flock(fd, fcntl.LOCK_SH)  # now a pin; under the directory lock: no eviction sees it free
                 victims = self._evict_over_budget()
         except BaseException:
             os.close(fd)

@@ -224,3 +224,12 @@ def test_processes_sharing_a_directory_never_read_a_folder_another_evicts(
     cache = make_cache(local_store, tmp_path, entry_bytes)
     assert len(cache) == 1  # back within budget once nothing is checked out
     assert not list((tmp_path / "cache").glob(".t*"))
+
+
+def test_a_cached_folder_missing_a_file_is_fetched_again(local_store, three_adapters, tmp_path):
+    (a, _, _), entry_bytes = three_adapters
+    cache = make_cache(local_store, tmp_path, 10 * entry_bytes)
+    path = cache.fetch_record("acme", a).path
+    (path / WEIGHTS).unlink()  # someone tampered with the cache
+    again = cache.fetch_record("acme", a)
+    assert not again.hit and again.path == path and (path / WEIGHTS).is_file()

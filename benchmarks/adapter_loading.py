@@ -23,10 +23,11 @@ it (requests for them queue behind a full batch, so their adapters go disk -> CP
 then dropped for the next ones), loaded whole in loader processes (the engine's default on CUDA) and,
 for comparison, on loader threads; the same with loader processes that only sleep (the cost of the
 loads' plumbing, of requests waiting on loads and of the slot copies, without any reading); the same
-with every adapter already in the CPU tier (only slot copies). The conditions take turns in rounds, in a shuffled order (the running requests' contexts grow every step); besides each
-condition's median step, the table gives its step over the control's in the same round (median and
-quartiles across rounds, and a bootstrap 95% interval of that median), which cancels the machine's drift
-between rounds.
+with every adapter already in the CPU tier (only slot copies); and with no loads but a process spinning
+beside (what any busy process costs the batch on the host). The conditions take turns in rounds, in a
+shuffled order (the running requests' contexts grow every step); besides each condition's median step,
+the table gives its step over the control's in the same round (median and quartiles across rounds, and a
+bootstrap 95% interval of that median), which cancels the machine's drift between rounds.
 """
 
 from __future__ import annotations
@@ -466,9 +467,9 @@ def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
     copies: Counter[str] = Counter()
     # Rounds of short blocks, one per condition, so that drift in the machine's speed over the run hits
     # every condition alike; the first `settle` steps of a block (while its first loads are still on the
-    # way) are not counted, and a block's loads end before the next block starts. The order within a round is shuffled: the running requests grow a token
-    # per step, so their attention slows every step a little, and a fixed order would bill the blocks
-    # that come later in each round for it.
+    # way) are not counted, and a block's loads end before the next block starts. The order within a
+    # round is shuffled: the running requests grow a token per step, so their attention slows every step
+    # a little, and a fixed order would bill the blocks that come later in each round for it.
     order, shuffle = list(conditions.items()), random.Random(0).shuffle
     for _ in range(args.rounds):
         shuffle(order)

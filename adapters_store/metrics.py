@@ -90,12 +90,12 @@ class RecordingMetrics(StoreMetrics):
         self.calls.append(("retry", (operation, reason)))
 
 
+_HOOKS = frozenset(name for name in vars(StoreMetrics) if not name.startswith("_"))  # the hooks, nothing else
+
+
 def replay_metrics(hook: str, args: tuple, store_metrics: StoreMetrics, cache_metrics: StoreMetrics) -> None:
     """One recorded call onto the serving process's metrics: the cache's hooks, or the store's."""
     if hook not in _HOOKS:
         raise ValueError(f"unknown metrics hook {hook!r}")
     target = cache_metrics if hook.startswith("cache_") else store_metrics
     getattr(target, hook)(*args)
-
-
-_HOOKS = frozenset(("cache_hit", "cache_miss", "cache_eviction", "fetch_seconds", "retry"))

@@ -29,10 +29,12 @@ redis:
 
 test: install redis
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
 
 lint: install
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 serve: install
 	$(VENV)/bin/loraserve serve

@@ -161,7 +161,9 @@ class DiskCache:
                     shutil.rmtree(folder)
                 os.rename(tmp, folder)
                 _touch(folder)
-                fcntl.flock(fd, fcntl.LOCK_SH)  # now a pin; under the directory lock: no eviction sees it free
+                fcntl.flock(
+                    fd, fcntl.LOCK_SH
+                )  # now a pin; under the directory lock: no eviction sees it free
                 victims = self._evict_over_budget()
         except BaseException:
             os.close(fd)

@@ -59,14 +59,25 @@ from engine.lora.registry import AdapterRegistry  # noqa: E402
 from engine.lora.slots import LoRASlots  # noqa: E402
 
 RANK = 16
-LLAMA_8B = ModelShape(num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
-                      head_dim=128)  # fmt: skip
-SMOKE_SHAPE = ModelShape(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
-                         head_dim=16)  # fmt: skip
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=64, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0)  # fmt: skip
-SMOKE_MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                   vocab_size=512)  # fmt: skip
+LLAMA_8B = ModelShape(
+    num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8, head_dim=128
+)
+SMOKE_SHAPE = ModelShape(
+    num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16
+)
+LLAMA_1B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+    rope_theta=500000.0,
+)
+SMOKE_MODEL = dict(
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512
+)
 
 
 def write_peft_folder(folder: Path, shape: ModelShape, seed: int, dtype=torch.bfloat16) -> Path:
@@ -81,11 +92,22 @@ def write_peft_folder(folder: Path, shape: ModelShape, seed: int, dtype=torch.bf
             block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
             in_features, out_features = shape.module_dims(module)
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(RANK, in_features, generator=gen) * 0.01).to(dtype)
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_features, RANK, generator=gen) * 0.01).to(dtype)
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(RANK, in_features, generator=gen) * 0.01).to(
+                dtype
+            )
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_features, RANK, generator=gen) * 0.01).to(
+                dtype
+            )
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    config = dict(peft_type="LORA", r=RANK, lora_alpha=32, target_modules=list(TARGET_MODULES), bias="none",
-                  task_type="CAUSAL_LM", base_model_name_or_path=None)  # fmt: skip
+    config = dict(
+        peft_type="LORA",
+        r=RANK,
+        lora_alpha=32,
+        target_modules=list(TARGET_MODULES),
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=None,
+    )
     (folder / "adapter_config.json").write_text(json.dumps(config))
     return folder
 
@@ -124,8 +146,10 @@ def ms(samples: list[float], quantile: float | None = None) -> float:
 def round_ratios(times: list[float], control: list[float], block: int) -> list[float]:
     """Per round, a block's median step over the control block's median in the same round (drift
     between rounds cancels out of each ratio)."""
-    return [statistics.median(times[i : i + block]) / statistics.median(control[i : i + block])
-            for i in range(0, len(times), block)]  # fmt: skip
+    return [
+        statistics.median(times[i : i + block]) / statistics.median(control[i : i + block])
+        for i in range(0, len(times), block)
+    ]
 
 
 def paired_ratios(times: list[float], control: list[float], block: int) -> tuple[float, float, float]:
@@ -165,13 +189,23 @@ def bench_tiers(
     in_process()  # the processes are up
     drop = dict(before=lambda: drop_page_cache(folder))
     rows = [
-        ("disk (page cache)", "folder -> CPU tier row, calling thread",
-         timed(lambda: read_into(tier, 0, folder), repeats, warmup)),
-        ("disk (page cache)", "same, by a loader process (job sent, answer polled)", timed(in_process, repeats, warmup)),
-        ("disk (cold)", "folder -> CPU tier row, pages dropped first, calling thread",
-         timed(lambda: read_into(tier, 0, folder), repeats, warmup, **drop)),
+        (
+            "disk (page cache)",
+            "folder -> CPU tier row, calling thread",
+            timed(lambda: read_into(tier, 0, folder), repeats, warmup),
+        ),
+        (
+            "disk (page cache)",
+            "same, by a loader process (job sent, answer polled)",
+            timed(in_process, repeats, warmup),
+        ),
+        (
+            "disk (cold)",
+            "folder -> CPU tier row, pages dropped first, calling thread",
+            timed(lambda: read_into(tier, 0, folder), repeats, warmup, **drop),
+        ),
         ("disk (cold)", "same, by a loader process", timed(in_process, repeats, warmup, **drop)),
-    ]  # fmt: skip
+    ]
     processes.close()
     image = tier.image(0)
     if cuda:
@@ -189,11 +223,18 @@ def bench_tiers(
             gpu_times.append(start.elapsed_time(end) / 1000.0)
 
         wall = timed(to_slot, repeats, warmup)
-        rows.append(("CPU tier -> GPU slot", "pinned image -> slot, side stream (GPU time)", gpu_times[warmup:]))
+        rows.append(
+            ("CPU tier -> GPU slot", "pinned image -> slot, side stream (GPU time)", gpu_times[warmup:])
+        )
         rows.append(("CPU tier -> GPU slot", "same, wall: first enqueue to completion", wall))
     else:
-        rows.append(("CPU tier -> slot", "image -> slot (CPU device: a plain copy)",
-                     timed(lambda: slots.load(1, image), repeats, warmup)))  # fmt: skip
+        rows.append(
+            (
+                "CPU tier -> slot",
+                "image -> slot (CPU device: a plain copy)",
+                timed(lambda: slots.load(1, image), repeats, warmup),
+            )
+        )
     rows.extend(bench_s3(shape, folder, repeats, warmup, root))
     return size_mb, rows
 
@@ -224,8 +265,11 @@ def bench_s3(shape: ModelShape, folder: Path, repeats: int, warmup: int, root: P
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    for var, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
-                       ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
+    for var, value in (
+        ("AWS_ACCESS_KEY_ID", "bench"),
+        ("AWS_SECRET_ACCESS_KEY", "bench"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+    ):
         os.environ.setdefault(var, value)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per HTTP request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -235,8 +279,12 @@ def bench_s3(shape: ModelShape, folder: Path, repeats: int, warmup: int, root: P
         import boto3
 
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
-        store = open_store(StoreConfig(url="s3://bench/adapters", endpoint_url=endpoint, max_lora_rank=RANK), shape)
-        files = AdapterFiles(config=folder / "adapter_config.json", weights=folder / "adapter_model.safetensors")
+        store = open_store(
+            StoreConfig(url="s3://bench/adapters", endpoint_url=endpoint, max_lora_rank=RANK), shape
+        )
+        files = AdapterFiles(
+            config=folder / "adapter_config.json", weights=folder / "adapter_model.safetensors"
+        )
         record = store.put("bench", "adapter", files)
         events: dict[str, list[float]] = {"store": [], "disk": []}
         caches = iter(range(1 << 30))
@@ -250,8 +298,10 @@ def bench_s3(shape: ModelShape, folder: Path, repeats: int, warmup: int, root: P
             StoreAdapterSource(store, cache, shape, RANK, observer=observe).load(f"bench/{record.ref}")
 
         total = timed(cold_load, repeats, warmup)
-        return [("S3 loopback", "manifest + download + sha256 -> disk cache", events["store"][warmup:]),
-                ("S3 loopback", "all of it -> validated CPU tensors", total)]  # fmt: skip
+        return [
+            ("S3 loopback", "manifest + download + sha256 -> disk cache", events["store"][warmup:]),
+            ("S3 loopback", "all of it -> validated CPU tensors", total),
+        ]
     finally:
         server.stop()
 
@@ -283,7 +333,9 @@ def decode_model(args, device: torch.device, root: Path) -> tuple[dict, Path, Mo
 
 def adapter_folders(root: Path, shape: ModelShape, name: str, seed: int, count: int) -> list[str]:
     """`count` fresh PEFT folders for `shape`; their absolute paths are the adapter ids."""
-    return [str(write_peft_folder(root / f"{name}-{i}", shape, seed=seed + i).resolve()) for i in range(count)]
+    return [
+        str(write_peft_folder(root / f"{name}-{i}", shape, seed=seed + i).resolve()) for i in range(count)
+    ]
 
 
 def store_adapters(root: Path, shape: ModelShape, folders: dict[str, list[str]]):
@@ -299,28 +351,53 @@ def store_adapters(root: Path, shape: ModelShape, folders: dict[str, list[str]])
     for kind, paths in folders.items():
         ids[kind] = []
         for path in map(Path, paths):
-            files = AdapterFiles(config=path / "adapter_config.json", weights=path / "adapter_model.safetensors")
+            files = AdapterFiles(
+                config=path / "adapter_config.json", weights=path / "adapter_model.safetensors"
+            )
             record = store.put("bench", path.name, files)
             cache.fetch_record("bench", record)
             ids[kind].append(format_adapter_id("bench", record.name, record.version))
     return ids, lambda shape, rank: StoreAdapterSource(store, cache, shape, rank)
 
 
-def decode_engine(args, device, model_dir, sizes, batch_ids, cpu_ids, max_tokens, max_cpu_loras, adapter_loader,
-                  observer, adapter_source_factory=None) -> LLMEngine:  # fmt: skip
+def decode_engine(
+    args,
+    device,
+    model_dir,
+    sizes,
+    batch_ids,
+    cpu_ids,
+    max_tokens,
+    max_cpu_loras,
+    adapter_loader,
+    observer,
+    adapter_source_factory=None,
+) -> LLMEngine:
     """An engine running `args.batch` greedy requests over `batch_ids` (each past its prefill, `max_tokens`
     long), with the adapters of `cpu_ids` waiting in its CPU tier; adapters from local folders, or from
     `adapter_source_factory`."""
     prompt_len = args.prompt_len
     config = EngineConfig(
-        model=str(model_dir), max_num_seqs=args.batch, max_num_batched_tokens=max(2048, prompt_len * 4),
-        max_model_len=prompt_len + max_tokens + 16, block_size=16,
-        num_kv_blocks=(args.batch + 8) * -(-(prompt_len + max_tokens) // 16), enable_prefix_caching=False,
-        max_loras=args.max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=RANK,
-        dtype="bfloat16" if device.type == "cuda" else "float32", device=str(device), adapter_loader=adapter_loader,
-    )  # fmt: skip
-    engine = LLMEngine(config, skip_tokenizer_init=True, adapter_observer=observer,
-                       adapter_source_factory=adapter_source_factory)  # fmt: skip
+        model=str(model_dir),
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=max(2048, prompt_len * 4),
+        max_model_len=prompt_len + max_tokens + 16,
+        block_size=16,
+        num_kv_blocks=(args.batch + 8) * -(-(prompt_len + max_tokens) // 16),
+        enable_prefix_caching=False,
+        max_loras=args.max_loras,
+        max_cpu_loras=max_cpu_loras,
+        max_lora_rank=RANK,
+        dtype="bfloat16" if device.type == "cuda" else "float32",
+        device=str(device),
+        adapter_loader=adapter_loader,
+    )
+    engine = LLMEngine(
+        config,
+        skip_tokenizer_init=True,
+        adapter_observer=observer,
+        adapter_source_factory=adapter_source_factory,
+    )
     # Every adapter reaches the CPU tier first, so that all requests start together: a request whose
     # adapter arrived early would otherwise run ahead (by hundreds of tokens while the loader processes
     # start) and reach max_tokens before the run ends.
@@ -334,11 +411,15 @@ def decode_engine(args, device, model_dir, sizes, batch_ids, cpu_ids, max_tokens
     for i in range(args.batch):
         prompt = torch.randint(3, sizes["vocab_size"], (prompt_len,), generator=gen).tolist()
         engine.add_request(f"run{i}", prompt, params, batch_ids[i % len(batch_ids)])
-    while not (engine.scheduler.num_running == args.batch
-               and all(r.num_output_tokens > 0 for r in engine.scheduler.running)):  # fmt: skip
+    while not (
+        engine.scheduler.num_running == args.batch
+        and all(r.num_output_tokens > 0 for r in engine.scheduler.running)
+    ):
         engine.step()
     lengths = [r.num_output_tokens for r in engine.scheduler.running]
-    assert max(lengths) - min(lengths) < 8, f"the batch started unevenly: {min(lengths)}-{max(lengths)} tokens"
+    assert max(lengths) - min(lengths) < 8, (
+        f"the batch started unevenly: {min(lengths)}-{max(lengths)} tokens"
+    )
     return engine
 
 
@@ -350,8 +431,9 @@ class Background:
     retired once it was ready, so its next use reads it from disk again (not from the CPU tier).
     """
 
-    def __init__(self, engine, adapter_ids: list[str], in_flight: int, every: int = 1, cold: bool = False,
-                 loads=None):  # fmt: skip
+    def __init__(
+        self, engine, adapter_ids: list[str], in_flight: int, every: int = 1, cold: bool = False, loads=None
+    ):
         self.engine, self.in_flight, self.every, self.cold = engine, in_flight, every, cold
         self.default_loads = engine.lora.loads
         if loads is not None:  # this block's loads run in `loads` instead of the engine's own
@@ -371,7 +453,9 @@ class Background:
         if self.steps % self.every == 0 and len(self.requests) < self.in_flight:
             request_id = f"bg{next(_request_ids)}"
             self.requests[request_id] = next(self.cycle)
-            self.engine.add_request(request_id, [5, 6, 7], SamplingParams(max_tokens=1), self.requests[request_id])
+            self.engine.add_request(
+                request_id, [5, 6, 7], SamplingParams(max_tokens=1), self.requests[request_id]
+            )
         self.steps += 1
 
     def stop(self) -> None:
@@ -425,9 +509,11 @@ class SleepingSource:
 def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
     """Rows of (condition, step seconds, adapters copied into slots, loads per step)."""
     sizes, model_dir, shape = decode_model(args, device, root)
-    folders = dict(batch=adapter_folders(root, shape, "batch", 100, args.batch_adapters),
-                   disk=adapter_folders(root, shape, "disk", 200, args.background_adapters),
-                   cpu=adapter_folders(root, shape, "cpu", 300, args.background_adapters))  # fmt: skip
+    folders = dict(
+        batch=adapter_folders(root, shape, "batch", 100, args.batch_adapters),
+        disk=adapter_folders(root, shape, "disk", 200, args.background_adapters),
+        cpu=adapter_folders(root, shape, "cpu", 300, args.background_adapters),
+    )
     ids, source_factory = store_adapters(root, shape, folders) if args.source == "store" else (folders, None)
     batch_ids, disk_ids, cpu_ids = ids["batch"], ids["disk"], ids["cpu"]
     in_flight, every = args.concurrent_loads, args.load_every
@@ -435,31 +521,51 @@ def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
         "no loads": None,
         "request traffic only (adapters already resident)": lambda: Background(engine, batch_ids, in_flight),
         "slot copies beside (CPU tier -> GPU), stress": lambda: Background(engine, cpu_ids, in_flight),
-        "disk loads beside, stress, loader processes": lambda: Background(engine, disk_ids, in_flight, cold=True),
-        "disk loads beside, stress, loader threads": lambda: Background(engine, disk_ids, in_flight, cold=True,
-                                                                        loads=threads),
-        "loads that only sleep 30 ms, stress, loader processes": lambda: Background(engine, disk_ids, in_flight,
-                                                                                    cold=True, loads=sleeping),
+        "disk loads beside, stress, loader processes": lambda: Background(
+            engine, disk_ids, in_flight, cold=True
+        ),
+        "disk loads beside, stress, loader threads": lambda: Background(
+            engine, disk_ids, in_flight, cold=True, loads=threads
+        ),
+        "loads that only sleep 30 ms, stress, loader processes": lambda: Background(
+            engine, disk_ids, in_flight, cold=True, loads=sleeping
+        ),
         "a busy process beside, no loads": BusyBeside,
-        f"disk loads beside, one every {every} steps, loader processes": lambda: Background(engine, disk_ids, 1, every,
-                                                                                            cold=True),
-        f"disk loads beside, one every {every} steps, loader threads": lambda: Background(engine, disk_ids, 1, every,
-                                                                                          cold=True, loads=threads),
-    }  # fmt: skip
+        f"disk loads beside, one every {every} steps, loader processes": lambda: Background(
+            engine, disk_ids, 1, every, cold=True
+        ),
+        f"disk loads beside, one every {every} steps, loader threads": lambda: Background(
+            engine, disk_ids, 1, every, cold=True, loads=threads
+        ),
+    }
     if args.only:  # the first two stay: the paired ratios need the control
-        conditions = {label: start for i, (label, start) in enumerate(conditions.items())
-                      if i < 2 or any(part in label for part in args.only)}  # fmt: skip
+        conditions = {
+            label: start
+            for i, (label, start) in enumerate(conditions.items())
+            if i < 2 or any(part in label for part in args.only)
+        }
     block, settle = args.block_steps, args.settle_steps
     total_steps = args.rounds * len(conditions) * (block + settle)
     max_tokens = total_steps + args.warmup + 16
     events = Counter()
-    engine = decode_engine(args, device, model_dir, sizes, batch_ids, cpu_ids, max_tokens,
-                           max_cpu_loras=len(batch_ids) + len(cpu_ids) + args.concurrent_loads + 2,
-                           adapter_loader="process", observer=lambda e, t, s: events.update([(e, t)]),
-                           adapter_source_factory=source_factory)  # fmt: skip
+    engine = decode_engine(
+        args,
+        device,
+        model_dir,
+        sizes,
+        batch_ids,
+        cpu_ids,
+        max_tokens,
+        max_cpu_loras=len(batch_ids) + len(cpu_ids) + args.concurrent_loads + 2,
+        adapter_loader="process",
+        observer=lambda e, t, s: events.update([(e, t)]),
+        adapter_source_factory=source_factory,
+    )
     # The engine's own source and rows, loaded on worker threads, or by processes that only sleep.
     threads = ThreadLoads(engine.lora.source, engine.lora.tier)
-    sleeping = ProcessLoads(SleepingSource(0.03), engine.lora.tier) if "sleep" in " ".join(conditions) else None
+    sleeping = (
+        ProcessLoads(SleepingSource(0.03), engine.lora.tier) if "sleep" in " ".join(conditions) else None
+    )
     for _ in range(args.warmup):
         engine.step()
 
@@ -500,7 +606,9 @@ def bench_decode(args, device: torch.device, root: Path) -> list[tuple]:
 def add_decode_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
     """The options `decode_model`, `decode_engine` and the rounds of blocks read."""
     parser.add_argument("--batch", type=int, default=48, help="running requests in the measured decode batch")
-    parser.add_argument("--batch-adapters", type=int, default=8, help="distinct adapters of the running batch")
+    parser.add_argument(
+        "--batch-adapters", type=int, default=8, help="distinct adapters of the running batch"
+    )
     parser.add_argument("--max-loras", type=int, default=16)
     parser.add_argument("--decode-layers", type=int, default=4, help="layers of the 1B-shaped decode model")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -516,17 +624,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     add_decode_arguments(parser, rounds=10)
     parser.add_argument("--background-adapters", type=int, default=32, help="adapters cycled through loading")
-    parser.add_argument("--concurrent-loads", type=int, default=4, help="background adapters in flight at once")
+    parser.add_argument(
+        "--concurrent-loads", type=int, default=4, help="background adapters in flight at once"
+    )
     parser.add_argument("--load-every", type=int, default=20, help="steps between loads, realistic condition")
     parser.add_argument("--decode-only", action="store_true", help="skip the per-tier load latencies")
-    parser.add_argument("--source", choices=("store", "folders"), default="store",
-                        help="decode: adapters from a local store through the disk cache (the server's default), "
-                             "or straight from PEFT folders")
-    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
-                        help="decode: run only the conditions whose name contains TEXT (repeatable), besides "
-                             "the no-loads and control conditions")
-    parser.add_argument("--switch-interval", type=float, default=None,
-                        help="sys.setswitchinterval for the run (seconds; Python's default is 0.005)")
+    parser.add_argument(
+        "--source",
+        choices=("store", "folders"),
+        default="store",
+        help="decode: adapters from a local store through the disk cache (the server's default), "
+        "or straight from PEFT folders",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="decode: run only the conditions whose name contains TEXT (repeatable), besides "
+        "the no-loads and control conditions",
+    )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval for the run (seconds; Python's default is 0.005)",
+    )
     args = parser.parse_args(argv)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -541,16 +664,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA device: run on a GPU machine, or pass --smoke")
     torch.manual_seed(0)
     shape = SMOKE_SHAPE if args.smoke else LLAMA_8B
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU ({platform.processor() or 'cpu'})"
+    )
     with tempfile.TemporaryDirectory(prefix="adapter-bench-") as tmp:
-        size_mb, tiers = (0.0, []) if args.decode_only else bench_tiers(shape, device, args.repeats, args.warmup,
-                                                                          Path(tmp))
+        size_mb, tiers = (
+            (0.0, [])
+            if args.decode_only
+            else bench_tiers(shape, device, args.repeats, args.warmup, Path(tmp))
+        )
         decode = bench_decode(args, device, Path(tmp))
     print(f"\n- **Device**: {name}; torch {torch.__version__}, python {platform.python_version()}")
-    print(f"- **Command**: `python3 {shlex.join(['benchmarks/adapter_loading.py', *(argv or sys.argv[1:])])}`")
-    print(f"- **Adapter**: rank {RANK}, all seven projections, {size_mb:.1f} MB bf16 safetensors, "
-          f"shape {'tiny (smoke)' if args.smoke else 'Llama-3.1-8B'}; median of {args.repeats} after {args.warmup} "
-          "warm-up\n")  # fmt: skip
+    print(
+        f"- **Command**: `python3 {shlex.join(['benchmarks/adapter_loading.py', *(argv or sys.argv[1:])])}`"
+    )
+    print(
+        f"- **Adapter**: rank {RANK}, all seven projections, {size_mb:.1f} MB bf16 safetensors, "
+        f"shape {'tiny (smoke)' if args.smoke else 'Llama-3.1-8B'}; median of {args.repeats} after {args.warmup} "
+        "warm-up\n"
+    )
     print(f"- **GIL switch interval**: {sys.getswitchinterval() * 1e3:g} ms\n")
     print("| tier | what | median ms | p90 ms |\n|---|---|---|---|")
     for tier, what, samples in tiers:
@@ -558,26 +692,34 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {tier} | {what} | - | - |")
         else:
             print(f"| {tier} | {what} | **{ms(samples):.2f}** | {ms(samples, 0.9):.2f} |")
-    print(f"\n- **Decode**: {args.batch} running requests over {args.batch_adapters} adapters, "
-          f"{'tiny' if args.smoke else 'Llama-3.2-1B'}-shaped model with {args.decode_layers} layers, "
-          f"prompts of {args.prompt_len}; max_loras {args.max_loras}; {args.rounds} rounds of one block per "
-          f"condition ({args.block_steps} steps counted after {args.settle_steps}); stress: "
-          f"a new adapter requested every step, up to {args.concurrent_loads} loads in flight; adapters "
-          f"{'from a local store through the disk cache' if args.source == 'store' else 'from PEFT folders'}\n")  # fmt: skip
+    print(
+        f"\n- **Decode**: {args.batch} running requests over {args.batch_adapters} adapters, "
+        f"{'tiny' if args.smoke else 'Llama-3.2-1B'}-shaped model with {args.decode_layers} layers, "
+        f"prompts of {args.prompt_len}; max_loras {args.max_loras}; {args.rounds} rounds of one block per "
+        f"condition ({args.block_steps} steps counted after {args.settle_steps}); stress: "
+        f"a new adapter requested every step, up to {args.concurrent_loads} loads in flight; adapters "
+        f"{'from a local store through the disk cache' if args.source == 'store' else 'from PEFT folders'}\n"
+    )
     quiet = statistics.median(decode[0][1])
     traffic_times = decode[1][1]
-    print("| condition | steps | median step ms | p99 step ms | vs no loads | vs control, by round: median [IQR] "
-          "| 95% CI of that median | loads per step |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    print(
+        "| condition | steps | median step ms | p99 step ms | vs no loads | vs control, by round: median [IQR] "
+        "| 95% CI of that median | loads per step |\n|---|---|---|---|---|---|---|---|"
+    )
     for label, times, _, per_step in decode:
         ratio = statistics.median(times) / quiet
         mid, q1, q3 = paired_ratios(times, traffic_times, args.block_steps)
         low, high = median_ci(round_ratios(times, traffic_times, args.block_steps))
-        print(f"| {label} | {len(times)} | **{ms(times):.2f}** | {ms(times, 0.99):.2f} | {ratio:.3f} | "
-              f"**{mid:.3f}** [{q1:.3f}, {q3:.3f}] | {low:.3f}-{high:.3f} | {per_step:.2f} |")  # fmt: skip
+        print(
+            f"| {label} | {len(times)} | **{ms(times):.2f}** | {ms(times, 0.99):.2f} | {ratio:.3f} | "
+            f"**{mid:.3f}** [{q1:.3f}, {q3:.3f}] | {low:.3f}-{high:.3f} | {per_step:.2f} |"
+        )
     traffic = statistics.median(decode[1][1])
     for label, times, _, per_step in decode[2:]:
         if per_step:  # from the paired ratio: the medians of whole runs differ by the contexts' growth too
-            extra = (paired_ratios(times, traffic_times, args.block_steps)[0] - 1.0) * traffic / per_step * 1e3
+            extra = (
+                (paired_ratios(times, traffic_times, args.block_steps)[0] - 1.0) * traffic / per_step * 1e3
+            )
             print(f"- {label}: {extra:.3f} ms of step time per load, beyond the same request traffic")
     return 0
 

@@ -75,7 +75,9 @@ def background_work(kind: str, engine: LLMEngine, folders: list[Path], shape: Mo
         def work():
             modules = pool.submit(_read_tensors, next(cycle), shape).result()
             modules = {key: ModuleLoRA(r, s, a, b) for key, (r, s, a, b) in modules.items()}
-            slots.image(PeftAdapter(adapter.rank, adapter.alpha, adapter.target_modules, None, modules), pinned)
+            slots.image(
+                PeftAdapter(adapter.rank, adapter.alpha, adapter.target_modules, None, modules), pinned
+            )
 
         return work
     if kind == "image-in-process":
@@ -112,26 +114,38 @@ def main(argv: list[str] | None = None) -> int:
         conditions = args.conditions.split(",")
         max_tokens = (len(conditions) + 1) * steps + 32
         config = EngineConfig(
-            model=str(model_dir), max_num_seqs=batch, max_num_batched_tokens=2048,
-            max_model_len=128 + max_tokens + 16, block_size=16,
-            num_kv_blocks=(batch + 4) * (-(-(128 + max_tokens) // 16)), enable_prefix_caching=False,
-            max_loras=8, max_cpu_loras=8, max_lora_rank=RANK,
-            dtype="bfloat16" if device.type == "cuda" else "float32", device=str(device),
-        )  # fmt: skip
+            model=str(model_dir),
+            max_num_seqs=batch,
+            max_num_batched_tokens=2048,
+            max_model_len=128 + max_tokens + 16,
+            block_size=16,
+            num_kv_blocks=(batch + 4) * (-(-(128 + max_tokens) // 16)),
+            enable_prefix_caching=False,
+            max_loras=8,
+            max_cpu_loras=8,
+            max_lora_rank=RANK,
+            dtype="bfloat16" if device.type == "cuda" else "float32",
+            device=str(device),
+        )
         engine = LLMEngine(config, skip_tokenizer_init=True)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         gen = torch.Generator().manual_seed(0)
         for i in range(batch):
             prompt = torch.randint(3, sizes["vocab_size"], (128,), generator=gen).tolist()
             engine.add_request(f"r{i}", prompt, params, str(folders[i % len(folders)].resolve()))
-        while not (engine.scheduler.num_running == batch and all(r.num_output_tokens for r in engine.scheduler.running)):
+        while not (
+            engine.scheduler.num_running == batch
+            and all(r.num_output_tokens for r in engine.scheduler.running)
+        ):
             engine.step()
         for _ in range(20):
             engine.step()
         context = torch.multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(1, mp_context=context) as pool:
             pool.submit(_read_tensors, str(folders[0]), shape).result()  # start the child before timing
-            print(f"\n{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}; {steps} steps each\n")
+            print(
+                f"\n{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}; {steps} steps each\n"
+            )
             print("| background | median step ms | p99 step ms | background runs |\n|---|---|---|---|")
             for kind in conditions:
                 stop, runs = threading.Event(), [0]

@@ -42,8 +42,14 @@ class Shape:
 
     def small(self) -> Shape:
         """The dry-run version: same structure, interpreter-sized."""
-        return Shape(self.name, min(self.num_tokens, 8), min(self.num_adapters, 4), 64,
-                     tuple(max(16, w // 128) for w in self.out_slices), self.rank)  # fmt: skip
+        return Shape(
+            self.name,
+            min(self.num_tokens, 8),
+            min(self.num_adapters, 4),
+            64,
+            tuple(max(16, w // 128) for w in self.out_slices),
+            self.rank,
+        )
 
 
 SHAPES = [
@@ -182,11 +188,18 @@ def run_shape(shape: Shape, timer: Timer, bandwidth: float, l2_bytes: int, devic
     slices = list(shape.out_slices)
 
     def add(s: InputSet, meta, **kw):
-        return lambda: lora_kernels.add_lora_multi(s.y, s.x, s.lora_as, s.lora_bs, s.token_slots, s.scales, slices,
-                                                   meta=meta, backend="triton", **kw)  # fmt: skip
+        return lambda: lora_kernels.add_lora_multi(
+            s.y, s.x, s.lora_as, s.lora_bs, s.token_slots, s.scales, slices, meta=meta, backend="triton", **kw
+        )
 
-    naive = timer.eager([lambda s=s: reference.add_lora_multi(s.y, s.x, s.lora_as, s.lora_bs, s.token_slots,
-                                                              s.scales, slices) for s in sets[:4]])  # fmt: skip
+    naive = timer.eager(
+        [
+            lambda s=s: reference.add_lora_multi(
+                s.y, s.x, s.lora_as, s.lora_bs, s.token_slots, s.scales, slices
+            )
+            for s in sets[:4]
+        ]
+    )
     base_sets = sets[: max(2, math.ceil(2 * l2_bytes / (sets[0].weight.numel() * 2)))]
     outs = [torch.empty_like(s.y) for s in base_sets]
     base = timer.graph(
@@ -202,9 +215,14 @@ def run_shape(shape: Shape, timer: Timer, bandwidth: float, l2_bytes: int, devic
             y_before = s0.y.clone()
             add(s0, metas[0], **kw)()
             expected = reference.add_lora_multi(
-                y_before.double(), s0.x.double(), [a.double() for a in s0.lora_as], [b.double() for b in s0.lora_bs],
-                s0.token_slots, [c.double() for c in s0.scales], slices,
-            )  # fmt: skip
+                y_before.double(),
+                s0.x.double(),
+                [a.double() for a in s0.lora_as],
+                [b.double() for b in s0.lora_bs],
+                s0.token_slots,
+                [c.double() for c in s0.scales],
+                slices,
+            )
             err = ((s0.y.double() - expected).abs().max() / expected.abs().max()).item()
             micros = timer.graph([add(s, m, **kw) for s, m in zip(sets, metas)])
             path = kw.get("path") or tiles.choose_path(shape.num_tokens)
@@ -235,11 +253,16 @@ def time_split(shape, sets, metas, path, timer, launch_shrink, launch_expand, ti
         torch.zeros(sconf.split_k, len(s.lora_as), shape.num_tokens, shape.rank, device=s.x.device)
         for s in sets
     ]
-    shrink_ops = [lambda s=s, m=m, h=h: launch_shrink(h, s.x, s.lora_as, s.token_slots, None, m, path, sconf)
-                  for s, m, h in zip(sets, metas, hs)]  # fmt: skip
-    expand_ops = [lambda s=s, m=m, h=h: launch_expand(s.y, h, s.lora_bs, s.scales, s.token_slots, None,
-                                                      list(shape.out_slices), m, path, econf)
-                  for s, m, h in zip(sets, metas, hs)]  # fmt: skip
+    shrink_ops = [
+        lambda s=s, m=m, h=h: launch_shrink(h, s.x, s.lora_as, s.token_slots, None, m, path, sconf)
+        for s, m, h in zip(sets, metas, hs)
+    ]
+    expand_ops = [
+        lambda s=s, m=m, h=h: launch_expand(
+            s.y, h, s.lora_bs, s.scales, s.token_slots, None, list(shape.out_slices), m, path, econf
+        )
+        for s, m, h in zip(sets, metas, hs)
+    ]
     return dict(shrink_us=timer.graph(shrink_ops), expand_us=timer.graph(expand_ops), split_k=sconf.split_k)
 
 
@@ -253,12 +276,14 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
     for r in rows:
         s = r["shape"]
         fmt = lambda v, spec=".1f": "-" if v is None or v != v else format(v, spec)  # noqa: E731
-        print(f"| {s.name} | {s.num_tokens} | {s.in_features} -> {'+'.join(map(str, s.out_slices))} | {r['used']} "
-              f"| {r['label']} | {r['path']} | {fmt(r['us'])} | {fmt(r.get('shrink_us'))} | {fmt(r.get('expand_us'))} "
-              f"| {fmt(r['need'] / (r['us'] * 1e-6) / 1e9, '.0f')} | {fmt(r['us'] / r['floor_us'], '.2f')} "
-              f"| {fmt(r['floor_us'])} | {fmt(r['naive'], '.0f')} | {fmt(r['naive'] / r['us'], '.0f')} "
-              f"| {fmt(r['base'])} | {fmt(r['us'] / r['base'], '.2f')} | {fmt(r['err'], '.1e')} |"
-              + (f" {r['error']}" if "error" in r else ""))  # fmt: skip
+        print(
+            f"| {s.name} | {s.num_tokens} | {s.in_features} -> {'+'.join(map(str, s.out_slices))} | {r['used']} "
+            f"| {r['label']} | {r['path']} | {fmt(r['us'])} | {fmt(r.get('shrink_us'))} | {fmt(r.get('expand_us'))} "
+            f"| {fmt(r['need'] / (r['us'] * 1e-6) / 1e9, '.0f')} | {fmt(r['us'] / r['floor_us'], '.2f')} "
+            f"| {fmt(r['floor_us'])} | {fmt(r['naive'], '.0f')} | {fmt(r['naive'] / r['us'], '.0f')} "
+            f"| {fmt(r['base'])} | {fmt(r['us'] / r['base'], '.2f')} | {fmt(r['err'], '.1e')} |"
+            + (f" {r['error']}" if "error" in r else "")
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

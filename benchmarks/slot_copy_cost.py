@@ -73,12 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"\n- **Device**: {name}; torch {torch.__version__}")
     print(f"- **Command**: `python3 {' '.join(['benchmarks/slot_copy_cost.py', *(argv or sys.argv[1:])])}`\n")
-    print("| condition | steps | median step ms | p99 ms | vs control, by round: median [IQR] | GPU stream ms "
-          "| copies/step |\n|---|---|---|---|---|---|---|")  # fmt: skip
+    print(
+        "| condition | steps | median step ms | p99 ms | vs control, by round: median [IQR] | GPU stream ms "
+        "| copies/step |\n|---|---|---|---|---|---|---|"
+    )
     for label, times, _, gpu, per_step in rows:
         mid, q1, q3 = paired_ratios(times, rows[0][1], args.block_steps)
-        print(f"| {label} | {len(times)} | **{ms(times):.3f}** | {ms(times, 0.99):.3f} | **{mid:.3f}** "
-              f"[{q1:.3f}, {q3:.3f}] | {ms(gpu) if gpu else float('nan'):.3f} | {per_step:.2f} |")  # fmt: skip
+        print(
+            f"| {label} | {len(times)} | **{ms(times):.3f}** | {ms(times, 0.99):.3f} | **{mid:.3f}** "
+            f"[{q1:.3f}, {q3:.3f}] | {ms(gpu) if gpu else float('nan'):.3f} | {per_step:.2f} |"
+        )
     print(f"\nThe engine thread's median ms per step in each phase:\n\n| condition | {' | '.join(PHASES)} |")
     print(f"|---|{'---|' * len(PHASES)}")
     for label, _, phase, _, _ in rows:
@@ -98,9 +102,18 @@ def run(args, device: torch.device, root: Path) -> list[tuple]:
     rounds_steps = args.rounds * len(VARIANTS) * (args.block_steps + args.settle_steps)
     max_tokens = rounds_steps + 64 + (60 if args.trace_dir else 0)
     events = Counter()
-    engine = decode_engine(args, device, model_dir, sizes, batch_ids, copy_ids, max_tokens,
-                           max_cpu_loras=len(batch_ids) + len(copy_ids) + 2, adapter_loader="thread",
-                           observer=lambda e, t, s: events.update([(e, t)]))  # fmt: skip
+    engine = decode_engine(
+        args,
+        device,
+        model_dir,
+        sizes,
+        batch_ids,
+        copy_ids,
+        max_tokens,
+        max_cpu_loras=len(batch_ids) + len(copy_ids) + 2,
+        adapter_loader="thread",
+        observer=lambda e, t, s: events.update([(e, t)]),
+    )
     lora = engine.lora
     own_stage, own_start, own_load = lora.stage, lora.start_copies, lora.slots.load
     own_stream, own_copy_into = lora._copy_stream, lora._copy_into
@@ -172,8 +185,10 @@ def run(args, device: torch.device, root: Path) -> list[tuple]:
     if args.trace_dir is not None and cuda:
         trace(engine, batch_ids, copy_ids, args, device)
     engine.shutdown()
-    return [(label, times[label], phase_ms[label], gpu_ms[label], copies[label] / len(times[label]))
-            for label in VARIANTS]  # fmt: skip
+    return [
+        (label, times[label], phase_ms[label], gpu_ms[label], copies[label] / len(times[label]))
+        for label in VARIANTS
+    ]
 
 
 def trace(engine, batch_ids, copy_ids, args, device) -> None:

@@ -27,10 +27,14 @@ def kind_of(kernel: str) -> str:
     return "other kernels (norms, RoPE, elementwise)"
 
 
-def profile_decode_steps(engine, prompts, names, output_tokens: int, device: torch.device, steps: int = 8) -> str:
+def profile_decode_steps(
+    engine, prompts, names, output_tokens: int, device: torch.device, steps: int = 8
+) -> str:
     """Fill the engine's batch with requests, wait until every one decodes, then profile `steps` steps."""
     batch = min(engine.config.max_num_seqs, len(prompts))
-    params = SamplingParams(temperature=0.0, max_tokens=output_tokens, min_tokens=output_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=output_tokens, min_tokens=output_tokens, ignore_eos=True
+    )
     ids = [f"profile{i}" for i in range(batch)]
     for i, request_id in enumerate(ids):
         engine.add_request(request_id, prompts[i], params, names[i])

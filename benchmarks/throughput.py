@@ -84,12 +84,20 @@ def percentile(values: list[float], q: float) -> float:
 def make_engine(args, model_dir: Path, adapters: list[Path], max_len: int) -> LLMEngine:
     blocks_per_seq = -(-max_len // 16)
     config = EngineConfig(
-        model=str(model_dir), dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len, block_size=16,
-        num_kv_blocks=(args.max_num_seqs + 1) * blocks_per_seq, enable_prefix_caching=False,
-        max_loras=max(1, len(adapters)), max_lora_rank=args.rank, enforce_eager=args.enforce_eager,
+        model=str(model_dir),
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_len,
+        block_size=16,
+        num_kv_blocks=(args.max_num_seqs + 1) * blocks_per_seq,
+        enable_prefix_caching=False,
+        max_loras=max(1, len(adapters)),
+        max_lora_rank=args.rank,
+        enforce_eager=args.enforce_eager,
         kv_cache_dtype=args.kv_cache_dtype,
-    )  # fmt: skip
+    )
     engine = LLMEngine(config, skip_tokenizer_init=True)
     for i, path in enumerate(adapters):
         engine.register_adapter(f"a{i}", str(path))
@@ -103,7 +111,9 @@ def drain(engine: LLMEngine, on_step=None) -> None:
             on_step(outputs)
 
 
-def run_engine(args, name: str, model_dir: Path, adapters: list[Path], prompts: list[list[int]], max_len: int):
+def run_engine(
+    args, name: str, model_dir: Path, adapters: list[Path], prompts: list[list[int]], max_len: int
+):
     device = torch.device(args.device)
     w1.free_memory(device)
     engine = make_engine(args, model_dir, adapters, max_len)
@@ -112,8 +122,9 @@ def run_engine(args, name: str, model_dir: Path, adapters: list[Path], prompts: 
     # shapes, so every adapter is resident and every kernel variant the run needs is compiled before the
     # clock starts (Triton compiles a variant on first use: specialised on sizes divisible by 16, on 1,
     # and per block shape, which otherwise lands in the first LoRA run's mixed prefill/decode steps).
-    warm = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, min_tokens=args.output_tokens,
-                          ignore_eos=True)  # fmt: skip
+    warm = SamplingParams(
+        temperature=0.0, max_tokens=args.output_tokens, min_tokens=args.output_tokens, ignore_eos=True
+    )
     for i, (prompt, adapter) in enumerate(zip(prompts, names)):
         engine.add_request(f"warm{i}", prompt, warm, adapter)
     drain(engine)
@@ -127,8 +138,9 @@ def run_engine(args, name: str, model_dir: Path, adapters: list[Path], prompts: 
         return execute(scheduled)
 
     engine.runner.execute = recorded_execute
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, min_tokens=args.output_tokens,
-                            ignore_eos=True)  # fmt: skip
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.output_tokens, min_tokens=args.output_tokens, ignore_eos=True
+    )
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     w1.sync(device)
@@ -153,10 +165,15 @@ def run_engine(args, name: str, model_dir: Path, adapters: list[Path], prompts: 
     engine.runner.execute = execute
     n = args.output_tokens
     result = RunResult(
-        name, len(prompts), n * len(prompts), seconds,
-        ttft=[first[r] - start for r in done], tpot=[(done[r] - first[r]) / (n - 1) for r in done],
-        peak_bytes=w1.peak_bytes(device), decode_steps=steps,
-    )  # fmt: skip
+        name,
+        len(prompts),
+        n * len(prompts),
+        seconds,
+        ttft=[first[r] - start for r in done],
+        tpot=[(done[r] - first[r]) / (n - 1) for r in done],
+        peak_bytes=w1.peak_bytes(device),
+        decode_steps=steps,
+    )
     if engine.runner.graphs is not None:
         result.note = f"{engine.runner.graphs.num_replays} graph replays"
     profile = None
@@ -206,15 +223,23 @@ def run_transformers(args, name, model_dir, adapters, prompts, output_tokens, ba
         w1.sync(device)
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_tokens, do_sample=False,
-                           min_new_tokens=output_tokens, pad_token_id=0,
-                           logits_processor=LogitsProcessorList([Stamp()]), **kwargs)  # fmt: skip
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=output_tokens,
+                do_sample=False,
+                min_new_tokens=output_tokens,
+                pad_token_id=0,
+                logits_processor=LogitsProcessorList([Stamp()]),
+                **kwargs,
+            )
         w1.sync(device)
         total += time.perf_counter() - start
         ttft += [stamps[0] - start] * len(batch)
         tpot += [(stamps[-1] - stamps[0]) / max(1, output_tokens - 1)] * len(batch)
-    result = RunResult(name, len(prompts), output_tokens * len(prompts), total, ttft, tpot, w1.peak_bytes(device),
-                       note=note)  # fmt: skip
+    result = RunResult(
+        name, len(prompts), output_tokens * len(prompts), total, ttft, tpot, w1.peak_bytes(device), note=note
+    )
     del model
     w1.free_memory(device)
     return result
@@ -223,11 +248,17 @@ def run_transformers(args, name, model_dir, adapters, prompts, output_tokens, ba
 # -- report -------------------------------------------------------------------------------------------
 
 
-def step_floor(config, steps: list[StepRecord], rank: int, element: int, bandwidth: float,
-               kv_element: int) -> float:
+def step_floor(
+    config, steps: list[StepRecord], rank: int, element: int, bandwidth: float, kv_element: int
+) -> float:
     base = w1.base_weight_bytes(config, element)
-    per_token, per_adapter = w1.kv_bytes_per_token(config, kv_element), w1.adapter_bytes(config, rank, element)
-    return statistics.mean((base + s.kv_tokens * per_token + s.num_adapters * per_adapter) / bandwidth for s in steps)
+    per_token, per_adapter = (
+        w1.kv_bytes_per_token(config, kv_element),
+        w1.adapter_bytes(config, rank, element),
+    )
+    return statistics.mean(
+        (base + s.kv_tokens * per_token + s.num_adapters * per_adapter) / bandwidth for s in steps
+    )
 
 
 def report(args, config, results: list[RunResult], bandwidth: float, element: int) -> str:
@@ -310,8 +341,10 @@ def main(argv=None) -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rng = random.Random(0)
     config = w1.llama_config(args.shape)
-    prompts = [[rng.randrange(3, config.vocab_size) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
-               for _ in range(args.num_requests)]  # fmt: skip
+    prompts = [
+        [rng.randrange(3, config.vocab_size) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
+        for _ in range(args.num_requests)
+    ]
     max_len = args.max_prompt + args.output_tokens
     element = torch.tensor([], dtype=dtype).element_size()
     with tempfile.TemporaryDirectory() as tmp:
@@ -328,12 +361,30 @@ def main(argv=None) -> None:
         if not args.skip_transformers:
             n = max(args.adapters)
             peft_note = f"first {args.peft_requests} requests, {args.peft_tokens} output tokens, N={n}"
-            results.append(run_transformers(args, "transformers+PEFT", model_dir, adapters[:n],
-                                            prompts[: args.peft_requests], args.peft_tokens,
-                                            args.peft_requests, peft_note))  # fmt: skip
-            results.append(run_transformers(args, "transformers (no LoRA)", model_dir, [], prompts,
-                                            args.output_tokens, args.hf_batch,
-                                            f"static batches of {args.hf_batch}"))  # fmt: skip
+            results.append(
+                run_transformers(
+                    args,
+                    "transformers+PEFT",
+                    model_dir,
+                    adapters[:n],
+                    prompts[: args.peft_requests],
+                    args.peft_tokens,
+                    args.peft_requests,
+                    peft_note,
+                )
+            )
+            results.append(
+                run_transformers(
+                    args,
+                    "transformers (no LoRA)",
+                    model_dir,
+                    [],
+                    prompts,
+                    args.output_tokens,
+                    args.hf_batch,
+                    f"static batches of {args.hf_batch}",
+                )
+            )
     print()
     print(report(args, config, results, bandwidth, element))
     if profile:

@@ -13,13 +13,34 @@ from safetensors.torch import save_file
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPES = {
-    "S": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-              num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
-    "L": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-              num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
-    "smoke": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False),
-}  # fmt: skip
+    "S": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
+    "L": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
+    "smoke": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=False,
+    ),
+}
 
 
 # -- model and adapters ----------------------------------------------------------------------------
@@ -42,14 +63,23 @@ def make_model(path: Path, shape: str, dtype: torch.dtype, device: torch.device)
     def rand(*size):
         return (torch.randn(*size, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype).cpu()
 
-    tensors = {"model.embed_tokens.weight": rand(config.vocab_size, h), "model.norm.weight": torch.ones(h, dtype=dtype)}
+    tensors = {
+        "model.embed_tokens.weight": rand(config.vocab_size, h),
+        "model.norm.weight": torch.ones(h, dtype=dtype),
+    }
     if not config.tie_word_embeddings:
         tensors["lm_head.weight"] = rand(config.vocab_size, h)
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
-        for name, size in (("self_attn.q_proj", (h, h)), ("self_attn.k_proj", (kv, h)), ("self_attn.v_proj", (kv, h)),
-                           ("self_attn.o_proj", (h, h)), ("mlp.gate_proj", (i, h)), ("mlp.up_proj", (i, h)),
-                           ("mlp.down_proj", (h, i))):  # fmt: skip
+        for name, size in (
+            ("self_attn.q_proj", (h, h)),
+            ("self_attn.k_proj", (kv, h)),
+            ("self_attn.v_proj", (kv, h)),
+            ("self_attn.o_proj", (h, h)),
+            ("mlp.gate_proj", (i, h)),
+            ("mlp.up_proj", (i, h)),
+            ("mlp.down_proj", (h, i)),
+        ):
             tensors[f"{p}{name}.weight"] = rand(*size)
         tensors[f"{p}input_layernorm.weight"] = torch.ones(h, dtype=dtype)
         tensors[f"{p}post_attention_layernorm.weight"] = torch.ones(h, dtype=dtype)
@@ -62,11 +92,20 @@ def make_model(path: Path, shape: str, dtype: torch.dtype, device: torch.device)
 def module_dims(config) -> dict[str, tuple[int, int]]:
     h, i = config.hidden_size, config.intermediate_size
     kv = config.num_key_value_heads * (h // config.num_attention_heads)
-    return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+    return {
+        "q_proj": (h, h),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (h, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
 
 
-def make_adapters(root: Path, model_dir: Path, config, count: int, rank: int, dtype: torch.dtype) -> list[Path]:
+def make_adapters(
+    root: Path, model_dir: Path, config, count: int, rank: int, dtype: torch.dtype
+) -> list[Path]:
     """PEFT folders (adapter_config.json + adapter_model.safetensors), rank `rank` over all 7 projections."""
     from peft import LoraConfig
 
@@ -81,8 +120,13 @@ def make_adapters(root: Path, model_dir: Path, config, count: int, rank: int, dt
                 tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=gen) * 0.01).to(dtype)
                 tensors[f"{key}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=gen) * 0.01).to(dtype)
         path = root / f"adapter{a}"
-        LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(MODULES), task_type="CAUSAL_LM",
-                   base_model_name_or_path=str(model_dir)).save_pretrained(str(path))  # fmt: skip
+        LoraConfig(
+            r=rank,
+            lora_alpha=2 * rank,
+            target_modules=list(MODULES),
+            task_type="CAUSAL_LM",
+            base_model_name_or_path=str(model_dir),
+        ).save_pretrained(str(path))
         save_file(tensors, str(path / "adapter_model.safetensors"))
         paths.append(path)
     return paths
@@ -106,8 +150,12 @@ def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
 
 def base_weight_bytes(config, element: int) -> int:
     """Bytes a decode step reads from the base weights: every layer, the final norm, the LM head."""
-    per_layer = sum(fan_in * fan_out for fan_in, fan_out in module_dims(config).values()) + 2 * config.hidden_size
-    return element * (config.num_hidden_layers * per_layer + config.vocab_size * config.hidden_size + config.hidden_size)
+    per_layer = (
+        sum(fan_in * fan_out for fan_in, fan_out in module_dims(config).values()) + 2 * config.hidden_size
+    )
+    return element * (
+        config.num_hidden_layers * per_layer + config.vocab_size * config.hidden_size + config.hidden_size
+    )
 
 
 def kv_bytes_per_token(config, element: int) -> int:

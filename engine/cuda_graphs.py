@@ -57,8 +57,17 @@ class DecodeInputs:
 class DecodeCudaGraphs:
     """Static input buffers and the captured graphs that read them."""
 
-    def __init__(self, model, kv_caches, lora_slots, max_num_seqs: int, max_blocks_per_seq: int,
-                 pad_block: int, block_size: int, device: torch.device):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        lora_slots,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        pad_block: int,
+        block_size: int,
+        device: torch.device,
+    ):
         self.model = model
         self.kv_caches = kv_caches
         self.lora_slots = lora_slots
@@ -100,8 +109,10 @@ class DecodeCudaGraphs:
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
-            len(self.graphs), self.buckets, time.perf_counter() - started,
-        )  # fmt: skip
+            len(self.graphs),
+            self.buckets,
+            time.perf_counter() - started,
+        )
 
     def _capture_all(self) -> None:
         for size in reversed(self.buckets):
@@ -115,10 +126,14 @@ class DecodeCudaGraphs:
                     self.pool = graph.pool()
                 self.graphs[(size, use_lora)] = (graph, logits)
 
-    def run(self, inputs: DecodeInputs) -> torch.Tensor:  # [num_seqs, vocab] float32, valid until the next run
+    def run(
+        self, inputs: DecodeInputs
+    ) -> torch.Tensor:  # [num_seqs, vocab] float32, valid until the next run
         num_seqs = len(inputs.input_ids)
         if not 0 < num_seqs <= self.max_batch_size:
-            raise ValueError(f"a decode graph batch holds 1 to {self.max_batch_size} sequences, got {num_seqs}")
+            raise ValueError(
+                f"a decode graph batch holds 1 to {self.max_batch_size} sequences, got {num_seqs}"
+            )
         size = self.bucket(num_seqs)
         use_lora = any(slot != NO_LORA for slot in inputs.token_slots)
         self._copy_inputs(inputs)

@@ -29,7 +29,9 @@ class LLM:
         **engine_args,
     ):
         self.engine = LLMEngine(
-            EngineConfig(model=model, **engine_args), tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init
+            EngineConfig(model=model, **engine_args),
+            tokenizer=tokenizer,
+            skip_tokenizer_init=skip_tokenizer_init,
         )
         for name, path in (lora_modules or {}).items():
             self.engine.register_adapter(name, path)
@@ -65,7 +67,9 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[str | list[int]]:
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
         prompts = [prompts]
     result = []
     for prompt in prompts:

@@ -56,7 +56,9 @@ class LLMEngine:
         model_path = resolve_model_path(config.model)
         hf_config = load_config(model_path)
         self.max_model_len = _max_model_len(config, hf_config)
-        self.tokenizer = tokenizer if tokenizer is not None or skip_tokenizer_init else load_tokenizer(model_path)
+        self.tokenizer = (
+            tokenizer if tokenizer is not None or skip_tokenizer_init else load_tokenizer(model_path)
+        )
         self.eos_token_ids = eos_token_ids(model_path, hf_config, self.tokenizer)
         self.runner = ModelRunner(config, model_path, hf_config, self.max_model_len)
         capacity = self.runner.num_kv_blocks * config.block_size
@@ -65,7 +67,9 @@ class LLMEngine:
                 f"the KV cache holds {capacity} tokens, fewer than max_model_len {self.max_model_len}: "
                 "lower max_model_len or give the cache more blocks"
             )
-        self.kv_cache = KVCacheManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(
+            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
         # Local PEFT folders by name or path; a server plugs in the adapter store (usually through the
         # factory, since the model's shape is known only now).
         self.adapters = AdapterRegistry(self.runner.shape, config.max_lora_rank)
@@ -78,7 +82,9 @@ class LLMEngine:
             observer=adapter_observer,
             in_processes=config.loads_in_processes,
         )
-        self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len, adapter_ready=self.lora.is_ready)
+        self.scheduler = Scheduler(
+            config, self.kv_cache, self.max_model_len, adapter_ready=self.lora.is_ready
+        )
         self.sampler = Sampler(config.seed)
         self._states: dict[str, RequestState] = {}  # child request id -> state
         self._parents: dict[str, list[str]] = {}  # user request id -> child ids

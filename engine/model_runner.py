@@ -37,12 +37,18 @@ class ModelRunner:
             raise ValueError(
                 f"attention_backend 'triton' needs a CUDA device (got {self.device}); use 'auto' or 'torch'"
             )
-        if self.kv_cache_dtype == FP8_DTYPE and self.attention_backend == "triton" and self.device.type == "cuda":
+        if (
+            self.kv_cache_dtype == FP8_DTYPE
+            and self.attention_backend == "triton"
+            and self.device.type == "cuda"
+        ):
             _check_fp8_triton_support(self.device)
         weights = load_weights(model_path, hf_config, self.dtype, self.device)
         self.model = LlamaModel(hf_config, weights, max_model_len, self.attention_backend)
         self.shape = ModelShape.from_hf_config(hf_config)
-        self.lora_slots = LoRASlots(self.shape, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+        self.lora_slots = LoRASlots(
+            self.shape, config.max_loras, config.max_lora_rank, self.dtype, self.device
+        )
         self.num_kv_blocks = config.num_kv_blocks or self._profile_num_kv_blocks()
         # One block more than the scheduler knows of: CUDA-graph padding rows write their K/V there.
         self.pad_block = self.num_kv_blocks
@@ -50,14 +56,25 @@ class ModelRunner:
         self.graphs: DecodeCudaGraphs | None = None
         if config.use_cuda_graphs:
             self.graphs = DecodeCudaGraphs(
-                self.model, self.kv_caches, self.lora_slots, config.max_num_seqs,
-                -(-max_model_len // self.block_size), self.pad_block, self.block_size, self.device,
-            )  # fmt: skip
+                self.model,
+                self.kv_caches,
+                self.lora_slots,
+                config.max_num_seqs,
+                -(-max_model_len // self.block_size),
+                self.pad_block,
+                self.block_size,
+                self.device,
+            )
             self.graphs.capture()
         logger.info(
             "model loaded: %d layers, %s on %s; KV cache %d blocks of %d tokens, %s; attention %s, %s",
-            self.model.num_layers, self.dtype, self.device, self.num_kv_blocks, self.block_size,
-            self._kv_cache_description(weights), self.attention_backend,
+            self.model.num_layers,
+            self.dtype,
+            self.device,
+            self.num_kv_blocks,
+            self.block_size,
+            self._kv_cache_description(weights),
+            self.attention_backend,
             "CUDA graphs for decode" if self.graphs else "eager",
         )
 
@@ -145,8 +162,10 @@ class ModelRunner:
         m = self.model
         shape = (num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         return [
-            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+            )
             for _ in range(m.num_layers)
         ]
 

@@ -59,7 +59,9 @@ class RequestState:
         if self.request.sampling_params.logprobs is not None:
             self.logprobs, self.cumulative_logprob = [], 0.0
 
-    def append(self, token_id: int, logprobs: TokenLogprobs | None, max_model_len: int) -> RequestStatus | None:
+    def append(
+        self, token_id: int, logprobs: TokenLogprobs | None, max_model_len: int
+    ) -> RequestStatus | None:
         """Record a sampled token (already appended to the request); returns a finished status or None."""
         if logprobs is not None and self.logprobs is not None:
             self.logprobs.append(logprobs)

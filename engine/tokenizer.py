@@ -27,7 +27,11 @@ def eos_token_ids(path: Path, hf_config, tokenizer) -> list[int]:
         generation = GenerationConfig.from_pretrained(str(path)).eos_token_id
     except OSError:
         generation = None
-    for source in (getattr(tokenizer, "eos_token_id", None), generation, getattr(hf_config, "eos_token_id", None)):
+    for source in (
+        getattr(tokenizer, "eos_token_id", None),
+        generation,
+        getattr(hf_config, "eos_token_id", None),
+    ):
         for token_id in source if isinstance(source, (list, tuple)) else [source]:
             if isinstance(token_id, int) and token_id not in ids:
                 ids.append(token_id)

@@ -30,9 +30,27 @@ def _slice_of_block(pid_n, tiles0, tiles1, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _load_b(b0_ptr, b1_ptr, b2_ptr, slice_id, slot, n0, w0, w1, w2, sb0, sb1, sb2, slot_ranks_ptr,
-            NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr, SLOT_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_R: tl.constexpr, HAS_RANKS: tl.constexpr):  # fmt: skip
+def _load_b(
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    slice_id,
+    slot,
+    n0,
+    w0,
+    w1,
+    w2,
+    sb0,
+    sb1,
+    sb2,
+    slot_ranks_ptr,
+    NUM_SLICES: tl.constexpr,
+    MAX_RANK: tl.constexpr,
+    SLOT_ALIGN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_RANKS: tl.constexpr,
+):
     """B[slot, n0:n0+BLOCK_N, :] of the slice as [BLOCK_N, BLOCK_R], plus (width, column offset, rank limit)."""
     b_ptr = b0_ptr
     width = w0
@@ -70,10 +88,18 @@ def _expand_gathered_kernel(
     s2_ptr,
     token_slots_ptr,  # [num_tokens] int32
     slot_ranks_ptr,  # [num_slots] int32, read only if HAS_RANKS
-    w0, w1, w2,  # output_slices
-    sb0, sb1, sb2,  # slot strides of each slice's B over SLOT_ALIGN (width * max_rank for a dense stack)
-    tiles0, tiles1,  # output blocks of slices 0 and 1
-    stride_yt, stride_hk, stride_hs, stride_ht,
+    w0,
+    w1,
+    w2,  # output_slices
+    sb0,
+    sb1,
+    sb2,  # slot strides of each slice's B over SLOT_ALIGN (width * max_rank for a dense stack)
+    tiles0,
+    tiles1,  # output blocks of slices 0 and 1
+    stride_yt,
+    stride_hk,
+    stride_hs,
+    stride_ht,
     SPLIT_K: tl.constexpr,  # partials of h to sum
     NUM_SLICES: tl.constexpr,
     MAX_RANK: tl.constexpr,
@@ -82,7 +108,7 @@ def _expand_gathered_kernel(
     BLOCK_R: tl.constexpr,
     HAS_RANKS: tl.constexpr,
     USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     """One program per (output block, token); rank is tiny, so a broadcast-multiply-sum beats tl.dot."""
     pid_n = tl.program_id(0)
     token = tl.program_id(1).to(tl.int64)
@@ -90,8 +116,27 @@ def _expand_gathered_kernel(
     if slot < 0:
         return
     slice_id, n0 = _slice_of_block(pid_n, tiles0, tiles1, BLOCK_N)
-    b, width, col0, r_limit = _load_b(b0_ptr, b1_ptr, b2_ptr, slice_id, slot, n0, w0, w1, w2, sb0, sb1, sb2,
-                                   slot_ranks_ptr, NUM_SLICES, MAX_RANK, SLOT_ALIGN, BLOCK_N, BLOCK_R, HAS_RANKS)  # fmt: skip
+    b, width, col0, r_limit = _load_b(
+        b0_ptr,
+        b1_ptr,
+        b2_ptr,
+        slice_id,
+        slot,
+        n0,
+        w0,
+        w1,
+        w2,
+        sb0,
+        sb1,
+        sb2,
+        slot_ranks_ptr,
+        NUM_SLICES,
+        MAX_RANK,
+        SLOT_ALIGN,
+        BLOCK_N,
+        BLOCK_R,
+        HAS_RANKS,
+    )
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < width
     y_row = y_ptr + token * stride_yt + col0 + offs_n
@@ -126,8 +171,18 @@ def _expand_segmented_kernel(
     tile_slot_ptr,  # [max_tiles] int32
     tile_start_ptr,  # [max_tiles] int32
     tile_len_ptr,  # [max_tiles] int32
-    w0, w1, w2, sb0, sb1, sb2, tiles0, tiles1,
-    stride_yt, stride_hk, stride_hs, stride_ht,
+    w0,
+    w1,
+    w2,
+    sb0,
+    sb1,
+    sb2,
+    tiles0,
+    tiles1,
+    stride_yt,
+    stride_hk,
+    stride_hs,
+    stride_ht,
     SPLIT_K: tl.constexpr,  # partials of h to sum
     NUM_SLICES: tl.constexpr,
     MAX_RANK: tl.constexpr,
@@ -138,7 +193,7 @@ def _expand_segmented_kernel(
     HAS_RANKS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     """One program per (output block, tile of one slot's tokens): B's block is read once per tile."""
     pid_n = tl.program_id(0)
     tile = tl.program_id(1)
@@ -147,8 +202,27 @@ def _expand_segmented_kernel(
     if (num_rows == 0) | (slot < 0):
         return
     slice_id, n0 = _slice_of_block(pid_n, tiles0, tiles1, BLOCK_N)
-    b, width, col0, r_limit = _load_b(b0_ptr, b1_ptr, b2_ptr, slice_id, slot, n0, w0, w1, w2, sb0, sb1, sb2,
-                                   slot_ranks_ptr, NUM_SLICES, MAX_RANK, SLOT_ALIGN, BLOCK_N, BLOCK_R, HAS_RANKS)  # fmt: skip
+    b, width, col0, r_limit = _load_b(
+        b0_ptr,
+        b1_ptr,
+        b2_ptr,
+        slice_id,
+        slot,
+        n0,
+        w0,
+        w1,
+        w2,
+        sb0,
+        sb1,
+        sb2,
+        slot_ranks_ptr,
+        NUM_SLICES,
+        MAX_RANK,
+        SLOT_ALIGN,
+        BLOCK_N,
+        BLOCK_R,
+        HAS_RANKS,
+    )
     start = tl.load(tile_start_ptr + tile)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -214,6 +288,17 @@ def launch_expand(y, h, lora_bs, scales, token_slots, slot_ranks, output_slices,
     else:
         grid = (sum(tiles), meta.num_tiles)
         _expand_segmented_kernel[grid](
-            y, h, *b, *s, ranks, meta.sorted_tokens, meta.tile_slot, meta.tile_start, meta.tile_len, *tail,
-            BLOCK_M=meta.block_m, DOT_FP32=config.dot_fp32, **common,
-        )  # fmt: skip
+            y,
+            h,
+            *b,
+            *s,
+            ranks,
+            meta.sorted_tokens,
+            meta.tile_slot,
+            meta.tile_start,
+            meta.tile_len,
+            *tail,
+            BLOCK_M=meta.block_m,
+            DOT_FP32=config.dot_fp32,
+            **common,
+        )

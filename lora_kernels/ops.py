@@ -129,9 +129,19 @@ def add_lora(
     if y.dim() != 2:
         raise ValueError(f"y must be 2-D [num_tokens, out], got shape {tuple(y.shape)}")
     return add_lora_multi(
-        y, x, [lora_a], [lora_b], token_slots, [scales], [y.shape[1]],
-        slot_ranks=slot_ranks, meta=meta, path=path, backend=backend, validate=validate,
-    )  # fmt: skip
+        y,
+        x,
+        [lora_a],
+        [lora_b],
+        token_slots,
+        [scales],
+        [y.shape[1]],
+        slot_ranks=slot_ranks,
+        meta=meta,
+        path=path,
+        backend=backend,
+        validate=validate,
+    )
 
 
 def shrink(

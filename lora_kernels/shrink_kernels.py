@@ -202,7 +202,17 @@ def launch_shrink(h, x, lora_as, token_slots, slot_ranks, meta, path, config) ->
     else:
         grid = (num_slices, config.split_k, meta.num_tiles)
         _shrink_segmented_kernel[grid](
-            x, *a, h, ranks, meta.sorted_tokens, meta.tile_slot, meta.tile_start, meta.tile_len,
-            in_features, *strides,
-            BLOCK_M=meta.block_m, DOT_FP32=config.dot_fp32, **common,
-        )  # fmt: skip
+            x,
+            *a,
+            h,
+            ranks,
+            meta.sorted_tokens,
+            meta.tile_slot,
+            meta.tile_start,
+            meta.tile_len,
+            in_features,
+            *strides,
+            BLOCK_M=meta.block_m,
+            DOT_FP32=config.dot_fp32,
+            **common,
+        )

@@ -86,8 +86,16 @@ def block_r(max_rank: int) -> int:
     return max(16, triton.next_power_of_2(max_rank))
 
 
-def shrink_config(path: str, num_rows: int, num_slices: int, in_features: int, max_rank: int,
-                  dtype: torch.dtype, device: torch.device, block_m: int = 0) -> ShrinkConfig:  # fmt: skip
+def shrink_config(
+    path: str,
+    num_rows: int,
+    num_slices: int,
+    in_features: int,
+    max_rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_m: int = 0,
+) -> ShrinkConfig:
     """`num_rows`: tokens (gathered) or the tile bound (segmented, whose tiles have `block_m` rows)."""
     br = block_r(max_rank)
     num_warps = 4
@@ -106,8 +114,9 @@ def shrink_config(path: str, num_rows: int, num_slices: int, in_features: int, m
     return ShrinkConfig(br, block_k, split_k, k_per_split, num_warps, dot_fp32, use_pdl(device))
 
 
-def expand_config(path: str, max_rank: int, dtype: torch.dtype, device: torch.device,
-                  block_m: int = 0) -> ExpandConfig:  # fmt: skip
+def expand_config(
+    path: str, max_rank: int, dtype: torch.dtype, device: torch.device, block_m: int = 0
+) -> ExpandConfig:
     br = block_r(max_rank)
     if path == "gathered":
         block_n, num_warps = min(512, max(32, TILE_ELEMENTS // br)), 4

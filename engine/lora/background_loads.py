@@ -77,7 +77,9 @@ class ThreadLoads:
         self._futures: dict[str, Future] = {}
 
     def start(self, adapter_id: str, row: int) -> None:
-        self._futures[adapter_id] = self._pool.submit(self.source.load, adapter_id, partial(read_into, self.tier, row))
+        self._futures[adapter_id] = self._pool.submit(
+            self.source.load, adapter_id, partial(read_into, self.tier, row)
+        )
 
     def finished(self) -> list[Finished]:
         done = [(adapter_id, future) for adapter_id, future in self._futures.items() if future.done()]
@@ -136,7 +138,9 @@ class _Loader:
 
     def __init__(self, context, tier: HostTier):
         self.conn, child_end = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child_end, tier), name="adapter-loader", daemon=True)
+        self.process = context.Process(
+            target=_serve, args=(child_end, tier), name="adapter-loader", daemon=True
+        )
         self.process.start()  # returns at once; the process imports in the background
         child_end.close()  # so a dead process reads as EOF here, not as a load that never ends
         self.adapter_id: str | None = None  # the load it runs
@@ -170,7 +174,9 @@ class ProcessLoads:
 
     def start(self, adapter_id: str, row: int) -> None:
         if self._closed:
-            self._unsent.append((adapter_id, AdapterError("load_failed", "the adapter loader processes were shut down")))
+            self._unsent.append(
+                (adapter_id, AdapterError("load_failed", "the adapter loader processes were shut down"))
+            )
             return
         self._queue.append((adapter_id, row))
         self._dispatch()
@@ -217,7 +223,14 @@ class ProcessLoads:
             try:
                 job = pickle.dumps((self.source, adapter_id, row))
             except Exception as exc:
-                self._unsent.append((adapter_id, AdapterError("load_failed", f"{self.source!r} cannot be sent to a loader process: {exc}")))  # fmt: skip
+                self._unsent.append(
+                    (
+                        adapter_id,
+                        AdapterError(
+                            "load_failed", f"{self.source!r} cannot be sent to a loader process: {exc}"
+                        ),
+                    )
+                )
                 continue
             try:
                 loader.conn.send_bytes(job)
@@ -236,7 +249,9 @@ class ProcessLoads:
                 logger.exception("replaying a loader process's records failed")
 
     def _replace(self, dead: _Loader) -> None:
-        logger.error("an adapter loader process died (exit code %s); starting a new one", dead.process.exitcode)
+        logger.error(
+            "an adapter loader process died (exit code %s); starting a new one", dead.process.exitcode
+        )
         dead.stop()
         self._loaders[self._loaders.index(dead)] = _Loader(self._context, self.tier)
 

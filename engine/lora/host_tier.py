@@ -66,5 +66,7 @@ def _register(tensor: torch.Tensor) -> None:
     nbytes = tensor.numel() * tensor.element_size()
     error = int(cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 1))  # 1: cudaHostRegisterPortable
     if error != 0:
-        raise RuntimeError(f"page-locking {nbytes} bytes of shared memory for the CPU tier failed (cudaError {error})")
+        raise RuntimeError(
+            f"page-locking {nbytes} bytes of shared memory for the CPU tier failed (cudaError {error})"
+        )
     weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())

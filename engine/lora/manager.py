@@ -101,9 +101,11 @@ class AdapterManager:
         self.loads = make_loads(in_processes, source, self.tier)
         logger.info(
             "CPU tier: %d adapters in %.0f MiB of %shost memory; adapter loads run in loader %s",
-            max_cpu_loras, self.tier.num_bytes / 2**20, "page-locked " if self._cuda else "",
+            max_cpu_loras,
+            self.tier.num_bytes / 2**20,
+            "page-locked " if self._cuda else "",
             "processes" if in_processes else "threads",
-        )  # fmt: skip
+        )
         self._copy_stream = torch.cuda.Stream(slots.device) if self._cuda else None
         self._free_rows = list(range(max_cpu_loras))  # rows of the tier no adapter occupies
         self._cpu: OrderedDict[str, int] = OrderedDict()  # adapter id -> its row, LRU first

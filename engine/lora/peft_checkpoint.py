@@ -64,7 +64,9 @@ def check_adapter_config(config: Mapping, max_lora_rank: int) -> None:
     """Refuse adapter configs the engine cannot serve faithfully."""
     peft_type = str(config.get("peft_type", "")).upper()
     if peft_type != "LORA":
-        raise AdapterError("not_lora", f"peft_type is {config.get('peft_type')!r}; only LORA adapters are supported")
+        raise AdapterError(
+            "not_lora", f"peft_type is {config.get('peft_type')!r}; only LORA adapters are supported"
+        )
     rank = config.get("r")
     if not isinstance(rank, int) or rank < 1:
         raise AdapterError("bad_rank", f"adapter_config.json: r must be a positive integer (got {rank!r})")
@@ -78,7 +80,9 @@ def check_adapter_config(config: Mapping, max_lora_rank: int) -> None:
     if config.get("use_dora"):
         raise AdapterError("dora_unsupported", "DoRA adapters (use_dora) are not supported")
     if config.get("bias", "none") != "none" or config.get("lora_bias"):
-        raise AdapterError("bias_unsupported", "adapters that train biases (bias != 'none') are not supported")
+        raise AdapterError(
+            "bias_unsupported", "adapters that train biases (bias != 'none') are not supported"
+        )
     if config.get("modules_to_save"):
         raise AdapterError(
             "modules_to_save_unsupported",
@@ -116,11 +120,13 @@ def check_adapter(
         layer, module = int(match["layer"]), match["module"]
         if module not in TARGET_MODULES:
             raise AdapterError(
-                "unsupported_target", f"tensor {name!r} targets {module!r}; supported: {', '.join(TARGET_MODULES)}"
+                "unsupported_target",
+                f"tensor {name!r} targets {module!r}; supported: {', '.join(TARGET_MODULES)}",
             )
         if layer >= shape.num_layers:
             raise AdapterError(
-                "layer_out_of_range", f"tensor {name!r} is for layer {layer}, but the base model has {shape.num_layers}"
+                "layer_out_of_range",
+                f"tensor {name!r} is for layer {layer}, but the base model has {shape.num_layers}",
             )
         pairs.setdefault((layer, module), {})[match["ab"]] = tuple(tensor_shape)
     if not pairs:
@@ -130,7 +136,9 @@ def check_adapter(
     modules: dict[tuple[int, str], ModuleLoRA] = {}
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
-            raise AdapterError("incomplete_pair", f"layer {layer} {module}: lora_A and lora_B must both be present")
+            raise AdapterError(
+                "incomplete_pair", f"layer {layer} {module}: lora_A and lora_B must both be present"
+            )
         in_features, out_features = shape.module_dims(module)
         rank = ab["A"][0]
         expected_a, expected_b = (rank, in_features), (out_features, rank)
@@ -142,7 +150,8 @@ def check_adapter(
             )
         if rank > max_lora_rank:
             raise AdapterError(
-                "rank_too_large", f"layer {layer} {module} has rank {rank}, above max_lora_rank {max_lora_rank}"
+                "rank_too_large",
+                f"layer {layer} {module} has rank {rank}, above max_lora_rank {max_lora_rank}",
             )
         modules[(layer, module)] = ModuleLoRA(rank=rank, scale=_scaling(config, layer, module, rank, alpha))
     targets = tuple(sorted({module for _, module in modules}, key=TARGET_MODULES.index))
@@ -171,7 +180,9 @@ def _scaling(config: Mapping, layer: int, module: str, rank: int, alpha: float) 
 def read_adapter_config(folder: Path) -> dict:
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
-        raise AdapterError("missing_config", f"{path} does not exist: a PEFT adapter folder needs {CONFIG_FILE}")
+        raise AdapterError(
+            "missing_config", f"{path} does not exist: a PEFT adapter folder needs {CONFIG_FILE}"
+        )
     try:
         config = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -190,7 +201,11 @@ def load_peft_adapter(folder: str | Path, shape: ModelShape, max_lora_rank: int)
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
         pickled = [p.name for p in folder.glob("*.bin")]
-        hint = f" (found {pickled}: pickled checkpoints are never loaded; convert to safetensors)" if pickled else ""
+        hint = (
+            f" (found {pickled}: pickled checkpoints are never loaded; convert to safetensors)"
+            if pickled
+            else ""
+        )
         raise AdapterError("missing_weights", f"{weights} does not exist{hint}")
     try:
         with safe_open(str(weights), framework="pt") as f:

@@ -52,7 +52,9 @@ class AttentionMetadata:
         """(seq_lens [num_seqs], query_start_loc [num_seqs + 1]) as int32 tensors on the step's device."""
         device = self.positions.device
         if self.seq_lens_tensor is None:
-            self.seq_lens_tensor = torch.tensor(self.seq_lens, dtype=torch.int32).to(device, non_blocking=True)
+            self.seq_lens_tensor = torch.tensor(self.seq_lens, dtype=torch.int32).to(
+                device, non_blocking=True
+            )
         if self.query_start_loc_tensor is None:
             starts = torch.tensor(self.query_start_loc, dtype=torch.int32)
             self.query_start_loc_tensor = starts.to(device, non_blocking=True)
@@ -145,6 +147,15 @@ def attention(
         raise ValueError(f"attention backend must be 'torch' or 'triton', got {backend!r}")
     seq_lens, query_start_loc = meta.device_tensors()
     return paged_attention_triton(
-        q, key_cache, value_cache, meta.block_tables[: meta.num_seqs], seq_lens, query_start_loc,
-        meta.max_query_len, scale, sliding_window, k_scale=k_scale, v_scale=v_scale,
-    )  # fmt: skip
+        q,
+        key_cache,
+        value_cache,
+        meta.block_tables[: meta.num_seqs],
+        seq_lens,
+        query_start_loc,
+        meta.max_query_len,
+        scale,
+        sliding_window,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )

@@ -103,9 +103,16 @@ class LlamaModel:
         key_cache, value_cache = kv_cache
         write_kv(key_cache, value_cache, k, v, meta.slot_mapping, layer.k_scale, layer.v_scale)
         attn = attention(
-            q, key_cache, value_cache, meta, self.scale, self.sliding_windows[i], self.attention_backend,
-            layer.k_scale, layer.v_scale,
-        )  # fmt: skip
+            q,
+            key_cache,
+            value_cache,
+            meta,
+            self.scale,
+            self.sliding_windows[i],
+            self.attention_backend,
+            layer.k_scale,
+            layer.v_scale,
+        )
         attn = attn.reshape(-1, self.q_size)
         out = F.linear(attn, layer.o)
         if lora is not None:

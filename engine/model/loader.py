@@ -51,7 +51,11 @@ def _weight_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         found = [p.name for p in path.glob("*.bin")]
-        hint = f" (found {found}: pickled checkpoints are not loaded; convert them to safetensors)" if found else ""
+        hint = (
+            f" (found {found}: pickled checkpoints are not loaded; convert them to safetensors)"
+            if found
+            else ""
+        )
         raise ValueError(f"{path} holds no .safetensors weights{hint}")
     return files
 

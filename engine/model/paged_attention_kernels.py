@@ -169,7 +169,9 @@ def paged_attention_kernel(
     dim_valid = dims < HEAD_DIM
     io_mask = row_valid[:, None] & dim_valid[None, :]
     q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=io_mask, other=0.0
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=io_mask,
+        other=0.0,
     )  # [BLOCK_M, HEAD_DIM_P]
 
     # Keys this block may see: causal up to its last token, and within the window of its first.
@@ -193,18 +195,54 @@ def paged_attention_kernel(
         tile_start = split_lo
         while tile_start < split_hi:
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, q_pos, tile_start, split_hi, table_ptr, k_cache_ptr, v_cache_ptr,
-                head_offset, qk_scale, stride_kb, stride_ks,
-                HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, SLIDING_WINDOW, DOT_FP32, KV_FP8,
-            )  # fmt: skip
+                acc,
+                m_i,
+                l_i,
+                q,
+                q_pos,
+                tile_start,
+                split_hi,
+                table_ptr,
+                k_cache_ptr,
+                v_cache_ptr,
+                head_offset,
+                qk_scale,
+                stride_kb,
+                stride_ks,
+                HEAD_DIM,
+                HEAD_DIM_P,
+                BLOCK_SIZE,
+                TILE_N,
+                SLIDING_WINDOW,
+                DOT_FP32,
+                KV_FP8,
+            )
             tile_start += TILE_N
     else:
         for tile_start in range(split_lo, split_hi, TILE_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, q_pos, tile_start, split_hi, table_ptr, k_cache_ptr, v_cache_ptr,
-                head_offset, qk_scale, stride_kb, stride_ks,
-                HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, SLIDING_WINDOW, DOT_FP32, KV_FP8,
-            )  # fmt: skip
+                acc,
+                m_i,
+                l_i,
+                q,
+                q_pos,
+                tile_start,
+                split_hi,
+                table_ptr,
+                k_cache_ptr,
+                v_cache_ptr,
+                head_offset,
+                qk_scale,
+                stride_kb,
+                stride_ks,
+                HEAD_DIM,
+                HEAD_DIM_P,
+                BLOCK_SIZE,
+                TILE_N,
+                SLIDING_WINDOW,
+                DOT_FP32,
+                KV_FP8,
+            )
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)  # sum of p * stored V, times v_scale: linear, so splits may combine
 
@@ -251,5 +289,8 @@ def combine_splits_kernel(
         other=0.0,
     )  # [SPLITS_P, HEAD_DIM_P]
     out = tl.sum(acc * weight[:, None], 0) / total
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)  # fmt: skip
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )

@@ -84,7 +84,9 @@ def _check(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, k
             f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}"
         )
     if block_tables.dtype not in (torch.int32, torch.int64) or block_tables.dim() != 2:
-        _fail(f"block_tables must be 2-D int32 or int64, got {block_tables.dtype} {tuple(block_tables.shape)}")
+        _fail(
+            f"block_tables must be 2-D int32 or int64, got {block_tables.dtype} {tuple(block_tables.shape)}"
+        )
     if block_tables.shape[0] < num_seqs or block_tables.stride(1) != 1:
         _fail(f"block_tables must have a row per sequence ({num_seqs}) and unit column stride")
     for t in (key_cache, value_cache, block_tables, seq_lens, query_start_loc):
@@ -129,13 +131,19 @@ def paged_attention_triton(
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, q.device) if decode else 1
     # Rows = new tokens x query heads of a KV head; decode has one token, prefill fills 64 rows on GPU.
-    block_m = max(16, triton.next_power_of_2(per_kv)) if decode or interpret else max(64, triton.next_power_of_2(per_kv))
+    block_m = (
+        max(16, triton.next_power_of_2(per_kv))
+        if decode or interpret
+        else max(64, triton.next_power_of_2(per_kv))
+    )
     block_q = block_m // per_kv
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
     tile_n = 16 if interpret else (32 if decode else 64)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     if num_splits > 1:
-        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim_p), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(
+            (num_tokens, num_heads, num_splits, head_dim_p), dtype=torch.float32, device=q.device
+        )
         part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
     else:
@@ -143,20 +151,55 @@ def paged_attention_triton(
     if not fp8:
         k_scale = v_scale = seq_lens  # unused
     paged_attention_kernel[grid](
-        out, part_acc, part_max, part_sum, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        k_scale, v_scale, num_seqs, scale * LOG2_E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        NUM_QUERIES_PER_KV=per_kv, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, SLIDING_WINDOW=sliding_window or 0,
-        NUM_SPLITS=num_splits, DOT_FP32=q.dtype == torch.float32 or interpret, KV_FP8=fp8,
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        k_scale,
+        v_scale,
+        num_seqs,
+        scale * LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        NUM_QUERIES_PER_KV=per_kv,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=head_dim_p,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE_N=tile_n,
+        SLIDING_WINDOW=sliding_window or 0,
+        NUM_SPLITS=num_splits,
+        DOT_FP32=q.dtype == torch.float32 or interpret,
+        KV_FP8=fp8,
         INTERPRET=interpret,
         num_warps=4,
-    )  # fmt: skip
+    )
     if num_splits > 1:
         combine_splits_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_max, part_sum, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=num_splits,
-            SPLITS_P=triton.next_power_of_2(num_splits), num_warps=4,
-        )  # fmt: skip
+            out,
+            part_acc,
+            part_max,
+            part_sum,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P=head_dim_p,
+            NUM_SPLITS=num_splits,
+            SPLITS_P=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
     return out

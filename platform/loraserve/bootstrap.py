@@ -28,8 +28,9 @@ log = logging.getLogger("loraserve")
 
 
 def store_config(settings: ServerSettings) -> StoreConfig:
-    return StoreConfig(url=settings.adapter_store, max_lora_rank=settings.max_lora_rank,
-                       cache_dir=str(settings.cache_dir))
+    return StoreConfig(
+        url=settings.adapter_store, max_lora_rank=settings.max_lora_rank, cache_dir=str(settings.cache_dir)
+    )
 
 
 def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
@@ -71,20 +72,24 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
     store = open_store(config, shape)
     await asyncio.to_thread(store.check)
     disk_cache = DiskCache(store, config.cache_dir, config.cache_max_bytes)
-    config_store = CachedConfigStore(open_config_store(settings.config_store or str(settings.state_dir / "config")))
+    config_store = CachedConfigStore(
+        open_config_store(settings.config_store or str(settings.state_dir / "config"))
+    )
     await config_store.start()
     engine: AsyncLLM | None = None
     try:
         keys = load_api_keys(settings.api_keys) if settings.api_keys else []
         authenticator = await Authenticator.create(keys, config_store)
-        metrics = Metrics(model_id, lambda: engine.stats() if engine is not None else None,
-                          lambda: config_store.healthy)
+        metrics = Metrics(
+            model_id, lambda: engine.stats() if engine is not None else None, lambda: config_store.healthy
+        )
         log.info("loading model %s (%s)", model_id, model)
         llm_engine = await asyncio.to_thread(
             LLMEngine,
             engine_config(settings, model),
             adapter_source_factory=lambda shape, rank: StoreAdapterSource(
-                store, disk_cache, shape, rank, observer=metrics.adapter_event),
+                store, disk_cache, shape, rank, observer=metrics.adapter_event
+            ),
             adapter_observer=metrics.adapter_event,
         )
         engine = AsyncLLM(llm_engine)
@@ -143,10 +148,15 @@ def _demo_model(settings: ServerSettings) -> Path:
 def _log_startup(settings: ServerSettings, model_id: str, model: str, open_mode: bool) -> None:
     log.info("model: %s (from %s)", model_id, model)
     log.info("adapter store: %s", settings.adapter_store)
-    log.info("config store: %s", redact_url(settings.config_store) if settings.config_store
-             else f"embedded, under {settings.state_dir / 'config'}")
+    log.info(
+        "config store: %s",
+        redact_url(settings.config_store)
+        if settings.config_store
+        else f"embedded, under {settings.state_dir / 'config'}",
+    )
     if open_mode:
         log.warning(
             "OPEN MODE: no API keys are configured, so every request runs as tenant %r with admin rights. "
-            "Pass --api-keys FILE before exposing this server.", DEFAULT_TENANT,
+            "Pass --api-keys FILE before exposing this server.",
+            DEFAULT_TENANT,
         )

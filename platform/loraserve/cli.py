@@ -34,18 +34,42 @@ ENV_PREFIX = "LORASERVE_"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _SERVE_FIELDS = (
-    "model", "served_model_name", "host", "port", "dtype", "device", "max_num_seqs", "max_num_batched_tokens",
-    "max_model_len", "block_size", "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching",
-    "enforce_eager", "attention_backend", "max_loras", "max_cpu_loras", "adapter_loader", "max_lora_rank",
-    "adapter_store", "config_store", "api_keys", "shutdown_timeout", "max_concurrent_requests_per_tenant", "state_dir",
+    "model",
+    "served_model_name",
+    "host",
+    "port",
+    "dtype",
+    "device",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "block_size",
+    "gpu_memory_utilization",
+    "kv_cache_dtype",
+    "enable_prefix_caching",
+    "enforce_eager",
+    "attention_backend",
+    "max_loras",
+    "max_cpu_loras",
+    "adapter_loader",
+    "max_lora_rank",
+    "adapter_store",
+    "config_store",
+    "api_keys",
+    "shutdown_timeout",
+    "max_concurrent_requests_per_tenant",
+    "state_dir",
 )
 GiB = 1 << 30
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--model", help="local folder or Hugging Face id of a Llama-family model (default: the bundled demo, "
-                        "SmolLM2-135M-Instruct, converted once under STATE_DIR/models)")
+    add(
+        "--model",
+        help="local folder or Hugging Face id of a Llama-family model (default: the bundled demo, "
+        "SmolLM2-135M-Instruct, converted once under STATE_DIR/models)",
+    )
     add("--served-model-name", help="the base model's name in requests and /v1/models (default: --model)")
     add("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     add("--port", type=int, default=8000)
@@ -55,31 +79,69 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
     add("--max-model-len", type=int, help="context length (default: the model's)")
     add("--block-size", type=int, default=16, help="tokens per KV cache block")
-    add("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use, model included")
-    add("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+    add(
+        "--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use, model included"
+    )
+    add(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
         help="auto: the model dtype; fp8 (= fp8_e4m3): float8 e4m3 K/V with per-layer scales from the "
-             "checkpoint (else 1.0), twice the tokens of a bf16 cache")
+        "checkpoint (else 1.0), twice the tokens of a bf16 cache",
+    )
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    add("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
-        help="run every step eagerly: no CUDA graphs for decode steps")
-    add("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-        help="auto: triton on CUDA, torch elsewhere; torch is the plain reference path (no CUDA graphs)")
+    add(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run every step eagerly: no CUDA graphs for decode steps",
+    )
+    add(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="auto: triton on CUDA, torch elsewhere; torch is the plain reference path (no CUDA graphs)",
+    )
     add("--max-loras", type=int, default=4, help="adapters resident on the GPU at once")
     add("--max-cpu-loras", type=int, help="adapters kept ready in host memory (default: --max-loras)")
     add("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
-    add("--adapter-loader", default="auto", choices=ADAPTER_LOADERS,
+    add(
+        "--adapter-loader",
+        default="auto",
+        choices=ADAPTER_LOADERS,
         help="where adapter files are read: process (loader processes, off the engine's GIL), thread, or "
-             "auto (process on CUDA, thread on the CPU)")
-    add("--lora-modules", nargs="+", type=parse_lora_module, default=[], metavar="NAME=PATH",
-        help="PEFT folders stored as the default tenant's adapters at start (skipped if unchanged)")
-    add("--adapter-store", default=DEFAULT_ADAPTER_STORE, help="file:///dir, file://./dir or s3://bucket/prefix")
+        "auto (process on CUDA, thread on the CPU)",
+    )
+    add(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT folders stored as the default tenant's adapters at start (skipped if unchanged)",
+    )
+    add(
+        "--adapter-store",
+        default=DEFAULT_ADAPTER_STORE,
+        help="file:///dir, file://./dir or s3://bucket/prefix",
+    )
     add("--config-store", help="redis://host:6379/0 (default: embedded, under STATE_DIR/config)")
     add("--api-keys", help="JSON or YAML file: key -> {tenant, role: admin|user, max_concurrent_requests}")
     add("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
-    add("--max-concurrent-requests-per-tenant", type=int, help="default per-tenant cap (keys may set their own)")
-    add("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="demo model, embedded config, adapter cache")
-    add("--cpu-kv-cache-space", type=float, default=1.0,
-        help="GiB of KV cache when running on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)")
+    add(
+        "--max-concurrent-requests-per-tenant",
+        type=int,
+        help="default per-tenant cap (keys may set their own)",
+    )
+    add(
+        "--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="demo model, embedded config, adapter cache"
+    )
+    add(
+        "--cpu-kv-cache-space",
+        type=float,
+        default=1.0,
+        help="GiB of KV cache when running on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)",
+    )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -115,9 +177,12 @@ def _env_value(action: argparse.Action, raw: str) -> object:
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     values = {name: getattr(args, name) for name in _SERVE_FIELDS}
     if args.cpu_kv_cache_space <= 0:
-        raise ValueError(f"--cpu-kv-cache-space must be a positive number of GiB (got {args.cpu_kv_cache_space})")
-    return ServerSettings(**values, lora_modules=tuple(args.lora_modules),
-                          cpu_kv_cache_bytes=int(args.cpu_kv_cache_space * GiB))
+        raise ValueError(
+            f"--cpu-kv-cache-space must be a positive number of GiB (got {args.cpu_kv_cache_space})"
+        )
+    return ServerSettings(
+        **values, lora_modules=tuple(args.lora_modules), cpu_kv_cache_bytes=int(args.cpu_kv_cache_space * GiB)
+    )
 
 
 class DrainingServer(uvicorn.Server):
@@ -160,13 +225,21 @@ def serve(settings: ServerSettings, log_level: str = "info") -> None:
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+    )
     DrainingServer(config, shutdown_of(app)).run()
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loraserve", description="Serve many LoRA adapters of one base model.")
+    parser = argparse.ArgumentParser(
+        prog="loraserve", description="Serve many LoRA adapters of one base model."
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve_parser = commands.add_parser("serve", help="run the OpenAI-compatible server")
     add_serve_arguments(serve_parser)

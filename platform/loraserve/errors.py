@@ -83,7 +83,12 @@ def error_type(status: int) -> str:
 
 
 def error_response(
-    status: int, message: str, code: str | None, *, param: str | None = None, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    code: str | None,
+    *,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Response[ErrorBody]:
     detail = ErrorDetail(message=message, type=error_type(status), code=code, param=param)
     return Response(ErrorBody(error=detail), status_code=status, media_type=MediaType.JSON, headers=headers)
@@ -129,10 +134,18 @@ def _http_exception(request: Request, exc: HTTPException) -> Response[ErrorBody]
         message = f"no such endpoint: {request.method} {request.url.path}; see docs/API.md"
         return error_response(404, message, "not_found")
     if status == 405:
-        return error_response(405, f"{request.method} is not allowed on {request.url.path}", "method_not_allowed",
-                              headers=_allow_header(exc))
+        return error_response(
+            405,
+            f"{request.method} is not allowed on {request.url.path}",
+            "method_not_allowed",
+            headers=_allow_header(exc),
+        )
     if status == 413:
-        limit = request.route_handler.resolve_request_max_body_size() if request.scope.get("route_handler") else None
+        limit = (
+            request.route_handler.resolve_request_max_body_size()
+            if request.scope.get("route_handler")
+            else None
+        )
         hint = f" (the limit is {limit} bytes)" if limit else ""
         return error_response(413, f"request body too large{hint}", "request_too_large")
     if status == 400 and isinstance(exc.__cause__, SerializationException):
@@ -148,7 +161,9 @@ def _domain_error(request: Request, exc: Exception) -> Response[ErrorBody]:
         if isinstance(exc, kind):
             if status >= 500:
                 log.warning("%s %s failed: %s", request.method, request.url.path, exc)
-            return error_response(status, str(exc), getattr(exc, "code", None) or code, param=getattr(exc, "field", None))
+            return error_response(
+                status, str(exc), getattr(exc, "code", None) or code, param=getattr(exc, "field", None)
+            )
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(500, "internal server error; the server log has the details", "internal_error")
 
@@ -161,7 +176,10 @@ def _validation_message(exc: ValidationException) -> str:
         for item in extra:
             if isinstance(item, dict) and item.get("message"):
                 where = item.get("key")
-                reasons.append(f"{item['message']}" + (f" (field {where})" if where and where not in str(item["message"]) else ""))
+                reasons.append(
+                    f"{item['message']}"
+                    + (f" (field {where})" if where and where not in str(item["message"]) else "")
+                )
     detail = str(exc.detail) if exc.detail else "invalid request"
     if detail.startswith("Validation failed for"):
         detail = "invalid request body"

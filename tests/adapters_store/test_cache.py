@@ -155,7 +155,9 @@ def test_the_cache_works_in_front_of_s3(s3_endpoint, s3_bucket, adapter_dir, fil
         assert cached.hit and (cached.path / WEIGHTS).read_bytes() == (adapter_dir / WEIGHTS).read_bytes()
 
 
-def test_caches_on_one_directory_share_entries_and_respect_each_others_pins(local_store, three_adapters, tmp_path):
+def test_caches_on_one_directory_share_entries_and_respect_each_others_pins(
+    local_store, three_adapters, tmp_path
+):
     """Two instances stand for two processes: flock separates open descriptors, not processes."""
     (a, b, c), entry_bytes = three_adapters
     first = make_cache(local_store, tmp_path, entry_bytes)  # room for one

@@ -57,9 +57,15 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine-source")
     model_dir = make_model(root / "model", seed=7)
     folders = {
-        "a1": make_adapter(model_dir, root / "a1", seed=31, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
-        "a2": make_adapter(model_dir, root / "a2", seed=32, r=4, lora_alpha=8, target_modules=["o_proj", "down_proj"]),
-        "b1": make_adapter(model_dir, root / "b1", seed=33, r=16, lora_alpha=16, target_modules=["k_proj", "up_proj"]),
+        "a1": make_adapter(
+            model_dir, root / "a1", seed=31, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]
+        ),
+        "a2": make_adapter(
+            model_dir, root / "a2", seed=32, r=4, lora_alpha=8, target_modules=["o_proj", "down_proj"]
+        ),
+        "b1": make_adapter(
+            model_dir, root / "b1", seed=33, r=16, lora_alpha=16, target_modules=["k_proj", "up_proj"]
+        ),
     }
     reference = load_peft_reference(model_dir, folders)
     rng = random.Random(0)
@@ -80,6 +86,7 @@ def files(folder) -> AdapterFiles:
 def make_engine(setup, store, cache_dir, events: Counter | None = None, loader: str = "thread") -> LLMEngine:
     """`loader` "process": whole loads (manifest, disk cache, read) in loader processes, their observer
     events and store metrics sent back (engine/lora/background_loads.py), as on CUDA by default."""
+
     def observe(event, tier, seconds):
         if events is not None:
             events[(event, tier)] += 1
@@ -87,14 +94,22 @@ def make_engine(setup, store, cache_dir, events: Counter | None = None, loader: 
     cache = DiskCache(store, cache_dir, 1 << 30, CountingMetrics())
     # Room for every adapter in the CPU tier, so each is loaded from the source exactly once.
     config = EngineConfig(
-        model=str(setup["model_dir"]), max_loras=2, max_cpu_loras=4, max_lora_rank=16, block_size=8,
-        max_model_len=64, dtype="float32", adapter_loader=loader,
+        model=str(setup["model_dir"]),
+        max_loras=2,
+        max_cpu_loras=4,
+        max_lora_rank=16,
+        block_size=8,
+        max_model_len=64,
+        dtype="float32",
+        adapter_loader=loader,
     )
     return LLMEngine(
         config,
         skip_tokenizer_init=True,
         adapter_observer=observe,
-        adapter_source_factory=lambda shape, rank: StoreAdapterSource(store, cache, shape, rank, observer=observe),
+        adapter_source_factory=lambda shape, rank: StoreAdapterSource(
+            store, cache, shape, rank, observer=observe
+        ),
     )
 
 
@@ -122,8 +137,16 @@ def local_store(setup, tmp_path):
 def test_store_adapters_end_to_end_match_peft(setup, local_store, tmp_path, loader):
     events = Counter()
     engine = make_engine(setup, local_store, tmp_path / "cache", events, loader)
-    plan = [(0, "acme/a@1"), (1, "acme/a@2"), (2, "acme/b@1"), (3, None), (0, "other/a@1"), (1, "acme/a@9"),
-            (2, "acme/nope@1"), (3, "acme/a@2")]
+    plan = [
+        (0, "acme/a@1"),
+        (1, "acme/a@2"),
+        (2, "acme/b@1"),
+        (3, None),
+        (0, "other/a@1"),
+        (1, "acme/a@9"),
+        (2, "acme/nope@1"),
+        (3, "acme/a@2"),
+    ]
     served = {"acme/a@1": "a1", "acme/a@2": "a2", "acme/b@1": "b1", "other/a@1": "b1", None: None}
     outputs = run(engine, setup["prompts"], plan)
     for (prompt_index, adapter), output in zip(plan, outputs):

@@ -137,7 +137,12 @@ GATEWAY = _resource(
                 "minItems": 1,
                 "items": _closed(
                     ["name", "protocol", "port"],
-                    {"name": _NAME, "protocol": {"type": "string"}, "port": _PORT, "hostname": {"type": "string"}},
+                    {
+                        "name": _NAME,
+                        "protocol": {"type": "string"},
+                        "port": _PORT,
+                        "hostname": {"type": "string"},
+                    },
                 ),
             },
         },

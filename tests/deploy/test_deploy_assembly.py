@@ -35,7 +35,12 @@ def test_listed_files_exist_and_patches_hit_objects(kustomization):
         assert (folder / entry).exists(), f"{kustomization}: resource {entry} does not exist"
     for patch in spec.get("patches", []):
         target = yaml.safe_load((folder / patch["path"]).read_text())
-        bases = [obj for entry in spec["resources"] if (folder / entry).is_dir() for obj in render(f"{kustomization}/{entry}")]
+        bases = [
+            obj
+            for entry in spec["resources"]
+            if (folder / entry).is_dir()
+            for obj in render(f"{kustomization}/{entry}")
+        ]
         matches = find(bases, target["kind"], target["metadata"]["name"])
         assert matches, f"{kustomization}: patch {patch['path']} targets no {target['kind']}"
         for patched in target.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
@@ -54,7 +59,9 @@ def test_selectors_match_the_pods(gateway_stack):
     epp = one(gateway_stack, "Deployment", "loraserve-epp")
     assert selects(one(gateway_stack, "Service", "loraserve-epp")["spec"]["selector"], pod_labels(epp))
     # The EPP must not count itself as a model server.
-    assert not selects(one(gateway_stack, "InferencePool")["spec"]["selector"]["matchLabels"], pod_labels(epp))
+    assert not selects(
+        one(gateway_stack, "InferencePool")["spec"]["selector"]["matchLabels"], pod_labels(epp)
+    )
     monitor = one(render("monitoring"), "ServiceMonitor")
     service = one(gateway_stack, "Service", "loraserve")
     assert selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
@@ -91,7 +98,11 @@ def test_env_secret_and_volume_references_resolve(gateway_stack):
     deployment = one(gateway_stack, "Deployment", "loraserve")
     server = container(deployment, "loraserve")
     for source in server["envFrom"]:
-        kind, ref = ("ConfigMap", source["configMapRef"]) if "configMapRef" in source else ("Secret", source["secretRef"])
+        kind, ref = (
+            ("ConfigMap", source["configMapRef"])
+            if "configMapRef" in source
+            else ("Secret", source["secretRef"])
+        )
         assert (kind, ref["name"]) in names, f"envFrom names a missing {kind} {ref['name']}"
     for var in server.get("env", []):
         ref = var.get("valueFrom", {}).get("secretKeyRef")
@@ -154,7 +165,9 @@ def test_inference_extension_references_resolve(gateway_stack):
     (parent,) = route["spec"]["parentRefs"]
     one(gateway_stack, "Gateway", parent["name"])
     backends = [b for rule in route["spec"]["rules"] for b in rule["backendRefs"]]
-    assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool["metadata"]["name"]}]
+    assert backends == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool["metadata"]["name"]}
+    ]
     objective = one(gateway_stack, "InferenceObjective")
     assert objective["spec"]["poolRef"]["name"] == pool["metadata"]["name"]
     epp = container(one(gateway_stack, "Deployment", "loraserve-epp"), "epp")
@@ -173,9 +186,13 @@ def test_endpoint_picker_scores_lora_affinity(gateway_stack):
     assert "lora-affinity-scorer" in declared
     for profile in config["schedulingProfiles"]:
         for ref in profile["plugins"]:
-            assert ref["pluginRef"] in declared, f"profile {profile['name']} uses undeclared {ref['pluginRef']}"
+            assert ref["pluginRef"] in declared, (
+                f"profile {profile['name']} uses undeclared {ref['pluginRef']}"
+            )
     role = one(gateway_stack, "Role", "loraserve-epp")
-    readable = {(group, res) for rule in role["rules"] for group in rule["apiGroups"] for res in rule["resources"]}
+    readable = {
+        (group, res) for rule in role["rules"] for group in rule["apiGroups"] for res in rule["resources"]
+    }
     assert {("", "pods"), ("inference.networking.k8s.io", "inferencepools")} <= readable
 
 

@@ -19,8 +19,21 @@ from deploy_files import (
 
 # Anything that builds software; the runtime stage may install none of these. gcc and the libc and
 # Python headers are the exception Triton forces (it compiles its kernel launchers at run time).
-BUILD_TOOLS = {"build-essential", "g++", "make", "cmake", "ninja-build", "git", "clang", "python3-pip",
-               "cuda-toolkit", "cuda-nvcc", "autoconf", "automake", "pkg-config"}
+BUILD_TOOLS = {
+    "build-essential",
+    "g++",
+    "make",
+    "cmake",
+    "ninja-build",
+    "git",
+    "clang",
+    "python3-pip",
+    "cuda-toolkit",
+    "cuda-nvcc",
+    "autoconf",
+    "automake",
+    "pkg-config",
+}
 TRITON_RUNTIME_NEEDS = {"gcc", "libc6-dev", "libpython3-dev"}
 
 
@@ -38,7 +51,9 @@ def apt_packages(stage: list[dict]) -> set[str]:
 def test_hadolint_passes():
     result = subprocess.run(
         [tool("hadolint"), "--no-color", "--config", str(DEPLOY / "hadolint.yaml"), str(DOCKERFILE)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -81,8 +96,11 @@ def test_settings_and_entrypoint():
 
 def test_build_context_keeps_what_the_dockerfile_copies():
     """Every COPY source exists and no .dockerignore pattern drops it."""
-    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     builder = dockerfile_stages()[0]
     sources = [src for copy in instructions(builder, "COPY") for src in shlex.split(copy)[:-1]]
     assert {"pyproject.toml", "engine", "platform/loraserve"} <= set(sources)

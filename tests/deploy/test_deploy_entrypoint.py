@@ -71,12 +71,26 @@ def redis_url(tmp_path):
         if os.environ.get("CI"):
             pytest.fail("redis-server is not installed; CI must install it (make redis)")
         pytest.skip("redis-server is not installed (make redis)")
-    secret_url = urlparse(one(render("base"), "Secret", "loraserve-redis")["stringData"]["LORASERVE_CONFIG_STORE"])
+    secret_url = urlparse(
+        one(render("base"), "Secret", "loraserve-redis")["stringData"]["LORASERVE_CONFIG_STORE"]
+    )
     port = _free_port()
     process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path),
-         "--requirepass", secret_url.password],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--dir",
+            str(tmp_path),
+            "--requirepass",
+            secret_url.password,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         _wait_for_port(port, process, 10)
@@ -97,8 +111,12 @@ def container_path(value: str, root: Path) -> str:
 
 def image_environment(tmp_path: Path, k8s: list[dict]) -> dict[str, str]:
     """The container's environment: Dockerfile ENV, then the ConfigMap and Secrets the Deployment loads."""
-    env: dict[str, str] = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-                           "HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env: dict[str, str] = {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "HOME": str(tmp_path / "home"),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     for key, value in dockerfile_runtime_env().items():
         if key != "PATH":
             env[key] = container_path(value, tmp_path)
@@ -122,19 +140,29 @@ def test_entrypoint_serves_with_the_deployment_settings(tmp_path, s3_endpoint, r
     env = image_environment(tmp_path, k8s)
     # What cannot exist on a test machine: a real model, S3 and Redis, and the container's fixed port.
     tokenizer = _tokenizer()
-    model_dir = make_model(tmp_path / "models" / "tiny-llama", vocab_size=len(tokenizer), eos_token_id=0,
-                           bos_token_id=1)
+    model_dir = make_model(
+        tmp_path / "models" / "tiny-llama", vocab_size=len(tokenizer), eos_token_id=0, bos_token_id=1
+    )
     tokenizer.save_pretrained(model_dir)
     bucket = urlparse(env["LORASERVE_ADAPTER_STORE"]).netloc
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
     port = _free_port()
-    env.update(LORASERVE_MODEL=str(model_dir), LORASERVE_PORT=str(port), AWS_ENDPOINT_URL=s3_endpoint,
-               LORASERVE_CONFIG_STORE=redis_url, LORASERVE_CPU_KV_CACHE_BYTES=str(8 << 20))
-    assert int(env["LORASERVE_MAX_LORAS"]) != cli.ServerSettings.max_loras, "pick a non-default to see it apply"
+    env.update(
+        LORASERVE_MODEL=str(model_dir),
+        LORASERVE_PORT=str(port),
+        AWS_ENDPOINT_URL=s3_endpoint,
+        LORASERVE_CONFIG_STORE=redis_url,
+        LORASERVE_CPU_KV_CACHE_BYTES=str(8 << 20),
+    )
+    assert int(env["LORASERVE_MAX_LORAS"]) != cli.ServerSettings.max_loras, (
+        "pick a non-default to see it apply"
+    )
 
     (entrypoint,) = instructions(dockerfile_stages()[-1], "ENTRYPOINT")
     log = (tmp_path / "server.log").open("w")
-    process = subprocess.Popen(json.loads(entrypoint), env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        json.loads(entrypoint), env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT
+    )
     base = f"http://127.0.0.1:{port}"
     admin_key = next(iter(yaml.safe_load(Path(env["LORASERVE_API_KEYS"]).read_text())))
     try:
@@ -174,7 +202,9 @@ def _check_settings_took_effect(base, admin_key, env, model_dir, k8s, s3_url, tm
     models = httpx.get(f"{base}/v1/models", headers=auth, timeout=5).json()["data"]
     assert any(m["id"] in (str(model_dir), model_dir.name) for m in models), models
     # The S3 settings took effect: an upload lands in the ConfigMap's bucket and prefix on "S3".
-    adapter = make_adapter(model_dir, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    adapter = make_adapter(
+        model_dir, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]
+    )
     files = [("files", (p.name, p.read_bytes())) for p in sorted(adapter.iterdir()) if p.is_file()]
     upload = httpx.post(f"{base}/v1/adapters", headers=auth, data={"name": "wired"}, files=files, timeout=60)
     assert upload.status_code == 201, upload.text
@@ -184,7 +214,10 @@ def _check_settings_took_effect(base, admin_key, env, model_dir, k8s, s3_url, tm
     assert any(key.startswith(store.path.strip("/") + "/") and "wired" in key for key in keys), keys
     # The Redis URL took effect: a route written through the API is in that Redis.
     route = {"variants": [{"adapter": "wired", "weight": 100}], "sticky": "none"}
-    assert httpx.put(f"{base}/v1/routes/wired-route", headers=auth, json=route, timeout=10).status_code in (200, 201)
+    assert httpx.put(f"{base}/v1/routes/wired-route", headers=auth, json=route, timeout=10).status_code in (
+        200,
+        201,
+    )
     client = redis.Redis.from_url(env["LORASERVE_CONFIG_STORE"])
     route_hashes = [key for key in client.scan_iter(match="*:routes:*") if client.type(key) == b"hash"]
     assert any(client.hexists(key, "wired-route") for key in route_hashes), "route not stored in Redis"

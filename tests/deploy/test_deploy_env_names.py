@@ -15,8 +15,13 @@ from deploy_files import compose_dict, dockerfile_runtime_env, find, render
 def serve_flags() -> set[str]:
     pytest.importorskip("loraserve.cli", reason="needs `loraserve serve` (platform/loraserve/cli.py)")
     loraserve = Path(sys.executable).parent / "loraserve"
-    result = subprocess.run([str(loraserve), "serve", "--help"], capture_output=True, text=True, timeout=60,
-                            env={"PATH": str(loraserve.parent), "COLUMNS": "200"})
+    result = subprocess.run(
+        [str(loraserve), "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": str(loraserve.parent), "COLUMNS": "200"},
+    )
     assert result.returncode == 0, result.stderr
     return set(re.findall(r"--([a-z][a-z0-9-]+)", result.stdout)) - {"help"}
 
@@ -37,6 +42,9 @@ def test_every_variable_is_a_serve_flag():
     flags = serve_flags()
     variables = deploy_variables()
     assert len(variables) >= 10
-    unknown = {name: where for name, where in variables.items()
-               if name.removeprefix("LORASERVE_").lower().replace("_", "-") not in flags}
+    unknown = {
+        name: where
+        for name, where in variables.items()
+        if name.removeprefix("LORASERVE_").lower().replace("_", "-") not in flags
+    }
     assert not unknown, f"no such `loraserve serve` flag for {unknown}"

@@ -12,7 +12,9 @@ from server_process import ServerProcess
 def start_server(tmp_path):
     servers: list[ServerProcess] = []
 
-    def start(args: list[str], env: dict[str, str] | None = None, workdir: Path | None = None) -> ServerProcess:
+    def start(
+        args: list[str], env: dict[str, str] | None = None, workdir: Path | None = None
+    ) -> ServerProcess:
         server = ServerProcess(workdir or tmp_path, args, env)
         servers.append(server)
         server.wait_ready()

@@ -33,12 +33,24 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"server-{self.port}.log"
-        command = [*loraserve_command(), "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--state-dir", str(workdir / "state"), "--device", "cpu", *args]
+        command = [
+            *loraserve_command(),
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--state-dir",
+            str(workdir / "state"),
+            "--device",
+            "cpu",
+            *args,
+        ]
         environment = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(command, cwd=workdir, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env=environment)
+        self.process = subprocess.Popen(
+            command, cwd=workdir, stdout=self._log, stderr=subprocess.STDOUT, env=environment
+        )
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -72,7 +84,18 @@ class ServerProcess:
 
 
 def tiny_server_args(model_dir: Path, *extra: str) -> list[str]:
-    return ["--model", str(model_dir), "--served-model-name", "tiny", "--max-model-len", "128",
-            "--block-size", "4", "--cpu-kv-cache-space", "0.01", "--max-loras", "2", *extra]
-
-
+    return [
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "128",
+        "--block-size",
+        "4",
+        "--cpu-kv-cache-space",
+        "0.01",
+        "--max-loras",
+        "2",
+        *extra,
+    ]

@@ -21,15 +21,21 @@ def test_sigterm_ends_a_running_stream_properly(start_server, tmp_path):
     model_dir = make_text_model(tmp_path / "model")
     # No grace period: the stream is certainly still running when the drain gives up on it.
     server = start_server(tiny_server_args(model_dir, "--shutdown-timeout", "0"))
-    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": "Once upon a time",
+        "max_tokens": 120,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     events = []
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if not line.startswith("data: "):
                 continue
-            events.append(line[len("data: "):])
+            events.append(line[len("data: ") :])
             if len(events) == 2:
                 server.terminate()
     assert events[-1] == "[DONE]"

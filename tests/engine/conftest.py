@@ -21,8 +21,20 @@ def text_model_dir(tmp_path_factory):
 def text_adapters(text_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("text-adapters")
     return {
-        "alpha": make_adapter(text_model_dir, root / "alpha", seed=21, r=8, lora_alpha=16,
-                              target_modules=["q_proj", "v_proj", "down_proj"]),
-        "beta": make_adapter(text_model_dir, root / "beta", seed=22, r=4, lora_alpha=8,
-                             target_modules=["k_proj", "o_proj", "up_proj"]),
+        "alpha": make_adapter(
+            text_model_dir,
+            root / "alpha",
+            seed=21,
+            r=8,
+            lora_alpha=16,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+        ),
+        "beta": make_adapter(
+            text_model_dir,
+            root / "beta",
+            seed=22,
+            r=4,
+            lora_alpha=8,
+            target_modules=["k_proj", "o_proj", "up_proj"],
+        ),
     }

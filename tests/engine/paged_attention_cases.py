@@ -28,7 +28,9 @@ class PagedBatch:
 
     def device_meta(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(seq_lens [num_seqs] int32, query_start_loc [num_seqs + 1] int32)."""
-        return torch.tensor(self.seq_lens, dtype=torch.int32), torch.tensor(self.query_start_loc, dtype=torch.int32)
+        return torch.tensor(self.seq_lens, dtype=torch.int32), torch.tensor(
+            self.query_start_loc, dtype=torch.int32
+        )
 
 
 def make_batch(
@@ -97,6 +99,8 @@ def quantize_batch(batch: PagedBatch, k_scale: float, v_scale: float):
     kq, vq = quantize_fp8(batch.key_cache, ks), quantize_fp8(batch.value_cache, vs)
     fp8 = dataclasses.replace(batch, key_cache=kq, value_cache=vq)
     dequantized = dataclasses.replace(
-        batch, key_cache=dequantize_fp8(kq, ks, batch.q.dtype), value_cache=dequantize_fp8(vq, vs, batch.q.dtype)
+        batch,
+        key_cache=dequantize_fp8(kq, ks, batch.q.dtype),
+        value_cache=dequantize_fp8(vq, vs, batch.q.dtype),
     )
     return fp8, dequantized, ks, vs

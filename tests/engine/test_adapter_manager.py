@@ -53,10 +53,17 @@ def case(tmp_path_factory):
 
 def make_engine(case, observer=None, **overrides) -> LLMEngine:
     args = dict(
-        model=str(case["model_dir"]), max_loras=2, max_lora_rank=16, max_num_seqs=8,
-        block_size=8, max_model_len=128, dtype="float32",
+        model=str(case["model_dir"]),
+        max_loras=2,
+        max_lora_rank=16,
+        max_num_seqs=8,
+        block_size=8,
+        max_model_len=128,
+        dtype="float32",
     )
-    engine = LLMEngine(EngineConfig(**{**args, **overrides}), skip_tokenizer_init=True, adapter_observer=observer)
+    engine = LLMEngine(
+        EngineConfig(**{**args, **overrides}), skip_tokenizer_init=True, adapter_observer=observer
+    )
     for name, path in case["adapters"].items():
         engine.register_adapter(name, str(path))
     return engine
@@ -98,7 +105,9 @@ def test_eight_adapters_through_two_slots_match_peft(case, loader):
     run_to_end(engine, finals)
     for i in range(32):
         assert finals[str(i)].error is None
-        assert finals[str(i)].outputs[0].token_ids == case["expected"](all_prompts[i], assigned[i]), assigned[i]
+        assert finals[str(i)].outputs[0].token_ids == case["expected"](all_prompts[i], assigned[i]), assigned[
+            i
+        ]
     assert engine.lora.allocator.num_evictions > 0
     assert events[("evict", "gpu")] == engine.lora.allocator.num_evictions
     assert events[("evict", "cpu")] > 0  # only two CPU images for eight adapters

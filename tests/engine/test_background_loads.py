@@ -30,14 +30,27 @@ def case(tmp_path_factory):
     model_dir = make_model(root / "model", seed=3)
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
     adapter = make_adapter(
-        model_dir, root / "adapter", seed=11, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]
+        model_dir,
+        root / "adapter",
+        seed=11,
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj", "down_proj"],
     )
-    too_large = make_adapter(model_dir, root / "too-large", seed=12, r=32, lora_alpha=32, target_modules=["o_proj"])
+    too_large = make_adapter(
+        model_dir, root / "too-large", seed=12, r=32, lora_alpha=32, target_modules=["o_proj"]
+    )
     corrupt = root / "corrupt"
     shutil.copytree(adapter, corrupt)
     (corrupt / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
-    return dict(root=root, model_dir=model_dir, layout=SlotLayout(shape, MAX_RANK), adapter=adapter, too_large=too_large,
-                corrupt=corrupt)  # fmt: skip
+    return dict(
+        root=root,
+        model_dir=model_dir,
+        layout=SlotLayout(shape, MAX_RANK),
+        adapter=adapter,
+        too_large=too_large,
+        corrupt=corrupt,
+    )
 
 
 def shared_tier(case, capacity: int = 3) -> HostTier:
@@ -187,7 +200,9 @@ def test_the_config_picks_the_loader():
 
 def test_loader_processes_need_a_shared_tier(case):
     with pytest.raises(ValueError, match="shared memory"):
-        ProcessLoads(FolderSource(case["root"]), HostTier(case["layout"], torch.float32, 1, shared=False, pinned=False))
+        ProcessLoads(
+            FolderSource(case["root"]), HostTier(case["layout"], torch.float32, 1, shared=False, pinned=False)
+        )
 
 
 def test_a_tier_larger_than_shared_memory_fails_at_start_with_the_remedy(case, monkeypatch):
@@ -204,18 +219,29 @@ def test_alpha_and_rank_patterns_scale_each_module_as_peft_does(case, tmp_path):
     from transformers import AutoModelForCausalLM
 
     folder = make_adapter(
-        case["model_dir"], tmp_path / "patterns", seed=13, r=8, lora_alpha=16,
+        case["model_dir"],
+        tmp_path / "patterns",
+        seed=13,
+        r=8,
+        lora_alpha=16,
         target_modules=["q_proj", "v_proj", "down_proj"],
-        alpha_pattern={"q_proj": 64, "model.layers.1.mlp.down_proj": 4}, rank_pattern={"v_proj": 4},
-    )  # fmt: skip
+        alpha_pattern={"q_proj": 64, "model.layers.1.mlp.down_proj": 4},
+        rank_pattern={"v_proj": 4},
+    )
     tier = HostTier(case["layout"], torch.float32, 1, shared=False, pinned=False)
     read_into(tier, 0, folder)
     image = tier.image(0)
     base = AutoModelForCausalLM.from_pretrained(case["model_dir"], dtype=torch.float32)
     peft_layers = PeftModel.from_pretrained(base, folder).base_model.model.model.layers
     for layer, modules in enumerate(peft_layers):
-        for module, peft_module in (("q_proj", modules.self_attn.q_proj), ("v_proj", modules.self_attn.v_proj),
-                                    ("down_proj", modules.mlp.down_proj)):  # fmt: skip
-            assert image.scales[module][layer].item() == pytest.approx(peft_module.scaling["default"]), (layer, module)
+        for module, peft_module in (
+            ("q_proj", modules.self_attn.q_proj),
+            ("v_proj", modules.self_attn.v_proj),
+            ("down_proj", modules.mlp.down_proj),
+        ):
+            assert image.scales[module][layer].item() == pytest.approx(peft_module.scaling["default"]), (
+                layer,
+                module,
+            )
             assert image.ranks[module][layer].item() == peft_module.r["default"]
     assert image.scales["down_proj"][1].item() == pytest.approx(4 / 8)  # the layer-specific pattern won

@@ -41,16 +41,30 @@ def case(tmp_path_factory):
     return dict(model_dir=model_dir, adapters=adapters, prompts=prompts, assigned=assigned)
 
 
-def generate(case, dtype: str, enforce_eager: bool, num_prompts: int | None = None, prompt_len: int | None = None,
-             kv_cache_dtype: str = "auto"):
+def generate(
+    case,
+    dtype: str,
+    enforce_eager: bool,
+    num_prompts: int | None = None,
+    prompt_len: int | None = None,
+    kv_cache_dtype: str = "auto",
+):
     llm = LLM(
         model=str(case["model_dir"]),
         skip_tokenizer_init=True,
         lora_modules={k: str(v) for k, v in case["adapters"].items()},
-        max_loras=4, max_lora_rank=16, max_num_seqs=8, max_num_batched_tokens=64, block_size=16,
-        max_model_len=128, dtype=dtype, device="cuda", enforce_eager=enforce_eager, num_kv_blocks=64,
+        max_loras=4,
+        max_lora_rank=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=16,
+        max_model_len=128,
+        dtype=dtype,
+        device="cuda",
+        enforce_eager=enforce_eager,
+        num_kv_blocks=64,
         kv_cache_dtype=kv_cache_dtype,
-    )  # fmt: skip
+    )
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
     prompts = [p[:prompt_len] for p in case["prompts"][:num_prompts]]
     adapters = case["assigned"][: len(prompts)]
@@ -69,7 +83,9 @@ def test_graph_replay_matches_eager(case, dtype, num_prompts, prompt_len):
     eager, no_graphs = generate(case, dtype, True, num_prompts, prompt_len)
     replayed, graphs = generate(case, dtype, False, num_prompts, prompt_len)
     assert no_graphs is None
-    assert graphs is not None and graphs.num_replays >= NUM_NEW_TOKENS - 1, "decode steps should replay graphs"
+    assert graphs is not None and graphs.num_replays >= NUM_NEW_TOKENS - 1, (
+        "decode steps should replay graphs"
+    )
     assert replayed == eager
 
 
@@ -79,7 +95,9 @@ def test_fp8_kv_cache_graph_replay_matches_eager(case, dtype, num_prompts, promp
     """float8 caches with per-layer scales (device tensors the graphs read): replays give eager's tokens."""
     eager, _ = generate(case, dtype, True, num_prompts, prompt_len, kv_cache_dtype="fp8")
     replayed, graphs = generate(case, dtype, False, num_prompts, prompt_len, kv_cache_dtype="fp8")
-    assert graphs is not None and graphs.num_replays >= NUM_NEW_TOKENS - 1, "decode steps should replay graphs"
+    assert graphs is not None and graphs.num_replays >= NUM_NEW_TOKENS - 1, (
+        "decode steps should replay graphs"
+    )
     assert all(k.dtype == torch.float8_e4m3fn for k, _ in graphs.kv_caches)
     assert replayed == eager
 

@@ -25,7 +25,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def _bad_adapters(text_model_dir, tmp_path):
-    too_big = make_adapter(text_model_dir, tmp_path / "rank32", r=32, lora_alpha=32, target_modules=["q_proj"])
+    too_big = make_adapter(
+        text_model_dir, tmp_path / "rank32", r=32, lora_alpha=32, target_modules=["q_proj"]
+    )
     other_dir = make_model(tmp_path / "other", hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
     wrong_shape = make_adapter(other_dir, tmp_path / "wrong", r=4, lora_alpha=4, target_modules=["q_proj"])
     return too_big, wrong_shape
@@ -38,7 +40,9 @@ def test_bad_requests_fail_alone(llm, text_model_dir, tmp_path):
     prompts = [good[0], "x " * 200, good[1], "hello", "hello", "hello"]
     adapters = ["alpha", None, None, "no-such-adapter", str(too_big), str(wrong_shape)]
     outputs = llm.generate(prompts, GREEDY, adapters=adapters)
-    assert [o.outputs[0].token_ids for o in (outputs[0], outputs[2])] == [b.outputs[0].token_ids for b in baseline]
+    assert [o.outputs[0].token_ids for o in (outputs[0], outputs[2])] == [
+        b.outputs[0].token_ids for b in baseline
+    ]
     errors = [o.error for o in outputs]
     assert errors[0] is None and errors[2] is None
     assert "max_model_len" in errors[1] and "tokens" in errors[1]
@@ -47,7 +51,10 @@ def test_bad_requests_fail_alone(llm, text_model_dir, tmp_path):
     assert "do not fit the base model" in errors[5]
     assert all(outputs[i].outputs[0].finish_reason == "error" for i in (1, 3, 4, 5))
     # The engine still serves afterwards.
-    assert llm.generate(good[:1], GREEDY, adapters=["alpha"])[0].outputs[0].token_ids == baseline[0].outputs[0].token_ids
+    assert (
+        llm.generate(good[:1], GREEDY, adapters=["alpha"])[0].outputs[0].token_ids
+        == baseline[0].outputs[0].token_ids
+    )
 
 
 def test_same_seed_same_tokens_whatever_the_batch(llm):
@@ -88,18 +95,23 @@ def test_stop_string_truncates_text(llm):
     text = free.outputs[0].text
     assert len(text) > 6
     stop = text[3:6]
-    stopped = llm.generate(["The quick"], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))
+    stopped = llm.generate(
+        ["The quick"], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
+    )
     completion = stopped[0].outputs[0]
     assert completion.text == text[: text.index(stop)]
     assert completion.finish_reason == "stop" and completion.stop_reason == stop
 
 
 def test_stop_token_ids_and_length(llm):
-    free = llm.generate(["The quick"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    free = llm.generate(["The quick"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[
+        0
+    ].outputs[0]
     assert free.finish_reason == "length" and len(free.token_ids) == 8
     stop_id = free.token_ids[4]
     cut = llm.generate(
-        ["The quick"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_id])
+        ["The quick"],
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_id]),
     )[0].outputs[0]
     first = free.token_ids.index(stop_id)
     assert cut.token_ids == free.token_ids[: first + 1]

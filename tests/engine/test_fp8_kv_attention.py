@@ -36,9 +36,12 @@ def case_batch(name: str, dtype=torch.float32):
 def metadata(batch) -> AttentionMetadata:
     positions = [p for s, q in zip(batch.seq_lens, batch.query_lens) for p in range(s - q, s)]
     return AttentionMetadata(
-        positions=torch.tensor(positions), slot_mapping=torch.zeros(len(positions), dtype=torch.long),
-        block_tables=batch.block_tables, query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
-    )  # fmt: skip
+        positions=torch.tensor(positions),
+        slot_mapping=torch.zeros(len(positions), dtype=torch.long),
+        block_tables=batch.block_tables,
+        query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens,
+    )
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.01, 3.0])
@@ -86,8 +89,12 @@ def test_write_kv_stores_quantized_values_at_their_slots():
 def test_torch_path_reads_fp8(name, scales):
     batch, scale, window, _ = case_batch(name)
     fp8, dequantized, k_scale, v_scale = quantize_batch(batch, *SCALES[scales])
-    out = paged_attention(fp8.q, fp8.key_cache, fp8.value_cache, metadata(fp8), scale, window, k_scale, v_scale)
-    torch.testing.assert_close(out.double(), reference_attention(dequantized, scale, window), atol=1e-5, rtol=0)
+    out = paged_attention(
+        fp8.q, fp8.key_cache, fp8.value_cache, metadata(fp8), scale, window, k_scale, v_scale
+    )
+    torch.testing.assert_close(
+        out.double(), reference_attention(dequantized, scale, window), atol=1e-5, rtol=0
+    )
     error = (out.double() - reference_attention(batch, scale, window)).abs()
     assert error.max() < QUANTIZATION_MAX_ERROR and error.mean() < QUANTIZATION_MEAN_ERROR
 
@@ -101,12 +108,26 @@ def test_triton_reads_fp8_like_the_torch_path(name, scales):
     seq_lens, starts = fp8.device_meta()
     out = torch.full_like(fp8.q, float("nan"))
     paged_attention_triton(
-        fp8.q, fp8.key_cache, fp8.value_cache, fp8.block_tables, seq_lens, starts, max(fp8.query_lens),
-        scale, window, num_splits=splits, out=out, k_scale=k_scale, v_scale=v_scale,
-    )  # fmt: skip
-    torch.testing.assert_close(out.double(), reference_attention(dequantized, scale, window), atol=1e-4, rtol=0)
-    torch_path = paged_attention(fp8.q, fp8.key_cache, fp8.value_cache, metadata(fp8), scale, window,
-                                 k_scale, v_scale)  # fmt: skip
+        fp8.q,
+        fp8.key_cache,
+        fp8.value_cache,
+        fp8.block_tables,
+        seq_lens,
+        starts,
+        max(fp8.query_lens),
+        scale,
+        window,
+        num_splits=splits,
+        out=out,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    torch.testing.assert_close(
+        out.double(), reference_attention(dequantized, scale, window), atol=1e-4, rtol=0
+    )
+    torch_path = paged_attention(
+        fp8.q, fp8.key_cache, fp8.value_cache, metadata(fp8), scale, window, k_scale, v_scale
+    )
     torch.testing.assert_close(out, torch_path, atol=1e-4, rtol=0)
 
 
@@ -116,11 +137,22 @@ def test_triton_fp8_with_half_precision_queries():
     fp8, dequantized, k_scale, v_scale = quantize_batch(batch, 0.01, 0.02)
     seq_lens, starts = fp8.device_meta()
     out = paged_attention_triton(
-        fp8.q, fp8.key_cache, fp8.value_cache, fp8.block_tables, seq_lens, starts, max(fp8.query_lens),
-        scale, window, k_scale=k_scale, v_scale=v_scale,
-    )  # fmt: skip
+        fp8.q,
+        fp8.key_cache,
+        fp8.value_cache,
+        fp8.block_tables,
+        seq_lens,
+        starts,
+        max(fp8.query_lens),
+        scale,
+        window,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     assert out.dtype == torch.float16
-    torch.testing.assert_close(out.double(), reference_attention(dequantized, scale, window), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(
+        out.double(), reference_attention(dequantized, scale, window), atol=2e-3, rtol=2e-3
+    )
 
 
 @pytest.mark.parametrize("drop", ["k_scale", "v_scale"])
@@ -130,13 +162,24 @@ def test_fp8_caches_need_both_scales(drop):
     scales = {"k_scale": k_scale, "v_scale": v_scale, drop: None}
     seq_lens, starts = fp8.device_meta()
     with pytest.raises(ValueError, match=drop):
-        paged_attention_triton(fp8.q, fp8.key_cache, fp8.value_cache, fp8.block_tables, seq_lens, starts, 1,
-                               scale, **scales)  # fmt: skip
+        paged_attention_triton(
+            fp8.q, fp8.key_cache, fp8.value_cache, fp8.block_tables, seq_lens, starts, 1, scale, **scales
+        )
     with pytest.raises(ValueError, match="k_scale and v_scale"):
         paged_attention(fp8.q, fp8.key_cache, fp8.value_cache, metadata(fp8), scale, None, **scales)
     with pytest.raises(ValueError, match="must agree"):  # one fp8 cache and one in the model dtype
-        paged_attention_triton(fp8.q, fp8.key_cache, batch.value_cache, fp8.block_tables, seq_lens, starts, 1,
-                               scale, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        paged_attention_triton(
+            fp8.q,
+            fp8.key_cache,
+            batch.value_cache,
+            fp8.block_tables,
+            seq_lens,
+            starts,
+            1,
+            scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
 
 
 @pytest.mark.gpu
@@ -146,15 +189,25 @@ def test_cuda_fp8_serving_shapes(dtype):
     """Compiled kernels at Llama-like heads (32 query, 8 KV, head_dim 128): prefill tiles and split-K decode
     over float8 caches, against the reference on the dequantized K/V."""
     tolerance = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
-    for seqs, splits in (([(150, 70), (0, 129), (300, 1), (17, 1), (64, 33)], None),
-                         ([(700, 1), (5, 1), (260, 1)], 8)):  # fmt: skip
+    for seqs, splits in (
+        ([(150, 70), (0, 129), (300, 1), (17, 1), (64, 33)], None),
+        ([(700, 1), (5, 1), (260, 1)], 8),
+    ):
         batch = make_batch(seqs, 32, 8, 128, 16, dtype, seed=13)
         fp8, dequantized, k_scale, v_scale = quantize_batch(batch, 0.01, 0.02)
         seq_lens, starts = (t.cuda() for t in fp8.device_meta())
         out = paged_attention_triton(
-            fp8.q.cuda(), fp8.key_cache.cuda(), fp8.value_cache.cuda(), fp8.block_tables.cuda(), seq_lens,
-            starts, max(fp8.query_lens), 128**-0.5, num_splits=splits, k_scale=k_scale.cuda(),
+            fp8.q.cuda(),
+            fp8.key_cache.cuda(),
+            fp8.value_cache.cuda(),
+            fp8.block_tables.cuda(),
+            seq_lens,
+            starts,
+            max(fp8.query_lens),
+            128**-0.5,
+            num_splits=splits,
+            k_scale=k_scale.cuda(),
             v_scale=v_scale.cuda(),
-        )  # fmt: skip
+        )
         expected = reference_attention(dequantized, 128**-0.5, None)
         torch.testing.assert_close(out.cpu().double(), expected, atol=tolerance, rtol=tolerance)

@@ -56,9 +56,17 @@ def prompts():
 
 
 def make_llm(model_dir, kv_cache_dtype="auto", **kwargs):
-    args = dict(max_model_len=128, block_size=8, max_num_seqs=4, max_num_batched_tokens=32, dtype="float32",
-                device="cpu")  # CPU tests (interpreted Triton); the GPU runs are in test_cuda_graphs.py
-    return LLM(model=str(model_dir), skip_tokenizer_init=True, kv_cache_dtype=kv_cache_dtype, **{**args, **kwargs})
+    args = dict(
+        max_model_len=128,
+        block_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        dtype="float32",
+        device="cpu",
+    )  # CPU tests (interpreted Triton); the GPU runs are in test_cuda_graphs.py
+    return LLM(
+        model=str(model_dir), skip_tokenizer_init=True, kv_cache_dtype=kv_cache_dtype, **{**args, **kwargs}
+    )
 
 
 def generate(llm, prompts, logprobs=20):
@@ -93,19 +101,24 @@ def test_fp8_blocks_fit_the_budget_by_element_size(models, dtype, ratio, caplog)
     assert "float8_e4m3fn (fp8, per-tensor scales 1.0: none in the checkpoint)" in caplog.text
 
 
-@pytest.mark.parametrize("names", [
-    ("self_attn.k_scale", "self_attn.v_scale"),  # llm-compressor, vLLM
-    ("self_attn.attn.k_scale", "self_attn.attn.v_scale"),
-    ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"),  # ModelOpt
-    ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),  # AutoFP8
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "names",
+    [
+        ("self_attn.k_scale", "self_attn.v_scale"),  # llm-compressor, vLLM
+        ("self_attn.attn.k_scale", "self_attn.attn.v_scale"),
+        ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"),  # ModelOpt
+        ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),  # AutoFP8
+    ],
+)
 def test_checkpoint_scales_are_loaded(models, tmp_path, names):
     path = with_kv_scales(models["plain"], tmp_path / "m", CHECKPOINT_SCALES, names)
     weights = load_weights(path, load_config(path), torch.float32, torch.device("cpu"))
     assert weights.kv_scales_from_checkpoint
     loaded = [s.item() for layer in weights.layers for s in (layer.k_scale, layer.v_scale)]
     assert loaded == pytest.approx([s for pair in CHECKPOINT_SCALES for s in pair])
-    assert all(layer.k_scale.dtype == torch.float32 and layer.k_scale.shape == (1,) for layer in weights.layers)
+    assert all(
+        layer.k_scale.dtype == torch.float32 and layer.k_scale.shape == (1,) for layer in weights.layers
+    )
 
 
 def test_legacy_kv_scale_serves_k_and_v_and_defaults_are_one(models, tmp_path):
@@ -113,7 +126,10 @@ def test_legacy_kv_scale_serves_k_and_v_and_defaults_are_one(models, tmp_path):
     path = with_kv_scales(models["plain"], tmp_path / "m", [(0.5, 0.5)], legacy)
     weights = load_weights(path, load_config(path), torch.bfloat16, torch.device("cpu"))
     assert (weights.layers[0].k_scale.item(), weights.layers[0].v_scale.item()) == (0.5, 0.5)
-    assert (weights.layers[1].k_scale.item(), weights.layers[1].v_scale.item()) == (1.0, 1.0)  # layer 1 has none
+    assert (weights.layers[1].k_scale.item(), weights.layers[1].v_scale.item()) == (
+        1.0,
+        1.0,
+    )  # layer 1 has none
     plain = load_weights(models["plain"], load_config(models["plain"]), torch.float32, torch.device("cpu"))
     assert not plain.kv_scales_from_checkpoint
 

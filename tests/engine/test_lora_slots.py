@@ -24,9 +24,11 @@ def random_adapter(seed: int, modules: tuple[str, ...]) -> PeftAdapter:
             rank = int(torch.randint(1, MAX_RANK + 1, (1,), generator=gen))
             in_features, out_features = SHAPE.module_dims(module)
             pairs[layer, module] = ModuleLoRA(
-                rank=rank, scale=float(torch.rand(1, generator=gen)) + 0.5,
-                lora_a=torch.randn(rank, in_features, generator=gen), lora_b=torch.randn(out_features, rank, generator=gen),
-            )  # fmt: skip
+                rank=rank,
+                scale=float(torch.rand(1, generator=gen)) + 0.5,
+                lora_a=torch.randn(rank, in_features, generator=gen),
+                lora_b=torch.randn(out_features, rank, generator=gen),
+            )
     return PeftAdapter(max(p.rank for p in pairs.values()), 16.0, modules, None, pairs)
 
 

@@ -21,8 +21,13 @@ def _engine_tokens(model_dir, **kwargs):
 
 
 ROPE_VARIANTS = {
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
     "linear": {"rope_type": "linear", "factor": 4.0},
 }
 

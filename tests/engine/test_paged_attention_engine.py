@@ -17,14 +17,22 @@ NUM_NEW_TOKENS = 4
 @pytest.fixture(scope="module")
 def mistral_dir(tmp_path_factory):
     # A window shorter than the longer prompts, so the sliding-window mask matters.
-    return make_model(tmp_path_factory.mktemp("attn-engine") / "model", arch="mistral", seed=4, sliding_window=10)
+    return make_model(
+        tmp_path_factory.mktemp("attn-engine") / "model", arch="mistral", seed=4, sliding_window=10
+    )
 
 
 def greedy(model_dir, backend: str, prompts) -> list[list[int]]:
     llm = LLM(
-        model=str(model_dir), skip_tokenizer_init=True, attention_backend=backend, dtype="float32",
-        max_num_seqs=4, max_num_batched_tokens=16, block_size=4, max_model_len=64,
-    )  # fmt: skip
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        attention_backend=backend,
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        block_size=4,
+        max_model_len=64,
+    )
     assert llm.engine.runner.model.attention_backend == backend
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)

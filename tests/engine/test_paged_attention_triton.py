@@ -18,9 +18,18 @@ def run(batch, scale, window=None, num_splits=None):
     seq_lens, starts = batch.device_meta()
     out = torch.full_like(batch.q, float("nan"))
     result = paged_attention_triton(
-        batch.q, batch.key_cache, batch.value_cache, batch.block_tables, seq_lens, starts,
-        max(batch.query_lens), scale, window, num_splits=num_splits, out=out,
-    )  # fmt: skip
+        batch.q,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_tables,
+        seq_lens,
+        starts,
+        max(batch.query_lens),
+        scale,
+        window,
+        num_splits=num_splits,
+        out=out,
+    )
     assert result is out
     return out
 
@@ -41,7 +50,9 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_float64_reference(name):
     seqs, heads, kv_heads, head_dim, block_size, window, splits = CASES[name]
-    batch = make_batch(seqs, heads, kv_heads, head_dim, block_size, torch.float32, seed=zlib.crc32(name.encode()))
+    batch = make_batch(
+        seqs, heads, kv_heads, head_dim, block_size, torch.float32, seed=zlib.crc32(name.encode())
+    )
     scale = head_dim**-0.5
     out = run(batch, scale, window, splits)
     expected = reference_attention(batch, scale, window)
@@ -88,9 +99,15 @@ def test_bad_arguments_name_the_problem(change, message):
     batch = make_batch([(3, 2)], 4, 2, 16, 4, torch.float32, seed=1)
     seq_lens, starts = batch.device_meta()
     args = dict(
-        q=batch.q, key_cache=batch.key_cache, value_cache=batch.value_cache, block_tables=batch.block_tables,
-        seq_lens=seq_lens, query_start_loc=starts, max_query_len=2, scale=0.5,
-    )  # fmt: skip
+        q=batch.q,
+        key_cache=batch.key_cache,
+        value_cache=batch.value_cache,
+        block_tables=batch.block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=starts,
+        max_query_len=2,
+        scale=0.5,
+    )
     change(args)
     with pytest.raises(ValueError, match=message):
         paged_attention_triton(**args)
@@ -109,15 +126,31 @@ def test_cuda_serving_shapes(dtype, window):
     seq_lens, starts = (t.cuda() for t in batch.device_meta())
     out = torch.full_like(cuda["q"], float("nan"))
     paged_attention_triton(
-        cuda["q"], cuda["key_cache"], cuda["value_cache"], cuda["block_tables"], seq_lens, starts,
-        max(batch.query_lens), 128**-0.5, window, out=out,
-    )  # fmt: skip
+        cuda["q"],
+        cuda["key_cache"],
+        cuda["value_cache"],
+        cuda["block_tables"],
+        seq_lens,
+        starts,
+        max(batch.query_lens),
+        128**-0.5,
+        window,
+        out=out,
+    )
     torch.testing.assert_close(out.cpu().double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     decode = make_batch([(700, 1), (5, 1), (260, 1)], 32, 8, 128, 16, dtype, seed=12)
     d_lens, d_starts = (t.cuda() for t in decode.device_meta())
     d_out = paged_attention_triton(
-        decode.q.cuda(), decode.key_cache.cuda(), decode.value_cache.cuda(), decode.block_tables.cuda(),
-        d_lens, d_starts, 1, 128**-0.5, window, num_splits=8,
-    )  # fmt: skip
+        decode.q.cuda(),
+        decode.key_cache.cuda(),
+        decode.value_cache.cuda(),
+        decode.block_tables.cuda(),
+        d_lens,
+        d_starts,
+        1,
+        128**-0.5,
+        window,
+        num_splits=8,
+    )
     expected = reference_attention(decode, 128**-0.5, window)
     torch.testing.assert_close(d_out.cpu().double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

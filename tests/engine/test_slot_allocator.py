@@ -21,8 +21,15 @@ CASES = {
     ),
     "evicts_least_recently_used_unpinned": (
         2,
-        [("acquire", "a"), ("acquire", "b"), ("release", "a"), ("release", "b"), ("acquire", "a"),
-         ("release", "a"), ("acquire", "c")],
+        [
+            ("acquire", "a"),
+            ("acquire", "b"),
+            ("release", "a"),
+            ("release", "b"),
+            ("acquire", "a"),
+            ("release", "a"),
+            ("acquire", "c"),
+        ],
         [(0, True), (1, True), None, None, (0, False), None, (1, True)],
     ),
     "pinned_slot_survives": (

@@ -32,10 +32,15 @@ class Case:
         """y + the LoRA delta, in float64 from the same (rounded) inputs."""
         y = self.y.double().clone()
         return reference.add_lora_multi(
-            y, self.x.double(), [a.double() for a in self.lora_as], [b.double() for b in self.lora_bs],
-            self.token_slots, [s.double() for s in self.scales], [b.shape[1] for b in self.lora_bs],
+            y,
+            self.x.double(),
+            [a.double() for a in self.lora_as],
+            [b.double() for b in self.lora_bs],
+            self.token_slots,
+            [s.double() for s in self.scales],
+            [b.shape[1] for b in self.lora_bs],
             self.slot_ranks,
-        )  # fmt: skip
+        )
 
 
 def token_slots_for(pattern: str, num_tokens: int, num_slots: int, gen: torch.Generator) -> torch.Tensor:
@@ -55,9 +60,18 @@ def token_slots_for(pattern: str, num_tokens: int, num_slots: int, gen: torch.Ge
     return slots.to(torch.int32)
 
 
-def make_case(seed: int, num_tokens: int, in_features: int, out_slices: list[int], num_slots: int,
-              max_rank: int, dtype: torch.dtype, pattern: str = "mixed", mixed_ranks: bool = False,
-              device: str = "cpu") -> Case:  # fmt: skip
+def make_case(
+    seed: int,
+    num_tokens: int,
+    in_features: int,
+    out_slices: list[int],
+    num_slots: int,
+    max_rank: int,
+    dtype: torch.dtype,
+    pattern: str = "mixed",
+    mixed_ranks: bool = False,
+    device: str = "cpu",
+) -> Case:
     """Drawn on the CPU from `seed`, then moved to `device`."""
     gen = torch.Generator().manual_seed(seed)
 
@@ -70,8 +84,10 @@ def make_case(seed: int, num_tokens: int, in_features: int, out_slices: list[int
         slot_ranks = torch.randint(1, max_rank + 1, (num_slots,), generator=gen, dtype=torch.int32)
         slot_ranks[0] = max_rank
         keep = (torch.arange(max_rank)[None, :] < slot_ranks[:, None]).float()  # [num_slots, max_rank]
-    lora_as = [rand(num_slots, max_rank, in_features, std=in_features**-0.5) * keep[:, :, None].to(dtype)
-               for _ in out_slices]  # fmt: skip
+    lora_as = [
+        rand(num_slots, max_rank, in_features, std=in_features**-0.5) * keep[:, :, None].to(dtype)
+        for _ in out_slices
+    ]
     lora_bs = [
         rand(num_slots, width, max_rank, std=max_rank**-0.5) * keep[:, None, :].to(dtype)
         for width in out_slices

@@ -78,9 +78,17 @@ def test_mixed_ranks_skip_the_tail_with_identical_results(path: str) -> None:
     for slot_ranks in (case.slot_ranks, None):
         y = case.y.clone()
         lora_kernels.add_lora_multi(
-            y, case.x, case.lora_as, case.lora_bs, case.token_slots, case.scales, [64, 32],
-            slot_ranks=slot_ranks, path=path, backend="triton",
-        )  # fmt: skip
+            y,
+            case.x,
+            case.lora_as,
+            case.lora_bs,
+            case.token_slots,
+            case.scales,
+            [64, 32],
+            slot_ranks=slot_ranks,
+            path=path,
+            backend="triton",
+        )
         outs.append(y)
     assert_lora_result(case, case.y, outs[0])
     assert torch.equal(outs[0], outs[1])
@@ -93,9 +101,16 @@ def test_preallocated_meta_is_reused_across_batches() -> None:
         meta.update(case.token_slots)
         y = case.y.clone()
         lora_kernels.add_lora(
-            y, case.x, case.lora_as[0], case.lora_bs[0], case.token_slots, case.scales[0],
-            meta=meta, path="segmented", backend="triton",
-        )  # fmt: skip
+            y,
+            case.x,
+            case.lora_as[0],
+            case.lora_bs[0],
+            case.token_slots,
+            case.scales[0],
+            meta=meta,
+            path="segmented",
+            backend="triton",
+        )
         assert_lora_result(case, case.y, y)
 
 
@@ -114,8 +129,16 @@ def test_empty_batch_is_a_no_op() -> None:
     y = case.y[:0].clone()
     slots = case.token_slots[:0]
     for path in PATHS:
-        lora_kernels.add_lora(y, case.x[:0], case.lora_as[0], case.lora_bs[0], slots, case.scales[0], path=path,
-                              backend="triton")  # fmt: skip
+        lora_kernels.add_lora(
+            y,
+            case.x[:0],
+            case.lora_as[0],
+            case.lora_bs[0],
+            slots,
+            case.scales[0],
+            path=path,
+            backend="triton",
+        )
     assert y.shape == (0, 32)
 
 
@@ -145,8 +168,12 @@ def pooled(stacks: list[torch.Tensor], gap: int) -> list[torch.Tensor]:
     slot's blocks of every slice side by side, `gap` elements of NaN between them and after each slot."""
     num_slots = stacks[0].shape[0]
     sizes = [t[0].numel() for t in stacks]
-    pool = torch.full((num_slots, sum(sizes) + gap * len(stacks)), float("nan"), dtype=stacks[0].dtype,
-                      device=stacks[0].device)  # fmt: skip
+    pool = torch.full(
+        (num_slots, sum(sizes) + gap * len(stacks)),
+        float("nan"),
+        dtype=stacks[0].dtype,
+        device=stacks[0].device,
+    )
     views, offset = [], 0
     for t, size in zip(stacks, sizes):
         view = pool[:, offset : offset + size].view(t.shape)
@@ -162,13 +189,22 @@ def test_slot_strided_weights_in_a_pool_match_reference(path: str, dtype: torch.
     """Compiled on a GPU run (the engine's layout), interpreted on the CPU."""
     out_slices = [96, 32, 32]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    case = make_case(seed_of("pool", path, dtype), 13, 128, out_slices, 4, 16, dtype, mixed_ranks=True,
-                     device=device)  # fmt: skip
+    case = make_case(
+        seed_of("pool", path, dtype), 13, 128, out_slices, 4, 16, dtype, mixed_ranks=True, device=device
+    )
     lora_as, lora_bs = pooled(case.lora_as, gap=64), pooled(case.lora_bs, gap=64)
     assert all(not t.is_contiguous() for t in lora_as + lora_bs)  # NaN gaps between slots, read by nothing
     y = case.y.clone()
     lora_kernels.add_lora_multi(
-        y, case.x, lora_as, lora_bs, case.token_slots, case.scales, out_slices,
-        slot_ranks=case.slot_ranks, path=path, backend="triton",
-    )  # fmt: skip
+        y,
+        case.x,
+        lora_as,
+        lora_bs,
+        case.token_slots,
+        case.scales,
+        out_slices,
+        slot_ranks=case.slot_ranks,
+        path=path,
+        backend="triton",
+    )
     assert_lora_result(case, case.y, y)

@@ -17,8 +17,9 @@ def cuda_case(seed: int, num_tokens: int):
 
 
 def run(case, y, meta, path):
-    return lora_kernels.add_lora_multi(y, case.x, case.lora_as, case.lora_bs, case.token_slots, case.scales,
-                                       [384, 128], meta=meta, path=path)  # fmt: skip
+    return lora_kernels.add_lora_multi(
+        y, case.x, case.lora_as, case.lora_bs, case.token_slots, case.scales, [384, 128], meta=meta, path=path
+    )
 
 
 @pytest.mark.parametrize("path", ["gathered", "segmented"])

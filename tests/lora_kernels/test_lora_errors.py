@@ -17,9 +17,13 @@ def case():
 
 def call(case, backend: str = "triton", **changes):
     args = dict(
-        y=case.y.clone(), x=case.x, lora_a=case.lora_as[0], lora_b=case.lora_bs[0],
-        token_slots=case.token_slots, scales=case.scales[0],
-    )  # fmt: skip
+        y=case.y.clone(),
+        x=case.x,
+        lora_a=case.lora_as[0],
+        lora_b=case.lora_bs[0],
+        token_slots=case.token_slots,
+        scales=case.scales[0],
+    )
     kwargs = {k: changes.pop(k) for k in ("slot_ranks", "meta", "path", "validate") if k in changes}
     args.update(changes)
     return lora_kernels.add_lora(**args, backend=backend, **kwargs)
@@ -76,8 +80,16 @@ def test_slot_ranks_past_max_rank_are_rejected(case) -> None:
 
 def test_too_many_slices(case) -> None:
     with pytest.raises(ValueError, match="between 1 and 3 slices"):
-        lora_kernels.add_lora_multi(case.y.repeat(1, 4), case.x, case.lora_as * 4, case.lora_bs * 4, case.token_slots,
-                                    case.scales * 4, [32] * 4, backend="triton")  # fmt: skip
+        lora_kernels.add_lora_multi(
+            case.y.repeat(1, 4),
+            case.x,
+            case.lora_as * 4,
+            case.lora_bs * 4,
+            case.token_slots,
+            case.scales * 4,
+            [32] * 4,
+            backend="triton",
+        )
 
 
 def test_stale_meta_is_rejected(case) -> None:
@@ -96,5 +108,11 @@ def test_h_shape_is_checked(case) -> None:
     with pytest.raises(ValueError, match="h must be"):
         lora_kernels.shrink(torch.empty(6, 4), case.x, case.lora_as[0], case.token_slots, backend="triton")
     with pytest.raises(ValueError, match="h must be"):
-        lora_kernels.expand(case.y.clone(), torch.empty(6, 8, dtype=torch.float64), case.lora_bs[0],
-                            case.token_slots, case.scales[0], backend="triton")  # fmt: skip
+        lora_kernels.expand(
+            case.y.clone(),
+            torch.empty(6, 8, dtype=torch.float64),
+            case.lora_bs[0],
+            case.token_slots,
+            case.scales[0],
+            backend="triton",
+        )

@@ -19,11 +19,20 @@ PATHS = ["gathered", "segmented"]
 def test_shrink_overwrites_every_row_of_h(
     path: str, dtype: torch.dtype, num_slices: int, mixed_ranks: bool
 ) -> None:
-    case = make_case(seed_of(path, dtype, num_slices, mixed_ranks), 9, 1031, [16] * num_slices, 4, 16, dtype,
-                     mixed_ranks=mixed_ranks)  # fmt: skip
+    case = make_case(
+        seed_of(path, dtype, num_slices, mixed_ranks),
+        9,
+        1031,
+        [16] * num_slices,
+        4,
+        16,
+        dtype,
+        mixed_ranks=mixed_ranks,
+    )
     h = torch.full((num_slices, 9, 16), float("nan"))
-    lora_kernels.shrink(h, case.x, case.lora_as, case.token_slots, slot_ranks=case.slot_ranks, path=path,
-                        backend="triton")  # fmt: skip
+    lora_kernels.shrink(
+        h, case.x, case.lora_as, case.token_slots, slot_ranks=case.slot_ranks, path=path, backend="triton"
+    )
     expected = reference.shrink(
         case.x.double(), [a.double() for a in case.lora_as], case.token_slots, case.slot_ranks
     )
@@ -47,8 +56,13 @@ def test_expand_matches_reference(path: str, dtype: torch.dtype) -> None:
     h = torch.randn(2, 13, 16, generator=torch.Generator().manual_seed(seed_of("h", path, dtype)))
     y = case.y.clone()
     lora_kernels.expand(y, h, case.lora_bs, case.token_slots, case.scales, path=path, backend="triton")
-    expected = reference.expand(case.y.double(), h.double(), [b.double() for b in case.lora_bs], case.token_slots,
-                                [s.double() for s in case.scales])  # fmt: skip
+    expected = reference.expand(
+        case.y.double(),
+        h.double(),
+        [b.double() for b in case.lora_bs],
+        case.token_slots,
+        [s.double() for s in case.scales],
+    )
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol)
     assert torch.equal(y[case.token_slots < 0], case.y[case.token_slots < 0])
@@ -63,8 +77,16 @@ def test_shrink_then_expand_equals_add_lora(path: str) -> None:
     lora_kernels.expand(
         y_two_ops, h, case.lora_bs[0], case.token_slots, case.scales[0], path=path, backend="triton"
     )
-    lora_kernels.add_lora(y_fused, case.x, case.lora_as[0], case.lora_bs[0], case.token_slots, case.scales[0],
-                          path=path, backend="triton")  # fmt: skip
+    lora_kernels.add_lora(
+        y_fused,
+        case.x,
+        case.lora_as[0],
+        case.lora_bs[0],
+        case.token_slots,
+        case.scales[0],
+        path=path,
+        backend="triton",
+    )
     torch.testing.assert_close(y_two_ops, y_fused, rtol=1e-5, atol=1e-5)
 
 
@@ -76,8 +98,22 @@ def test_expand_reads_no_rank_past_max_rank(path: str) -> None:
     h = buffer[: 5 * 12].view(1, 5, 12)
     h.copy_(torch.randn(1, 5, 12, generator=torch.Generator().manual_seed(seed_of("h12", path))))
     y = case.y.clone()
-    lora_kernels.expand(y, h, case.lora_bs, case.token_slots, case.scales, slot_ranks=case.slot_ranks, path=path,
-                        backend="triton")  # fmt: skip
-    expected = reference.expand(case.y.double(), h.double(), [b.double() for b in case.lora_bs], case.token_slots,
-                                [s.double() for s in case.scales], case.slot_ranks)  # fmt: skip
+    lora_kernels.expand(
+        y,
+        h,
+        case.lora_bs,
+        case.token_slots,
+        case.scales,
+        slot_ranks=case.slot_ranks,
+        path=path,
+        backend="triton",
+    )
+    expected = reference.expand(
+        case.y.double(),
+        h.double(),
+        [b.double() for b in case.lora_bs],
+        case.token_slots,
+        [s.double() for s in case.scales],
+        case.slot_ranks,
+    )
     torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-4)

@@ -50,7 +50,9 @@ def make_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedToken
         show_progress=False,
     )
     tokenizer.train_from_iterator(CORPUS, trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, clean_up_tokenization_spaces=False)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=EOS, clean_up_tokenization_spaces=False
+    )
     if chat_template is not None:
         wrapped.chat_template = chat_template
     return wrapped
@@ -59,16 +61,25 @@ def make_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedToken
 def make_text_model(folder: Path, seed: int = 5, chat_template: str | None = CHAT_TEMPLATE) -> Path:
     """A C1-sized random Llama saved with its tokenizer; eos is token 0."""
     tokenizer = make_tokenizer(chat_template)
-    make_model(folder, arch="llama", seed=seed, vocab_size=len(tokenizer), eos_token_id=0, bos_token_id=None,
-               max_position_embeddings=MAX_MODEL_LEN)
+    make_model(
+        folder,
+        arch="llama",
+        seed=seed,
+        vocab_size=len(tokenizer),
+        eos_token_id=0,
+        bos_token_id=None,
+        max_position_embeddings=MAX_MODEL_LEN,
+    )
     tokenizer.save_pretrained(folder)
     return folder
 
 
 def keys_for(**tenants: tuple[str, str, int | None]) -> dict:
     """keys_for(alice=("sk-a", "admin", None)) -> the --api-keys mapping."""
-    return {key: {"tenant": tenant, "role": role, **({"max_concurrent_requests": limit} if limit else {})}
-            for tenant, (key, role, limit) in tenants.items()}
+    return {
+        key: {"tenant": tenant, "role": role, **({"max_concurrent_requests": limit} if limit else {})}
+        for tenant, (key, role, limit) in tenants.items()
+    }
 
 
 @contextlib.asynccontextmanager
@@ -87,11 +98,23 @@ async def open_test_services(
     config_store = CachedConfigStore(EmbeddedConfigStore(root / "config"))
     await config_store.start()
     engine = None
-    metrics = Metrics("tiny", lambda: engine.stats() if engine is not None else None, lambda: config_store.healthy)
-    config = EngineConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN, block_size=4, num_kv_blocks=num_kv_blocks,
-                          max_loras=max_loras, max_lora_rank=16, max_num_seqs=16)
-    llm = LLMEngine(config, adapter_source_factory=lambda s, r: StoreAdapterSource(store, cache, s, r),
-                    adapter_observer=metrics.adapter_event)
+    metrics = Metrics(
+        "tiny", lambda: engine.stats() if engine is not None else None, lambda: config_store.healthy
+    )
+    config = EngineConfig(
+        model=str(model_dir),
+        max_model_len=MAX_MODEL_LEN,
+        block_size=4,
+        num_kv_blocks=num_kv_blocks,
+        max_loras=max_loras,
+        max_lora_rank=16,
+        max_num_seqs=16,
+    )
+    llm = LLMEngine(
+        config,
+        adapter_source_factory=lambda s, r: StoreAdapterSource(store, cache, s, r),
+        adapter_observer=metrics.adapter_event,
+    )
     engine = AsyncLLM(llm)
     try:
         keys = parse_api_keys(api_keys) if api_keys else []

@@ -49,13 +49,30 @@ class RedisServer:
 
     def start(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--dir", str(self.folder),
-                "--appendonly", "yes", "--appendfsync", "always", "--logfile", str(self.folder / "redis.log")]
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--dir",
+            str(self.folder),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--logfile",
+            str(self.folder / "redis.log"),
+        ]
         self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self._process.returncode}; see {self.folder / 'redis.log'}")
+                raise RuntimeError(
+                    f"redis-server exited with {self._process.returncode}; see {self.folder / 'redis.log'}"
+                )
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
                     sock.sendall(b"PING\r\n")

@@ -26,9 +26,15 @@ def test_defaults_flags_and_environment(tmp_path):
     default = settings([])
     assert (default.port, default.max_loras, default.shutdown_timeout, default.model) == (8000, 4, 30.0, None)
     assert default.enable_prefix_caching and default.max_concurrent_requests_per_tenant is None
-    env = {"LORASERVE_MAX_LORAS": "7", "LORASERVE_ENABLE_PREFIX_CACHING": "false", "LORASERVE_PORT": "9001",
-           "LORASERVE_LORA_MODULES": f"a={tmp_path / 'a'}, b={tmp_path / 'b'}", "LORASERVE_SHUTDOWN_TIMEOUT": "5",
-           "LORASERVE_MAX_CONCURRENT_REQUESTS_PER_TENANT": "3", "LORASERVE_ADAPTER_STORE": "s3://bucket/prefix"}
+    env = {
+        "LORASERVE_MAX_LORAS": "7",
+        "LORASERVE_ENABLE_PREFIX_CACHING": "false",
+        "LORASERVE_PORT": "9001",
+        "LORASERVE_LORA_MODULES": f"a={tmp_path / 'a'}, b={tmp_path / 'b'}",
+        "LORASERVE_SHUTDOWN_TIMEOUT": "5",
+        "LORASERVE_MAX_CONCURRENT_REQUESTS_PER_TENANT": "3",
+        "LORASERVE_ADAPTER_STORE": "s3://bucket/prefix",
+    }
     from_env = settings([], env)
     assert from_env.max_loras == 7 and not from_env.enable_prefix_caching and from_env.port == 9001
     assert from_env.lora_modules == (("a", str(tmp_path / "a")), ("b", str(tmp_path / "b")))
@@ -38,20 +44,27 @@ def test_defaults_flags_and_environment(tmp_path):
     assert flags_win.max_loras == 2 and flags_win.enable_prefix_caching and flags_win.model == "m"
 
 
-@pytest.mark.parametrize("argv, env, words", [
-    ([], {"LORASERVE_MAX_LORAS": "many"}, ["LORASERVE_MAX_LORAS", "many"]),
-    ([], {"LORASERVE_ENABLE_PREFIX_CACHING": "maybe"}, ["true or false"]),
-    (["--kv-cache-dtype", "int8"], {}, ["--kv-cache-dtype", "int8"]),
-    ([], {"LORASERVE_KV_CACHE_DTYPE": "fp16"}, ["LORASERVE_KV_CACHE_DTYPE", "expected one of auto, fp8"]),
-    (["--attention-backend", "flash"], {}, ["--attention-backend", "flash"]),
-    ([], {"LORASERVE_ATTENTION_BACKEND": "flash"}, ["LORASERVE_ATTENTION_BACKEND", "auto, torch, triton"]),
-    ([], {"LORASERVE_ENFORCE_EAGER": "sometimes"}, ["LORASERVE_ENFORCE_EAGER", "true or false"]),
-    (["--api-keys", "/no/such/keys.yaml"], {}, ["--api-keys"]),
-    (["--lora-modules", "nameonly"], {}, ["NAME=PATH"]),
-    (["--lora-modules", "x=/no/such/dir"], {}, ["PEFT adapter folder"]),
-    (["--adapter-store", "ftp://x"], {}, ["--adapter-store"]),
-    (["--shutdown-timeout", "-1"], {}, ["--shutdown-timeout"]),
-])
+@pytest.mark.parametrize(
+    "argv, env, words",
+    [
+        ([], {"LORASERVE_MAX_LORAS": "many"}, ["LORASERVE_MAX_LORAS", "many"]),
+        ([], {"LORASERVE_ENABLE_PREFIX_CACHING": "maybe"}, ["true or false"]),
+        (["--kv-cache-dtype", "int8"], {}, ["--kv-cache-dtype", "int8"]),
+        ([], {"LORASERVE_KV_CACHE_DTYPE": "fp16"}, ["LORASERVE_KV_CACHE_DTYPE", "expected one of auto, fp8"]),
+        (["--attention-backend", "flash"], {}, ["--attention-backend", "flash"]),
+        (
+            [],
+            {"LORASERVE_ATTENTION_BACKEND": "flash"},
+            ["LORASERVE_ATTENTION_BACKEND", "auto, torch, triton"],
+        ),
+        ([], {"LORASERVE_ENFORCE_EAGER": "sometimes"}, ["LORASERVE_ENFORCE_EAGER", "true or false"]),
+        (["--api-keys", "/no/such/keys.yaml"], {}, ["--api-keys"]),
+        (["--lora-modules", "nameonly"], {}, ["NAME=PATH"]),
+        (["--lora-modules", "x=/no/such/dir"], {}, ["PEFT adapter folder"]),
+        (["--adapter-store", "ftp://x"], {}, ["--adapter-store"]),
+        (["--shutdown-timeout", "-1"], {}, ["--shutdown-timeout"]),
+    ],
+)
 def test_bad_settings_fail_with_the_flag_named(argv, env, words, capsys):
     with pytest.raises(SystemExit):
         parser = build_parser(env)
@@ -67,18 +80,39 @@ def test_bad_settings_fail_with_the_flag_named(argv, env, words, capsys):
 
 def test_engine_gpu_options_from_flags_and_environment():
     default = settings([])
-    assert (default.kv_cache_dtype, default.enforce_eager, default.attention_backend) == ("auto", False, "auto")
+    assert (default.kv_cache_dtype, default.enforce_eager, default.attention_backend) == (
+        "auto",
+        False,
+        "auto",
+    )
     flags = settings(["--kv-cache-dtype", "fp8", "--enforce-eager", "--attention-backend", "torch"])
     assert (flags.kv_cache_dtype, flags.enforce_eager, flags.attention_backend) == ("fp8", True, "torch")
-    env = {"LORASERVE_KV_CACHE_DTYPE": "fp8_e4m3", "LORASERVE_ENFORCE_EAGER": "true",
-           "LORASERVE_ATTENTION_BACKEND": "triton"}
+    env = {
+        "LORASERVE_KV_CACHE_DTYPE": "fp8_e4m3",
+        "LORASERVE_ENFORCE_EAGER": "true",
+        "LORASERVE_ATTENTION_BACKEND": "triton",
+    }
     from_env = settings([], env)
-    assert (from_env.kv_cache_dtype, from_env.enforce_eager, from_env.attention_backend) == ("fp8_e4m3", True, "triton")
-    flags_win = settings(["--no-enforce-eager", "--kv-cache-dtype", "auto", "--attention-backend", "auto"], env)
-    assert (flags_win.kv_cache_dtype, flags_win.enforce_eager, flags_win.attention_backend) == ("auto", False, "auto")
+    assert (from_env.kv_cache_dtype, from_env.enforce_eager, from_env.attention_backend) == (
+        "fp8_e4m3",
+        True,
+        "triton",
+    )
+    flags_win = settings(
+        ["--no-enforce-eager", "--kv-cache-dtype", "auto", "--attention-backend", "auto"], env
+    )
+    assert (flags_win.kv_cache_dtype, flags_win.enforce_eager, flags_win.attention_backend) == (
+        "auto",
+        False,
+        "auto",
+    )
     # ... and they reach the engine.
     config = engine_config(from_env, "some/model")
-    assert (config.kv_cache_dtype, config.enforce_eager, config.attention_backend) == ("fp8_e4m3", True, "triton")
+    assert (config.kv_cache_dtype, config.enforce_eager, config.attention_backend) == (
+        "fp8_e4m3",
+        True,
+        "triton",
+    )
 
 
 def test_server_choices_are_the_engines():
@@ -97,8 +131,12 @@ def test_admin_client_commands_are_registered():
 def test_lora_modules_preload_creates_no_version_on_restart(tmp_path):
     model_dir = make_text_model(tmp_path / "model")
     first = make_adapter(model_dir, tmp_path / "first", seed=1, r=4, lora_alpha=8, target_modules=["q_proj"])
-    second = make_adapter(model_dir, tmp_path / "second", seed=2, r=4, lora_alpha=8, target_modules=["q_proj"])
-    store = open_store(StoreConfig(url=f"file://{tmp_path / 'store'}"), ModelShape.from_hf_config(load_config(model_dir)))
+    second = make_adapter(
+        model_dir, tmp_path / "second", seed=2, r=4, lora_alpha=8, target_modules=["q_proj"]
+    )
+    store = open_store(
+        StoreConfig(url=f"file://{tmp_path / 'store'}"), ModelShape.from_hf_config(load_config(model_dir))
+    )
     preload_lora_modules(store, (("bot", str(first)),))
     preload_lora_modules(store, (("bot", str(first)),))  # a restart with the same folder
     assert [r.version for r in store.versions("default", "bot")] == [1]

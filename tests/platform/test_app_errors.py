@@ -10,23 +10,75 @@ GOOD = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
 CASES = [
     # (path, raw body, status, code, words the message must contain)
     ("/v1/completions", b'{"model": "tiny", "prompt": ', 400, "invalid_json", ["JSON"]),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": "ten"}', 400, "invalid_request", ["max_tokens"]),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": -3}', 400, "invalid_request", [">= 1", "max_tokens"]),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": 3}', 400, "invalid_request", ["temperature"]),
+    (
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "x", "max_tokens": "ten"}',
+        400,
+        "invalid_request",
+        ["max_tokens"],
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "x", "max_tokens": -3}',
+        400,
+        "invalid_request",
+        [">= 1", "max_tokens"],
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "x", "temperature": 3}',
+        400,
+        "invalid_request",
+        ["temperature"],
+    ),
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "n": 0}', 400, "invalid_request", ["n"]),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "logprobs": 50}', 400, "invalid_request", ["logprobs"]),
+    (
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "x", "logprobs": 50}',
+        400,
+        "invalid_request",
+        ["logprobs"],
+    ),
     ("/v1/completions", b'{"model": "tiny"}', 400, "invalid_request", ["prompt"]),
     ("/v1/completions", b'{"model": "tiny", "prompt": []}', 400, "invalid_request", ["prompt"]),
     ("/v1/completions", b'{"model": "tiny", "prompt": [1, "a"]}', 400, "invalid_request", ["prompt"]),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": ["a", ""]}', 400, "invalid_request", ["stop"]),
-    ("/v1/completions", b'{"model": "no-such-model", "prompt": "x"}', 404, "model_not_found", ["no-such-model"]),
-    ("/v1/completions", b'{"model": "../etc/passwd", "prompt": "x"}', 404, "model_not_found", ["does not exist"]),
+    (
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "x", "stop": ["a", ""]}',
+        400,
+        "invalid_request",
+        ["stop"],
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "no-such-model", "prompt": "x"}',
+        404,
+        "model_not_found",
+        ["no-such-model"],
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "../etc/passwd", "prompt": "x"}',
+        404,
+        "model_not_found",
+        ["does not exist"],
+    ),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, "invalid_request", ["messages"]),
-    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}', 400,
-     "invalid_request", ["role"]),
-    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
-     400, None, ["logprobs"]),
-    ("/v1/chat/completions", b'[1, 2]', 400, "invalid_request", ["object"]),
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}',
+        400,
+        "invalid_request",
+        ["role"],
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
+        400,
+        None,
+        ["logprobs"],
+    ),
+    ("/v1/chat/completions", b"[1, 2]", 400, "invalid_request", ["object"]),
 ]
 
 
@@ -39,7 +91,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tmp_path, m
     async def scenario(client, services):
         answers = []
         for path, body, *_ in CASES:
-            answers.append(await client.post(path, content=body, headers={"content-type": "application/json"}))
+            answers.append(
+                await client.post(path, content=body, headers={"content-type": "application/json"})
+            )
         return answers, await client.post("/v1/completions", json=GOOD)
 
     answers, after = run(tmp_path, model_dir, scenario)
@@ -70,8 +124,11 @@ def test_unknown_path_wrong_method_and_oversize_body(tmp_path, model_dir):
     async def scenario(client, services):
         missing = await client.get("/v1/nope")
         wrong_method = await client.get("/v1/chat/completions")
-        huge = await client.post("/v1/completions", content=b'{"prompt": "' + b"a" * (17 << 20) + b'"}',
-                                 headers={"content-type": "application/json"})
+        huge = await client.post(
+            "/v1/completions",
+            content=b'{"prompt": "' + b"a" * (17 << 20) + b'"}',
+            headers={"content-type": "application/json"},
+        )
         return missing, wrong_method, huge, await client.post("/v1/completions", json=GOOD)
 
     missing, wrong_method, huge, after = run(tmp_path, model_dir, scenario)

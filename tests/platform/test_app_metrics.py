@@ -24,14 +24,23 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def adapter_dir(model_dir, tmp_path_factory):
-    return make_adapter(model_dir, tmp_path_factory.mktemp("metrics-adapter") / "a", seed=9, r=4, lora_alpha=8,
-                        target_modules=["q_proj", "v_proj"])
+    return make_adapter(
+        model_dir,
+        tmp_path_factory.mktemp("metrics-adapter") / "a",
+        seed=9,
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+    )
 
 
 def samples(text: str) -> dict:
     """{(sample name, frozenset of labels): value}"""
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(found: dict, name: str, **labels) -> float:
@@ -42,7 +51,9 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
     async def scenario(client, services):
         before = (await client.get("/metrics")).text
         services.adapter_store.put("default", "a", adapter_dir)
-        await services.config_store.put_route("default", Route(name="ab", variants=(Variant(adapter="a", weight=1),)))
+        await services.config_store.put_route(
+            "default", Route(name="ab", variants=(Variant(adapter="a", weight=1),))
+        )
         body = {"prompt": [4, 5, 6], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
         routed = await client.post("/v1/completions", json={**body, "model": "ab", "user": "u1"})
         for _ in range(2):
@@ -52,7 +63,13 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
             if services.engine.stats().num_generation_tokens == 20:
                 break
             await asyncio.sleep(0.005)
-        return before, routed, await client.get("/metrics"), await client.get("/ready"), await client.get("/health")
+        return (
+            before,
+            routed,
+            await client.get("/metrics"),
+            await client.get("/ready"),
+            await client.get("/health"),
+        )
 
     before, routed, metrics, ready, health = run(tmp_path, model_dir, scenario)
     assert routed.status_code == 200 and routed.headers["x-loraserve-variant"] == "a@1"
@@ -87,25 +104,37 @@ def lora_info(found: dict) -> dict:
     return dict(labels)
 
 
-@pytest.mark.parametrize("adapter_ids, labelled", [
-    ((), ""),
-    (("default/a@1",), "a"),
-    # Two versions of one adapter, and another tenant's adapter of the same name: `a` is listed once,
-    # so the picker, which counts entries against max_lora, does not see more adapters than slots.
-    (("alpha/a@2", "beta/a@1", "beta/b@3"), "a,b"),
-    (("beta/b@3", "alpha/a@2", "beta/b@3"), "b,a"),
-    (("alpha/x.y-1@10",), "x.y-1"),
-    (("not-an-engine-id",), "not-an-engine-id"),
-])
+@pytest.mark.parametrize(
+    "adapter_ids, labelled",
+    [
+        ((), ""),
+        (("default/a@1",), "a"),
+        # Two versions of one adapter, and another tenant's adapter of the same name: `a` is listed once,
+        # so the picker, which counts entries against max_lora, does not see more adapters than slots.
+        (("alpha/a@2", "beta/a@1", "beta/b@3"), "a,b"),
+        (("beta/b@3", "alpha/a@2", "beta/b@3"), "b,a"),
+        (("alpha/x.y-1@10",), "x.y-1"),
+        (("not-an-engine-id",), "not-an-engine-id"),
+    ],
+)
 def test_affinity_names_are_the_model_names_clients_send(adapter_ids, labelled):
     assert affinity_names(adapter_ids) == labelled
 
 
 def engine_stats(running: tuple[str, ...], waiting: tuple[str, ...]) -> EngineStats:
-    return EngineStats(num_running=len(running), num_waiting=len(waiting), kv_cache_usage=0.5, num_preemptions=0,
-                       num_prompt_tokens=0, num_generation_tokens=0, running_adapters=running,
-                       waiting_adapters=waiting, max_loras=4, num_lora_slots_in_use=len(running),
-                       num_adapters_loading=0)
+    return EngineStats(
+        num_running=len(running),
+        num_waiting=len(waiting),
+        kv_cache_usage=0.5,
+        num_preemptions=0,
+        num_prompt_tokens=0,
+        num_generation_tokens=0,
+        running_adapters=running,
+        waiting_adapters=waiting,
+        max_loras=4,
+        num_lora_slots_in_use=len(running),
+        num_adapters_loading=0,
+    )
 
 
 def test_lora_requests_info_is_shaped_as_vllm_exports_it():
@@ -116,8 +145,11 @@ def test_lora_requests_info_is_shaped_as_vllm_exports_it():
     before = time.time()
     text = metrics.render().decode()
     found = samples(text)
-    assert lora_info(found) == {"max_lora": "4", "running_lora_adapters": "a,b",
-                                "waiting_lora_adapters": "a,c"}
+    assert lora_info(found) == {
+        "max_lora": "4",
+        "running_lora_adapters": "a,b",
+        "waiting_lora_adapters": "a,c",
+    }
     (stamp,) = [v for (name, _), v in found.items() if name == "vllm:lora_requests_info"]
     assert before <= stamp <= time.time()
     assert "# TYPE vllm:lora_requests_info gauge" in text

@@ -9,8 +9,14 @@ import pytest
 from app_fixtures import make_text_model
 from test_inference_completions import run, sse_events
 
-LONG = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 110, "temperature": 0, "ignore_eos": True,
-        "stream": True}
+LONG = {
+    "model": "tiny",
+    "prompt": "Once upon a time",
+    "max_tokens": 110,
+    "temperature": 0,
+    "ignore_eos": True,
+    "stream": True,
+}
 
 
 @pytest.fixture(scope="module")

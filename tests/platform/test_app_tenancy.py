@@ -23,19 +23,35 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def adapter_dir(model_dir, tmp_path_factory):
-    return make_adapter(model_dir, tmp_path_factory.mktemp("tenancy-adapter") / "helper", seed=4, r=8,
-                        lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    return make_adapter(
+        model_dir,
+        tmp_path_factory.mktemp("tenancy-adapter") / "helper",
+        seed=4,
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+    )
 
 
 def completion(model, **extra):
-    return {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-            "logprobs": 0, "return_tokens_as_token_ids": True, **extra}
+    return {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        **extra,
+    }
 
 
 def test_missing_malformed_and_unknown_keys_are_401(tmp_path, model_dir):
     async def scenario(client, services):
-        return [await client.post("/v1/completions", json=completion("tiny"), headers=headers)
-                for headers in ({}, {"authorization": "Basic abc"}, {"authorization": "Bearer sk-nobody"})]
+        return [
+            await client.post("/v1/completions", json=completion("tiny"), headers=headers)
+            for headers in ({}, {"authorization": "Basic abc"}, {"authorization": "Bearer sk-nobody"})
+        ]
 
     for response in run(tmp_path, model_dir, scenario, api_keys=KEYS):
         assert response.status_code == 401
@@ -51,13 +67,21 @@ def test_adapter_serves_its_tenant_only_and_matches_peft(tmp_path, model_dir, ad
         services.adapter_store.put("alice", "helper", adapter_dir)
         own = await client.post("/v1/completions", json=completion("helper"), headers=ALICE)
         pinned = await client.post("/v1/completions", json=completion("helper@1"), headers=ALICE)
-        foreign = [await client.post("/v1/completions", json=completion(m), headers=BOB) for m in ("helper", "helper@1")]
-        missing = [await client.post("/v1/completions", json=completion(m), headers=BOB) for m in ("ghost", "ghost@1")]
+        foreign = [
+            await client.post("/v1/completions", json=completion(m), headers=BOB)
+            for m in ("helper", "helper@1")
+        ]
+        missing = [
+            await client.post("/v1/completions", json=completion(m), headers=BOB)
+            for m in ("ghost", "ghost@1")
+        ]
         models = await client.get("/v1/models", headers=BOB)
         upload = await client.post("/v1/adapters", data={"name": "x"}, headers=BOB)
         return own, pinned, foreign, missing, models, upload, services.tokenizer
 
-    own, pinned, foreign, missing, models, upload, tokenizer = run(tmp_path, model_dir, scenario, api_keys=KEYS)
+    own, pinned, foreign, missing, models, upload, tokenizer = run(
+        tmp_path, model_dir, scenario, api_keys=KEYS
+    )
     assert own.status_code == 200, own.text
     assert own.json()["model"] == "helper@1" and own.headers["x-loraserve-variant"] == "helper@1"
     tokens = own.json()["choices"][0]["logprobs"]["tokens"]
@@ -66,7 +90,9 @@ def test_adapter_serves_its_tenant_only_and_matches_peft(tmp_path, model_dir, ad
     for theirs, nothing in zip(foreign, missing):
         assert theirs.status_code == nothing.status_code == 404
         # Indistinguishable from a name that exists nowhere, apart from the name itself.
-        assert theirs.json()["error"]["message"].replace("helper", "ghost") == nothing.json()["error"]["message"]
+        assert (
+            theirs.json()["error"]["message"].replace("helper", "ghost") == nothing.json()["error"]["message"]
+        )
         assert theirs.json()["error"]["code"] == nothing.json()["error"]["code"] == "model_not_found"
     assert [m["id"] for m in models.json()["data"]] == ["tiny"]
     assert upload.status_code == 403 and upload.json()["error"]["type"] == "permission_error"

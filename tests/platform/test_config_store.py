@@ -133,7 +133,8 @@ def test_routes_are_namespaced_by_tenant(make_store):
 
 
 @pytest.mark.parametrize(
-    "tenant, name", [("acme", "org/model"), ("../etc", "x"), ("a", "../../x"), ("a/b", "x"), ("a", ".hidden"), ("", "x")]
+    "tenant, name",
+    [("acme", "org/model"), ("../etc", "x"), ("a", "../../x"), ("a/b", "x"), ("a", ".hidden"), ("", "x")],
 )
 def test_names_that_could_escape_are_refused_on_write_and_absent_on_read(make_store, tenant, name):
     async def scenario():
@@ -157,11 +158,16 @@ def test_subscribers_see_every_change(make_store):
             await store.delete_route("acme", "chat")
             key = api_key("k", "acme")
             await store.put_key(key)
-            changes = [("route", "put", "acme", "chat"), ("route", "delete", "acme", "chat"),
-                       ("key", "put", None, key.key_hash)]
+            changes = [
+                ("route", "put", "acme", "chat"),
+                ("route", "delete", "acme", "chat"),
+                ("key", "put", None, key.key_hash),
+            ]
 
             async def all_seen():
-                return [(e.kind, e.op, e.tenant, e.name) for e in events if e.kind in ("route", "key")] == changes
+                return [
+                    (e.kind, e.op, e.tenant, e.name) for e in events if e.kind in ("route", "key")
+                ] == changes
 
             await eventually(all_seen)
             unsubscribe()
@@ -236,8 +242,12 @@ def test_process_killed_mid_write_leaves_a_whole_record(tmp_path):
             writer.wait()
     stored = asyncio.run(EmbeddedConfigStore(tmp_path).get_route("acme", "chat"))
     weights = {v.weight for v in stored.variants}
-    assert len(stored.variants) == 200 and len(weights) == 1 and weights.pop() > 1  # killed mid-loop, not idle
-    assert msgspec.json.decode((tmp_path / "routes" / "acme" / "chat.json").read_bytes(), type=Route) == stored
+    assert (
+        len(stored.variants) == 200 and len(weights) == 1 and weights.pop() > 1
+    )  # killed mid-loop, not idle
+    assert (
+        msgspec.json.decode((tmp_path / "routes" / "acme" / "chat.json").read_bytes(), type=Route) == stored
+    )
 
 
 # the cache
@@ -318,7 +328,9 @@ def test_a_load_that_overlaps_an_invalidation_is_not_trusted(tmp_path):
             backend.get_route = slow_get
             reader = asyncio.create_task(cached.get_route("acme", "chat"))
             await asyncio.sleep(0.05)
-            await backend.put_route("acme", route("chat", 2))  # event arrives while the old value is in flight
+            await backend.put_route(
+                "acme", route("chat", 2)
+            )  # event arrives while the old value is in flight
             gate.set()
             assert await reader == route("chat", 1)
             assert await cached.get_route("acme", "chat") == route("chat", 2)  # reloaded, not the stale copy

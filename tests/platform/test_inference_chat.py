@@ -34,14 +34,24 @@ def test_chat_renders_the_template_and_matches_transformers(tmp_path, model_dir)
     choice = body["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": tokenizer.decode(reference)}
     assert choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 6,
-                             "total_tokens": len(prompt_ids) + 6}
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": 6,
+        "total_tokens": len(prompt_ids) + 6,
+    }
 
 
 def test_chat_stream_and_logprobs(tmp_path, model_dir):
     async def scenario(client, services):
-        body = {"model": "tiny", "messages": MESSAGES, "max_completion_tokens": 5, "temperature": 0,
-                "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+        body = {
+            "model": "tiny",
+            "messages": MESSAGES,
+            "max_completion_tokens": 5,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 2,
+        }
         whole = (await client.post("/v1/chat/completions", json=body)).json()
         stream = await client.post("/v1/chat/completions", json={**body, "stream": True})
         return whole, stream
@@ -74,7 +84,9 @@ def test_model_without_chat_template_is_a_clear_400(tmp_path, model_dir):
         services.tokenizer = make_tokenizer(chat_template=None)
         body = {"model": "tiny", "messages": MESSAGES}
         chat = await client.post("/v1/chat/completions", json=body)
-        completion = await client.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2})
+        completion = await client.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2}
+        )
         return chat, completion
 
     chat, completion = run(tmp_path, model_dir, scenario)
@@ -92,5 +104,3 @@ def test_non_text_content_parts_are_refused(tmp_path, model_dir):
 
     response = run(tmp_path, model_dir, scenario)
     assert response.status_code == 400 and "image_url" in response.json()["error"]["message"]
-
-

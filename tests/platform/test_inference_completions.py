@@ -29,8 +29,12 @@ def run(tmp_path, model_dir, scenario, **options):
     async def main():
         async with open_test_services(tmp_path, model_dir, **options) as services:
             app = create_app(ServerSettings(), services=services)
-            async with app.lifespan(), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                                         base_url="http://testserver") as client:
+            async with (
+                app.lifespan(),
+                httpx.AsyncClient(
+                    transport=httpx.ASGITransport(app=app), base_url="http://testserver"
+                ) as client,
+            ):
                 return await scenario(client, services)
 
     return asyncio.run(main())
@@ -38,7 +42,7 @@ def run(tmp_path, model_dir, scenario, **options):
 
 def sse_events(text: str) -> list:
     """The decoded `data:` payloads of an SSE body; `[DONE]` stays a string."""
-    events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
     return [e if e == "[DONE]" else json.loads(e) for e in events]
 
 
@@ -63,21 +67,39 @@ def test_greedy_completion_equals_transformers(tmp_path, model_dir):
 
 def test_prompts_times_n_give_indexed_choices_and_summed_usage(tmp_path, model_dir):
     async def scenario(client, services):
-        body = {"model": "tiny", "prompt": ["Hello world", "The answer is"], "n": 2, "max_tokens": 4,
-                "temperature": 1.0, "seed": 3, "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "prompt": ["Hello world", "The answer is"],
+            "n": 2,
+            "max_tokens": 4,
+            "temperature": 1.0,
+            "seed": 3,
+            "ignore_eos": True,
+        }
         return await client.post("/v1/completions", json=body), services.tokenizer
 
     response, tokenizer = run(tmp_path, model_dir, scenario)
     body = response.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     prompt_tokens = len(tokenizer("Hello world").input_ids) + len(tokenizer("The answer is").input_ids)
-    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 16, "total_tokens": prompt_tokens + 16}
+    assert body["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 16,
+        "total_tokens": prompt_tokens + 16,
+    }
 
 
 def test_seed_reproduces_sampling_and_logprobs_are_consistent(tmp_path, model_dir):
     async def scenario(client, services):
-        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0, "seed": 11,
-                "logprobs": 3, "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "prompt": "Once upon a time",
+            "max_tokens": 6,
+            "temperature": 1.0,
+            "seed": 11,
+            "logprobs": 3,
+            "ignore_eos": True,
+        }
         first = (await client.post("/v1/completions", json=body)).json()
         second = (await client.post("/v1/completions", json=body)).json()
         other = (await client.post("/v1/completions", json={**body, "seed": 12})).json()
@@ -99,7 +121,7 @@ def test_stop_string_ends_the_text_before_it(tmp_path, model_dir):
     async def scenario(client, services):
         body = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
         full = (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"]
-        stop = full[len(full) // 2:][:2]
+        stop = full[len(full) // 2 :][:2]
         cut = (await client.post("/v1/completions", json={**body, "stop": [stop]})).json()["choices"][0]
         return full, stop, cut
 
@@ -111,11 +133,18 @@ def test_stop_string_ends_the_text_before_it(tmp_path, model_dir):
 
 def test_stream_concatenates_to_the_whole_response_and_ends_with_done(tmp_path, model_dir):
     async def scenario(client, services):
-        body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 7, "temperature": 0, "ignore_eos": True,
-                "n": 2}
+        body = {
+            "model": "tiny",
+            "prompt": "Hello world",
+            "max_tokens": 7,
+            "temperature": 0,
+            "ignore_eos": True,
+            "n": 2,
+        }
         whole = (await client.post("/v1/completions", json=body)).json()
-        stream = await client.post("/v1/completions", json={**body, "stream": True,
-                                                             "stream_options": {"include_usage": True}})
+        stream = await client.post(
+            "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+        )
         return whole, stream
 
     whole, stream = run(tmp_path, model_dir, scenario)

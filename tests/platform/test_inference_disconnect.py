@@ -21,10 +21,18 @@ def model_dir(tmp_path_factory):
 
 def scope_for(path: str, body: bytes) -> dict:
     return {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        "client": ("127.0.0.1", 5000), "server": ("testserver", 80),
+        "client": ("127.0.0.1", 5000),
+        "server": ("testserver", 80),
     }
 
 
@@ -61,8 +69,14 @@ async def engine_idle(services) -> bool:
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_aborts_the_request_and_frees_kv_blocks(tmp_path, model_dir, stream):
-    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 110, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
+    body = {
+        "model": "tiny",
+        "prompt": "Once upon a time",
+        "max_tokens": 110,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
 
     def body_chunks(sent):
         return [m for m in sent if m["type"] == "http.response.body" and m.get("body")]
@@ -72,14 +86,21 @@ def test_disconnect_aborts_the_request_and_frees_kv_blocks(tmp_path, model_dir, 
             app = create_app(ServerSettings(), services=services)
             async with app.lifespan():
                 if stream:
+
                     def hang_up(sent):  # after two chunks of a 110-token stream
                         return len(body_chunks(sent)) >= 2
                 else:
+
                     def hang_up(sent):  # once the engine is generating
                         return services.engine.stats().num_generation_tokens >= 3
+
                 sent = await call_and_hang_up(app, "/v1/completions", body, hang_up)
-                return sent, await engine_idle(services), services.limiter.in_flight("default"), \
-                    services.engine.stats().num_generation_tokens
+                return (
+                    sent,
+                    await engine_idle(services),
+                    services.limiter.in_flight("default"),
+                    services.engine.stats().num_generation_tokens,
+                )
 
     sent, idle, in_flight, generated = asyncio.run(main())
     assert idle, "the engine kept the request (or its KV blocks) after the client left"

@@ -47,7 +47,9 @@ def test_a_user_always_gets_the_same_variant():
     first = assign(route)
     assert assign(route) == first  # a fresh Router (another replica, a restart): same answers
     router = Router(rng=random.Random(1))
-    assert all(router.pick("acme", route, user).adapter == first[user] for user in USERS[:500] for _ in range(3))
+    assert all(
+        router.pick("acme", route, user).adapter == first[user] for user in USERS[:500] for _ in range(3)
+    )
 
 
 def test_the_hash_is_stable_across_versions():
@@ -58,7 +60,11 @@ def test_the_hash_is_stable_across_versions():
 
 def test_tenant_and_route_are_part_of_the_hash():
     route = ab(50, 50)
-    base, other_tenant, other_route = assign(route), assign(route, tenant="other"), assign(ab(50, 50, name="other"))
+    base, other_tenant, other_route = (
+        assign(route),
+        assign(route, tenant="other"),
+        assign(ab(50, 50, name="other")),
+    )
     assert sum(base[u] != other_tenant[u] for u in USERS) > 4000  # about half differ: independent hashes
     assert sum(base[u] != other_route[u] for u in USERS) > 4000
 
@@ -83,7 +89,9 @@ def test_appending_a_variant_takes_users_only_from_the_range_it_replaces():
 
 def test_sticky_none_draws_fresh_by_weight():
     router = Router(rng=random.Random(7))
-    picks = Counter(router.pick("acme", ab(90, 10, sticky="none"), "same-user").adapter for _ in range(10_000))
+    picks = Counter(
+        router.pick("acme", ab(90, 10, sticky="none"), "same-user").adapter for _ in range(10_000)
+    )
     assert abs(picks["a"] / 10_000 - 0.90) <= 0.015 and picks["b"] > 0
 
 
@@ -96,7 +104,9 @@ def test_no_user_draws_fresh_even_on_sticky_routes(user):
 
 def test_pick_hook_counts_variants():
     seen: Counter[tuple[str, str, str, bool]] = Counter()
-    router = Router(on_pick=lambda tenant, route, variant, sticky: seen.update([(tenant, route, variant.adapter, sticky)]))
+    router = Router(
+        on_pick=lambda tenant, route, variant, sticky: seen.update([(tenant, route, variant.adapter, sticky)])
+    )
     route = ab(1, 1)
     for user in USERS[:100]:
         router.pick("acme", route, user)
@@ -117,11 +127,17 @@ def test_variant_at_ranges():
 
 
 def test_parse_route_accepts_the_documented_body():
-    body = '{"variants": [{"adapter": "a", "weight": 90}, {"adapter": "b@2", "weight": 10}], "sticky": "user"}'
+    body = (
+        '{"variants": [{"adapter": "a", "weight": 90}, {"adapter": "b@2", "weight": 10}], "sticky": "user"}'
+    )
     route = parse_route("chat", body)
-    assert route == Route(name="chat", variants=(Variant(adapter="a", weight=90), Variant(adapter="b@2", weight=10)))
+    assert route == Route(
+        name="chat", variants=(Variant(adapter="a", weight=90), Variant(adapter="b@2", weight=10))
+    )
     assert parse_route("chat", {"variants": [{"adapter": "a", "weight": 1}]}).sticky == "user"  # the default
-    assert parse_route("chat", {"name": "chat", "variants": [{"adapter": "a", "weight": 1}], "sticky": "none"})
+    assert parse_route(
+        "chat", {"name": "chat", "variants": [{"adapter": "a", "weight": 1}], "sticky": "none"}
+    )
     assert validate_route(route) == route
 
 
@@ -178,8 +194,14 @@ def test_distinct_versions_of_one_adapter_are_allowed():
     assert [variant.adapter for variant in route.variants] == ["a", "a@1", "a@2"]
 
 
-@pytest.mark.parametrize("ref, expected", [("a", AdapterRef(name="a")), ("a@2", AdapterRef(name="a", version=2)),
-                                           ("my.adapter_v1@123", AdapterRef(name="my.adapter_v1", version=123))])
+@pytest.mark.parametrize(
+    "ref, expected",
+    [
+        ("a", AdapterRef(name="a")),
+        ("a@2", AdapterRef(name="a", version=2)),
+        ("my.adapter_v1@123", AdapterRef(name="my.adapter_v1", version=123)),
+    ],
+)
 def test_parse_adapter_ref(ref, expected):
     assert parse_adapter_ref(ref) == expected and str(expected) == ref
 
@@ -197,6 +219,8 @@ def test_every_variant_must_name_an_existing_adapter():
         return ref in have
 
     asyncio.run(check_route_adapters(parse_route("chat", {"variants": [v("a"), v("b@2")]}), exists))
-    with pytest.raises(InvalidRoute, match=r"variants\[1\].adapter 'b@3' is not an adapter of this tenant") as excinfo:
+    with pytest.raises(
+        InvalidRoute, match=r"variants\[1\].adapter 'b@3' is not an adapter of this tenant"
+    ) as excinfo:
         asyncio.run(check_route_adapters(parse_route("chat", {"variants": [v("a"), v("b@3")]}), exists))
     assert excinfo.value.field == "variants[1].adapter"

@@ -53,8 +53,15 @@ def file_keys(tmp_path):
 # keys files
 
 
-@pytest.mark.parametrize("file_name, text", [("keys.json", json.dumps(KEYS)), ("keys.yaml", YAML_KEYS),
-                                             ("keys.yml", YAML_KEYS), ("keys.conf", YAML_KEYS)])
+@pytest.mark.parametrize(
+    "file_name, text",
+    [
+        ("keys.json", json.dumps(KEYS)),
+        ("keys.yaml", YAML_KEYS),
+        ("keys.yml", YAML_KEYS),
+        ("keys.conf", YAML_KEYS),
+    ],
+)
 def test_keys_file_json_and_yaml(tmp_path, file_name, text):
     path = tmp_path / file_name
     path.write_text(text)
@@ -158,8 +165,9 @@ def test_keys_from_the_config_store(tmp_path, file_keys):
         store = EmbeddedConfigStore(tmp_path)
         auth = await Authenticator.create(store=store)
         assert auth.open_mode  # nothing anywhere yet
-        await store.put_key(ApiKey(key_hash=hash_key("sk-carol"), tenant="carol", role="user",
-                                   max_concurrent_requests=2))
+        await store.put_key(
+            ApiKey(key_hash=hash_key("sk-carol"), tenant="carol", role="user", max_concurrent_requests=2)
+        )
         # a key appearing in the store closes open mode at once
         with pytest.raises(Unauthorized):
             await auth.authenticate(None)

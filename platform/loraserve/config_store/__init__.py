@@ -1,9 +1,9 @@
 """Config store: per-tenant routes and hashed API keys, embedded or in Redis, cached for the server.
 
-    store = CachedConfigStore(open_config_store(url))
-    await store.start()          # subscribes to change events
-    ...
-    await store.close()
+store = CachedConfigStore(open_config_store(url))
+await store.start()          # subscribes to change events
+...
+await store.close()
 """
 
 from loraserve.config_store.base import ConfigStore

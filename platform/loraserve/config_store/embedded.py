@@ -109,7 +109,9 @@ class EmbeddedConfigStore(ConfigStore):
 
     def _key_path(self, key_hash: str) -> Path:
         if not is_key_hash(key_hash):
-            raise ValueError("key_hash must be 64 lowercase hex digits (sha256 of the key, see tenancy.hash_key)")
+            raise ValueError(
+                "key_hash must be 64 lowercase hex digits (sha256 of the key, see tenancy.hash_key)"
+            )
         return self.root / "keys" / f"{key_hash}{_SUFFIX}"
 
     async def _io(self, fn: Callable[..., T], *args: object) -> T:
@@ -127,7 +129,9 @@ def _read_record(path: Path, type_: type[T]) -> T | None:
     try:
         return msgspec.json.decode(data, type=type_)
     except msgspec.DecodeError as exc:
-        raise ConfigStoreError(f"config record {str(path)!r} is corrupt ({exc}); fix or delete the file") from exc
+        raise ConfigStoreError(
+            f"config record {str(path)!r} is corrupt ({exc}); fix or delete the file"
+        ) from exc
 
 
 def _read_folder(folder: Path, type_: type[T]) -> list[T]:

@@ -1,9 +1,9 @@
 """`--config-store URL` -> a backend. The server wraps the result in CachedConfigStore and starts it.
 
-    None or ""                       embedded, ./.loraserve/config
-    file:///abs/dir, file://./rel    embedded under that directory
-    /some/dir, ./dir                 embedded (a bare path)
-    redis://..., rediss://..., unix://...   Redis (redis-py URL syntax, db number and password included)
+None or ""                       embedded, ./.loraserve/config
+file:///abs/dir, file://./rel    embedded under that directory
+/some/dir, ./dir                 embedded (a bare path)
+redis://..., rediss://..., unix://...   Redis (redis-py URL syntax, db number and password included)
 """
 
 from __future__ import annotations

@@ -21,14 +21,20 @@ class InferenceController(Controller):
 
     @post("/completions", status_code=200)
     async def completions(
-        self, data: JSONBody[CompletionRequest], request: Request, services: NamedDependency[Services],
+        self,
+        data: JSONBody[CompletionRequest],
+        request: Request,
+        services: NamedDependency[Services],
         principal: NamedDependency[Principal],
     ) -> Any:
         return await create_completion(services, principal, data, request)
 
     @post("/chat/completions", status_code=200)
     async def chat_completions(
-        self, data: JSONBody[ChatCompletionRequest], request: Request, services: NamedDependency[Services],
+        self,
+        data: JSONBody[ChatCompletionRequest],
+        request: Request,
+        services: NamedDependency[Services],
         principal: NamedDependency[Principal],
     ) -> Any:
         return await create_chat_completion(services, principal, data, request)

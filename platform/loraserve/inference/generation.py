@@ -109,7 +109,9 @@ class Generation:
     async def _pump(self, index: int) -> None:
         timing = self._timings[index]
         try:
-            stream = self.services.engine.generate(self.prompts[index], self.params, self.ids[index], self.adapter)
+            stream = self.services.engine.generate(
+                self.prompts[index], self.params, self.ids[index], self.adapter
+            )
             async for delta in stream:
                 new_tokens = sum(len(c.token_ids) for c in delta.outputs)
                 if new_tokens and timing.first_token is None:
@@ -126,7 +128,11 @@ class Generation:
 
     def _check(self, delta: RequestOutput) -> None:
         shutdown = self.services.shutdown
-        if shutdown is not None and shutdown.aborted(self) and any(c.finish_reason == "abort" for c in delta.outputs):
+        if (
+            shutdown is not None
+            and shutdown.aborted(self)
+            and any(c.finish_reason == "abort" for c in delta.outputs)
+        ):
             raise ServiceUnavailable(
                 "the server is shutting down and stopped this request; retry it on another replica",
                 code="server_shutting_down",

@@ -45,6 +45,10 @@ def chat_logprobs(steps: list[TokenLogprobs], text: TokenText) -> ChatLogprobs:
     content = []
     for step in steps:
         token = text(step.token_id)
-        top = [TopLogprob(token=text(t), logprob=lp, bytes=list(text(t).encode())) for t, lp in step.top.items()]
-        content.append(TokenLogprob(token=token, logprob=step.logprob, bytes=list(token.encode()), top_logprobs=top))
+        top = [
+            TopLogprob(token=text(t), logprob=lp, bytes=list(text(t).encode())) for t, lp in step.top.items()
+        ]
+        content.append(
+            TokenLogprob(token=token, logprob=step.logprob, bytes=list(token.encode()), top_logprobs=top)
+        )
     return ChatLogprobs(content=content)

@@ -41,7 +41,9 @@ def completion_prompts(prompt: str | list[Any], tokenizer: Any, max_model_len: i
 def chat_prompt(messages: list[ChatMessage], tokenizer: Any, max_model_len: int | None) -> list[int]:
     """Render the messages with the model's chat template, then tokenize without adding specials twice."""
     if tokenizer is None:
-        raise BadRequest("this model has no tokenizer, so chat is unavailable; use /v1/completions with token ids")
+        raise BadRequest(
+            "this model has no tokenizer, so chat is unavailable; use /v1/completions with token ids"
+        )
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequest(
             "this model has no chat template (tokenizer_config.json has no 'chat_template'); "

@@ -65,7 +65,11 @@ class Choices:
 
     def usage(self, num_prompt_tokens: int) -> Usage:
         generated = sum(c.num_tokens for c in self.by_index.values())
-        return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=generated, total_tokens=num_prompt_tokens + generated)
+        return Usage(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=generated,
+            total_tokens=num_prompt_tokens + generated,
+        )
 
     def sorted(self) -> list[tuple[int, Choice]]:
         return sorted(self.by_index.items())
@@ -99,8 +103,14 @@ class CompletionFormat:
                 offset = choice.num_chars
                 logprobs = completion_logprobs(completion.logprobs or [], self.text, offset)
             choice.num_chars += len(completion.text)
-            items.append(CompletionChoice(index=index, text=completion.text, logprobs=logprobs,
-                                          finish_reason=finish_reason(completion.finish_reason)))
+            items.append(
+                CompletionChoice(
+                    index=index,
+                    text=completion.text,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason(completion.finish_reason),
+                )
+            )
         return Completion(id=self.id, created=self.created, model=self.model, choices=items)
 
     def usage_chunk(self, usage: Usage) -> Completion:
@@ -134,9 +144,17 @@ class ChatFormat:
             choice.started = True
             logprobs = chat_logprobs(completion.logprobs or [], self.text) if self.want_logprobs else None
             delta = ChatDelta(role=role, content=completion.text if completion.text or role else None)
-            items.append(ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
-                                         finish_reason=finish_reason(completion.finish_reason)))
+            items.append(
+                ChatChunkChoice(
+                    index=index,
+                    delta=delta,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason(completion.finish_reason),
+                )
+            )
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=items)
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[], usage=usage
+        )

@@ -26,7 +26,9 @@ def chat_params(body: ChatCompletionRequest) -> SamplingParams:
     return _params(body, max_tokens, logprobs)
 
 
-def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _params(
+    body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
         raise BadRequest(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop")

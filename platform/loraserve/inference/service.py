@@ -37,7 +37,9 @@ Format = CompletionFormat | ChatFormat
 Events = AsyncIterator[tuple[int, RequestOutput]]
 
 
-async def create_completion(services: Services, principal: Principal, body: CompletionRequest, request: Request) -> Any:
+async def create_completion(
+    services: Services, principal: Principal, body: CompletionRequest, request: Request
+) -> Any:
     check_serving(services)
     params = completion_params(body)
     prompts = completion_prompts(body.prompt, services.tokenizer, services.max_model_len)
@@ -55,7 +57,9 @@ async def create_chat_completion(
 
 def check_serving(services: Services) -> None:
     if services.shutdown is not None and services.shutdown.draining:
-        raise ServiceUnavailable("the server is shutting down; retry on another replica", code="server_shutting_down")
+        raise ServiceUnavailable(
+            "the server is shutting down; retry on another replica", code="server_shutting_down"
+        )
     if services.engine is None:
         raise ServiceUnavailable("the model is still loading; retry shortly", code="model_not_ready")
 
@@ -74,7 +78,12 @@ async def _generate(
     lease = services.limiter.try_acquire(principal)
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     generation = Generation(services, response_id, prompts, params, resolved.engine_adapter_id, lease)
-    fmt = format_type(response_id, resolved.served_model, TokenText(services.tokenizer, body.return_tokens_as_token_ids), params.logprobs is not None)
+    fmt = format_type(
+        response_id,
+        resolved.served_model,
+        TokenText(services.tokenizer, body.return_tokens_as_token_ids),
+        params.logprobs is not None,
+    )
     headers = {VARIANT_HEADER: resolved.served_model}
     choices = Choices(params.n, params.logprobs is not None)
     if not body.stream:

@@ -23,7 +23,9 @@ class OpsController(Controller):
         return Health()
 
     @get("/ready")
-    async def ready(self, services: NamedDependency[Services], readiness: NamedDependency[Readiness]) -> Response[ReadyStatus]:
+    async def ready(
+        self, services: NamedDependency[Services], readiness: NamedDependency[Readiness]
+    ) -> Response[ReadyStatus]:
         status = await readiness.check(services)
         return Response(status, status_code=200 if status.ready else 503)
 

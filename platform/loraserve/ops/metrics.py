@@ -21,8 +21,27 @@ from engine import EngineStats
 from loraserve.routing import Variant
 from loraserve.services import split_engine_adapter_id
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -39,22 +58,55 @@ class Metrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Mean time per output token after the first.",
-                              labels, buckets=_TPOT_BUCKETS, registry=self.registry).labels(model_name)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
-        self.cache_hits = Counter("loraserve_adapter_cache_hits", "Adapter lookups served by a tier.", ["tier"],
-                                  registry=self.registry)
-        self.cache_misses = Counter("loraserve_adapter_cache_misses", "Adapter lookups a tier could not serve.",
-                                    ["tier"], registry=self.registry)
-        self.load_seconds = Histogram("loraserve_adapter_load_seconds", "Time to load an adapter into a tier.",
-                                      ["tier"], buckets=_LOAD_BUCKETS, registry=self.registry)
-        self.evictions = Counter("loraserve_adapter_evictions", "Adapters evicted from a tier.", ["tier"],
-                                 registry=self.registry)
-        self.route_requests = Counter("loraserve_route_requests", "Requests per A/B route variant.",
-                                      ["tenant", "route", "variant"], registry=self.registry)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Mean time per output token after the first.",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.cache_hits = Counter(
+            "loraserve_adapter_cache_hits",
+            "Adapter lookups served by a tier.",
+            ["tier"],
+            registry=self.registry,
+        )
+        self.cache_misses = Counter(
+            "loraserve_adapter_cache_misses",
+            "Adapter lookups a tier could not serve.",
+            ["tier"],
+            registry=self.registry,
+        )
+        self.load_seconds = Histogram(
+            "loraserve_adapter_load_seconds",
+            "Time to load an adapter into a tier.",
+            ["tier"],
+            buckets=_LOAD_BUCKETS,
+            registry=self.registry,
+        )
+        self.evictions = Counter(
+            "loraserve_adapter_evictions", "Adapters evicted from a tier.", ["tier"], registry=self.registry
+        )
+        self.route_requests = Counter(
+            "loraserve_route_requests",
+            "Requests per A/B route variant.",
+            ["tenant", "route", "variant"],
+            registry=self.registry,
+        )
         self.registry.register(_StateCollector(model_name, engine_stats, config_store_up))
 
     def observe_request(self, *, ttft: float, tpot: float | None, e2e: float) -> None:
@@ -83,8 +135,12 @@ class Metrics:
 
 
 class _StateCollector(Collector):
-    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats | None],
-                 config_store_up: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        engine_stats: Callable[[], EngineStats | None],
+        config_store_up: Callable[[], bool],
+    ) -> None:
         self._model = model_name
         self._engine_stats = engine_stats
         self._config_store_up = config_store_up
@@ -99,20 +155,31 @@ class _StateCollector(Collector):
         model = [self._model]
         yield _gauge("vllm:num_requests_running", "Requests running on the GPU.", stats.num_running, model)
         yield _gauge("vllm:num_requests_waiting", "Requests waiting to run.", stats.num_waiting, model)
-        yield _gauge("vllm:kv_cache_usage_perc", "KV cache usage, 1 means 100 percent.", stats.kv_cache_usage, model)
+        yield _gauge(
+            "vllm:kv_cache_usage_perc", "KV cache usage, 1 means 100 percent.", stats.kv_cache_usage, model
+        )
         yield _counter("vllm:num_preemptions", "Preemptions since start.", stats.num_preemptions, model)
         yield _counter("vllm:prompt_tokens", "Prompt tokens processed.", stats.num_prompt_tokens, model)
         yield _counter("vllm:generation_tokens", "Tokens generated.", stats.num_generation_tokens, model)
-        slots = GaugeMetricFamily("loraserve_lora_slots_in_use", "GPU adapter slots pinned by running requests.")
+        slots = GaugeMetricFamily(
+            "loraserve_lora_slots_in_use", "GPU adapter slots pinned by running requests."
+        )
         slots.add_metric([], stats.num_lora_slots_in_use)
         yield slots
         # vLLM's labels, in vLLM's order; the value is the time of this snapshot (vLLM: set_to_current_time).
         info = GaugeMetricFamily(
-            "vllm:lora_requests_info", "Running and waiting adapters (value: a timestamp).",
+            "vllm:lora_requests_info",
+            "Running and waiting adapters (value: a timestamp).",
             labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
         )
-        info.add_metric([str(stats.max_loras), affinity_names(stats.waiting_adapters),
-                         affinity_names(stats.running_adapters)], time.time())
+        info.add_metric(
+            [
+                str(stats.max_loras),
+                affinity_names(stats.waiting_adapters),
+                affinity_names(stats.running_adapters),
+            ],
+            time.time(),
+        )
         yield info
 
 

@@ -46,7 +46,9 @@ class AdapterRef(msgspec.Struct, frozen=True, kw_only=True):
 def parse_adapter_ref(ref: object) -> AdapterRef:
     """`"a"` -> AdapterRef(name="a"); `"a@2"` -> AdapterRef(name="a", version=2); InvalidName otherwise."""
     if not isinstance(ref, str):
-        raise InvalidName(f"adapter reference must be a string like 'name' or 'name@2' (got {type(ref).__name__})")
+        raise InvalidName(
+            f"adapter reference must be a string like 'name' or 'name@2' (got {type(ref).__name__})"
+        )
     name, at, version = ref.partition("@")
     if not at:
         return AdapterRef(name=check_adapter_name(name))

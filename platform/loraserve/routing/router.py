@@ -23,11 +23,15 @@ class Router:
         self._on_pick = on_pick
         self._rng = rng if rng is not None else random.Random()
 
-    def pick(self, tenant: str, route: Route, user: str | None = None, rng: random.Random | None = None) -> Variant:
+    def pick(
+        self, tenant: str, route: Route, user: str | None = None, rng: random.Random | None = None
+    ) -> Variant:
         """The variant for this request; `rng` overrides the router's generator for fresh draws."""
         total = route.total_weight
         if total <= 0:
-            raise ValueError(f"route {route.name!r} has no positive weight; validate routes before storing them")
+            raise ValueError(
+                f"route {route.name!r} has no positive weight; validate routes before storing them"
+            )
         sticky = route.sticky == "user" and bool(user)
         if sticky:
             point = sticky_point(tenant, route.name, user, total)

@@ -45,7 +45,9 @@ def parse_route(name: str, body: Mapping[str, object] | bytes | str) -> Route:
     if unknown:
         raise InvalidRoute(f"unknown route field(s) {unknown}; allowed: variants, sticky", field=unknown[0])
     if "name" in body and body["name"] != name:
-        raise InvalidRoute(f"body name {body['name']!r} differs from the URL's route name {name!r}", field="name")
+        raise InvalidRoute(
+            f"body name {body['name']!r} differs from the URL's route name {name!r}", field="name"
+        )
     sticky = body.get("sticky", "user")
     if sticky not in STICKY_MODES:
         raise InvalidRoute(f"sticky must be 'user' or 'none' (got {sticky!r})", field="sticky")
@@ -54,7 +56,10 @@ def parse_route(name: str, body: Mapping[str, object] | bytes | str) -> Route:
 
 def validate_route(route: Route) -> Route:
     """Re-check a Route built in code (e.g. decoded by the web framework) with the same rules."""
-    body = {"variants": [{"adapter": v.adapter, "weight": v.weight} for v in route.variants], "sticky": route.sticky}
+    body = {
+        "variants": [{"adapter": v.adapter, "weight": v.weight} for v in route.variants],
+        "sticky": route.sticky,
+    }
     return parse_route(route.name, body)
 
 

@@ -107,6 +107,8 @@ def parse_api_keys(data: object, *, source: str = "API keys") -> list[ApiKey]:
             raise InvalidKeysFile(f"{where}: role must be 'admin' or 'user' (got {role!r})")
         limit = entry.get("max_concurrent_requests")
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-            raise InvalidKeysFile(f"{where}: max_concurrent_requests must be a positive integer (got {limit!r})")
+            raise InvalidKeysFile(
+                f"{where}: max_concurrent_requests must be a positive integer (got {limit!r})"
+            )
         keys.append(ApiKey(key_hash=hash_key(key), tenant=tenant, role=role, max_concurrent_requests=limit))
     return keys

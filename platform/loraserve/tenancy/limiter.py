@@ -54,7 +54,9 @@ class ConcurrencyLimiter:
         max_retry_after_s: int = 60,
     ) -> None:
         if default_max_concurrent is not None and default_max_concurrent < 1:
-            raise ValueError(f"default_max_concurrent must be a positive integer or None, got {default_max_concurrent}")
+            raise ValueError(
+                f"default_max_concurrent must be a positive integer or None, got {default_max_concurrent}"
+            )
         if not 1 <= min_retry_after_s <= max_retry_after_s:
             raise ValueError("need 1 <= min_retry_after_s <= max_retry_after_s")
         self.default_max_concurrent = default_max_concurrent

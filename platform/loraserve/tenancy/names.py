@@ -26,7 +26,9 @@ def check_name(value: object, what: str = "name") -> str:
     if len(value) > MAX_NAME_LENGTH:
         raise InvalidName(f"{what} is {len(value)} characters long; {NAME_RULE}")
     if "@" in value:
-        raise InvalidName(f"{what} {value!r} contains '@', which separates name and version (name@2); {NAME_RULE}")
+        raise InvalidName(
+            f"{what} {value!r} contains '@', which separates name and version (name@2); {NAME_RULE}"
+        )
     if ".." in value:
         raise InvalidName(f"{what} {value!r} contains '..'; {NAME_RULE}")
     if not _NAME.fullmatch(value):

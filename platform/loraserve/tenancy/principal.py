@@ -21,7 +21,9 @@ class Principal(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_key(cls, key: ApiKey) -> Principal:
-        return cls(tenant=key.tenant, role=key.role, max_concurrent=key.max_concurrent_requests, key_id=key.key_id)
+        return cls(
+            tenant=key.tenant, role=key.role, max_concurrent=key.max_concurrent_requests, key_id=key.key_id
+        )
 
 
 # Open mode (no keys configured anywhere): every request is the default tenant with admin rights.

@@ -89,8 +89,11 @@ class StoreAdapterSource:
         """In a loader process: what the observer and metrics saw since the last call."""
         if self._records is None:
             return []
-        records = list(self._records)
-        self._records.clear()  # in place: the store's and cache's RecordingMetrics append to this list
+        count = len(self._records)
+        records = self._records[:count]
+        # In place (the store's and cache's RecordingMetrics append to this list), and in one operation, so
+        # a record appended meanwhile by a loader thread (the engine core's own loads) stays for next time.
+        del self._records[:count]
         return records
 
     def replay(self, records: list) -> None:

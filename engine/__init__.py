@@ -14,10 +14,11 @@ _EXPORTS = {
     "AdapterError": "engine.lora.peft_checkpoint",
     "AdapterSource": "engine.lora.manager",
     "AdapterSourceFactory": "engine.llm_engine",
-    "AsyncLLM": "engine.async_llm",
+    "AsyncLLM": "engine.frontend.async_llm",
     "CompletionOutput": "engine.outputs",
     "EngineConfig": "engine.config",
-    "EngineDeadError": "engine.async_llm",
+    "EngineDeadError": "engine.frontend.core_client",
+    "EngineStartupError": "engine.frontend.core_client",
     "EngineStats": "engine.stats",
     "LLMEngine": "engine.llm_engine",
     "ModelShape": "engine.lora.model_shape",
@@ -35,6 +36,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "EngineDeadError",
+    "EngineStartupError",
     "EngineStats",
     "LLMEngine",
     "ModelShape",
@@ -59,8 +61,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from engine.async_llm import AsyncLLM, EngineDeadError
     from engine.config import EngineConfig
+    from engine.frontend.async_llm import AsyncLLM
+    from engine.frontend.core_client import EngineDeadError, EngineStartupError
     from engine.llm import LLM
     from engine.llm_engine import AdapterSourceFactory, LLMEngine, RequestError
     from engine.lora.manager import AdapterSource, Observer

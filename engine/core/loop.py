@@ -1,0 +1,142 @@
+"""The engine core's busy loop: take inputs, schedule -> execute -> update (LLMEngine.step), send outputs.
+
+The loop blocks on its input socket only while it has nothing to run; while requests run it only
+drains what has arrived and steps again. Each step's results go out as one StepOutputs message.
+One request's bad data fails that request alone (AddRequest errors become a failed RequestDelta); an
+exception out of `LLMEngine.step` is an engine bug and ends the loop (the process reports it and exits).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from engine.llm_engine import LLMEngine
+from engine.messages import (
+    AbortRequests,
+    AdapterEvent,
+    AddRequest,
+    ForgetAdapter,
+    RequestDelta,
+    ShutdownCore,
+    StepOutputs,
+    decode_input,
+    encode,
+)
+from engine.outputs import RequestOutput
+from engine.request import RequestStatus
+
+logger = logging.getLogger(__name__)
+
+# How long an idle core waits for input before it looks at its adapter loads and stats again.
+IDLE_POLL_MS = 50
+
+
+class EngineCoreLoop:
+    """Runs one LLMEngine (built without a tokenizer) behind an input and an output socket."""
+
+    def __init__(
+        self, engine: LLMEngine, inputs: zmq.Socket, outputs: zmq.Socket, adapter_events: list[AdapterEvent]
+    ):
+        self.engine = engine
+        self._inputs = inputs
+        self._outputs = outputs
+        self._poller = zmq.Poller()
+        self._poller.register(inputs, zmq.POLLIN)
+        # Appended to by the adapter manager's observer (engine and loader threads); drained per message.
+        self._adapter_events = adapter_events
+        self._drain_source = getattr(engine.lora.source, "drain", None)
+        self._num_sent: dict[str, int] = {}  # request id -> tokens already sent
+        self._failed: list[RequestDelta] = []  # requests refused on arrival, sent with the next message
+        self._last_stats = None
+        self._stopping = False
+
+    def run(self) -> None:
+        """Serve until a ShutdownCore message arrives."""
+        while not self._stopping:
+            busy = self.engine.has_unfinished_requests()
+            self._receive(0 if busy else IDLE_POLL_MS)
+            if self._stopping:
+                return
+            step = self.engine.step() if self.engine.has_unfinished_requests() else []
+            self._send([self._delta(output) for output in step])
+
+    # -- inputs -----------------------------------------------------------------------------------
+
+    def _receive(self, timeout_ms: int) -> None:
+        if not self._poller.poll(timeout_ms):
+            return
+        while not self._stopping:
+            try:
+                data = self._inputs.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(decode_input(data))
+
+    def _handle(self, message) -> None:
+        if isinstance(message, AddRequest):
+            self._add(message)
+        elif isinstance(message, AbortRequests):
+            self.engine.abort_request(message.request_ids)
+        elif isinstance(message, ForgetAdapter):
+            self.engine.forget_adapter(message.adapter_id)
+        elif isinstance(message, ShutdownCore):
+            self._stopping = True
+
+    def _add(self, message: AddRequest) -> None:
+        try:
+            params = message.params.to_params()
+            self.engine.add_request(message.request_id, message.prompt_token_ids, params, message.adapter)
+        except Exception as exc:  # this request's data (params, a duplicate id): fail it, keep serving
+            logger.warning("request %s refused: %s", message.request_id, exc)
+            self._failed.append(
+                RequestDelta(
+                    message.request_id, [], finish_reason="error", error=str(exc) or type(exc).__name__
+                )
+            )
+            return
+        self._num_sent[message.request_id] = 0
+
+    # -- outputs ----------------------------------------------------------------------------------
+
+    def _delta(self, output: RequestOutput) -> RequestDelta:
+        """The tokens of `output` (one sequence: the core never sees n > 1) not sent before."""
+        completion = output.outputs[0]
+        request_id = output.request_id
+        num_sent = self._num_sent.get(request_id, 0)
+        finish_reason = completion.finish_reason
+        if finish_reason is None:
+            self._num_sent[request_id] = len(completion.token_ids)
+        else:
+            self._num_sent.pop(request_id, None)
+        stopped_by_token = finish_reason == RequestStatus.FINISHED_STOPPED.finish_reason
+        return RequestDelta(
+            request_id=request_id,
+            new_token_ids=completion.token_ids[num_sent:],
+            logprobs=completion.logprobs[num_sent:] if completion.logprobs is not None else None,
+            finish_reason=finish_reason,
+            stop_reason=completion.stop_reason if stopped_by_token else None,
+            error=output.error,
+            num_cached_tokens=output.num_cached_tokens,
+        )
+
+    def _send(self, deltas: list[RequestDelta]) -> None:
+        if self._failed:
+            deltas, self._failed = self._failed + deltas, []
+        events = _take_all(self._adapter_events)
+        records = self._drain_source() if self._drain_source is not None else []
+        stats = self.engine.stats()
+        if not deltas and not events and not records and stats == self._last_stats:
+            return
+        self._last_stats = stats
+        message = StepOutputs(deltas=deltas, stats=stats, adapter_events=events, source_records=records)
+        self._outputs.send(encode(message))
+
+
+def _take_all(items: list) -> list:
+    """Move everything out of a list other threads append to, losing nothing appended meanwhile."""
+    count = len(items)
+    taken = items[:count]
+    del items[:count]  # one operation under the interpreter lock: later appends stay
+    return taken

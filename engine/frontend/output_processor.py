@@ -1,0 +1,169 @@
+"""The front end's half of a request: text, stop strings, logprobs and the `n > 1` fan-in.
+
+A user request with `n` completions is `n` core requests ("children", ids `req#i` when n > 1, each
+seeded `seed + i` as vLLM does). The core sends each child's new token ids; here they become text
+(IncrementalDetokenizer), a stop string ends a child (and the caller aborts it in the core), and the
+children's news of one message merge into one RequestOutput delta: each completion published so far,
+holding only what is new since the previous delta.
+
+By vLLM's convention a stop token stays in `token_ids` but adds no text: the core ends a child with
+"stop" only on a stop token (eos or stop_token_ids), so that token is not detokenized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.messages import AddRequest, CoreSamplingParams, RequestDelta
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+_STOP = RequestStatus.FINISHED_STOPPED.finish_reason
+
+
+@dataclass
+class _Child:
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: bool
+    published: bool = False
+    num_tokens: int = 0
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    # News since the last delta.
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.logprobs:
+            self.cumulative_logprob = 0.0
+
+    def apply(self, delta: RequestDelta) -> bool:
+        """Take one core delta; True when a stop string ended the child here (the core must abort it)."""
+        self.published = True
+        ids = delta.new_token_ids
+        self.new_token_ids.extend(ids)
+        self.num_tokens += len(ids)
+        for item in delta.logprobs or ():
+            self.new_logprobs.append(item)
+            self.cumulative_logprob += item.logprob
+        stop_string = None
+        if self.detokenizer is not None:
+            by_token = delta.finish_reason == _STOP and ids
+            stop_string = self.detokenizer.update(ids[:-1] if by_token else ids)
+        if stop_string is not None:
+            self.finish_reason, self.stop_reason = _STOP, stop_string
+            return delta.finish_reason is None
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        return False
+
+    def take(self) -> CompletionOutput:
+        """This child's completion with only the news since the last call."""
+        finished = self.finish_reason is not None
+        text = self.detokenizer.get_next_output_text(finished, delta=True) if self.detokenizer else ""
+        completion = CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=self.new_token_ids,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.new_logprobs if self.logprobs else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        self.new_token_ids, self.new_logprobs = [], []
+        return completion
+
+
+class RequestProcessor:
+    """One user request in the front end: its core requests out, its deltas in."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        adapter: str | None,
+        tokenizer,
+        eos_token_id: int | None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.adapter = adapter
+        self.error: str | None = None
+        self.num_cached_tokens = 0
+        self.child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        self._child_params = [_child_params(params, i) for i in range(params.n)]
+        self._children: dict[str, _Child] = {}
+        for index, (child_id, child_params) in enumerate(zip(self.child_ids, self._child_params)):
+            detokenizer = None
+            if tokenizer is not None and prompt_token_ids:
+                request = Request(child_id, prompt_token_ids, child_params, eos_token_id=eos_token_id)
+                detokenizer = IncrementalDetokenizer(tokenizer, request)
+            self._children[child_id] = _Child(index, detokenizer, params.logprobs is not None)
+
+    def add_requests(self) -> list[AddRequest]:
+        return [
+            AddRequest(child_id, self.prompt_token_ids, CoreSamplingParams.of(params), self.adapter)
+            for child_id, params in zip(self.child_ids, self._child_params)
+        ]
+
+    @property
+    def finished(self) -> bool:
+        return all(child.finish_reason is not None for child in self._children.values())
+
+    @property
+    def unfinished_child_ids(self) -> list[str]:
+        return [i for i, child in self._children.items() if child.finish_reason is None]
+
+    def process(self, deltas: list[RequestDelta]) -> tuple[RequestOutput | None, list[str]]:
+        """(the merged delta, or None if nothing was new; the child ids a stop string ended, to abort)."""
+        to_abort = []
+        for delta in deltas:
+            child = self._children.get(delta.request_id)
+            if child is None or child.finish_reason is not None:
+                continue  # e.g. the core's "abort" after a stop string ended it here
+            if delta.error and self.error is None:
+                self.error = delta.error
+            self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+            if child.apply(delta):
+                to_abort.append(delta.request_id)
+        published = [child for child in self._children.values() if child.published]
+        if not published:
+            return None, to_abort
+        return self._output([child.take() for child in published]), to_abort
+
+    def fail(self, message: str) -> RequestOutput:
+        """The final delta of a request refused before it reached the core."""
+        self.error = message
+        for child in self._children.values():
+            child.published, child.finish_reason = True, RequestStatus.FINISHED_ERROR.finish_reason
+        return self._output([child.take() for child in self._children.values()])
+
+    def _output(self, completions: list[CompletionOutput]) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=completions,
+            finished=self.finished,
+            adapter=self.adapter,
+            error=self.error,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Each child samples independently: seed + index (vLLM's rule); the core adds the checkpoint's
+    extra end-of-sequence ids itself."""
+    changes: dict = {"n": 1}
+    if params.seed is not None and params.n > 1:
+        changes["seed"] = params.seed + index
+    return dataclasses.replace(params, **changes)

@@ -1,0 +1,153 @@
+"""The typed messages between the front end (the HTTP process) and the engine core process.
+
+Every message is a msgspec Struct of a tagged union, msgpack-encoded: nothing is pickled, and no tensor
+crosses (token ids and logprobs travel as plain lists). Inputs go front end -> core, outputs core ->
+front end, each over its own socket:
+
+    front end                                        core
+      AddRequest / AbortRequests /      -- inputs -->    schedule -> execute -> update
+      ForgetAdapter / ShutdownCore
+      CoreReady (once) / StepOutputs    <-- outputs --   (one StepOutputs per step)
+      (one per step) / CoreFailed
+
+The core sees only what token-level work needs: one sequence per request (the front end fans `n > 1`
+out into `n` requests), token ids, and the stops it can decide from token ids alone (max_tokens, eos,
+stop_token_ids, min_tokens). Text, stop strings and logprob formatting stay in the front end.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+# -- front end -> core ----------------------------------------------------------------------------
+
+
+class CoreSamplingParams(msgspec.Struct, frozen=True, array_like=True):
+    """The part of SamplingParams the core acts on (no `n`, no stop strings, no detokenization flags)."""
+
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    logprobs: int | None
+    min_tokens: int
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> CoreSamplingParams:
+        return cls(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            logprobs=params.logprobs,
+            min_tokens=params.min_tokens,
+        )
+
+    def to_params(self) -> SamplingParams:
+        """The engine's SamplingParams for one sequence (validated again: ValueError names the field)."""
+        return SamplingParams(
+            n=1,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+            min_tokens=self.min_tokens,
+        )
+
+
+class AddRequest(msgspec.Struct, frozen=True, tag="add"):
+    request_id: str  # unique among the core's unfinished requests (a child id "req#1" for n > 1)
+    prompt_token_ids: list[int]
+    params: CoreSamplingParams
+    adapter: str | None = None  # an adapter id or name the core's adapter source resolves; None: base model
+
+
+class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
+    request_ids: list[str]  # unknown or finished ids are ignored
+
+
+class ForgetAdapter(msgspec.Struct, frozen=True, tag="forget"):
+    adapter_id: str  # deleted: no new requests; queued ones fail; running ones finish
+
+
+class ShutdownCore(msgspec.Struct, frozen=True, tag="shutdown"):
+    """Stop the loop, the adapter loaders and the process (exit code 0)."""
+
+
+CoreInput = AddRequest | AbortRequests | ForgetAdapter | ShutdownCore
+
+# -- core -> front end ----------------------------------------------------------------------------
+
+
+class RequestDelta(msgspec.Struct, frozen=True, array_like=True):
+    """What one request gained in one step. The last delta of a request has `finish_reason` set."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for them
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None while running
+    stop_reason: int | None = None  # the stop token id that ended it; None for eos and length
+    error: str | None = None  # why it failed (finish_reason "error"), naming the problem
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class CoreReady(msgspec.Struct, frozen=True, tag="ready"):
+    """Sent once, after the model loaded: what the front end needs to know about the engine."""
+
+    max_model_len: int
+    eos_token_ids: list[int]
+    stats: EngineStats
+
+
+# (event, tier, seconds): the adapter manager's observer calls (engine.lora.manager.Observer).
+AdapterEvent = tuple[str, str, float]
+# (hook, args): what an adapter source recorded (StoreAdapterSource.drain), for its `replay` in the front end.
+SourceRecord = tuple[str, list[str | int | float]]
+
+
+class StepOutputs(msgspec.Struct, frozen=True, tag="outputs"):
+    """One engine step's results (or, while idle, a changed stats snapshot)."""
+
+    deltas: list[RequestDelta]
+    stats: EngineStats
+    adapter_events: list[AdapterEvent] = []
+    source_records: list[SourceRecord] = []
+
+
+class CoreFailed(msgspec.Struct, frozen=True, tag="failed"):
+    """The core cannot go on (start-up failed, or the loop hit an engine bug); the process exits next."""
+
+    message: str
+
+
+CoreOutput = CoreReady | StepOutputs | CoreFailed
+
+_encoder = msgspec.msgpack.Encoder()
+_input_decoder = msgspec.msgpack.Decoder(CoreInput)
+_output_decoder = msgspec.msgpack.Decoder(CoreOutput)
+
+
+def encode(message: CoreInput | CoreOutput) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_input(data: bytes) -> CoreInput:
+    return _input_decoder.decode(data)
+
+
+def decode_output(data: bytes) -> CoreOutput:
+    return _output_decoder.decode(data)

@@ -3,8 +3,8 @@
 A user request with `n` completions is `n` core requests ("children", ids `req#i` when n > 1, each
 seeded `seed + i` as vLLM does). The core sends each child's new token ids; here they become text
 (IncrementalDetokenizer), a stop string ends a child (and the caller aborts it in the core), and the
-children's news of one message merge into one RequestOutput delta: each completion published so far,
-holding only what is new since the previous delta.
+children's news of one message merge into one RequestOutput delta: each completion published so far
+and not yet finished in an earlier delta, holding only what is new since the previous delta.
 
 By vLLM's convention a stop token stays in `token_ids` but adds no text: the core ends a child with
 "stop" only on a stop token (eos or stop_token_ids), so that token is not detokenized.
@@ -30,7 +30,8 @@ class _Child:
     index: int
     detokenizer: IncrementalDetokenizer | None
     logprobs: bool
-    published: bool = False
+    published: bool = False  # appeared in a delta: from then on it is part of the request's outputs
+    done: bool = False  # its final completion went out: later deltas leave it out
     num_tokens: int = 0
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
@@ -77,6 +78,7 @@ class _Child:
             stop_reason=self.stop_reason,
         )
         self.new_token_ids, self.new_logprobs = [], []
+        self.done = finished
         return completion
 
 
@@ -135,7 +137,7 @@ class RequestProcessor:
             self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
             if child.apply(delta):
                 to_abort.append(delta.request_id)
-        published = [child for child in self._children.values() if child.published]
+        published = [child for child in self._children.values() if child.published and not child.done]
         if not published:
             return None, to_abort
         return self._output([child.take() for child in published]), to_abort

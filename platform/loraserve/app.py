@@ -58,6 +58,9 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
 async def _serving(app: Litestar, services: Services, shutdown: Shutdown) -> AsyncIterator[None]:
     services.shutdown = shutdown
     app.state[SERVICES_KEY] = services
+    watch = getattr(services.engine, "add_death_callback", None)
+    if watch is not None:  # the engine core died: streams already failed; stop the server (exit 1)
+        watch(lambda error: shutdown.fail(str(error)))
     try:
         yield
     finally:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from adapters_store import AdapterNotFound, AdapterStore, DiskCache, StoreConfig, open_store
 from adapters_store.engine_source import StoreAdapterSource
-from engine import AsyncLLM, EngineConfig, LLMEngine, ModelShape
+from engine import AsyncLLM, EngineConfig, ModelShape
 from engine.model.loader import load_config, resolve_model_path
 from loraserve.config_store import CachedConfigStore, open_config_store, redact_url
 from loraserve.ops.metrics import Metrics
@@ -83,16 +83,19 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
         metrics = Metrics(
             model_id, lambda: engine.stats() if engine is not None else None, lambda: config_store.healthy
         )
-        log.info("loading model %s (%s)", model_id, model)
-        llm_engine = await asyncio.to_thread(
-            LLMEngine,
-            engine_config(settings, model),
-            adapter_source_factory=lambda shape, rank: StoreAdapterSource(
-                store, disk_cache, shape, rank, observer=metrics.adapter_event
-            ),
-            adapter_observer=metrics.adapter_event,
+        log.info("loading model %s (%s) in the engine core process", model_id, model)
+        # The source pickles into the core (a recipe: store, disk cache folder, shape); what it and the
+        # core's adapter manager observe there comes back with the core's outputs to `metrics`.
+        source = StoreAdapterSource(
+            store, disk_cache, shape, settings.max_lora_rank, observer=metrics.adapter_event
         )
-        engine = AsyncLLM(llm_engine)
+        engine = await asyncio.to_thread(
+            AsyncLLM.from_config,
+            engine_config(settings, model),
+            adapter_source=source,
+            adapter_observer=metrics.adapter_event,
+            triton_cache_dir=str(settings.triton_cache_dir),
+        )
         if settings.lora_modules:
             await asyncio.to_thread(preload_lora_modules, store, settings.lora_modules)
         _log_startup(settings, model_id, model, authenticator.open_mode)
@@ -106,8 +109,8 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             router=Router(on_pick=metrics.route_picked),
             limiter=ConcurrencyLimiter(settings.max_concurrent_requests_per_tenant),
             metrics=metrics,
-            tokenizer=llm_engine.tokenizer,
-            max_model_len=llm_engine.max_model_len,
+            tokenizer=engine.tokenizer,
+            max_model_len=engine.max_model_len,
         )
     finally:
         if engine is not None:

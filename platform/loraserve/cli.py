@@ -134,7 +134,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="default per-tenant cap (keys may set their own)",
     )
     add(
-        "--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="demo model, embedded config, adapter cache"
+        "--state-dir",
+        type=Path,
+        default=DEFAULT_STATE_DIR,
+        help="demo model, embedded config, adapter cache, compiled kernels (Triton cache)",
     )
     add(
         "--cpu-kv-cache-space",
@@ -202,6 +205,11 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
 
+    async def on_tick(self, counter: int) -> bool:
+        if self._shutdown.fatal_error is not None:  # the engine core died: stop, so the pod restarts
+            self.should_exit = True
+        return await super().on_tick(counter)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._loop is None or self._drain_task is not None or self.should_exit:
             super().handle_exit(sig, frame)
@@ -220,7 +228,8 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(settings: ServerSettings, log_level: str = "info") -> None:
+def serve(settings: ServerSettings, log_level: str = "info") -> int:
+    """Run the server until SIGTERM (exit code 0) or until the engine core dies (1)."""
     from loraserve.app import create_app, shutdown_of  # the app pulls in torch: only for `serve`
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -233,7 +242,12 @@ def serve(settings: ServerSettings, log_level: str = "info") -> None:
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
-    DrainingServer(config, shutdown_of(app)).run()
+    shutdown = shutdown_of(app)
+    DrainingServer(config, shutdown).run()
+    if shutdown.fatal_error is not None:
+        logging.getLogger("loraserve").error("exiting: %s", shutdown.fatal_error)
+        return 1
+    return 0
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -264,8 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings = settings_from_args(args)
         except ValueError as exc:
             parser.error(str(exc))
-        serve(settings, args.log_level)
-        return 0
+        return serve(settings, args.log_level)
     result = args.func(args)
     return int(result or 0)
 

@@ -107,6 +107,11 @@ class ServerSettings:
     def models_dir(self) -> Path:
         return self.state_dir / "models"
 
+    @property
+    def triton_cache_dir(self) -> Path:
+        """Compiled kernels, kept across restarts (the engine core uses it unless TRITON_CACHE_DIR is set)."""
+        return self.state_dir / "cache" / "triton"
+
 
 def parse_lora_module(spec: str) -> tuple[str, str]:
     """`NAME=PATH` -> (NAME, PATH); ValueError naming the expected form otherwise."""

@@ -51,7 +51,7 @@ def case(tmp_path_factory):
     return dict(model_dir=model_dir, adapters=adapters, expected=expected)
 
 
-def make_engine(case, observer=None, **overrides) -> LLMEngine:
+def engine_config(case, **overrides) -> EngineConfig:
     args = dict(
         model=str(case["model_dir"]),
         max_loras=2,
@@ -61,9 +61,11 @@ def make_engine(case, observer=None, **overrides) -> LLMEngine:
         max_model_len=128,
         dtype="float32",
     )
-    engine = LLMEngine(
-        EngineConfig(**{**args, **overrides}), skip_tokenizer_init=True, adapter_observer=observer
-    )
+    return EngineConfig(**{**args, **overrides})
+
+
+def make_engine(case, observer=None, **overrides) -> LLMEngine:
+    engine = LLMEngine(engine_config(case, **overrides), skip_tokenizer_init=True, adapter_observer=observer)
     for name, path in case["adapters"].items():
         engine.register_adapter(name, str(path))
     return engine
@@ -230,8 +232,9 @@ def test_stats_reflect_running_waiting_and_adapters(case):
     assert stats.num_prompt_tokens == sum(len(p) for p in all_prompts)
 
 
-def test_async_forget_and_stats_through_the_engine_thread(case):
-    llm = AsyncLLM(make_engine(case))
+def test_async_forget_and_stats_through_the_engine_core_process(case):
+    modules = {name: str(path) for name, path in case["adapters"].items()}
+    llm = AsyncLLM.from_config(engine_config(case), skip_tokenizer_init=True, lora_modules=modules)
     prompt = prompts(9, 1)[0]
 
     async def scenario():
@@ -253,7 +256,7 @@ def test_async_forget_and_stats_through_the_engine_thread(case):
     tokens = first.outputs[0].token_ids + sum((o.outputs[0].token_ids for o in rest), [])
     assert rest[-1].error is None and tokens == case["expected"](prompt, "ad7", 40)
     assert idle.num_lora_slots_in_use == 0 and idle.num_generation_tokens == 40
-    assert llm.engine.lora.allocator.lookup("ad7") is None
+    assert idle.running_adapters == idle.waiting_adapters == ()
 
 
 async def _wait_for(llm: AsyncLLM, condition, timeout: float = 10.0) -> EngineStats:

@@ -1,4 +1,5 @@
-"""The streaming API: deltas add up to the offline result, abort frees the request's KV blocks."""
+"""The streaming API (engine core in its own process): deltas add up to the offline result, abort frees
+the request's KV blocks."""
 
 from __future__ import annotations
 
@@ -6,25 +7,21 @@ import asyncio
 
 import pytest
 
-from engine import LLM, AsyncLLM, SamplingParams
+from engine import LLM, AsyncLLM, EngineConfig, SamplingParams
+
+ENGINE_ARGS = dict(max_loras=2, max_lora_rank=8, max_model_len=96, block_size=4)
 
 
 @pytest.fixture(scope="module")
 def engines(text_model_dir, text_adapters):
-    def build():
-        return LLM(
-            model=str(text_model_dir),
-            lora_modules={k: str(v) for k, v in text_adapters.items()},
-            max_loras=2,
-            max_lora_rank=8,
-            max_model_len=96,
-            block_size=4,
-        ).engine
-
-    offline = build()
-    streaming = AsyncLLM(build())
-    yield offline, streaming
-    streaming.shutdown()
+    modules = {k: str(v) for k, v in text_adapters.items()}
+    offline = LLM(model=str(text_model_dir), lora_modules=modules, **ENGINE_ARGS).engine
+    config = EngineConfig(model=str(text_model_dir), **ENGINE_ARGS)
+    streaming = AsyncLLM.from_config(config, lora_modules=modules, startup_timeout_s=120)
+    try:
+        yield offline, streaming
+    finally:
+        streaming.shutdown()
 
 
 async def _collect(llm: AsyncLLM, prompt, params, request_id, adapter=None):
@@ -57,7 +54,6 @@ def test_deltas_concatenate_to_the_offline_output(engines):
 
 def test_consumer_leaving_aborts_and_frees_blocks(engines):
     _, streaming = engines
-    engine = streaming.engine
 
     async def run():
         params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
@@ -68,15 +64,16 @@ def test_consumer_leaving_aborts_and_frees_blocks(engines):
             if seen == 2:
                 break
         await stream.aclose()
-        for _ in range(100):  # the abort is applied by the engine thread
-            if not engine.has_unfinished_requests():
+        for _ in range(200):  # the core applies the abort, then publishes its stats
+            stats = streaming.stats()
+            if stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0:
                 break
             await asyncio.sleep(0.01)
+        return stats
 
-    asyncio.run(run())
-    assert not engine.has_unfinished_requests()
-    assert engine.kv_cache.usage == 0.0
-    assert engine.kv_cache.get_block_ids("leaver") == []
+    stats = asyncio.run(run())
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    assert stats.num_generation_tokens < 80  # stopped early, not run to max_tokens
 
 
 def test_failed_request_reports_its_error(engines):

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerFast
 
 from adapters_store import DiskCache, StoreConfig, open_store
 from adapters_store.engine_source import StoreAdapterSource
-from engine import AsyncLLM, EngineConfig, LLMEngine, ModelShape
+from engine import AsyncLLM, EngineConfig, ModelShape
 from engine.model.loader import load_config
 
 EOS = "<|endoftext|>"
@@ -110,12 +110,13 @@ async def open_test_services(
         max_lora_rank=16,
         max_num_seqs=16,
     )
-    llm = LLMEngine(
+    # The engine core runs in its own process, as in `loraserve serve`.
+    engine = AsyncLLM.from_config(
         config,
-        adapter_source_factory=lambda s, r: StoreAdapterSource(store, cache, s, r),
+        adapter_source=StoreAdapterSource(store, cache, shape, 16, observer=metrics.adapter_event),
         adapter_observer=metrics.adapter_event,
+        startup_timeout_s=120,
     )
-    engine = AsyncLLM(llm)
     try:
         keys = parse_api_keys(api_keys) if api_keys else []
         yield Services(
@@ -128,8 +129,8 @@ async def open_test_services(
             router=Router(on_pick=metrics.route_picked),
             limiter=ConcurrencyLimiter(max_concurrent),
             metrics=metrics,
-            tokenizer=llm.tokenizer,
-            max_model_len=llm.max_model_len,
+            tokenizer=engine.tokenizer,
+            max_model_len=engine.max_model_len,
         )
     finally:
         engine.shutdown()

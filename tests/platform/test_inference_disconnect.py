@@ -59,10 +59,10 @@ async def call_and_hang_up(app, path: str, body: dict, hang_up_when) -> list[dic
 
 
 async def engine_idle(services) -> bool:
-    engine = services.engine.engine
     for _ in range(500):
-        if not engine.has_unfinished_requests() and services.engine.stats().num_running == 0:
-            return engine.kv_cache.usage == 0.0
+        stats = services.engine.stats()  # the core publishes a fresh snapshot at most 50 ms apart
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0.0:
+            return True
         await asyncio.sleep(0.01)
     return False
 

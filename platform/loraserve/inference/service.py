@@ -25,6 +25,7 @@ from loraserve.inference.prompts import chat_prompt, completion_prompts
 from loraserve.inference.responses import ChatFormat, Choices, CompletionFormat
 from loraserve.inference.sampling import chat_params, completion_params
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
+from loraserve.ops.readiness import engine_dead_reason
 from loraserve.resolution import resolve_model
 from loraserve.services import Services
 from loraserve.tenancy import Principal
@@ -56,6 +57,9 @@ async def create_chat_completion(
 
 
 def check_serving(services: Services) -> None:
+    dead = engine_dead_reason(services)
+    if dead is not None:  # first: a dead core also starts the shutdown
+        raise ServiceUnavailable(f"{dead}; retry on another replica", code="engine_dead")
     if services.shutdown is not None and services.shutdown.draining:
         raise ServiceUnavailable(
             "the server is shutting down; retry on another replica", code="server_shutting_down"

@@ -4,23 +4,30 @@ from __future__ import annotations
 
 import msgspec
 from litestar import Controller, Response, get
+from litestar.datastructures import State
 from litestar.di import NamedDependency
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from loraserve.ops.readiness import Readiness, ReadyStatus
+from loraserve.dependencies import SERVICES_KEY
+from loraserve.ops.readiness import Readiness, ReadyStatus, engine_dead_reason
 from loraserve.services import Services
 
 
-class Health(msgspec.Struct, frozen=True, kw_only=True):
-    status: str = "ok"
+class Health(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    status: str  # "ok" or "unhealthy"
+    reason: str | None = None  # why the server is not healthy
 
 
 class OpsController(Controller):
     tags = ["ops"]
 
     @get("/health")
-    async def health(self) -> Health:
-        return Health()
+    async def health(self, state: State) -> Response[Health]:
+        """200 while the process serves; 503 once the engine core died (a liveness probe restarts the pod)."""
+        reason = engine_dead_reason(state.get(SERVICES_KEY))
+        if reason is not None:
+            return Response(Health(status="unhealthy", reason=reason), status_code=503)
+        return Response(Health(status="ok"))
 
     @get("/ready")
     async def ready(

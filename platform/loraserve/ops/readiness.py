@@ -34,8 +34,8 @@ class Readiness:
             reasons.append("shutting down: not accepting new requests")
         if services.engine is None:
             reasons.append("model not loaded yet")
-        elif getattr(services.engine, "dead_error", None) is not None:
-            reasons.append(f"engine stopped: {services.engine.dead_error}")
+        elif (dead := engine_dead_reason(services)) is not None:
+            reasons.append(dead)
         store_error = await self._adapter_store_error(services)
         if store_error:
             reasons.append(f"adapter store unreachable: {store_error}")
@@ -54,6 +54,12 @@ class Readiness:
                 self._store_error = str(exc) or type(exc).__name__
             self._store_checked_at = now
         return self._store_error
+
+
+def engine_dead_reason(services: Services | None) -> str | None:
+    """Why the engine cannot serve any more (its core process died), or None (also before start-up)."""
+    error = getattr(services.engine, "dead_error", None) if services is not None else None
+    return None if error is None else f"engine stopped: {error}"
 
 
 async def _config_store_error(services: Services) -> str | None:

@@ -4,6 +4,9 @@ On SIGTERM the CLI calls `drain()`: from then on new inference requests get 503 
 (load balancers take the replica out), running requests get `timeout_s` to finish, and whatever is
 left is aborted in the engine, so each stream ends with an error event and `data: [DONE]` instead of
 a cut connection. Only then does the server stop listening.
+
+`fail(reason)` is the other way out: the engine core died, so nothing can be served; the CLI stops
+the server at once and exits non-zero (a supervisor or Kubernetes starts a fresh one).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class Shutdown:
     def __init__(self, timeout_s: float = 30.0) -> None:
         self.timeout_s = timeout_s
         self.draining = False
+        self.fatal_error: str | None = None  # set (from any thread) when the server must exit non-zero
         self._active: set[Drainable] = set()
         self._aborted: set[int] = set()
 
@@ -37,6 +41,12 @@ class Shutdown:
     @property
     def in_flight(self) -> tuple[Drainable, ...]:
         return tuple(self._active)
+
+    def fail(self, reason: str) -> None:
+        """The server cannot serve any more: stop admitting; the CLI exits non-zero. Any thread."""
+        self.draining = True
+        if self.fatal_error is None:
+            self.fatal_error = reason
 
     def track(self, item: Drainable) -> None:
         self._active.add(item)

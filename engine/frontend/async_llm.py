@@ -203,12 +203,12 @@ class AsyncLLM:
 
     def _on_dead(self, error: EngineDeadError) -> None:
         self._died = error
-        self._fail_streams(error)
-        for callback in self._death_callbacks:
+        for callback in self._death_callbacks:  # first: by the time a stream fails, the server knows
             try:
                 callback(error)
             except Exception:
                 logger.exception("an engine death callback failed")
+        self._fail_streams(error)
 
     def _fail_streams(self, error: EngineDeadError) -> None:
         for stream in list(self._streams.values()):

@@ -17,7 +17,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.response import Stream
 
-from engine import RequestOutput, SamplingParams
+from engine import EngineDeadError, RequestOutput, SamplingParams
 from loraserve.errors import APIError, BadRequest, ServiceUnavailable, error_event
 from loraserve.inference.generation import Generation
 from loraserve.inference.logprobs import TokenText
@@ -151,6 +151,9 @@ async def _sse(
             yield _event(fmt.usage_chunk(choices.usage(generation.num_prompt_tokens)))
     except APIError as exc:
         yield error_event(exc.status_code, str(exc), exc.code)
+    except EngineDeadError as exc:  # the engine core died mid-stream: the server is going down
+        log.warning("stream %s failed: %s", generation.request_id, exc)
+        yield error_event(503, f"the request failed: {exc}; retry on another replica", "engine_dead")
     except Exception as exc:  # the engine died mid-stream: tell the client rather than cut the connection
         log.warning("stream %s failed: %s", generation.request_id, exc)
         yield error_event(503, f"the request failed: {exc}", "generation_failed")

@@ -1,0 +1,143 @@
+"""The served half of benchmarks/serve.py: a `loraserve serve` subprocess, and streaming HTTP clients
+spread over a few client processes (one Python process parsing every SSE event of 128 streams would
+measure the client, not the server).
+
+Clock: time.perf_counter is CLOCK_MONOTONIC on Linux, one clock for every process of the machine, so
+the client processes' timestamps compare with each other and with the parent's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One streamed request, as its client saw it."""
+
+    sent: float
+    first: float | None  # first chunk with content
+    last: float | None
+    num_tokens: int
+    error: str | None = None
+
+
+class Server:
+    """`python -m loraserve.cli serve ...` from this checkout, on a free loopback port."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        environment = {**os.environ, **(env or {})}
+        environment["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "platform")])
+        environment.pop("TRITON_CACHE_DIR", None)  # the server keeps its kernels under --state-dir
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        command = [
+            sys.executable,
+            "-m",
+            "loraserve.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
+        self.process = subprocess.Popen(
+            [*command, *args], stdout=self._log, stderr=subprocess.STDOUT, env=environment, cwd=REPO
+        )
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Seconds until /ready said 200; RuntimeError with the log's tail if it exited or took too long."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2.0).status_code == 200:
+                    return time.monotonic() - start
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def stop(self) -> int | None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self._log.close()
+        return self.process.returncode
+
+
+def drive(url: str, bodies: list[dict], num_processes: int) -> tuple[list[Sample], float, float]:
+    """Send every body at once as a streaming /v1/completions request, spread over `num_processes` client
+    processes; returns (samples, start, end) on the perf_counter clock."""
+    start_at = time.perf_counter() + 2.0  # every process connected and waiting before the first send
+    shares = [bodies[i::num_processes] for i in range(num_processes)]
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(num_processes) as pool:
+        parts = pool.starmap(_client_process, [(url, share, start_at) for share in shares if share])
+    samples = [s for part in parts for s in part]
+    # From the first send (a slow process start may delay it past start_at) to the last chunk.
+    return samples, min(s.sent for s in samples), max((s.last or s.sent) for s in samples)
+
+
+def _client_process(url: str, bodies: list[dict], start_at: float) -> list[Sample]:
+    return asyncio.run(_clients(url, bodies, start_at))
+
+
+async def _clients(url: str, bodies: list[dict], start_at: float) -> list[Sample]:
+    limits = httpx.Limits(max_connections=len(bodies) + 4, max_keepalive_connections=len(bodies) + 4)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(600.0)) as client:
+        await client.get("/health")  # connection pool warm
+        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        return await asyncio.gather(*(_stream(client, body) for body in bodies))
+
+
+async def _stream(client: httpx.AsyncClient, body: dict) -> Sample:
+    sent = time.perf_counter()
+    first = last = None
+    num_tokens = 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")[:300]
+                return Sample(sent, None, None, 0, f"HTTP {response.status_code}: {text}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return Sample(sent, first, last, num_tokens, event["error"].get("message"))
+                if event.get("usage"):
+                    num_tokens = event["usage"]["completion_tokens"]
+                if event.get("choices"):
+                    last = time.perf_counter()
+                    first = first or last
+    except httpx.HTTPError as exc:
+        return Sample(sent, first, last, num_tokens, f"{type(exc).__name__}: {exc}")
+    return Sample(sent, first, last, num_tokens)

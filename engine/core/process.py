@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -48,7 +48,6 @@ class CoreProcessOptions:
     lora_modules: tuple[tuple[str, str], ...] = ()
     triton_cache_dir: str | None = None  # used unless TRITON_CACHE_DIR is set already
     log_level: int = logging.INFO
-    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 def run_engine_core(options: CoreProcessOptions) -> None:
@@ -100,8 +99,6 @@ def _build_engine(options: CoreProcessOptions, adapter_events: list):
 
 
 def _prepare_process(options: CoreProcessOptions) -> None:
-    for name, value in options.extra_env.items():
-        os.environ.setdefault(name, value)
     if options.triton_cache_dir and not os.environ.get("TRITON_CACHE_DIR"):
         os.makedirs(options.triton_cache_dir, exist_ok=True)
         os.environ["TRITON_CACHE_DIR"] = options.triton_cache_dir

@@ -10,12 +10,14 @@ from litestar.params import JSONBody
 
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.service import create_chat_completion, create_completion, create_invocation
+from loraserve.json_guard import require_json_body
 from loraserve.resolution import list_models
 from loraserve.services import Services
 from loraserve.tenancy import Principal
 
 
 class InferenceController(Controller):
+    guards = [require_json_body]
     path = "/v1"
     tags = ["inference"]
 
@@ -44,7 +46,13 @@ class InferenceController(Controller):
         return await list_models(services, principal)
 
 
-@post("/invocations", status_code=200, tags=["inference"], summary="SageMaker's entry: chat or completion")
+@post(
+    "/invocations",
+    status_code=200,
+    tags=["inference"],
+    guards=[require_json_body],
+    summary="SageMaker's entry: chat or completion",
+)
 async def invocations(
     data: JSONBody[dict[str, Any]],
     request: Request,

@@ -6,6 +6,7 @@ from litestar import Controller, get, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
+from loraserve.json_guard import require_json_body
 from loraserve.services import Services
 from loraserve.tenancy import Principal
 from loraserve.tokenization.schemas import (
@@ -19,6 +20,7 @@ from loraserve.tokenization.service import detokenize, tokenize, tokenizer_info
 
 
 class TokenizationController(Controller):
+    guards = [require_json_body]
     tags = ["tokenizer"]
 
     @post("/tokenize", status_code=200, summary="Tokenize a prompt or chat messages as the server does")

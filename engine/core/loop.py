@@ -88,15 +88,18 @@ class EngineCoreLoop:
         try:
             params = message.params.to_params()
             self.engine.add_request(message.request_id, message.prompt_token_ids, params, message.adapter)
-        except Exception as exc:  # this request's data (params, a duplicate id): fail it, keep serving
-            logger.warning("request %s refused: %s", message.request_id, exc)
-            self._failed.append(
-                RequestDelta(
-                    message.request_id, [], finish_reason="error", error=str(exc) or type(exc).__name__
-                )
-            )
+        except ValueError as exc:  # this request's data (params, a duplicate id): fail it, keep serving
+            self._refuse(message.request_id, str(exc))
+            return
+        except Exception as exc:  # a bug met by this request's data: still this request alone
+            logger.exception("adding request %s failed", message.request_id)
+            self._refuse(message.request_id, f"the request could not start: {exc}")
             return
         self._num_sent[message.request_id] = 0
+
+    def _refuse(self, request_id: str, reason: str) -> None:
+        logger.warning("request %s refused: %s", request_id, reason)
+        self._failed.append(RequestDelta(request_id, [], finish_reason="error", error=reason))
 
     # -- outputs ----------------------------------------------------------------------------------
 

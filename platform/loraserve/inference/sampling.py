@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine import SamplingParams
 from loraserve.errors import BadRequest
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
+from loraserve.inference.structured import structured_params
 
 MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -45,6 +46,7 @@ def _params(
             stop=stop,
             logprobs=logprobs,
             ignore_eos=body.ignore_eos,
+            structured_outputs=structured_params(body),
         )
     except ValueError as exc:
         raise BadRequest(str(exc)) from None

@@ -25,6 +25,7 @@ from loraserve.inference.prompts import chat_prompt, completion_prompts
 from loraserve.inference.responses import ChatFormat, Choices, CompletionFormat
 from loraserve.inference.sampling import chat_params, completion_params
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
+from loraserve.inference.structured import check_structured
 from loraserve.resolution import resolve_model
 from loraserve.services import Services
 from loraserve.tenancy import Principal
@@ -43,6 +44,7 @@ async def create_completion(
     check_serving(services)
     params = completion_params(body)
     prompts = completion_prompts(body.prompt, services.tokenizer, services.max_model_len)
+    await check_structured(services, params.structured_outputs)
     return await _generate(services, principal, body, prompts, params, CompletionFormat, "cmpl", request)
 
 
@@ -52,6 +54,7 @@ async def create_chat_completion(
     check_serving(services)
     params = chat_params(body)
     prompt = chat_prompt(body.messages, services.tokenizer, services.max_model_len)
+    await check_structured(services, params.structured_outputs)
     return await _generate(services, principal, body, [prompt], params, ChatFormat, "chatcmpl", request)
 
 

@@ -21,7 +21,7 @@ from engine import RequestOutput, SamplingParams
 from loraserve.errors import APIError, BadRequest, ServiceUnavailable, error_event
 from loraserve.inference.generation import Generation
 from loraserve.inference.logprobs import TokenText
-from loraserve.inference.prompts import chat_prompt, completion_prompts
+from loraserve.inference.prompts import chat_prompt, check_sampling_token_ids, completion_prompts
 from loraserve.inference.responses import ChatFormat, Choices, CompletionFormat
 from loraserve.inference.sampling import chat_params, completion_params
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
@@ -44,6 +44,7 @@ async def create_completion(
     check_serving(services)
     params = completion_params(body)
     prompts = completion_prompts(body.prompt, services.tokenizer, services.max_model_len)
+    check_sampling_token_ids(params, services.tokenizer)
     await check_structured(services, params.structured_outputs)
     return await _generate(services, principal, body, prompts, params, CompletionFormat, "cmpl", request)
 
@@ -54,6 +55,7 @@ async def create_chat_completion(
     check_serving(services)
     params = chat_params(body)
     prompt = chat_prompt(body.messages, services.tokenizer, services.max_model_len)
+    check_sampling_token_ids(params, services.tokenizer)
     await check_structured(services, params.structured_outputs)
     return await _generate(services, principal, body, [prompt], params, ChatFormat, "chatcmpl", request)
 

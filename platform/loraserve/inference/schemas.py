@@ -54,6 +54,7 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
 class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,10 +119,15 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
 # ---- responses --------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(msgspec.Struct, frozen=True, kw_only=True):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
+from engine.logits_processors import apply_logits_processors
 from engine.lora.manager import AdapterManager, AdapterSource, Observer
 from engine.lora.model_shape import ModelShape
 from engine.lora.peft_checkpoint import AdapterError, PeftAdapter
@@ -27,6 +28,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats, distinct_adapters
+from engine.structured_output.matchers import StructuredOutputs
 from engine.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -49,10 +51,14 @@ class LLMEngine:
         adapter_source: AdapterSource | None = None,
         adapter_observer: Observer | None = None,
         adapter_source_factory: AdapterSourceFactory | None = None,
+        detokenize: bool = True,
     ):
+        """`detokenize=False`: outputs carry token ids only (no text, no stop strings); the tokenizer is
+        still loaded for structured outputs. The engine core process runs so: its front end makes text."""
         if adapter_source is not None and adapter_source_factory is not None:
             raise ValueError("pass adapter_source or adapter_source_factory, not both")
         self.config = config
+        self._detokenize = detokenize
         model_path = resolve_model_path(config.model)
         hf_config = load_config(model_path)
         self.max_model_len = _max_model_len(config, hf_config)
@@ -86,6 +92,8 @@ class LLMEngine:
             config, self.kv_cache, self.max_model_len, adapter_ready=self.lora.is_ready
         )
         self.sampler = Sampler(config.seed)
+        vocab_size = self.runner.model.weights.embed.shape[0]
+        self.structured = StructuredOutputs(self.tokenizer, vocab_size, self.eos_token_ids)
         self._states: dict[str, RequestState] = {}  # child request id -> state
         self._parents: dict[str, list[str]] = {}  # user request id -> child ids
         self._pending: list[RequestOutput] = []  # refused or aborted requests, reported at the next step
@@ -111,6 +119,7 @@ class LLMEngine:
             prompt_ids = self._tokenize(prompt_text) if prompt_ids is None else prompt_ids
             adapter_id = self._resolve_adapter(adapter)
             self._check_prompt(prompt_ids)
+            self._check_token_ids(params)
         except (AdapterError, RequestError) as exc:
             self._fail_unqueued(request_id, prompt_text, prompt_ids or [], adapter, str(exc))
             return
@@ -129,14 +138,19 @@ class LLMEngine:
         child = Request(
             request_id=child_id,
             prompt_token_ids=parent.prompt_token_ids,
-            sampling_params=self._child_params(params, index),
+            sampling_params=child_params(params, index, self.eos_token_ids),
             adapter_id=adapter_id,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
         )
-        self.scheduler.add_request(child)
+        self.structured.add(child)  # an invalid spec raises here, before anything is queued
+        try:
+            self.scheduler.add_request(child)
+        except ValueError:
+            self.structured.free(child_id)
+            raise
         if adapter_id is not None:
             self.lora.hold(adapter_id)
-        detok = IncrementalDetokenizer(self.tokenizer, child) if self.tokenizer is not None else None
+        detok = IncrementalDetokenizer(self.tokenizer, child) if self.tokenizer and self._detokenize else None
         self._states[child_id] = RequestState(child, parent, index, detok)
         return child
 
@@ -176,6 +190,10 @@ class LLMEngine:
         sampling = [s.request for s in scheduled.scheduled if s.samples]
         if not sampling:
             return outputs
+        # Grammar masks are filled on the host while the GPU still computes the logits; they go last, so no
+        # bias can bring back a token the grammar forbids.
+        prepared = self.structured.prepare(sampling)
+        logits = self.structured.apply(apply_logits_processors(logits, sampling), prepared)
         for request, token_id, logprobs in self._sample_isolated(logits, sampling):
             state = self._states[request.request_id]
             try:
@@ -184,6 +202,8 @@ class LLMEngine:
                 request.append_output_token(token_id)
                 self._count_tokens(state)
                 status = state.append(token_id, logprobs, self.max_model_len)
+                if self.structured.accept(request, token_id) and status is None:
+                    status = RequestStatus.FINISHED_STOPPED  # the structure is complete
             except Exception as exc:  # this request's data broke its own step: fail it, not the batch
                 logger.exception("request %s failed in its step", request.request_id)
                 request.error = f"the request failed while generating: {exc}"
@@ -300,6 +320,7 @@ class LLMEngine:
         self.scheduler.finish_request(request.request_id, status)
         request.status = status
         self.sampler.free(request.request_id)
+        self.structured.free(request.request_id)
 
     def _count_tokens(self, state: RequestState) -> None:
         """vLLM's token counters: every sampled token; a prompt once per user request, at its first token."""
@@ -343,16 +364,29 @@ class LLMEngine:
         if bad:
             raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
-    def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
-        """Each child of an n > 1 request samples independently (seed + index, as vLLM does); extra
-        end-of-sequence ids of the checkpoint stop generation like eos itself."""
-        changes: dict = {"n": 1}
-        if params.seed is not None:
-            changes["seed"] = params.seed + index
-        extra_eos = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
-        if extra_eos and not params.ignore_eos:
-            changes["stop_token_ids"] = [*params.stop_token_ids, *extra_eos]
-        return dataclasses.replace(params, **changes)
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids in logit_bias and allowed_token_ids must exist in this model's vocabulary."""
+        vocab = self.runner.model.weights.embed.shape[0]
+        for name, ids in (
+            ("logit_bias", params.logit_bias or {}),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+
+
+def child_params(params: SamplingParams, index: int, eos_token_ids: list[int]) -> SamplingParams:
+    """The params of child `index` of a request: each child of an n > 1 request samples independently
+    (seed + index, as vLLM does); extra end-of-sequence ids of the checkpoint stop generation like eos
+    itself. Applying it again to a child (index 0) changes nothing."""
+    changes: dict = {"n": 1}
+    if params.seed is not None:
+        changes["seed"] = params.seed + index
+    extra_eos = [t for t in eos_token_ids[1:] if t not in params.stop_token_ids]
+    if extra_eos and not params.ignore_eos:
+        changes["stop_token_ids"] = [*params.stop_token_ids, *extra_eos]
+    return dataclasses.replace(params, **changes)
 
 
 def _max_model_len(config: EngineConfig, hf_config) -> int:

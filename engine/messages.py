@@ -11,8 +11,9 @@ front end, each over its own socket:
       (one per step) / CoreFailed
 
 The core sees only what token-level work needs: one sequence per request (the front end fans `n > 1`
-out into `n` requests), token ids, and the stops it can decide from token ids alone (max_tokens, eos,
-stop_token_ids, min_tokens). Text, stop strings and logprob formatting stay in the front end.
+out into `n` requests, each with its own seed), token ids, and the stops it can decide from token ids
+alone (max_tokens, eos, stop_token_ids, min_tokens, a finished structured output). Text, stop strings
+and logprob formatting stay in the front end.
 """
 
 from __future__ import annotations
@@ -26,53 +27,12 @@ from engine.stats import EngineStats
 # -- front end -> core ----------------------------------------------------------------------------
 
 
-class CoreSamplingParams(msgspec.Struct, frozen=True, array_like=True):
-    """The part of SamplingParams the core acts on (no `n`, no stop strings, no detokenization flags)."""
-
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    logprobs: int | None
-    min_tokens: int
-
-    @classmethod
-    def of(cls, params: SamplingParams) -> CoreSamplingParams:
-        return cls(
-            max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            seed=params.seed,
-            stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=params.ignore_eos,
-            logprobs=params.logprobs,
-            min_tokens=params.min_tokens,
-        )
-
-    def to_params(self) -> SamplingParams:
-        """The engine's SamplingParams for one sequence (validated again: ValueError names the field)."""
-        return SamplingParams(
-            n=1,
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop_token_ids=list(self.stop_token_ids),
-            ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs,
-            min_tokens=self.min_tokens,
-        )
-
-
 class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     request_id: str  # unique among the core's unfinished requests (a child id "req#1" for n > 1)
     prompt_token_ids: list[int]
-    params: CoreSamplingParams
+    # One child's params (n == 1, no stop strings): the engine's own dataclass, every field typed, checked
+    # again by its __post_init__ when decoded, so no field list is kept twice.
+    params: SamplingParams
     adapter: str | None = None  # an adapter id or name the core's adapter source resolves; None: base model
 
 

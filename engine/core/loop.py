@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 import zmq
 
 from engine.llm_engine import LLMEngine
@@ -72,7 +73,12 @@ class EngineCoreLoop:
                 data = self._inputs.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(decode_input(data))
+            try:
+                message = decode_input(data)
+            except msgspec.ValidationError as exc:
+                self._refuse_undecodable(data, exc)
+                continue
+            self._handle(message)
 
     def _handle(self, message) -> None:
         if isinstance(message, AddRequest):
@@ -86,8 +92,9 @@ class EngineCoreLoop:
 
     def _add(self, message: AddRequest) -> None:
         try:
-            params = message.params.to_params()
-            self.engine.add_request(message.request_id, message.prompt_token_ids, params, message.adapter)
+            self.engine.add_request(
+                message.request_id, message.prompt_token_ids, message.params, message.adapter
+            )
         except ValueError as exc:  # this request's data (params, a duplicate id): fail it, keep serving
             self._refuse(message.request_id, str(exc))
             return
@@ -96,6 +103,16 @@ class EngineCoreLoop:
             self._refuse(message.request_id, f"the request could not start: {exc}")
             return
         self._num_sent[message.request_id] = 0
+
+    def _refuse_undecodable(self, data: bytes, error: Exception) -> None:
+        """A message that does not decode (e.g. params its __post_init__ refuses): fail its request if it
+        names one; anything else is a front-end bug, logged and dropped."""
+        raw = msgspec.msgpack.decode(data)
+        request_id = raw.get("request_id") if isinstance(raw, dict) and raw.get("type") == "add" else None
+        if isinstance(request_id, str):
+            self._refuse(request_id, f"invalid request: {error}")
+        else:
+            logger.error("dropped an input message that does not decode: %s", error)
 
     def _refuse(self, request_id: str, reason: str) -> None:
         logger.warning("request %s refused: %s", request_id, reason)

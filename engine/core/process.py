@@ -46,6 +46,7 @@ class CoreProcessOptions:
     adapter_source: Any = None
     lora_modules: tuple[tuple[str, str], ...] = ()
     triton_cache_dir: str | None = None  # used unless TRITON_CACHE_DIR is set already
+    skip_tokenizer_init: bool = False  # the core loads the tokenizer only for structured outputs
     log_level: int = logging.INFO
 
 
@@ -92,7 +93,8 @@ def _build_engine(options: CoreProcessOptions, adapter_events: list):
 
     engine = LLMEngine(
         options.config,
-        skip_tokenizer_init=True,  # text is the front end's job
+        skip_tokenizer_init=options.skip_tokenizer_init,
+        detokenize=False,  # text is the front end's job
         adapter_source=options.adapter_source,
         adapter_observer=lambda event, tier, seconds=0.0: adapter_events.append((event, tier, seconds)),
     )

@@ -90,6 +90,7 @@ class AsyncLLM:
             adapter_source=adapter_source,
             lora_modules=tuple((lora_modules or {}).items()),
             triton_cache_dir=triton_cache_dir,
+            skip_tokenizer_init=skip_tokenizer_init,
         )
         try:
             if tokenizer is None and not skip_tokenizer_init:  # while the core loads the model
@@ -126,8 +127,9 @@ class AsyncLLM:
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
         if ids is None and self.tokenizer is not None:
             ids = self.tokenizer(text).input_ids
-        eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        request = RequestProcessor(request_id, text, ids or [], params, adapter, self.tokenizer, eos)
+        request = RequestProcessor(
+            request_id, text, ids or [], params, adapter, self.tokenizer, self.eos_token_ids
+        )
         if ids is None:
             yield request.fail("this engine has no tokenizer: give the prompt as token ids")
             return

@@ -66,6 +66,7 @@ class CoreClient:
         adapter_source=None,
         lora_modules: tuple[tuple[str, str], ...] = (),
         triton_cache_dir: str | None = None,
+        skip_tokenizer_init: bool = False,
     ) -> CoreClient:
         """Bind the sockets and spawn the core; returns at once (call `wait_ready` next)."""
         folder = tempfile.mkdtemp(prefix="loraserve-core-")
@@ -85,6 +86,7 @@ class CoreClient:
             adapter_source=adapter_source,
             lora_modules=tuple(lora_modules),
             triton_cache_dir=triton_cache_dir,
+            skip_tokenizer_init=skip_tokenizer_init,
             log_level=logging.getLogger().getEffectiveLevel(),
         )
         # Not a daemon: the core starts adapter loader processes of its own, which daemons may not.

@@ -6,8 +6,8 @@ seeded `seed + i` as vLLM does). The core sends each child's new token ids; here
 children's news of one message merge into one RequestOutput delta: each completion published so far
 and not yet finished in an earlier delta, holding only what is new since the previous delta.
 
-By vLLM's convention a stop token stays in `token_ids` but adds no text: the core ends a child with
-"stop" only on a stop token (eos or stop_token_ids), so that token is not detokenized.
+By vLLM's convention a stop token stays in `token_ids` but adds no text; the detokenizer knows the stop
+tokens from the child's params (engine.llm_engine.child_params, the rule the core applies too).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.messages import AddRequest, CoreSamplingParams, RequestDelta
+from engine.llm_engine import child_params
+from engine.messages import AddRequest, RequestDelta
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import TokenLogprobs
@@ -53,10 +54,7 @@ class _Child:
         for item in delta.logprobs or ():
             self.new_logprobs.append(item)
             self.cumulative_logprob += item.logprob
-        stop_string = None
-        if self.detokenizer is not None:
-            by_token = delta.finish_reason == _STOP and ids
-            stop_string = self.detokenizer.update(ids[:-1] if by_token else ids)
+        stop_string = self.detokenizer.update(ids) if self.detokenizer is not None else None
         if stop_string is not None:
             self.finish_reason, self.stop_reason = _STOP, stop_string
             return delta.finish_reason is None
@@ -93,7 +91,7 @@ class RequestProcessor:
         params: SamplingParams,
         adapter: str | None,
         tokenizer,
-        eos_token_id: int | None,
+        eos_token_ids: list[int],
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -102,18 +100,21 @@ class RequestProcessor:
         self.error: str | None = None
         self.num_cached_tokens = 0
         self.child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        self._child_params = [_child_params(params, i) for i in range(params.n)]
+        # The core applies the same rule (child_params is idempotent on a child), so both sides agree on
+        # which ids are stop tokens (their text is never added).
+        self._child_params = [child_params(params, i, eos_token_ids) for i in range(params.n)]
+        eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self._children: dict[str, _Child] = {}
-        for index, (child_id, child_params) in enumerate(zip(self.child_ids, self._child_params)):
+        for index, (child_id, params_i) in enumerate(zip(self.child_ids, self._child_params)):
             detokenizer = None
             if tokenizer is not None and prompt_token_ids:
-                request = Request(child_id, prompt_token_ids, child_params, eos_token_id=eos_token_id)
+                request = Request(child_id, prompt_token_ids, params_i, eos_token_id=eos_token_id)
                 detokenizer = IncrementalDetokenizer(tokenizer, request)
             self._children[child_id] = _Child(index, detokenizer, params.logprobs is not None)
 
     def add_requests(self) -> list[AddRequest]:
         return [
-            AddRequest(child_id, self.prompt_token_ids, CoreSamplingParams.of(params), self.adapter)
+            AddRequest(child_id, self.prompt_token_ids, dataclasses.replace(params, stop=[]), self.adapter)
             for child_id, params in zip(self.child_ids, self._child_params)
         ]
 
@@ -160,12 +161,3 @@ class RequestProcessor:
             error=self.error,
             num_cached_tokens=self.num_cached_tokens,
         )
-
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Each child samples independently: seed + index (vLLM's rule); the core adds the checkpoint's
-    extra end-of-sequence ids itself."""
-    changes: dict = {"n": 1}
-    if params.seed is not None and params.n > 1:
-        changes["seed"] = params.seed + index
-    return dataclasses.replace(params, **changes)

@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 
+import msgspec
 import pytest
 import zmq
 
@@ -15,7 +16,6 @@ from engine.core.loop import EngineCoreLoop
 from engine.messages import (
     AbortRequests,
     AddRequest,
-    CoreSamplingParams,
     RequestDelta,
     ShutdownCore,
     decode_output,
@@ -94,7 +94,7 @@ def expected(text_model_dir):
 
 
 def add(request_id, prompt, params=GREEDY, adapter=None) -> AddRequest:
-    return AddRequest(request_id, prompt, CoreSamplingParams.of(params), adapter)
+    return AddRequest(request_id, prompt, params, adapter)
 
 
 def tokens(deltas: list[RequestDelta]) -> list[int]:
@@ -129,13 +129,12 @@ def test_a_request_that_breaks_its_step_fails_alone_and_the_loop_serves_on(harne
 
 
 def test_refused_and_aborted_requests_come_back_as_deltas(harness, expected):
-    bad_params = CoreSamplingParams(  # the front end validates too; the core must not trust it
-        max_tokens=0, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop_token_ids=[], ignore_eos=True,
-        logprobs=None, min_tokens=0,
-    )  # fmt: skip
+    # Params the engine refuses: they do not even decode (the front end validates too, the core checks).
+    bad_params = msgspec.to_builtins(add("bad-params", [5, 6]))
+    bad_params["params"]["max_tokens"] = 0
     long = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    harness.to_core.send(msgspec.msgpack.encode(bad_params))
     harness.send(
-        AddRequest("bad-params", [5, 6], bad_params),
         add("unknown-adapter", [5, 6], adapter="nope"),
         add("long", [5, 6, 7], long),
         add("good-1", PROMPTS["good-1"]),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 
@@ -11,7 +13,6 @@ from engine.messages import (
     AddRequest,
     CoreFailed,
     CoreReady,
-    CoreSamplingParams,
     ForgetAdapter,
     RequestDelta,
     ShutdownCore,
@@ -36,16 +37,18 @@ STATS = EngineStats(
     num_adapters_loading=1,
 )
 PARAMS = SamplingParams(
-    n=3, max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, seed=11, stop=["x"], stop_token_ids=[4],
-    ignore_eos=True, logprobs=2, min_tokens=1,
+    max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, seed=-(2**63), stop_token_ids=[4], ignore_eos=True,
+    logprobs=2, min_tokens=1, structured_outputs={"json": {"type": "object"}}, repetition_penalty=1.1,
+    presence_penalty=-0.5, frequency_penalty=0.25, logit_bias={7: -100.0, 8: 2.5}, allowed_token_ids=[1, 2, 7],
+    min_p=0.05, skip_special_tokens=False,
 )  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "message",
     [
-        AddRequest("r1#0", [1, 2, 3], CoreSamplingParams.of(PARAMS), "acme/a@1"),
-        AddRequest("r2", [7], CoreSamplingParams.of(SamplingParams()), None),
+        AddRequest("r1#0", [1, 2, 3], PARAMS, "acme/a@1"),
+        AddRequest("r2", [7], SamplingParams(structured_outputs={"choice": ["yes", "no"]}), None),
         AbortRequests(["r1#0", "r1#1"]),
         ForgetAdapter("acme/a@1"),
         ShutdownCore(),
@@ -76,23 +79,33 @@ def test_outputs_round_trip(message):
     assert decode_output(encode(message)) == message
 
 
-def test_core_params_keep_what_the_core_needs_and_nothing_else():
-    params = CoreSamplingParams.of(PARAMS).to_params()
-    assert params.n == 1 and params.stop == []  # fan-in and stop strings stay in the front end
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"):
-        assert getattr(params, name) == getattr(PARAMS, name), name
-    assert (params.logprobs, params.min_tokens) == (2, 1)
+def test_every_sampling_field_crosses_unchanged():
+    """The core gets the engine's own SamplingParams: a field added to it travels without a second list."""
+    decoded = decode_input(encode(AddRequest("r", [1], PARAMS))).params
+    assert dataclasses.asdict(decoded) == dataclasses.asdict(PARAMS)
+    assert all(
+        getattr(PARAMS, f.name) != f.default
+        for f in dataclasses.fields(PARAMS)
+        if f.name not in ("n", "stop", "include_stop_str_in_output")
+    )
+
+
+def test_params_the_engine_refuses_do_not_decode():
+    raw = msgspec.to_builtins(AddRequest("r", [1], SamplingParams()))
+    raw["params"]["max_tokens"] = 0
+    with pytest.raises(msgspec.ValidationError, match="max_tokens"):
+        decode_input(msgspec.msgpack.encode(raw))
 
 
 def test_an_output_on_the_input_socket_is_refused():
     with pytest.raises(msgspec.ValidationError):
         decode_input(encode(CoreFailed("not an input")))
     with pytest.raises(msgspec.ValidationError):
-        decode_output(encode(AddRequest("r", [1], CoreSamplingParams.of(SamplingParams()))))
+        decode_output(encode(AddRequest("r", [1], SamplingParams())))
 
 
 def test_no_tensor_or_pickle_can_travel():
     import torch
 
     with pytest.raises(TypeError):
-        encode(AddRequest("r", torch.tensor([1, 2]), CoreSamplingParams.of(SamplingParams())))
+        encode(AddRequest("r", torch.tensor([1, 2]), SamplingParams()))

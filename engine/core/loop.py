@@ -70,15 +70,16 @@ class EngineCoreLoop:
             return
         while not self._stopping:
             try:
-                data = self._inputs.recv(zmq.NOBLOCK)
+                frames = self._inputs.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                message = decode_input(data)
-            except msgspec.ValidationError as exc:
-                self._refuse_undecodable(data, exc)
-                continue
-            self._handle(message)
+            for data in frames:  # one frame per message; the front end sends related ones together
+                try:
+                    message = decode_input(data)
+                except msgspec.ValidationError as exc:
+                    self._refuse_undecodable(data, exc)
+                    continue
+                self._handle(message)
 
     def _handle(self, message) -> None:
         if isinstance(message, AddRequest):

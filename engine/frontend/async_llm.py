@@ -138,8 +138,7 @@ class AsyncLLM:
         for child_id in request.child_ids:
             self._children[child_id] = stream
         try:
-            for message in request.add_requests():
-                self._client.send(message)
+            self._client.send(*request.add_requests())
             while not request.finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):

@@ -128,14 +128,16 @@ class CoreClient:
         self._receiver = threading.Thread(target=self._receive, name="engine-core-outputs", daemon=True)
         self._receiver.start()
 
-    def send(self, message: CoreInput) -> None:
-        """Hand a message to the core without blocking; EngineDeadError once the core is gone."""
+    def send(self, *messages: CoreInput) -> None:
+        """Hand messages to the core without blocking; EngineDeadError once the core is gone. The messages
+        of one call arrive together (one multipart message), so the core handles them in the same step:
+        the children of an n > 1 request start together, as one request would."""
         if self.dead_error is not None:
             raise self.dead_error
-        data = encode(message)
+        frames = [encode(message) for message in messages]
         with self._send_lock:
             try:
-                self._inputs.send(data, zmq.NOBLOCK)
+                self._inputs.send_multipart(frames, zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # EAGAIN: no core connected any more; or the socket was closed
                 raise self.dead_error or EngineDeadError(f"the engine core is not reachable: {exc}") from None
 

@@ -135,7 +135,8 @@ class RequestProcessor:
                 continue  # e.g. the core's "abort" after a stop string ended it here
             if delta.error and self.error is None:
                 self.error = delta.error
-            self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+            if child.index == 0:  # the prompt is counted once, as the first completion's (as vLLM's usage)
+                self.num_cached_tokens = delta.num_cached_tokens
             if child.apply(delta):
                 to_abort.append(delta.request_id)
         published = [child for child in self._children.values() if child.published and not child.done]

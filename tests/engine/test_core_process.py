@@ -200,3 +200,27 @@ def test_core_that_cannot_start_says_why_and_leaves_nothing(tmp_path):
             EngineConfig(model=str(tmp_path)), skip_tokenizer_init=True, startup_timeout_s=60
         )
     assert set(child_pids(os.getpid())) <= before
+
+
+def test_structured_outputs_through_the_core_match_the_in_process_engine(served, offline):
+    """Grammars need the tokenizer in the core (it masks the logits); the text is the front end's. A
+    grammar that completes on an ordinary token keeps that token's text."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    cases = [
+        ("Pick:", {"choice": ["yes", "no", "maybe later"]}, 0.0),
+        ("Digits:", {"regex": r"[0-9]{3}-[a-c]{2}"}, 1.0),
+        ("JSON:", {"json": schema}, 0.8),
+    ]
+    params = [SamplingParams(temperature=t, seed=7, max_tokens=40, structured_outputs=s) for _, s, t in cases]
+    prompts = [prompt for prompt, _, _ in cases]
+    expected = offline.generate(prompts, params)
+
+    async def run():
+        return await asyncio.gather(
+            *(collect(served, p, s, f"so{i}") for i, (p, s) in enumerate(zip(prompts, params)))
+        )
+
+    for deltas, reference in zip(asyncio.run(run()), expected):
+        assert deltas[-1].error is None
+        assert joined(deltas) == (reference.outputs[0].token_ids, reference.outputs[0].text)
+        assert deltas[-1].outputs[0].finish_reason == reference.outputs[0].finish_reason

@@ -282,6 +282,10 @@ class AdapterManager:
     def num_loading(self) -> int:
         return len(self._loading)
 
+    def resident_ids(self) -> frozenset[str]:
+        """Adapters in the CPU tier or a GPU slot (a slot's adapter may have left the CPU tier's LRU)."""
+        return frozenset(self._cpu).union(self.allocator.adapter_ids())
+
     def wait_for_loads(self, timeout: float) -> None:
         """Block briefly until some background load finishes (used when nothing else can run)."""
         if self._loading:

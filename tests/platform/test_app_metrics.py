@@ -12,8 +12,8 @@ from app_fixtures import make_text_model
 from factories import make_adapter
 from loraserve.ops.metrics import Metrics, affinity_names
 from loraserve.ops.readiness import ADAPTER_STORE_DOWN, Readiness
-from loraserve.settings import METRICS_OFF, ServerSettings
 from loraserve.routing import Route, Variant
+from loraserve.settings import METRICS_OFF, ServerSettings
 from prometheus_client.parser import text_string_to_metric_families
 from test_inference_completions import run
 

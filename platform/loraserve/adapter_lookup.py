@@ -77,7 +77,9 @@ class AdapterLookup:
         self._generation = 0  # bumped by every invalidation: a load that overlapped one is not trusted
         self._store_down_until = -float("inf")
         self._executor: ThreadPoolExecutor | None = None
-        self.num_stale_served = 0  # answers served past their TTL because the store failed or was slow
+        # Answers served past their TTL: resident adapters while a refresh runs, any known one while the
+        # store fails or is slow.
+        self.num_stale_served = 0
 
     async def resolve(
         self, store: AdapterStore, tenant: str, ref: str, is_resident: IsResident | None = None
@@ -93,7 +95,9 @@ class AdapterLookup:
                 return _answer(entry.answer)
             resident = isinstance(entry.answer, AdapterRecord) and is_resident is not None
             if entry.valid and resident and is_resident(tenant, entry.answer):
-                self._load_shared(store, key)  # refresh in the background; this request goes on now
+                if now >= self._store_down_until:
+                    self._load_shared(store, key)  # refresh in the background; this request goes on now
+                self.num_stale_served += 1
                 return _answer(entry.answer)
             if now < self._store_down_until:
                 self.num_stale_served += 1
@@ -184,18 +188,20 @@ class AdapterLookup:
         except AdapterNotFound as exc:
             answer = exc.message
         except StoreUnavailable as exc:
-            self._store_failed(exc.reason)
-            entry = self._entries.get(key)
-            if entry is not None:  # keep serving it; ask again after retry_s, not on every request
-                entry.check_at = self._clock() + self.retry_s
+            self._store_failed(exc.reason)  # the entry stays: served while the store is down
             raise
         self._store_down_until = -float("inf")
         if generation == self._generation:
-            self._entries[key] = _Entry(answer, self._clock() + self.ttl_s)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self._max_entries:
-                self._entries.popitem(last=False)
+            self._put(key, answer)
+            if version is None and isinstance(answer, AdapterRecord):
+                self._put((tenant, name, answer.version), answer)  # `name` told us `name@version` too
         return answer
+
+    def _put(self, key: CacheKey, answer: Answer) -> None:
+        self._entries[key] = _Entry(answer, self._clock() + self.ttl_s)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self._max_entries:
+            self._entries.popitem(last=False)
 
     def _store_failed(self, reason: str) -> None:
         if self._clock() >= self._store_down_until:

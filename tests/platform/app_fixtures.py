@@ -91,11 +91,15 @@ async def open_test_services(
     max_concurrent: int | None = None,
     num_kv_blocks: int = 96,
     max_loras: int = 2,
+    store_config: StoreConfig | None = None,
+    config_store: CachedConfigStore | None = None,
 ) -> AsyncIterator[Services]:
+    """`store_config` (e.g. S3) replaces the local store under `root`; `config_store` the embedded one."""
     shape = ModelShape.from_hf_config(load_config(model_dir))
-    store = open_store(StoreConfig(url=f"file://{root / 'adapters'}", max_lora_rank=16), shape)
+    store_config = store_config or StoreConfig(url=f"file://{root / 'adapters'}", max_lora_rank=16)
+    store = open_store(store_config, shape)
     cache = DiskCache(store, root / "cache", 1 << 30)
-    config_store = CachedConfigStore(EmbeddedConfigStore(root / "config"))
+    config_store = config_store or CachedConfigStore(EmbeddedConfigStore(root / "config"))
     await config_store.start()
     engine = None
     metrics = Metrics(

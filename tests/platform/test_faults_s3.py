@@ -25,7 +25,8 @@ from loraserve.adapter_lookup import AdapterLookup
 from loraserve.app import create_app
 from loraserve.settings import ServerSettings
 
-from adapters_store import StoreConfig
+from adapters_store import StoreConfig, StoreUnavailable
+from adapters_store.s3 import S3Store
 
 REQUESTS_PER_FAULT = 12
 REQUEST_TIMEOUT_S = 8.0  # a request slower than this counts as hung
@@ -136,3 +137,27 @@ async def wait_resident(services, adapter_ids: set[str], within_s: float = 5.0) 
     while not adapter_ids <= services.engine.stats().resident_adapters:
         assert time.monotonic() < deadline, services.engine.stats().resident_adapters
         await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("mode", ["hang", "refuse", "cut"])
+def test_every_store_call_is_bounded_in_time(tmp_path, model_dir, adapter_dirs, s3_endpoint, s3_bucket, mode):  # noqa: F811
+    """Retries stop at retry_deadline_s: with 10 retries of 0.5 s reads a hung S3 would hold a call ~6 s."""
+    with FaultProxy(urlparse(s3_endpoint).port) as proxy:
+        config = StoreConfig(
+            url=f"s3://{s3_bucket}/bounded",
+            endpoint_url=proxy.url,
+            retries=10,
+            backoff_s=0.05,
+            max_backoff_s=0.1,
+            retry_deadline_s=1.0,
+            connect_timeout_s=0.5,
+            read_timeout_s=0.5,
+        )
+        store = S3Store(s3_bucket, "bounded", config)
+        proxy.set_mode(mode)
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable) as caught:
+            store.get("default", "anything")
+        took = time.monotonic() - started
+    assert took < 1.0 + 0.5 + 0.5, f"{took:.1f} s"
+    assert caught.value.reason  # what failed, for the log

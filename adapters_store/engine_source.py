@@ -116,7 +116,10 @@ class StoreAdapterSource:
         pinned; by default, the validated PeftAdapter."""
         tenant, name, version = parse_adapter_id(adapter_id)
         try:
-            record = self.store.get(tenant, name, version)
+            # On local disk already: no store call, so such loads work while the store is down.
+            record = self.disk_cache.cached_record(tenant, name, version) or self.store.get(
+                tenant, name, version
+            )
             started = time.perf_counter()
             with self.disk_cache.checkout(tenant, record) as cached:
                 self._emit("hit" if cached.hit else "miss", "disk")

@@ -64,7 +64,7 @@ class ServerSettings:
     metrics_port: int | None = None
     metrics_host: str | None = None  # None: --host
     # Scrapers send `Authorization: Bearer KEY` on /metrics; with a key the main port serves /metrics too.
-    metrics_key: str | None = None
+    metrics_key: str | None = field(default=None, repr=False)  # a secret: never in logs
     # Adapter lookups (name -> version) are checked against the store again after this many seconds;
     # uploads and deletes reach every replica at once as config events, so this only bounds a lost event.
     adapter_lookup_ttl: float = 30.0

@@ -64,8 +64,8 @@ def _is_resident(services: Services) -> Callable[[str, AdapterRecord], bool]:
     """Whether the engine holds a version in a GPU slot or its CPU tier (its latest published stats)."""
 
     def is_resident(tenant: str, record: AdapterRecord) -> bool:
-        stats = services.engine.stats() if services.engine is not None else None
-        resident = getattr(stats, "resident_adapters", ())
+        stats = getattr(services.engine, "stats", None)  # None: no engine yet
+        resident = getattr(stats(), "resident_adapters", ()) if stats is not None else ()
         return engine_adapter_id(tenant, record.name, record.version) in resident
 
     return is_resident

@@ -33,6 +33,7 @@ class ServerSettings:
     served_model_name: str | None = None  # the base model's id in requests; None: derived from `model`
     host: str = "127.0.0.1"
     port: int = 8000
+    root_path: str = ""  # the prefix a path-routing proxy strips ("" when served at the root)
     dtype: str = "auto"
     device: str = "auto"
     max_num_seqs: int = 64
@@ -86,6 +87,10 @@ class ServerSettings:
             raise ValueError("--metrics-key must be at least 16 characters (a random token)")
         if not self.adapter_lookup_ttl >= 0:
             raise ValueError(f"--adapter-lookup-ttl must be >= 0 seconds (got {self.adapter_lookup_ttl})")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(
+                f"--root-path must start with / and not end with one, e.g. /llm (got {self.root_path!r})"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; use one of "

@@ -29,6 +29,8 @@ def chat_params(body: ChatCompletionRequest) -> SamplingParams:
 def _params(
     body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
 ) -> SamplingParams:
+    if body.stream_options is not None and not body.stream:
+        raise BadRequest("stream_options can only be set when stream is true", param="stream_options")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
         raise BadRequest(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop")

@@ -55,6 +55,22 @@ async def create_chat_completion(
     return await _generate(services, principal, body, [prompt], params, ChatFormat, "chatcmpl", request)
 
 
+async def create_invocation(
+    services: Services, principal: Principal, body: dict[str, Any], request: Request
+) -> Any:
+    """SageMaker's /invocations: the body's shape picks the endpoint, then it is validated as that one's."""
+    if ("messages" in body) == ("prompt" in body):
+        raise BadRequest("an invocation needs either messages (chat) or prompt (completion)")
+    kind = ChatCompletionRequest if "messages" in body else CompletionRequest
+    try:
+        parsed = msgspec.convert(body, kind)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid request body: {exc}") from None
+    if isinstance(parsed, ChatCompletionRequest):
+        return await create_chat_completion(services, principal, parsed, request)
+    return await create_completion(services, principal, parsed, request)
+
+
 def check_serving(services: Services) -> None:
     if services.shutdown is not None and services.shutdown.draining:
         raise ServiceUnavailable(

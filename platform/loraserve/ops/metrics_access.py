@@ -46,5 +46,6 @@ class MetricsAccess:
 
     def check_path(self, request: Request) -> None:
         """The metrics listener serves the ops paths only: tenants' API calls get 404 there."""
-        if self.on_metrics_port(request) and request.url.path not in METRICS_PORT_PATHS:
+        # The matched handler's own paths, not the URL's: a --root-path prefix must not matter.
+        if self.on_metrics_port(request) and not request.route_handler.paths <= METRICS_PORT_PATHS:
             raise NotFoundException()

@@ -76,6 +76,7 @@ class AdapterLookup:
         self._inflight: dict[CacheKey, asyncio.Future[Answer]] = {}
         self._generation = 0  # bumped by every invalidation: a load that overlapped one is not trusted
         self._store_down_until = -float("inf")
+        self.store_up = True  # False from a failed or timed-out store call until one succeeds
         self._executor: ThreadPoolExecutor | None = None
         # Answers served past their TTL: resident adapters while a refresh runs, any known one while the
         # store fails or is slow.
@@ -122,13 +123,15 @@ class AdapterLookup:
             raise StoreUnavailable(STORE_UNAVAILABLE)
         loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(loop.run_in_executor(self._pool(), fn, *args), self.timeout_s)
+            result = await asyncio.wait_for(loop.run_in_executor(self._pool(), fn, *args), self.timeout_s)
         except TimeoutError:
             self._store_failed(f"no answer within {self.timeout_s:g} s")
             raise StoreUnavailable(STORE_UNAVAILABLE) from None
         except StoreUnavailable as exc:
             self._store_failed(exc.reason)
             raise
+        self.store_up = True
+        return result
 
     def invalidate(self, tenant: str, name: str, *, deleted: bool = False) -> None:
         """One adapter changed: refresh its answers before use; after a delete, forget them outright."""
@@ -191,6 +194,7 @@ class AdapterLookup:
             self._store_failed(exc.reason)  # the entry stays: served while the store is down
             raise
         self._store_down_until = -float("inf")
+        self.store_up = True
         if generation == self._generation:
             self._put(key, answer)
             if version is None and isinstance(answer, AdapterRecord):
@@ -204,8 +208,9 @@ class AdapterLookup:
             self._entries.popitem(last=False)
 
     def _store_failed(self, reason: str) -> None:
-        if self._clock() >= self._store_down_until:
+        if self.store_up:
             log.warning("adapter store failing (%s); serving adapter lookups from the cache", reason)
+        self.store_up = False
         self._store_down_until = self._clock() + self.retry_s
 
 

@@ -81,8 +81,12 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
     try:
         keys = load_api_keys(settings.api_keys) if settings.api_keys else []
         authenticator = await Authenticator.create(keys, config_store)
+        adapter_lookup = AdapterLookup(ttl_s=settings.adapter_lookup_ttl)
         metrics = Metrics(
-            model_id, lambda: engine.stats() if engine is not None else None, lambda: config_store.healthy
+            model_id,
+            lambda: engine.stats() if engine is not None else None,
+            lambda: config_store.healthy,
+            lambda: adapter_lookup.store_up,
         )
         log.info("loading model %s (%s)", model_id, model)
         llm_engine = await asyncio.to_thread(
@@ -107,7 +111,7 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             router=Router(on_pick=metrics.route_picked),
             limiter=ConcurrencyLimiter(settings.max_concurrent_requests_per_tenant),
             metrics=metrics,
-            adapter_lookup=AdapterLookup(ttl_s=settings.adapter_lookup_ttl),
+            adapter_lookup=adapter_lookup,
             tokenizer=llm_engine.tokenizer,
             max_model_len=llm_engine.max_model_len,
         )

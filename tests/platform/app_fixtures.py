@@ -102,8 +102,12 @@ async def open_test_services(
     config_store = config_store or CachedConfigStore(EmbeddedConfigStore(root / "config"))
     await config_store.start()
     engine = None
+    built: list[Services] = []  # the Services below, for the adapter store gauge
     metrics = Metrics(
-        "tiny", lambda: engine.stats() if engine is not None else None, lambda: config_store.healthy
+        "tiny",
+        lambda: engine.stats() if engine is not None else None,
+        lambda: config_store.healthy,
+        lambda: built[0].adapter_lookup.store_up if built else True,
     )
     config = EngineConfig(
         model=str(model_dir),
@@ -122,7 +126,7 @@ async def open_test_services(
     engine = AsyncLLM(llm)
     try:
         keys = parse_api_keys(api_keys) if api_keys else []
-        yield Services(
+        services = Services(
             base_model_id="tiny",
             engine=engine,
             adapter_store=store,
@@ -135,6 +139,8 @@ async def open_test_services(
             tokenizer=llm.tokenizer,
             max_model_len=llm.max_model_len,
         )
+        built.append(services)
+        yield services
     finally:
         engine.shutdown()
         await config_store.close()

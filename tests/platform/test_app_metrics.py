@@ -95,6 +95,7 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
     assert ("vllm:num_preemptions_total", frozenset(model.items())) in found
     assert value(found, "loraserve_route_requests_total", tenant="default", route="ab", variant="a") == 1
     assert value(found, "loraserve_config_store_up") == 1
+    assert value(found, "loraserve_adapter_store_up") == 1
     assert value(found, "loraserve_lora_slots_in_use") == 0
     assert lora_info(found) == {"max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
     # The first request for the adapter missed every tier; the later ones hit the GPU slot.

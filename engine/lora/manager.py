@@ -363,9 +363,12 @@ class AdapterManager:
 
 
 def _reason(adapter_id: str, error: BaseException) -> str:
+    """What the adapter's requests are told. AdapterErrors are written for users; anything else is a
+    bug or an environment problem whose text may carry paths or hosts, so it goes to the log only."""
     if isinstance(error, AdapterError):
         return str(error)
-    return f"adapter {adapter_id!r} could not be loaded: {error}"  # store outages, corrupt files
+    logger.error("adapter %s failed to load", adapter_id, exc_info=error)
+    return f"adapter {adapter_id!r} could not be loaded: an internal error (the server log has the details)"
 
 
 def emit(observer: Observer | None, event: str, tier: str, seconds: float = 0.0) -> None:

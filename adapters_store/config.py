@@ -73,10 +73,10 @@ class StoreConfig:
     max_backoff_s: float = 10.0
     # No retry starts this long after an operation's first attempt: with the timeouts below, a hung S3
     # fails an operation within about retry_deadline_s + read_timeout_s instead of retries x read_timeout_s.
-    retry_deadline_s: float = 15.0
+    retry_deadline_s: float = 10.0
     # Per connection attempt and per socket read (not per download): a hung endpoint fails in seconds.
     connect_timeout_s: float = 3.0
-    read_timeout_s: float = 10.0
+    read_timeout_s: float = 5.0
     # None: boto3's own resolution (AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3, ~/.aws/config, then AWS).
     endpoint_url: str | None = None
     region: str | None = None  # None: AWS_REGION / AWS_DEFAULT_REGION / ~/.aws/config

@@ -79,6 +79,7 @@ async def _serving(app: Litestar, services: Services, shutdown: Shutdown) -> Asy
         app.state[SERVICES_KEY] = None
         unsubscribe()
         services.adapter_lookup.close()
+        app.state[READINESS_KEY].close()
 
 
 def shutdown_of(app: Litestar) -> Shutdown:

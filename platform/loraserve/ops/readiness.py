@@ -60,6 +60,11 @@ class Readiness:
             ready=not reasons, model=services.base_model_id, reasons=reasons, degraded=degraded
         )
 
+    def close(self) -> None:
+        """Stop a store check still waiting (its worker thread ends with the store call's own timeout)."""
+        if self._check is not None:
+            self._check.cancel()
+
     def _start_store_check(self, services: Services) -> None:
         now = time.monotonic()
         if (self._check is not None and not self._check.done()) or now - self._checked_at < self._interval_s:

@@ -126,3 +126,19 @@ def _text(message: ChatMessage, index: int) -> str:
 
 def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_sampling_token_ids(params: Any, tokenizer: Any) -> None:
+    """logit_bias and allowed_token_ids must name tokens of the vocabulary (a 400, before queueing)."""
+    if tokenizer is None:
+        return
+    vocab = len(tokenizer)
+    for name, ids in (
+        ("logit_bias", params.logit_bias or {}),
+        ("allowed_token_ids", params.allowed_token_ids or []),
+    ):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(
+                f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})", param=name
+            )

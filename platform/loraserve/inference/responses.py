@@ -20,6 +20,7 @@ from loraserve.inference.schemas import (
     ChatDelta,
     Completion,
     CompletionChoice,
+    PromptTokensDetails,
     Usage,
 )
 
@@ -47,10 +48,14 @@ class Choices:
         self.n = n
         self.want_logprobs = want_logprobs  # then every new token is worth a chunk, text or not
         self.by_index: dict[int, Choice] = {}
+        self.cached_tokens: dict[int, int] = {}  # prompt index -> prompt tokens served from the prefix cache
 
     def add(self, prompt_index: int, delta: RequestOutput) -> list[tuple[int, CompletionOutput]]:
         """Record one delta; returns (choice index, completion delta) for the parts worth sending."""
         changed = []
+        self.cached_tokens[prompt_index] = max(
+            self.cached_tokens.get(prompt_index, 0), delta.num_cached_tokens
+        )
         for completion in delta.outputs:
             index = prompt_index * self.n + completion.index
             choice = self.by_index.setdefault(index, Choice())
@@ -69,6 +74,7 @@ class Choices:
             prompt_tokens=num_prompt_tokens,
             completion_tokens=generated,
             total_tokens=num_prompt_tokens + generated,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values())),
         )
 
     def sorted(self) -> list[tuple[int, Choice]]:
@@ -94,7 +100,9 @@ class CompletionFormat:
         ]
         return Completion(id=self.id, created=self.created, model=self.model, choices=items, usage=usage)
 
-    def chunk(self, choices: Choices, changed: list[tuple[int, CompletionOutput]]) -> Completion:
+    def chunk(
+        self, choices: Choices, changed: list[tuple[int, CompletionOutput]], usage: Usage | None = None
+    ) -> Completion:
         items = []
         for index, completion in changed:
             choice = choices.by_index[index]
@@ -111,7 +119,7 @@ class CompletionFormat:
                     finish_reason=finish_reason(completion.finish_reason),
                 )
             )
-        return Completion(id=self.id, created=self.created, model=self.model, choices=items)
+        return Completion(id=self.id, created=self.created, model=self.model, choices=items, usage=usage)
 
     def usage_chunk(self, usage: Usage) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
@@ -136,7 +144,9 @@ class ChatFormat:
         ]
         return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=items, usage=usage)
 
-    def chunk(self, choices: Choices, changed: list[tuple[int, CompletionOutput]]) -> ChatCompletionChunk:
+    def chunk(
+        self, choices: Choices, changed: list[tuple[int, CompletionOutput]], usage: Usage | None = None
+    ) -> ChatCompletionChunk:
         items = []
         for index, completion in changed:
             choice = choices.by_index[index]
@@ -152,7 +162,9 @@ class ChatFormat:
                     finish_reason=finish_reason(completion.finish_reason),
                 )
             )
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=items)
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=items, usage=usage
+        )
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(

@@ -21,10 +21,11 @@ from engine import RequestOutput, SamplingParams
 from loraserve.errors import APIError, BadRequest, ServiceUnavailable, error_event
 from loraserve.inference.generation import Generation
 from loraserve.inference.logprobs import TokenText
-from loraserve.inference.prompts import chat_prompt, completion_prompts
+from loraserve.inference.prompts import chat_prompt, check_sampling_token_ids, completion_prompts
 from loraserve.inference.responses import ChatFormat, Choices, CompletionFormat
 from loraserve.inference.sampling import chat_params, completion_params
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
+from loraserve.inference.structured import check_structured
 from loraserve.resolution import resolve_model
 from loraserve.services import Services
 from loraserve.tenancy import Principal
@@ -43,6 +44,8 @@ async def create_completion(
     check_serving(services)
     params = completion_params(body)
     prompts = completion_prompts(body.prompt, services.tokenizer, services.max_model_len)
+    check_sampling_token_ids(params, services.tokenizer)
+    await check_structured(services, params.structured_outputs)
     return await _generate(services, principal, body, prompts, params, CompletionFormat, "cmpl", request)
 
 
@@ -52,6 +55,8 @@ async def create_chat_completion(
     check_serving(services)
     params = chat_params(body)
     prompt = chat_prompt(body.messages, services.tokenizer, services.max_model_len)
+    check_sampling_token_ids(params, services.tokenizer)
+    await check_structured(services, params.structured_outputs)
     return await _generate(services, principal, body, [prompt], params, ChatFormat, "chatcmpl", request)
 
 
@@ -105,7 +110,9 @@ async def _generate(
     if not body.stream:
         await _until_done_or_disconnected(_collect(generation, choices), request, generation)
         return Response(fmt.whole(choices, choices.usage(generation.num_prompt_tokens)), headers=headers)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    options = body.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous_usage = bool(options and options.include_usage and options.continuous_usage_stats)
     events = generation.events()
     try:
         first = await anext(events)
@@ -114,7 +121,7 @@ async def _generate(
     except BaseException:
         generation.close()
         raise
-    sse = _sse(first, events, choices, fmt, include_usage, generation)
+    sse = _sse(first, events, choices, fmt, include_usage, continuous_usage, generation)
     return EventStream(sse, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
 
 
@@ -149,16 +156,24 @@ async def _sse(
     choices: Choices,
     fmt: Format,
     include_usage: bool,
+    continuous_usage: bool,
     generation: Generation,
 ) -> AsyncIterator[bytes]:
-    """`data: {chunk}` events, an optional usage chunk, then `data: [DONE]`; failures become an error event."""
+    """`data: {chunk}` events, one choice each (as OpenAI and vLLM send them with n > 1), an optional usage
+    chunk, then `data: [DONE]`; failures become an error event. Only the usage chunk has no choices."""
+
+    def chunks(index: int, delta: RequestOutput) -> list[bytes]:
+        changed = choices.add(index, delta)
+        usage = choices.usage(generation.num_prompt_tokens) if continuous_usage else None
+        return [_event(fmt.chunk(choices, [item], usage)) for item in changed]
+
     try:
         if first is not None:
-            yield _event(fmt.chunk(choices, choices.add(*first)))
+            for event in chunks(*first):
+                yield event
         async for index, delta in events:
-            changed = choices.add(index, delta)
-            if changed:
-                yield _event(fmt.chunk(choices, changed))
+            for event in chunks(index, delta):
+                yield event
         if include_usage:
             yield _event(fmt.usage_chunk(choices.usage(generation.num_prompt_tokens)))
     except APIError as exc:

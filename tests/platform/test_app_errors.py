@@ -75,7 +75,7 @@ CASES = [
     ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, "invalid_request", ["messages"]),
     (
         "/v1/chat/completions",
-        b'{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}',
+        b'{"model": "tiny", "messages": [{"role": "", "content": "x"}]}',
         400,
         "invalid_request",
         ["role"],

@@ -19,7 +19,7 @@ def model_dir(tmp_path_factory):
     return make_text_model(tmp_path_factory.mktemp("completions") / "model")
 
 
-def run(tmp_path, model_dir, scenario, **options):
+def run(tmp_path, model_dir, scenario, settings=None, **options):
     """Run `scenario(client, services)` against the app on this event loop.
 
     httpx's ASGI transport rather than Litestar's AsyncTestClient: the latter runs the app on a portal
@@ -28,7 +28,7 @@ def run(tmp_path, model_dir, scenario, **options):
 
     async def main():
         async with open_test_services(tmp_path, model_dir, **options) as services:
-            app = create_app(ServerSettings(), services=services)
+            app = create_app(settings or ServerSettings(), services=services)
             async with (
                 app.lifespan(),
                 httpx.AsyncClient(

@@ -210,7 +210,7 @@ async def _sse(
         yield error_event(503, f"the request failed: {exc}; retry on another replica", "engine_dead")
     except Exception as exc:  # the engine died mid-stream: tell the client rather than cut the connection
         log.warning("stream %s failed: %s", generation.request_id, exc)
-        yield error_event(503, f"the request failed: {exc}", "generation_failed")
+        yield error_event(503, "the request failed on the server; retry it", "generation_failed")
     finally:
         generation.close()
     yield DONE_EVENT

@@ -198,8 +198,9 @@ class CoreClient:
                 reason = (
                     f"the engine core process exited unexpectedly ({_describe_exit(self.process.exitcode)})"
                 )
-                self.dead_error = EngineDeadError(f"{reason}: {failure}" if failure else reason)
-                logger.error("%s", self.dead_error)
+                # The core's own words stay in the log: they may name paths or devices.
+                self.dead_error = EngineDeadError(reason)
+                logger.error("%s%s", reason, f"; its last error: {failure}" if failure else "")
                 self._on_dead(self.dead_error)
                 return
 

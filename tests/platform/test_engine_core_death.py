@@ -59,5 +59,5 @@ def test_killed_core_turns_health_ready_and_requests_into_503(tmp_path, model_di
         assert response.status_code == 503
         error = response.json()["error"]
         assert error["code"] == "engine_dead" and error["type"] == "service_unavailable"
-        assert "SIGKILL" in error["message"] and "/" not in error["message"]  # no paths leak
+        assert "engine stopped" in error["message"] and "/" not in error["message"]  # no paths leak
     assert fatal is not None and "SIGKILL" in fatal

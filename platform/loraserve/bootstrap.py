@@ -113,6 +113,7 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             metrics=metrics,
             adapter_lookup=adapter_lookup,
             tokenizer=llm_engine.tokenizer,
+            allowed_lora_paths=settings.allowed_lora_paths,
             max_model_len=llm_engine.max_model_len,
         )
     finally:

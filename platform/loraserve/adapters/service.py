@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Literal
+from typing import Any, Literal
 
 from litestar import Request
 
@@ -30,11 +30,14 @@ async def upload_adapter(services: Services, principal: Principal, request: Requ
     form = await read_upload_body(request)
     try:
         upload = read_upload_form(form)
-        record = await asyncio.to_thread(
-            services.adapter_store.put, principal.tenant, upload.name, upload.source
-        )
+        return await store_adapter(services, principal, upload.name, upload.source)
     finally:
         await form.close()  # removes the spooled parts
+
+
+async def store_adapter(services: Services, principal: Principal, name: str, source: Any) -> Adapter:
+    """Validate and store `source` (a form's files, an archive or a folder) as the next version of `name`."""
+    record = await asyncio.to_thread(services.adapter_store.put, principal.tenant, name, source)
     services.adapter_lookup.invalidate(principal.tenant, record.name)
     await _announce(services, principal.tenant, record.name, "put")
     return Adapter.from_record(record)

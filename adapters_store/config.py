@@ -6,13 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from engine.lora.peft_config import MAX_CONFIG_BYTES  # noqa: F401 (the store's limit is the engine's)
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
 DEFAULT_URL = "file://./.loraserve/adapters"
-# adapter_config.json is a few hundred bytes; anything near this bound is not a PEFT config.
-MAX_CONFIG_BYTES = 1 * MiB
 ADDRESSING_STYLES = ("auto", "path", "virtual")
 
 

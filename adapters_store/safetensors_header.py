@@ -8,15 +8,21 @@ Every field is bounds-checked here (lengths, offsets, sizes), so a file that pas
 
 from __future__ import annotations
 
-import json
 import math
 import struct
+from collections import Counter
 from pathlib import Path
 
 from adapters_store.errors import InvalidAdapter
+from engine.lora.adapter_error import show_value
+from engine.lora.bounded_json import loads_bounded
 
-# The safetensors library's own ceiling on the header size.
-MAX_HEADER_BYTES = 100_000_000
+# A LoRA adapter's header lists two tensors per projection and layer: tens of KiB, under 1 MiB for any
+# model (the safetensors library itself allows 100 MB). Parsing is bounded in size and depth before
+# anything else reads the header.
+MAX_HEADER_BYTES = 16 << 20
+# {"name": {"shape": [...]}}: three levels; __metadata__ two.
+MAX_HEADER_DEPTH = 3
 # LoRA weights are floating point; the engine converts any of these to its compute dtype.
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _PICKLE_HINT = (
@@ -42,19 +48,21 @@ def read_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
                 _PICKLE_HINT if pickled else f"it is {file_size} bytes, too short for a safetensors header",
             )
         (header_len,) = struct.unpack("<Q", head)
-        if header_len > min(MAX_HEADER_BYTES, file_size - 8):
+        if pickled and header_len > min(MAX_HEADER_BYTES, file_size - 8):
+            _fail(path, _PICKLE_HINT)
+        if header_len > file_size - 8:
             _fail(
                 path,
-                _PICKLE_HINT
-                if pickled
-                else (
-                    f"its header claims {header_len} bytes, but the file holds {file_size} (truncated or corrupt)"
-                ),
+                f"its header claims {header_len} bytes, but the file holds {file_size} (truncated or corrupt)",
+            )
+        if header_len > MAX_HEADER_BYTES:
+            _fail(
+                path, f"its header is {header_len} bytes; an adapter's header is far below {MAX_HEADER_BYTES}"
             )
         raw = f.read(header_len)
     try:
-        header = json.loads(raw, object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as exc:
+        header = loads_bounded(raw, MAX_HEADER_DEPTH, object_pairs_hook=_no_duplicates)
+    except ValueError as exc:
         _fail(path, _PICKLE_HINT if pickled else f"its header is not valid JSON ({exc})")
     if not isinstance(header, dict):
         _fail(path, "its header is not a JSON object")
@@ -76,7 +84,7 @@ def read_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         if begin != position:
             _fail(
                 path,
-                f"tensor {name!r} starts at byte {begin}, expected {position} (overlapping or gapped data)",
+                f"tensor {show_value(name)} starts at byte {begin}, expected {position} (overlapping or gapped data)",
             )
         position = end
     if position != data_size:
@@ -89,20 +97,28 @@ def read_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 def _check_entry(path: Path, name: str, info: object) -> tuple[tuple[int, ...], int, int]:
     if not isinstance(info, dict):
-        _fail(path, f"tensor {name!r} has no dtype/shape/data_offsets entry")
+        _fail(path, f"tensor {show_value(name)} has no dtype/shape/data_offsets entry")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if dtype not in DTYPE_BYTES:
         _fail(
-            path, f"tensor {name!r} has dtype {dtype!r}; LoRA weights must be one of {', '.join(DTYPE_BYTES)}"
+            path,
+            f"tensor {show_value(name)} has dtype {show_value(dtype)}; LoRA weights must be one of {', '.join(DTYPE_BYTES)}",
         )
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        _fail(path, f"tensor {name!r} has shape {shape!r}; expected a list of non-negative integers")
+        _fail(
+            path,
+            f"tensor {show_value(name)} has shape {show_value(shape)}; expected a list of non-negative integers",
+        )
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
-        _fail(path, f"tensor {name!r} has data_offsets {offsets!r}; expected [begin, end]")
+        _fail(
+            path, f"tensor {show_value(name)} has data_offsets {show_value(offsets)}; expected [begin, end]"
+        )
     begin, end = offsets
     expected = math.prod(shape) * DTYPE_BYTES[dtype]
     if end < begin or end - begin != expected:
-        _fail(path, f"tensor {name!r} spans {end - begin} bytes, but {dtype} {shape} needs {expected}")
+        _fail(
+            path, f"tensor {show_value(name)} spans {end - begin} bytes, but {dtype} {shape} needs {expected}"
+        )
     return tuple(shape), begin, end
 
 
@@ -111,10 +127,11 @@ def _is_count(value: object) -> bool:
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    keys = [key for key, _ in pairs]
-    if len(keys) != len(set(keys)):
-        raise ValueError(f"duplicate keys {sorted({k for k in keys if keys.count(k) > 1})}")
-    return dict(pairs)
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        repeated = [key for key, count in Counter(key for key, _ in pairs).items() if count > 1]
+        raise ValueError(f"duplicate keys {show_value(sorted(repeated))}")
+    return found
 
 
 def _fail(path: Path, why: str):

@@ -18,6 +18,7 @@ from adapters_store.engine_source import StoreAdapterSource
 from engine import AsyncLLM, EngineConfig, LLMEngine, ModelShape
 from engine.model.loader import load_config, resolve_model_path
 from loraserve.config_store import CachedConfigStore, open_config_store, redact_url
+from loraserve.name_conflicts import check_not_base_model
 from loraserve.ops.metrics import Metrics
 from loraserve.routing import Router
 from loraserve.services import Services
@@ -67,6 +68,8 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
     """Everything `Services` holds, built from `settings`; closed in reverse order on exit."""
     model = settings.model or str(await asyncio.to_thread(_demo_model, settings))
     model_id = base_model_id(settings, model)
+    for name, _ in settings.lora_modules:
+        check_not_base_model(name, model_id, "--lora-modules adapter")
     shape = ModelShape.from_hf_config(load_config(resolve_model_path(model)))
     config = store_config(settings)
     store = open_store(config, shape)

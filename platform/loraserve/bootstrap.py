@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -74,6 +75,7 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
     config = store_config(settings)
     store = open_store(config, shape)
     await asyncio.to_thread(store.check)
+    threading.Thread(target=sweep_quietly, args=(store,), name="adapter-store-sweep", daemon=True).start()
     disk_cache = DiskCache(store, config.cache_dir, config.cache_max_bytes)
     config_store = CachedConfigStore(
         open_config_store(settings.config_store or str(settings.state_dir / "config"))
@@ -132,6 +134,17 @@ def preload_lora_modules(store: AdapterStore, modules: tuple[tuple[str, str], ..
             continue
         record = store.put(DEFAULT_TENANT, name, path)
         log.info("adapter %s: stored %s as %s for tenant %r", name, path, record.ref, DEFAULT_TENANT)
+
+
+def sweep_quietly(store: AdapterStore) -> None:
+    """At start, in the background: remove uploads that died half-written (see AdapterStore.sweep)."""
+    try:
+        swept = store.sweep()
+    except Exception as exc:  # the store may be down: serving does not depend on this
+        log.warning("could not sweep the adapter store for dead uploads: %s", exc)
+        return
+    if swept:
+        log.info("swept %d half-written or half-deleted adapter versions from the store", swept)
 
 
 def _sha256(path: Path) -> str:

@@ -61,6 +61,7 @@ CONFIG_VALUES = [
     ("alpha_pattern", '{"q_proj": null}', "bad_alpha_pattern"),
     ("alpha_pattern", '{"q_proj": [1]}', "bad_alpha_pattern"),
     ("alpha_pattern", '{"(": 16}', "bad_alpha_pattern"),
+    ("alpha_pattern", '{"((a{1000}){1000}){1000}": 16}', "bad_alpha_pattern"),  # compiling it takes minutes
     ("alpha_pattern", '{"' + "q" * 300 + '": 16}', "bad_alpha_pattern"),
     ("use_rslora", '"yes"', "bad_config"),
     ("use_rslora", "1", "bad_config"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import regex
@@ -32,8 +32,11 @@ MAX_PATTERN_KEY_CHARS = 256
 MAX_TARGET_MODULES = 64
 MAX_BASE_MODEL_CHARS = 1024  # base_model_name_or_path is stored in the adapter's record
 BIAS_MODES = ("none", "all", "lora_only")
-# alpha_pattern keys are regular expressions (PEFT's rule); a hostile one must not hang a load.
+# alpha_pattern keys are regular expressions (PEFT's rule); a hostile one must not hang a load. Matching
+# has a time budget; compiling is bounded by the counted repetitions ({m,n}), whose product it grows with.
 PATTERN_MATCH_BUDGET_S = 1.0
+MAX_REPEAT_PRODUCT = 4096
+_COUNTED_REPEAT = regex.compile(r"\{(\d*)(?:,(\d*))?\}")
 
 
 @dataclass(frozen=True)
@@ -47,18 +50,26 @@ class LoraSettings:
     alpha_pattern: dict[str, float]
     target_modules: str | tuple[str, ...] | None  # PEFT's regex, a list, or None (PEFT's defaults)
     base_model: str | None  # base_model_name_or_path, informative only
+    # alpha_pattern's keys compiled once, in order: (key, PEFT's pattern for it, alpha)
+    alpha_regexes: tuple[tuple[str, regex.Pattern, float], ...] = field(default=(), repr=False, compare=False)
 
     def alpha_for(self, module_key: str, deadline: float) -> float:
-        """PEFT's `get_pattern_key`: the first alpha_pattern key whose regex ends `module_key` wins."""
-        for key, alpha in self.alpha_pattern.items():
+        """PEFT's `get_pattern_key`: the first alpha_pattern key whose regex ends `module_key` wins.
+
+        `deadline` (time.monotonic) bounds all the matching of one adapter, however many keys and modules.
+        """
+        for key, pattern, alpha in self.alpha_regexes:
             try:
-                matched = _pattern(key).match(module_key, timeout=max(deadline - time.monotonic(), 1e-3))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                matched = pattern.match(module_key, timeout=left)
             except TimeoutError:
                 raise _bad(
                     "bad_alpha_pattern",
                     "alpha_pattern",
-                    f"key {show_value(key)} takes too long to match module names; use plain module names or "
-                    "simple patterns",
+                    f"takes too long to match the model's module names (at key {show_value(key)}); use plain "
+                    "module names or simple patterns",
                 ) from None
             if matched:
                 return alpha
@@ -108,22 +119,33 @@ def check_adapter_config(config: Mapping, max_lora_rank: int) -> LoraSettings:
             f"must be a finite number within ±{MAX_ALPHA:g} (got {show_value(alpha)})",
         )
     alpha_pattern = _pattern_map(config, "alpha_pattern", _is_alpha, f"finite numbers within ±{MAX_ALPHA:g}")
-    for key in alpha_pattern:
+    alpha_regexes = []
+    for key, value in alpha_pattern.items():
+        repeats = 1
+        for low, high in _COUNTED_REPEAT.findall(key):
+            repeats *= max(int(low or 0), int(high or 0), 1)
+        if repeats > MAX_REPEAT_PRODUCT:
+            raise _bad(
+                "bad_alpha_pattern",
+                "alpha_pattern",
+                f"key {show_value(key)} repeats too much: its {{m,n}} counts multiply to more than "
+                f"{MAX_REPEAT_PRODUCT}",
+            )
         try:
-            _pattern(key)
+            alpha_regexes.append((key, _pattern(key), float(value)))
         except regex.error as exc:
             raise _bad(
                 "bad_alpha_pattern", "alpha_pattern", f"key {show_value(key)} is not a valid regex ({exc})"
             ) from None
     largest = max([rank, *rank_pattern.values()])
     if largest > max_lora_rank:
-        field = "r" if largest == rank else "rank_pattern"
+        key = "r" if largest == rank else "rank_pattern"
         raise AdapterError(
             "rank_too_large",
             f"adapter rank {largest} exceeds max_lora_rank {max_lora_rank}"
-            + ("" if field == "r" else " (set by rank_pattern)")
+            + ("" if key == "r" else " (set by rank_pattern)")
             + "; start the server with a larger --max-lora-rank or retrain with a smaller r",
-            field,
+            key,
         )
     use_rslora = _flag(config, "use_rslora")
     if _flag(config, "use_dora"):
@@ -170,6 +192,7 @@ def check_adapter_config(config: Mapping, max_lora_rank: int) -> LoraSettings:
         use_rslora=use_rslora,
         rank_pattern=rank_pattern,
         alpha_pattern=alpha_pattern,
+        alpha_regexes=tuple(alpha_regexes),
         target_modules=targets,
         base_model=base_model,
     )

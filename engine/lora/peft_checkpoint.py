@@ -1,7 +1,8 @@
 """Read and validate PEFT LoRA checkpoints (adapter_config.json + adapter_model.safetensors).
 
-Validation works on tensor names and shapes alone (`check_adapter`), so the adapter store can run it
-on a safetensors header before writing anything; `load_peft_adapter` then reads the tensors.
+Validation works on tensor names and shapes alone (`check_adapter`, fed by safetensors_header.py), so
+the adapter store can run it on a safetensors header before writing anything; `load_peft_adapter` runs
+the same checks, then reads the tensors.
 Only safetensors is read: pickled `.bin` checkpoints are refused, never unpickled.
 """
 
@@ -26,6 +27,7 @@ from engine.lora.peft_config import (
     check_adapter_config,
     read_adapter_config,
 )
+from engine.lora.safetensors_header import read_tensor_shapes
 
 __all__ = [  # the config's names are re-exported: callers import the checkpoint format from here
     "CONFIG_FILE",
@@ -163,13 +165,10 @@ def load_peft_adapter(folder: str | Path, shape: ModelShape, max_lora_rank: int)
             else ""
         )
         raise AdapterError("missing_weights", f"{weights} does not exist{hint}")
+    adapter = check_adapter(config, read_tensor_shapes(weights, str(weights)), shape, max_lora_rank)
     try:
         with safe_open(str(weights), framework="pt") as f:
-            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-            adapter = check_adapter(config, shapes, shape, max_lora_rank)
             tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except AdapterError:
-        raise
     except Exception as exc:  # safetensors raises several types for corrupt headers
         raise AdapterError("bad_weights", f"{weights} is not a readable safetensors file: {exc}") from None
     loaded: dict[tuple[int, str], ModuleLoRA] = {}

@@ -136,3 +136,11 @@ def test_a_new_version_serves_new_requests_at_once(client, env, peft_adapters):
     assert (served("bot"), served("chat")) == ("bot@1", "bot@1")  # both now in the lookup cache
     assert upload(client, "bot", peft_adapters["all"]).json()["version"] == 2
     assert (served("bot"), served("chat")) == ("bot@2", "bot@2")
+
+
+def test_names_taken_before_the_rule_are_listed_once(client, env, peft_adapters):
+    env.services.adapter_store.put("alpha", BASE_MODEL, peft_adapters["qv"])  # behind the API's back
+    route = Route(name=BASE_MODEL, variants=(Variant(adapter=f"{BASE_MODEL}@1", weight=1),))
+    asyncio.run(env.services.config_store.put_route("alpha", route))
+    ids = model_ids(client)
+    assert ids.count(BASE_MODEL) == 1 and f"{BASE_MODEL}@1" in ids

@@ -272,6 +272,7 @@ class LLMEngine:
             max_loras=self.config.max_loras,
             num_lora_slots_in_use=self.lora.num_slots_in_use,
             num_adapters_loading=self.lora.num_loading,
+            resident_adapters=self.lora.resident_ids(),
         )
 
     def _resolve_adapter(self, adapter: str | None) -> str | None:

@@ -9,7 +9,6 @@ keeps it off unless VLLM_ALLOW_RUNTIME_LORA_UPDATING is set. Answers are vLLM's 
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
@@ -112,7 +111,7 @@ def _allowed_folder(services: Services, lora_path: str) -> Path:
 
 async def _exists(services: Services, principal: Principal, name: str) -> bool:
     try:
-        await asyncio.to_thread(services.adapter_store.versions, principal.tenant, name)
+        await services.adapter_lookup.call(services.adapter_store.versions, principal.tenant, name)
     except AdapterNotFound:
         return False
     return True

@@ -5,10 +5,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import zip_longest
 
 from engine.config import EngineConfig
+from engine.fairness import VirtualTokenCounters
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.stats import TenantStats
+from engine.tenant_usage import TenantLedger
 
 
 @dataclass(frozen=True)
@@ -51,10 +55,17 @@ class Scheduler:
     """Continuous batching in the vLLM v1 style: every step re-decides the whole batch.
 
     Running requests go first, oldest first, so decodes never starve behind prefills. When blocks
-    run out the newest running request is preempted (blocks freed, recomputed from token 0 later).
-    Waiting requests are admitted in FIFO order while the token budget, `max_num_seqs`, free blocks
-    and `max_loras` allow; one whose adapter is not ready, or would be one adapter too many, is
-    skipped without holding up the requests behind it.
+    run out a running request is preempted (blocks freed, recomputed from token 0 later): under the
+    "fair" policy the newest of the tenant with the highest virtual token counter (the one most over
+    its share), under "fcfs" the newest overall.
+
+    Waiting requests wait in one FIFO queue per tenant ("fair") or one queue for all ("fcfs").
+    Admission takes the head of the queue whose tenant has the lowest counter (engine/fairness.py),
+    again and again, while the token budget, `max_num_seqs`, free blocks and `max_loras` allow. A
+    request whose adapter is not ready, or would be one adapter too many, is skipped without holding
+    up the requests behind it. A head that lacks room (blocks, or the budget without chunked prefill)
+    stops admission under "fcfs"; under "fair" other tenants go first, but only for
+    `fairness_max_bypass_steps` steps, after which admission waits for it, so it cannot starve.
     """
 
     def __init__(
@@ -77,12 +88,20 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.adapter_ready = adapter_ready
-        # Read-only for callers. running: admission order, oldest first; waiting: FIFO, preempted
-        # requests at the front.
+        self.fair = config.scheduling_policy == "fair"
+        # Read-only for callers. running: admission order, oldest first.
         self.running: list[Request] = []
-        self.waiting: deque[Request] = deque()
+        # Waiting requests: one FIFO per queue key (the tenant, or "" for all under fcfs), preempted
+        # requests at the front. A key with no request left is removed.
+        self._queues: dict[str, deque[Request]] = {}
+        self._num_waiting = 0
+        self._bypassed: dict[str, int] = {}  # queue key -> steps its head was passed over for lack of room
         self._requests: dict[str, Request] = {}  # request_id -> every unfinished request
         self.num_preemptions = 0  # cumulative, for metrics
+        self.counters = VirtualTokenCounters(
+            config.fairness_prompt_token_weight, config.fairness_output_token_weight
+        )
+        self.ledger = TenantLedger()
 
     @property
     def num_running(self) -> int:
@@ -90,10 +109,21 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return self._num_waiting
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Waiting requests in about the order admission would take them: queues by counter, round-robin."""
+        keys = sorted(self._queues, key=self._queue_priority)
+        return [r for row in zip_longest(*(self._queues[k] for k in keys)) for r in row if r is not None]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self._num_waiting)
+
+    def tenant_stats(self) -> tuple[TenantStats, ...]:
+        return self.ledger.stats(
+            self.counters.counters(), self.counters.weight, self.running, self._iter_waiting()
+        )
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError, naming the limit, if it could never run to completion."""
@@ -119,7 +149,7 @@ class Scheduler:
             )
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request, front=False)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Remove a request at once, freeing its blocks; None for an unknown (or finished) id."""
@@ -131,7 +161,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         else:
-            self.waiting.remove(request)
+            self._dequeue(request)
         request.status = status
         self.kv_cache_manager.free(request)
         return request
@@ -148,6 +178,9 @@ class Scheduler:
         for item in scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
             item.request.status = RequestStatus.RUNNING
+            if item.samples:  # one generated token, whatever the step recomputes
+                cost = self.counters.charge(item.request.tenant, num_output_tokens=1)
+                self.ledger.generated(item.request.tenant, 1, cost)
         return SchedulerOutput(
             scheduled=scheduled,
             preempted=preempted,
@@ -160,7 +193,8 @@ class Scheduler:
     ) -> int:
         """Give each running request, oldest first, its next tokens; returns the budget left.
 
-        Only requests after the current one are preempted, and those have nothing scheduled yet.
+        A victim scheduled earlier in this step (only "fair" picks those) gives back its tokens: nothing
+        of the step has run yet, so freeing its blocks loses no work.
         """
         index = 0
         while index < len(self.running) and budget > 0:
@@ -172,42 +206,83 @@ class Scheduler:
                 index += 1
                 continue
             num_new_tokens = min(num_new_tokens, budget)
+            preempted_self = False
             while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
-                victim = self.running.pop()
+                victim = self._pick_victim()
+                position = self.running.index(victim)
+                del self.running[position]
+                if position < index:
+                    item = next(s for s in scheduled if s.request is victim)
+                    scheduled.remove(item)
+                    budget += item.num_new_tokens
+                    index -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
-                    return budget
+                    preempted_self = True
+                    break
+            if preempted_self:
+                continue  # the next request now sits at `index`
             scheduled.append(self._scheduled(request, num_new_tokens, request.num_computed_tokens))
             budget -= num_new_tokens
             index += 1
         return budget
 
+    def _pick_victim(self) -> Request:
+        """The newest running request of the tenant with the highest counter ("fcfs": the newest)."""
+        if not self.fair:
+            return self.running[-1]
+        victim, highest = None, 0.0
+        for request in reversed(self.running):
+            counter = self.counters.counter(request.tenant)
+            if victim is None or counter > highest:
+                victim, highest = request, counter
+        return victim
+
     def _schedule_waiting(
         self, budget: int, scheduled: list[ScheduledRequest], newly_admitted: list[Request]
     ) -> None:
-        """Admit waiting requests in FIFO order; skipped ones keep their place in the queue."""
+        """Admit heads of the lowest-counter queues; skipped requests keep their place."""
         kv = self.kv_cache_manager
         adapters = {r.adapter_id for r in self.running if r.adapter_id is not None}
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        cursors = {key: 0 for key in self._queues}  # per queue: its next candidate; earlier ones are skipped
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            key = min(
+                (k for k, i in cursors.items() if i < len(self._queues[k])),
+                key=self._queue_priority,
+                default=None,
+            )
+            if key is None:
+                break
+            queue = self._queues[key]
+            request = queue[cursors[key]]
             if not self._adapter_admissible(request.adapter_id, adapters):
-                skipped.append(self.waiting.popleft())
+                cursors[key] += 1
                 continue
             hits, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+            fits = True
             if num_new_tokens > budget:
-                if not self.config.enable_chunked_prefill:
-                    break  # head-of-line waits for a step with room, so it cannot starve
-                num_new_tokens = budget
-            if kv.allocate_slots(request, num_new_tokens, hits) is None:
-                break
-            self.waiting.popleft()
-            if request.status is RequestStatus.WAITING:
+                if self.config.enable_chunked_prefill:
+                    num_new_tokens = budget
+                else:
+                    fits = False  # it waits for a step with room
+            if not fits or kv.allocate_slots(request, num_new_tokens, hits) is None:
+                if not self._may_bypass(key):
+                    break  # admission waits for this head, so it cannot starve
+                del cursors[key]  # the other queues go first this step
+                continue
+            if request.status is RequestStatus.WAITING:  # charged once, not again after a preemption
                 request.num_cached_tokens = num_hit_tokens
+                cost = self.counters.charge(request.tenant, num_prompt_tokens=request.num_prompt_tokens)
+                self.ledger.admitted(request, cost)
+            del queue[cursors[key]]
+            self._bypassed.pop(key, None)
+            self._forget_waiting(key, request)
+            if key not in self._queues:
+                del cursors[key]
             request.num_computed_tokens += num_hit_tokens
             self.running.append(request)
             newly_admitted.append(request)
@@ -215,7 +290,48 @@ class Scheduler:
                 adapters.add(request.adapter_id)
             scheduled.append(self._scheduled(request, num_new_tokens, request.num_computed_tokens))
             budget -= num_new_tokens
-        self.waiting.extendleft(reversed(skipped))
+
+    def _may_bypass(self, key: str) -> bool:
+        """Whether other queues may pass this one's head, which lacks room; counts the steps it happened."""
+        if not self.fair:
+            return False
+        count = self._bypassed.get(key, 0)
+        if count >= self.config.fairness_max_bypass_steps:
+            return False
+        self._bypassed[key] = count + 1
+        return True
+
+    def _queue_priority(self, key: str) -> tuple[float, float]:
+        """Lowest counter first; between equal counters the older head (fcfs has one queue)."""
+        queue = self._queues[key]
+        return (self.counters.counter(queue[0].tenant) if self.fair else 0.0, queue[0].arrival_time)
+
+    def _enqueue(self, request: Request, front: bool) -> None:
+        key = request.tenant if self.fair else ""
+        queue = self._queues.setdefault(key, deque())
+        if front:
+            queue.appendleft(request)
+        else:
+            queue.append(request)
+        self._num_waiting += 1
+        self.counters.add_waiting(request.tenant, request.tenant_weight)
+
+    def _dequeue(self, request: Request) -> None:
+        key = request.tenant if self.fair else ""
+        self._queues[key].remove(request)
+        self._forget_waiting(key, request)
+
+    def _forget_waiting(self, key: str, request: Request) -> None:
+        """`request` has left queue `key`: keep the counts right and drop an empty queue."""
+        self._num_waiting -= 1
+        self.counters.remove_waiting(request.tenant)
+        if not self._queues[key]:
+            del self._queues[key]
+            self._bypassed.pop(key, None)
+
+    def _iter_waiting(self):
+        for queue in self._queues.values():
+            yield from queue
 
     def _adapter_admissible(self, adapter_id: str | None, adapters: set[str]) -> bool:
         if adapter_id is None:
@@ -230,7 +346,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
 
     def _scheduled(self, request: Request, num_new_tokens: int, start: int) -> ScheduledRequest:
         return ScheduledRequest(

@@ -24,6 +24,7 @@ from loraserve.ops.shutdown import Shutdown
 from loraserve.routes import RoutesController
 from loraserve.services import Services
 from loraserve.settings import ServerSettings
+from loraserve.usage import UsageController
 
 SHUTDOWN_KEY = "shutdown"
 # Chat histories can be long; uploads have their own, larger limit (adapters_controller).
@@ -44,7 +45,13 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
             yield
 
     return Litestar(
-        route_handlers=[InferenceController, adapters_controller(config), RoutesController, OpsController],
+        route_handlers=[
+            InferenceController,
+            adapters_controller(config),
+            RoutesController,
+            UsageController,
+            OpsController,
+        ],
         dependencies=DEPENDENCIES,
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],

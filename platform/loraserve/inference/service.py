@@ -1,7 +1,7 @@
 """Completions and chat completions: admit, resolve the model, run the engine, answer whole or as SSE.
 
 Order of checks: draining / model loaded (503), body and prompt (400), the tenant's model name (404),
-the tenant's concurrency limit (429). A stream's headers go out only once the engine has produced its
+the tenant's concurrency limit, then its tokens per minute (429). A stream's headers go out only once the engine has produced its
 first delta, so a request that fails at once still gets a proper HTTP error instead of a broken stream.
 """
 
@@ -27,7 +27,7 @@ from loraserve.inference.sampling import chat_params, completion_params
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.resolution import resolve_model
 from loraserve.services import Services
-from loraserve.tenancy import Principal
+from loraserve.tenancy import Principal, TooManyRequests
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +75,22 @@ async def _generate(
     request: Request,
 ) -> Any:
     resolved = await resolve_model(services, principal, body.model, body.user)
-    lease = services.limiter.try_acquire(principal)
+    try:
+        lease = services.limiter.try_acquire(principal)
+    except TooManyRequests:
+        _count_refusal(services, principal, "concurrency")
+        raise
+    try:
+        tokens = services.token_limiter.try_reserve(principal, _tokens_at_most(services, prompts, params))
+    except BaseException as exc:
+        lease.release()
+        if isinstance(exc, TooManyRequests):
+            _count_refusal(services, principal, "tokens")
+        raise
     response_id = f"{prefix}-{uuid.uuid4().hex}"
-    generation = Generation(services, response_id, prompts, params, resolved.engine_adapter_id, lease)
+    generation = Generation(
+        services, response_id, prompts, params, resolved.engine_adapter_id, lease, principal, tokens
+    )
     fmt = format_type(
         response_id,
         resolved.served_model,
@@ -100,6 +113,23 @@ async def _generate(
         raise
     sse = _sse(first, events, choices, fmt, include_usage, generation)
     return EventStream(sse, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
+
+
+def _count_refusal(services: Services, principal: Principal, limit: str) -> None:
+    if services.metrics is not None:
+        services.metrics.tenant_rate_limited(principal.tenant, limit)
+
+
+def _tokens_at_most(services: Services, prompts: list[list[int]], params: SamplingParams) -> int:
+    """What a request may use, for the token-rate limit: each prompt plus n x max_tokens (unset: the rest of
+    the context, or the prompt's size again when the server has no max_model_len)."""
+    total = 0
+    for prompt in prompts:
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = services.max_model_len - len(prompt) if services.max_model_len else len(prompt)
+        total += len(prompt) + params.n * max(0, max_tokens)
+    return total
 
 
 async def _collect(generation: Generation, choices: Choices) -> None:

@@ -27,6 +27,7 @@ from engine.request import NO_LORA, Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output.matchers import StructuredOutputs
 from engine.stats import EngineStats, distinct_adapters
 from engine.tokenizer import eos_token_ids, load_tokenizer
 
@@ -87,6 +88,8 @@ class LLMEngine:
             config, self.kv_cache, self.max_model_len, adapter_ready=self.lora.is_ready
         )
         self.sampler = Sampler(config.seed)
+        vocab_size = self.runner.model.weights.embed.shape[0]
+        self.structured = StructuredOutputs(self.tokenizer, vocab_size, self.eos_token_ids)
         self._states: dict[str, RequestState] = {}  # child request id -> state
         self._parents: dict[str, list[str]] = {}  # user request id -> child ids
         self._pending: list[RequestOutput] = []  # refused or aborted requests, reported at the next step
@@ -160,7 +163,12 @@ class LLMEngine:
             tenant=tenant,
             tenant_weight=tenant_weight,
         )
-        self.scheduler.add_request(child)
+        self.structured.add(child)  # an invalid spec raises here, before anything is queued
+        try:
+            self.scheduler.add_request(child)
+        except ValueError:
+            self.structured.free(child_id)
+            raise
         if adapter_id is not None:
             self.lora.hold(adapter_id)
         detok = IncrementalDetokenizer(self.tokenizer, child) if self.tokenizer is not None else None
@@ -203,6 +211,8 @@ class LLMEngine:
         sampling = [s.request for s in scheduled.scheduled if s.samples]
         if not sampling:
             return outputs
+        # Grammar masks are filled on the host while the GPU still computes the logits.
+        logits = self.structured.apply(logits, self.structured.prepare(sampling))
         for request, token_id, logprobs in self._sample_isolated(logits, sampling):
             state = self._states[request.request_id]
             try:
@@ -211,6 +221,8 @@ class LLMEngine:
                 request.append_output_token(token_id)
                 self._count_tokens(state)
                 status = state.append(token_id, logprobs, self.max_model_len)
+                if self.structured.accept(request, token_id) and status is None:
+                    status = RequestStatus.FINISHED_STOPPED  # the structure is complete
             except Exception as exc:  # this request's data broke its own step: fail it, not the batch
                 logger.exception("request %s failed in its step", request.request_id)
                 request.error = f"the request failed while generating: {exc}"
@@ -328,6 +340,7 @@ class LLMEngine:
         self.scheduler.finish_request(request.request_id, status)
         request.status = status
         self.sampler.free(request.request_id)
+        self.structured.free(request.request_id)
 
     def _count_tokens(self, state: RequestState) -> None:
         """vLLM's token counters: every sampled token; a prompt once per user request, at its first token."""

@@ -17,13 +17,14 @@ from loraserve.adapters import adapters_controller
 from loraserve.bootstrap import open_services, store_config
 from loraserve.dependencies import DEPENDENCIES, READINESS_KEY, SERVICES_KEY
 from loraserve.errors import EXCEPTION_HANDLERS
-from loraserve.inference.controller import InferenceController
+from loraserve.inference.controller import InferenceController, invocations
 from loraserve.ops.controller import OpsController
 from loraserve.ops.readiness import Readiness
 from loraserve.ops.shutdown import Shutdown
 from loraserve.routes import RoutesController
 from loraserve.services import Services
 from loraserve.settings import ServerSettings
+from loraserve.tokenization import TokenizationController
 from loraserve.usage import UsageController
 
 SHUTDOWN_KEY = "shutdown"
@@ -47,6 +48,8 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
     return Litestar(
         route_handlers=[
             InferenceController,
+            invocations,
+            TokenizationController,
             adapters_controller(config),
             RoutesController,
             UsageController,

@@ -81,6 +81,13 @@ CASES = [
         ["logprobs"],
     ),
     ("/v1/chat/completions", b"[1, 2]", 400, "invalid_request", ["object"]),
+    (
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "x", "stream_options": {"include_usage": true}}',
+        400,
+        "invalid_request",
+        ["stream_options", "stream"],
+    ),
     # A seed must be a 64-bit integer, as in vLLM; larger ones once stopped the engine for everyone.
     *[
         ("/v1/completions", b'{"model": "tiny", "prompt": "x", "seed": ' + seed + b"}", 400, None, [word])
@@ -194,3 +201,25 @@ def test_health_turns_503_when_the_engine_is_dead(tmp_path, model_dir):
     before, dead, ready = run(tmp_path, model_dir, scenario)
     assert before.status_code == 200
     assert dead.status_code == 503 and ready.status_code == 503
+
+
+def test_a_body_that_is_not_declared_json_is_refused(tmp_path, model_dir):
+    body = b'{"model": "tiny", "prompt": "x", "max_tokens": 2}'
+
+    async def scenario(client, services):
+        answers = []
+        for content_type in ("text/plain", None, "application/x-www-form-urlencoded"):
+            headers = {"content-type": content_type} if content_type else {}
+            for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/invocations"):
+                answers.append(await client.post(path, content=body, headers=headers))
+        ok = await client.post(
+            "/v1/completions", content=body, headers={"content-type": "application/json; charset=utf-8"}
+        )
+        return answers, ok
+
+    answers, ok = run(tmp_path, model_dir, scenario)
+    for response in answers:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "unsupported_media_type" and "application/json" in error["message"]
+    assert ok.status_code == 200

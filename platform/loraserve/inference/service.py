@@ -1,8 +1,9 @@
 """Completions and chat completions: admit, resolve the model, run the engine, answer whole or as SSE.
 
 Order of checks: draining / model loaded (503), body and prompt (400), the tenant's model name (404),
-the tenant's concurrency limit, then its tokens per minute (429). A stream's headers go out only once the engine has produced its
-first delta, so a request that fails at once still gets a proper HTTP error instead of a broken stream.
+the tenant's concurrency limit, then its tokens per minute (429). A stream's headers go out only once
+the engine has produced its first delta, so a request that fails at once still gets a proper HTTP error
+instead of a broken stream.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from loraserve.inference.prompts import chat_prompt, completion_prompts
 from loraserve.inference.responses import ChatFormat, Choices, CompletionFormat
 from loraserve.inference.sampling import chat_params, completion_params
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
+from loraserve.inference.structured import check_structured
 from loraserve.resolution import resolve_model
 from loraserve.services import Services
 from loraserve.tenancy import Principal, TooManyRequests
@@ -43,6 +45,7 @@ async def create_completion(
     check_serving(services)
     params = completion_params(body)
     prompts = completion_prompts(body.prompt, services.tokenizer, services.max_model_len)
+    await check_structured(services, params.structured_outputs)
     return await _generate(services, principal, body, prompts, params, CompletionFormat, "cmpl", request)
 
 
@@ -52,7 +55,24 @@ async def create_chat_completion(
     check_serving(services)
     params = chat_params(body)
     prompt = chat_prompt(body.messages, services.tokenizer, services.max_model_len)
+    await check_structured(services, params.structured_outputs)
     return await _generate(services, principal, body, [prompt], params, ChatFormat, "chatcmpl", request)
+
+
+async def create_invocation(
+    services: Services, principal: Principal, body: dict[str, Any], request: Request
+) -> Any:
+    """SageMaker's /invocations: the body's shape picks the endpoint, then it is validated as that one's."""
+    if ("messages" in body) == ("prompt" in body):
+        raise BadRequest("an invocation needs either messages (chat) or prompt (completion)")
+    kind = ChatCompletionRequest if "messages" in body else CompletionRequest
+    try:
+        parsed = msgspec.convert(body, kind)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid request body: {exc}") from None
+    if isinstance(parsed, ChatCompletionRequest):
+        return await create_chat_completion(services, principal, parsed, request)
+    return await create_completion(services, principal, parsed, request)
 
 
 def check_serving(services: Services) -> None:

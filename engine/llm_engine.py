@@ -27,8 +27,8 @@ from engine.request import NO_LORA, Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.structured_output.matchers import StructuredOutputs
 from engine.stats import EngineStats, distinct_adapters
+from engine.structured_output.matchers import StructuredOutputs
 from engine.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -67,8 +67,8 @@ class EngineConfig:
     # admitted) and generated tokens (charged as scheduled) weigh differently, as in VTC.
     fairness_prompt_token_weight: float = 1.0
     fairness_output_token_weight: float = 2.0
-    # Steps a tenant whose next request lacks room (KV blocks; the token budget without chunked prefill)
-    # may be passed over for other tenants' requests before admission waits for it (bounded starvation).
+    # Steps a request that lacks room (KV blocks; the token budget without chunked prefill) or an adapter
+    # slot (max_loras) may be passed over for others before admission waits for it (bounded starvation).
     fairness_max_bypass_steps: int = 4
 
     def __post_init__(self) -> None:

@@ -19,8 +19,9 @@ backlogged, over any interval
 
 with L_input the longest prompt and M the most tokens the running batch can hold (the KV cache). It
 assumes admission waits for the lowest tenant's request when that one lacks room; the scheduler passes
-over such a request for at most `fairness_max_bypass_steps` steps (work conservation), which can add
-that many steps of admissions to the gap. docs/OPERATIONS.md has the worked numbers.
+over such a request (or one kept out by `max_loras`) for at most `fairness_max_bypass_steps` steps
+(work conservation), which can add that many steps of admissions to the gap. docs/OPERATIONS.md has
+the worked numbers.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class VirtualTokenCounters:
             self._last_left = self._counters.get(tenant, 0.0)
 
     def charge(self, tenant: str, num_prompt_tokens: int = 0, num_output_tokens: int = 0) -> float:
-        """Add the weighted cost of this service to the tenant's counter; returns the cost (unweighted by tenant)."""
+        """Add this service's cost over the tenant's weight to its counter; returns the cost itself."""
         cost = self.prompt_token_weight * num_prompt_tokens + self.output_token_weight * num_output_tokens
         self._counters[tenant] = self._counters.get(tenant, 0.0) + cost / self.weight(tenant)
         return cost

@@ -62,10 +62,11 @@ class Scheduler:
     Waiting requests wait in one FIFO queue per tenant ("fair") or one queue for all ("fcfs").
     Admission takes the head of the queue whose tenant has the lowest counter (engine/fairness.py),
     again and again, while the token budget, `max_num_seqs`, free blocks and `max_loras` allow. A
-    request whose adapter is not ready, or would be one adapter too many, is skipped without holding
-    up the requests behind it. A head that lacks room (blocks, or the budget without chunked prefill)
-    stops admission under "fcfs"; under "fair" other tenants go first, but only for
-    `fairness_max_bypass_steps` steps, after which admission waits for it, so it cannot starve.
+    request whose adapter is still loading is skipped without holding up the requests behind it.
+    Under "fcfs" so is one that would be one adapter too many, and a head that lacks room (blocks, or
+    the budget without chunked prefill) stops admission. Under "fair" both are passed over, but only
+    for `fairness_max_bypass_steps` steps each, after which admission waits for them, so that neither
+    a stream of short prompts nor of other adapters can starve them.
     """
 
     def __init__(
@@ -95,7 +96,7 @@ class Scheduler:
         # requests at the front. A key with no request left is removed.
         self._queues: dict[str, deque[Request]] = {}
         self._num_waiting = 0
-        self._bypassed: dict[str, int] = {}  # queue key -> steps its head was passed over for lack of room
+        self._bypassed: dict[str, int] = {}  # request id -> steps admission went past it (fair only)
         self._requests: dict[str, Request] = {}  # request_id -> every unfinished request
         self.num_preemptions = 0  # cumulative, for metrics
         self.counters = VirtualTokenCounters(
@@ -256,8 +257,15 @@ class Scheduler:
                 break
             queue = self._queues[key]
             request = queue[cursors[key]]
-            if not self._adapter_admissible(request.adapter_id, adapters):
+            if self._one_adapter_too_many(request.adapter_id, adapters):
+                # Under fair, a request kept out by other adapters holds the line after a while, so that
+                # their requests drain and free a slot for its adapter.
+                if self.fair and not self._may_bypass(request):
+                    break
                 cursors[key] += 1
+                continue
+            if request.adapter_id is not None and not self.adapter_ready(request.adapter_id):
+                cursors[key] += 1  # still loading: it waits without holding up anything
                 continue
             hits, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0:
@@ -270,7 +278,7 @@ class Scheduler:
                 else:
                     fits = False  # it waits for a step with room
             if not fits or kv.allocate_slots(request, num_new_tokens, hits) is None:
-                if not self._may_bypass(key):
+                if not self.fair or not self._may_bypass(request):
                     break  # admission waits for this head, so it cannot starve
                 del cursors[key]  # the other queues go first this step
                 continue
@@ -279,7 +287,6 @@ class Scheduler:
                 cost = self.counters.charge(request.tenant, num_prompt_tokens=request.num_prompt_tokens)
                 self.ledger.admitted(request, cost)
             del queue[cursors[key]]
-            self._bypassed.pop(key, None)
             self._forget_waiting(key, request)
             if key not in self._queues:
                 del cursors[key]
@@ -291,14 +298,12 @@ class Scheduler:
             scheduled.append(self._scheduled(request, num_new_tokens, request.num_computed_tokens))
             budget -= num_new_tokens
 
-    def _may_bypass(self, key: str) -> bool:
-        """Whether other queues may pass this one's head, which lacks room; counts the steps it happened."""
-        if not self.fair:
-            return False
-        count = self._bypassed.get(key, 0)
+    def _may_bypass(self, request: Request) -> bool:
+        """Whether admission may go past `request`, which lacks room or an adapter slot; counts the steps."""
+        count = self._bypassed.get(request.request_id, 0)
         if count >= self.config.fairness_max_bypass_steps:
             return False
-        self._bypassed[key] = count + 1
+        self._bypassed[request.request_id] = count + 1
         return True
 
     def _queue_priority(self, key: str) -> tuple[float, float]:
@@ -324,21 +329,19 @@ class Scheduler:
     def _forget_waiting(self, key: str, request: Request) -> None:
         """`request` has left queue `key`: keep the counts right and drop an empty queue."""
         self._num_waiting -= 1
+        self._bypassed.pop(request.request_id, None)
         self.counters.remove_waiting(request.tenant)
         if not self._queues[key]:
             del self._queues[key]
-            self._bypassed.pop(key, None)
 
     def _iter_waiting(self):
         for queue in self._queues.values():
             yield from queue
 
-    def _adapter_admissible(self, adapter_id: str | None, adapters: set[str]) -> bool:
-        if adapter_id is None:
-            return True
-        if adapter_id not in adapters and len(adapters) >= self.config.max_loras:
-            return False
-        return self.adapter_ready(adapter_id)
+    def _one_adapter_too_many(self, adapter_id: str | None, adapters: set[str]) -> bool:
+        return (
+            adapter_id is not None and adapter_id not in adapters and len(adapters) >= self.config.max_loras
+        )
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

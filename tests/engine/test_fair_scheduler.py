@@ -268,6 +268,23 @@ def test_max_loras_skips_to_the_next_tenant_and_within_a_tenant_keeps_fifo():
     assert [r.request_id for r in scheduler.waiting] == [a2.request_id]
 
 
+# fair: a arrives at step 1, is passed over at steps 1-3, then b's running requests (3 steps each) drain.
+@pytest.mark.parametrize(("policy", "admitted_by"), [("fair", 1 + 3 + 3 + 1), ("fcfs", None)])
+def test_a_request_kept_out_by_other_adapters_is_not_starved(policy, admitted_by):
+    """max_loras=1 and b's requests for adapter y keep coming: fcfs never lets a's adapter x in; fair
+    passes a's request over for fairness_max_bypass_steps steps, then holds admission until y drains."""
+    scheduler = make_scheduler(max_loras=1, scheduling_policy=policy, fairness_max_bypass_steps=3)
+    arrivals = {step: [make_request("b", 4, 3, adapter_id="y") for _ in range(2)] for step in range(40)}
+    a = make_request("a", 4, 2, adapter_id="x")
+    arrivals[1].append(a)
+    trace = run(scheduler, arrivals, 40)
+    steps = [i for i, output in enumerate(trace.outputs) if a in output.newly_admitted]
+    if admitted_by is None:
+        assert steps == []
+    else:
+        assert steps and steps[0] <= admitted_by
+
+
 def test_a_head_lacking_blocks_is_passed_over_for_a_bounded_number_of_steps():
     # 16 blocks of 4 tokens. b's long request holds 11 blocks, then grows to 14; a's prompt needs 8.
     scheduler = make_scheduler(num_blocks=16, max_num_batched_tokens=64, fairness_max_bypass_steps=2)

@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.fairness import DEFAULT_TENANT
 from engine.kv_cache import KVCacheManager
+from engine.logits_processors import apply_logits_processors
 from engine.lora.manager import AdapterManager, AdapterSource, Observer
 from engine.lora.model_shape import ModelShape
 from engine.lora.peft_checkpoint import AdapterError, PeftAdapter
@@ -128,6 +129,7 @@ class LLMEngine:
             prompt_ids = self._tokenize(prompt_text) if prompt_ids is None else prompt_ids
             adapter_id = self._resolve_adapter(adapter)
             self._check_prompt(prompt_ids)
+            self._check_token_ids(params)
         except (AdapterError, RequestError) as exc:
             self._fail_unqueued(request_id, prompt_text, prompt_ids or [], adapter, str(exc))
             return
@@ -211,8 +213,10 @@ class LLMEngine:
         sampling = [s.request for s in scheduled.scheduled if s.samples]
         if not sampling:
             return outputs
-        # Grammar masks are filled on the host while the GPU still computes the logits.
-        logits = self.structured.apply(logits, self.structured.prepare(sampling))
+        # Grammar masks are filled on the host while the GPU still computes the logits; they go last, so no
+        # bias can bring back a token the grammar forbids.
+        prepared = self.structured.prepare(sampling)
+        logits = self.structured.apply(apply_logits_processors(logits, sampling), prepared)
         for request, token_id, logprobs in self._sample_isolated(logits, sampling):
             state = self._states[request.request_id]
             try:
@@ -296,6 +300,7 @@ class LLMEngine:
             num_lora_slots_in_use=self.lora.num_slots_in_use,
             num_adapters_loading=self.lora.num_loading,
             tenants=self.scheduler.tenant_stats(),
+            resident_adapters=self.lora.resident_ids(),
         )
 
     def _resolve_adapter(self, adapter: str | None) -> str | None:
@@ -383,6 +388,17 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids in logit_bias and allowed_token_ids must exist in this model's vocabulary."""
+        vocab = self.runner.model.weights.embed.shape[0]
+        for name, ids in (
+            ("logit_bias", params.logit_bias or {}),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """Each child of an n > 1 request samples independently (seed + index, as vLLM does); extra

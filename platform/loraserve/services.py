@@ -52,6 +52,9 @@ class EngineClient(Protocol):
     def forget_adapter(self, adapter_id: str) -> None:
         """An adapter version was deleted: no new requests; its slot frees when its last request ends."""
 
+    def stats(self) -> Any:
+        """The latest engine.EngineStats (`resident_adapters` tells resolution which need no store call)."""
+
 
 @dataclass
 class Services:
@@ -66,7 +69,7 @@ class Services:
     metrics: Any = None  # loraserve.ops metrics registry; None in tests that do not need it
     # Per-tenant tokens per minute (keys' max_tokens_per_minute); one per replica, like `limiter`.
     token_limiter: TokenRateLimiter = field(default_factory=TokenRateLimiter)
-    # Short-lived adapter-name lookups for model resolution; uploads and deletes invalidate it.
+    # Adapter-name lookups for model resolution, cached (see adapter_lookup.py); adapter events invalidate.
     adapter_lookup: AdapterLookup = field(default_factory=AdapterLookup)
     tokenizer: Any = None  # the base model's Hugging Face tokenizer (prompts, chat templates, logprob tokens)
     max_model_len: int | None = None  # prompt plus output tokens per sequence; None: not checked here

@@ -48,7 +48,7 @@ def test_a_tenant_over_its_tokens_per_minute_gets_429_with_retry_after(tmp_path,
         too_large = await client.post("/v1/completions", json=completion(max_tokens=40), headers=ALICE)
         other = await client.post("/v1/completions", json=completion(), headers=BOB)
         await settled(services)
-        metrics = await client.get("/metrics")
+        metrics = await client.get("http://testserver:8001/metrics")  # the metrics listener, not tenants
         return served, refused, too_large, other, metrics, services
 
     served, refused, too_large, other, metrics, services = run(tmp_path, model_dir, scenario, api_keys=KEYS)

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import zip_longest
 
 from engine.config import EngineConfig
 from engine.fairness import VirtualTokenCounters
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.stats import TenantStats
+from engine.tenant_queues import TenantQueues
 from engine.tenant_usage import TenantLedger
 
 
@@ -90,19 +89,16 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.adapter_ready = adapter_ready
         self.fair = config.scheduling_policy == "fair"
-        # Read-only for callers. running: admission order, oldest first.
-        self.running: list[Request] = []
-        # Waiting requests: one FIFO per queue key (the tenant, or "" for all under fcfs), preempted
-        # requests at the front. A key with no request left is removed.
-        self._queues: dict[str, deque[Request]] = {}
-        self._num_waiting = 0
-        self._bypassed: dict[str, int] = {}  # request id -> steps admission went past it (fair only)
-        self._requests: dict[str, Request] = {}  # request_id -> every unfinished request
-        self.num_preemptions = 0  # cumulative, for metrics
         self.counters = VirtualTokenCounters(
             config.fairness_prompt_token_weight, config.fairness_output_token_weight
         )
         self.ledger = TenantLedger()
+        # Read-only for callers. running: admission order, oldest first.
+        self.running: list[Request] = []
+        self._queues = TenantQueues(self.fair, self.counters)  # the waiting requests
+        self._bypassed: dict[str, int] = {}  # request id -> steps admission went past it (fair only)
+        self._requests: dict[str, Request] = {}  # request_id -> every unfinished request
+        self.num_preemptions = 0  # cumulative, for metrics
 
     @property
     def num_running(self) -> int:
@@ -110,21 +106,18 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return len(self._queues)
 
     @property
     def waiting(self) -> list[Request]:
-        """Waiting requests in about the order admission would take them: queues by counter, round-robin."""
-        keys = sorted(self._queues, key=self._queue_priority)
-        return [r for row in zip_longest(*(self._queues[k] for k in keys)) for r in row if r is not None]
+        """Waiting requests (a new list) in about the order admission would take them."""
+        return self._queues.in_admission_order()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self._num_waiting)
+        return bool(self.running or len(self._queues))
 
     def tenant_stats(self) -> tuple[TenantStats, ...]:
-        return self.ledger.stats(
-            self.counters.counters(), self.counters.weight, self.running, self._iter_waiting()
-        )
+        return self.ledger.stats(self.counters.counters(), self.counters.weight, self.running, self._queues)
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError, naming the limit, if it could never run to completion."""
@@ -150,7 +143,7 @@ class Scheduler:
             )
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
-        self._enqueue(request, front=False)
+        self._queues.push(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Remove a request at once, freeing its blocks; None for an unknown (or finished) id."""
@@ -162,7 +155,8 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         else:
-            self._dequeue(request)
+            self._queues.remove(request)
+            self._bypassed.pop(request_id, None)
         request.status = status
         self.kv_cache_manager.free(request)
         return request
@@ -246,17 +240,15 @@ class Scheduler:
         """Admit heads of the lowest-counter queues; skipped requests keep their place."""
         kv = self.kv_cache_manager
         adapters = {r.adapter_id for r in self.running if r.adapter_id is not None}
-        cursors = {key: 0 for key in self._queues}  # per queue: its next candidate; earlier ones are skipped
+        queues = self._queues
+        cursors = dict.fromkeys(queues.keys(), 0)  # per queue: its next candidate; earlier ones are skipped
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             key = min(
-                (k for k, i in cursors.items() if i < len(self._queues[k])),
-                key=self._queue_priority,
-                default=None,
+                (k for k, i in cursors.items() if i < len(queues.queue(k))), key=queues.priority, default=None
             )
             if key is None:
                 break
-            queue = self._queues[key]
-            request = queue[cursors[key]]
+            request = queues.queue(key)[cursors[key]]
             if self._one_adapter_too_many(request.adapter_id, adapters):
                 # Under fair, a request kept out by other adapters holds the line after a while, so that
                 # their requests drain and free a slot for its adapter.
@@ -286,9 +278,9 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
                 cost = self.counters.charge(request.tenant, num_prompt_tokens=request.num_prompt_tokens)
                 self.ledger.admitted(request, cost)
-            del queue[cursors[key]]
-            self._forget_waiting(key, request)
-            if key not in self._queues:
+            queues.pop(key, cursors[key])
+            self._bypassed.pop(request.request_id, None)
+            if not queues.has(key):
                 del cursors[key]
             request.num_computed_tokens += num_hit_tokens
             self.running.append(request)
@@ -306,38 +298,6 @@ class Scheduler:
         self._bypassed[request.request_id] = count + 1
         return True
 
-    def _queue_priority(self, key: str) -> tuple[float, float]:
-        """Lowest counter first; between equal counters the older head (fcfs has one queue)."""
-        queue = self._queues[key]
-        return (self.counters.counter(queue[0].tenant) if self.fair else 0.0, queue[0].arrival_time)
-
-    def _enqueue(self, request: Request, front: bool) -> None:
-        key = request.tenant if self.fair else ""
-        queue = self._queues.setdefault(key, deque())
-        if front:
-            queue.appendleft(request)
-        else:
-            queue.append(request)
-        self._num_waiting += 1
-        self.counters.add_waiting(request.tenant, request.tenant_weight)
-
-    def _dequeue(self, request: Request) -> None:
-        key = request.tenant if self.fair else ""
-        self._queues[key].remove(request)
-        self._forget_waiting(key, request)
-
-    def _forget_waiting(self, key: str, request: Request) -> None:
-        """`request` has left queue `key`: keep the counts right and drop an empty queue."""
-        self._num_waiting -= 1
-        self._bypassed.pop(request.request_id, None)
-        self.counters.remove_waiting(request.tenant)
-        if not self._queues[key]:
-            del self._queues[key]
-
-    def _iter_waiting(self):
-        for queue in self._queues.values():
-            yield from queue
-
     def _one_adapter_too_many(self, adapter_id: str | None, adapters: set[str]) -> bool:
         return (
             adapter_id is not None and adapter_id not in adapters and len(adapters) >= self.config.max_loras
@@ -349,7 +309,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._enqueue(request, front=True)
+        self._queues.push(request, front=True)
 
     def _scheduled(self, request: Request, num_new_tokens: int, start: int) -> ScheduledRequest:
         return ScheduledRequest(

@@ -118,7 +118,7 @@ class Clock:
         return self.now
 
 
-def test_token_window_slides_settles_to_use_and_computes_retry_after():
+def test_token_window_slides_settles_to_the_use_and_computes_retry_after():
     clock = Clock()
     limiter = TokenRateLimiter(clock)
     alice = Principal(tenant="alice", role="user", max_tokens_per_minute=100)
@@ -136,6 +136,13 @@ def test_token_window_slides_settles_to_use_and_computes_retry_after():
     assert limiter.used("alice") == 70
     with pytest.raises(TooManyRequests, match="more than the tenant's limit"):
         limiter.try_reserve(alice, 101)
+    clock.now += 61  # everything has aged out
+    # No max_tokens: the prompt alone is charged at admission, what it generated when it ends.
+    open_ended = limiter.try_reserve(alice, 5)
+    open_ended.settle(5 + 95)
+    assert limiter.used("alice") == 100
+    with pytest.raises(TooManyRequests):
+        limiter.try_reserve(alice, 1)
     unlimited = Principal(tenant="bob", role="user")
     for _ in range(10):
         limiter.try_reserve(unlimited, 10_000)

@@ -124,7 +124,7 @@ async def _generate(
         _count_refusal(services, principal, "concurrency")
         raise
     try:
-        tokens = services.token_limiter.try_reserve(principal, _tokens_at_most(services, prompts, params))
+        tokens = services.token_limiter.try_reserve(principal, _tokens_at_most(prompts, params))
     except BaseException as exc:
         lease.release()
         if isinstance(exc, TooManyRequests):
@@ -167,16 +167,10 @@ def _count_refusal(services: Services, principal: Principal, limit: str) -> None
         services.metrics.tenant_rate_limited(principal.tenant, limit)
 
 
-def _tokens_at_most(services: Services, prompts: list[list[int]], params: SamplingParams) -> int:
-    """What a request may use, for the token-rate limit: each prompt plus n x max_tokens (unset: the rest of
-    the context, or the prompt's size again when the server has no max_model_len)."""
-    total = 0
-    for prompt in prompts:
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = services.max_model_len - len(prompt) if services.max_model_len else len(prompt)
-        total += len(prompt) + params.n * max(0, max_tokens)
-    return total
+def _tokens_at_most(prompts: list[list[int]], params: SamplingParams) -> int:
+    """A request's charge at admission for the token-rate limit: each prompt plus n x max_tokens (max_tokens
+    unset: the prompts alone; the generated tokens are added when it ends, see TokenRateLimiter)."""
+    return sum(len(prompt) + params.n * (params.max_tokens or 0) for prompt in prompts)
 
 
 async def _collect(generation: Generation, choices: Choices) -> None:

@@ -1,10 +1,11 @@
 """Per-tenant token-rate limit: tokens per minute over a sliding 60-second window (429 beyond it).
 
 What counts: a request is charged when admitted with what it may use, its prompt tokens plus
-`n x max_tokens` per prompt (max_tokens unset: what is left of the context). When it ends its charge
-is corrected to what it used, prompt plus generated tokens, so the window ends up holding real use
-and a client that asks for a large max_tokens is refused only while its requests run. This is how
-OpenAI counts too (an estimate from max_tokens at admission).
+`n x max_tokens` per prompt (max_tokens unset: the prompt alone, since charging the whole context would
+refuse every such request under a small limit). When it ends its charge becomes what it used, prompt
+plus generated tokens, so the window ends up holding real use and a client that asks for a large
+max_tokens is held back only while its requests run. OpenAI counts the same way (an estimate from
+max_tokens at admission).
 
 The window is shared by a tenant's keys; the limit compared against it is the calling key's
 `max_tokens_per_minute` (None: unlimited), as with the concurrency limit. Retry-After is exact for the
@@ -35,14 +36,17 @@ class _Charge:
 
 
 class TokenReservation:
-    """One admitted request's charge; `settle(used)` corrects it once, later calls do nothing."""
+    """One admitted request's charge; `settle(used)` replaces it with the use, once (later calls do nothing).
+
+    The charge keeps its time: a request's tokens leave the window a minute after it was admitted.
+    """
 
     def __init__(self, charge: _Charge | None) -> None:
         self._charge = charge
 
     def settle(self, used_tokens: int) -> None:
         if self._charge is not None:
-            self._charge.tokens = min(self._charge.tokens, max(0, used_tokens))
+            self._charge.tokens = max(0, used_tokens)
             self._charge = None
 
 

@@ -5,6 +5,7 @@ request is first admitted, one output token per sampling step), independently of
 """
 
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.tenant_usage import SHARE_WINDOW_S, TenantLedger
 
 BLOCK_SIZE = 4
 PROMPT_WEIGHT, OUTPUT_WEIGHT = 1.0, 2.0
@@ -421,3 +423,19 @@ def test_random_multi_tenant_workloads_keep_the_kv_cache_consistent_and_finish(s
     assert not scheduler.has_unfinished_requests()
     assert all(r.num_output_tokens == r.sampling_params.max_tokens for r in requests)
     assert kv.usage == 0.0 and scheduler.num_preemptions > 0
+
+
+def test_share_is_each_tenants_part_of_about_the_last_minutes_service():
+    now = [100.0]
+    ledger = TenantLedger(lambda: now[0])
+    ledger.generated("a", 1, 300.0)
+    ledger.generated("b", 1, 100.0)
+
+    def shares():
+        return {t.tenant: t.share for t in ledger.stats({}, lambda tenant: 1.0, [], [])}
+
+    assert shares() == {"a": 0.75, "b": 0.25}
+    now[0] += SHARE_WINDOW_S  # older service fades by e per window
+    ledger.generated("b", 1, 100.0)
+    a, b = 300.0 / math.e, 100.0 / math.e + 100.0
+    assert shares() == pytest.approx({"a": a / (a + b), "b": b / (a + b)})

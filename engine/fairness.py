@@ -26,8 +26,6 @@ the worked numbers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 # The key of requests that name no tenant: they share one counter.
 DEFAULT_TENANT = "default"
 
@@ -59,12 +57,6 @@ class VirtualTokenCounters:
     def counters(self) -> dict[str, float]:
         return dict(self._counters)
 
-    def is_backlogged(self, tenant: str) -> bool:
-        return tenant in self._num_waiting
-
-    def backlogged(self) -> list[str]:
-        return list(self._num_waiting)
-
     def add_waiting(self, tenant: str, weight: float) -> None:
         """A request of `tenant` (whose key carries `weight`) joins the waiting queue."""
         self._weights[tenant] = weight  # the latest request's key decides (keys of a tenant should agree)
@@ -89,12 +81,3 @@ class VirtualTokenCounters:
         cost = self.prompt_token_weight * num_prompt_tokens + self.output_token_weight * num_output_tokens
         self._counters[tenant] = self._counters.get(tenant, 0.0) + cost / self.weight(tenant)
         return cost
-
-    def lowest(self, tenants: Iterable[str]) -> str | None:
-        """The tenant with the lowest counter (ties: the first given)."""
-        best, best_counter = None, 0.0
-        for tenant in tenants:
-            counter = self._counters.get(tenant, 0.0)
-            if best is None or counter < best_counter:
-                best, best_counter = tenant, counter
-        return best

@@ -56,6 +56,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         dtype=settings.dtype,
         device=settings.device,
         cpu_kv_cache_bytes=settings.cpu_kv_cache_bytes,
+        scheduling_policy=settings.scheduling_policy,
     )
 
 

@@ -28,6 +28,7 @@ from loraserve.settings import (
     DEFAULT_STATE_DIR,
     KV_CACHE_DTYPES,
     METRICS_OFF,
+    SCHEDULING_POLICIES,
     ServerSettings,
     parse_lora_module,
 )
@@ -62,6 +63,7 @@ _SERVE_FIELDS = (
     "api_keys",
     "shutdown_timeout",
     "max_concurrent_requests_per_tenant",
+    "scheduling_policy",
     "state_dir",
     "metrics_port",
     "metrics_host",
@@ -148,12 +150,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="file:///dir, file://./dir or s3://bucket/prefix",
     )
     add("--config-store", help="redis://host:6379/0 (default: embedded, under STATE_DIR/config)")
-    add("--api-keys", help="JSON or YAML file: key -> {tenant, role: admin|user, max_concurrent_requests}")
+    add(
+        "--api-keys",
+        help="JSON or YAML file: key -> {tenant, role: admin|user, max_concurrent_requests, weight, "
+        "max_tokens_per_minute}",
+    )
     add("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     add(
         "--max-concurrent-requests-per-tenant",
         type=int,
         help="default per-tenant cap (keys may set their own)",
+    )
+    add(
+        "--scheduling-policy",
+        default="fair",
+        choices=SCHEDULING_POLICIES,
+        help="fair: tenants share the GPU by weight (virtual token counters); fcfs: first come first served",
     )
     add(
         "--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="demo model, embedded config, adapter cache"

@@ -21,6 +21,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 = fp
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch elsewhere
 ADAPTER_LOADERS = ("auto", "thread", "process")  # auto: loader processes on CUDA, threads elsewhere
 METRICS_OFF = 0  # --metrics-port off
+SCHEDULING_POLICIES = ("fair", "fcfs")  # fair: virtual token counters by tenant; fcfs: arrival order
 _MODULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -58,6 +59,7 @@ class ServerSettings:
     api_keys: str | None = None  # JSON or YAML file of key -> {tenant, role}
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     max_concurrent_requests_per_tenant: int | None = None  # None: no default cap (keys may set their own)
+    scheduling_policy: str = "fair"  # SCHEDULING_POLICIES
     # CPU only: KV cache bytes when the device is the CPU (tests pass small values).
     cpu_kv_cache_bytes: int = 1 << 30
     num_kv_blocks: int | None = None  # explicit KV cache size in blocks (tests)
@@ -104,6 +106,11 @@ class ServerSettings:
         if self.adapter_loader not in ADAPTER_LOADERS:
             raise ValueError(
                 f"--adapter-loader {self.adapter_loader!r} is not supported; use one of {', '.join(ADAPTER_LOADERS)}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"--scheduling-policy {self.scheduling_policy!r} is not supported; use one of "
+                f"{', '.join(SCHEDULING_POLICIES)} (fair: share the GPU between tenants by weight)"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

@@ -11,7 +11,7 @@ from factories import make_adapter
 from loraserve.bootstrap import engine_config, open_services, preload_lora_modules, sweep_quietly
 from loraserve.cli import build_parser, settings_from_args
 from loraserve.name_conflicts import NameConflict
-from loraserve.settings import ADAPTER_LOADERS, ATTENTION_BACKENDS, KV_CACHE_DTYPES
+from loraserve.settings import ADAPTER_LOADERS, ATTENTION_BACKENDS, KV_CACHE_DTYPES, SCHEDULING_POLICIES
 
 from adapters_store import StoreConfig, StoreUnavailable, open_store
 from engine import ModelShape
@@ -126,6 +126,7 @@ def test_server_choices_are_the_engines():
     assert KV_CACHE_DTYPES == engine_config_module.KV_CACHE_DTYPES
     assert ATTENTION_BACKENDS == engine_config_module.ATTENTION_BACKENDS
     assert ADAPTER_LOADERS == engine_config_module.ADAPTER_LOADERS
+    assert SCHEDULING_POLICIES == engine_config_module.SCHEDULING_POLICIES
 
 
 def test_admin_client_commands_are_registered():

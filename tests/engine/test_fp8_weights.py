@@ -306,3 +306,17 @@ def test_float8_tensors_without_a_quantization_config_are_refused(models, tmp_pa
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="stores 'model.layers.0.self_attn.q_proj.weight' as float8"):
         make_llm(path)
+
+
+def test_qwen2_biases_stay_in_the_model_dtype(tmp_path, prompts):
+    plain = make_model(tmp_path / "qwen2", arch="qwen2", seed=6)
+    checkpoint = write_compressed_tensors(plain, tmp_path / "ct", "channel", torch.float32)
+    fp8 = make_llm(plain, quantization="fp8")
+    assert fp8.engine.runner.model.weights.layers[0].qkv_bias.dtype == torch.float32
+    reference = make_llm(write_dequantized(checkpoint, tmp_path / "deq"))
+    assert_same_outputs(generate(fp8, prompts[:3]), generate(reference, prompts[:3]))
+
+
+def test_scaled_mm_gemm_needs_cuda(models):
+    with pytest.raises(ValueError, match="fp8_gemm 'scaled_mm' cannot run .*needs a CUDA device"):
+        make_llm(models["plain"], quantization="fp8", fp8_gemm="scaled_mm")

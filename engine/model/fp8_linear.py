@@ -14,7 +14,8 @@ GEMMs (`Fp8Linear.gemm`):
 - "dequant": `F.linear(x, dequantize(w))` in the compute dtype; the reference, and what the CPU runs.
 - "scaled_mm": FP8 tensor cores through `torch._scaled_mm` (compute capability 8.9+; block groups 9.0).
   Activations are quantized per token on the fly (per token and 128 columns for block groups):
-  x_scale = amax / 448, so both operands are e4m3 and the output comes back in bfloat16.
+  x_scale = amax / 448 (one Triton kernel, fp8_quant_kernel.py), so both operands are e4m3 and the
+  output comes back in bfloat16.
 Neither reads a tensor back to the host, so decode steps that use them are captured in CUDA graphs.
 """
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine.model.fp8_quant_kernel import quantize_activations_triton
 from engine.model.kv_quant import FP8_DTYPE, FP8_MAX
 
 FP8_GEMMS = ("auto", "scaled_mm", "dequant")
@@ -127,10 +129,13 @@ def linear(
 
 
 def _scaled_mm_linear(x: torch.Tensor, w: Fp8Linear, bias: torch.Tensor | None) -> torch.Tensor:
-    x_fp8, x_scale = quantize_activations(x, w.group_size)
-    if not w.per_channel:
-        # 1x128 blocks: _scaled_mm wants the activation scales outer-dim-major ([tokens, groups], stride (1, tokens)).
-        x_scale = x_scale.t().contiguous().t()
+    if x.is_cuda:  # one Triton kernel; scales already in the layout _scaled_mm reads
+        x_fp8, x_scale = quantize_activations_triton(x, w.group_size)
+    else:
+        x_fp8, x_scale = quantize_activations(x, w.group_size)
+        if not w.per_channel:
+            # 1x128 blocks: _scaled_mm wants the activation scales outer-dim-major (stride (1, tokens)).
+            x_scale = x_scale.t().contiguous().t()
     out = torch._scaled_mm(
         x_fp8, w.weight.t(), scale_a=x_scale, scale_b=w.gemm_scale, out_dtype=torch.bfloat16
     )

@@ -19,7 +19,8 @@ from transformers import LlamaConfig
 
 from engine import LLM, SamplingParams
 from engine.model.attention import AttentionMetadata
-from engine.model.fp8_linear import BLOCK, Fp8Linear, linear, quantize_weight
+from engine.model.fp8_linear import BLOCK, Fp8Linear, linear, quantize_activations, quantize_weight
+from engine.model.fp8_quant_kernel import quantize_activations_triton
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_config, load_weights
 
@@ -90,6 +91,17 @@ def test_per_channel_scaled_mm_matches_float64(model, tokens):
 def test_block_scaled_mm_matches_float64(tokens):
     for out_features, in_features in PROJECTIONS["8B"]:
         check_gemm(out_features, in_features, tokens, BLOCK)
+
+
+@pytest.mark.parametrize("in_features, group_size", [(2048, 2048), (14336, 14336), (4096, BLOCK), (300, 300)])
+@pytest.mark.parametrize("tokens", [1, 77, 2048])
+def test_triton_activation_quantization_equals_torch(tokens, in_features, group_size):
+    x = (torch.randn(tokens, in_features, device="cuda") * 3).to(torch.bfloat16)
+    x[0] = 0
+    q, scale = quantize_activations_triton(x, group_size)
+    q_ref, scale_ref = quantize_activations(x, group_size)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
 def test_fp8_linear_replays_in_a_cuda_graph():

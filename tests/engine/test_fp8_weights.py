@@ -126,6 +126,33 @@ def test_dequantized_linear_equals_float64_of_the_same_fp8_values(group_size):
     assert dequantize(fp8, torch.bfloat16).dtype == torch.bfloat16
 
 
+def cpu_has_rowwise_scaled_mm() -> bool:
+    try:
+        one = torch.ones(16, 16).to(E4M3)
+        torch._scaled_mm(one, one.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except (RuntimeError, ValueError, NotImplementedError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(
+    not cpu_has_rowwise_scaled_mm(), reason="this torch has no CPU _scaled_mm with row-wise scales"
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scaled_mm_call_matches_float64_on_the_cpu(dtype):
+    """The GPU path's call (operand layout, scale shapes and meaning, bias, output dtype), run by torch's
+    CPU _scaled_mm: activations quantized per token, times the FP8 weight, within bf16 output rounding."""
+    torch.manual_seed(2)
+    w, x, bias = torch.randn(256, 512) * 0.02, torch.randn(7, 512).to(dtype), torch.randn(256).to(dtype)
+    q, scale = quantize_weight(w)
+    out = linear(x, Fp8Linear(q, scale, 512, gemm="scaled_mm"), bias)
+    assert out.dtype == dtype and out.shape == (7, 256)
+    xq, x_scale = quantize_activations(x, 512)
+    ref = (xq.double() * x_scale.double()) @ (q.double() * scale.double()).T + bias.double()
+    err = (out.double() - ref).abs()
+    assert (err <= ref.abs() * 2**-7 + 1e-3 * ref.abs().max()).all()
+
+
 @pytest.mark.interpreted
 @pytest.mark.parametrize(
     "tokens, in_features, group_size", [(1, 64, 64), (5, 300, 300), (4, 300, 128), (3, 512, 128)]

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from engine.lora.model_shape import TARGET_MODULES
 from engine.model.fp8_checkpoint import DROPPED_NAMES, SCALE_NAMES, build_fp8_linear, fp8_scheme
 from engine.model.fp8_linear import Fp8Linear
 from engine.model.kv_quant import FP8_DTYPE, default_scale
@@ -23,10 +24,10 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*
 _K_SCALE_NAMES = ("k_scale", "attn.k_scale", "k_proj.k_scale", "k_proj.output_scale", "kv_scale")
 _V_SCALE_NAMES = ("v_scale", "attn.v_scale", "v_proj.v_scale", "v_proj.output_scale", "kv_scale")
 _SCALE_SUFFIXES = tuple(f".self_attn.{n}" for n in {*_K_SCALE_NAMES, *_V_SCALE_NAMES})
-# The projections FP8 applies to, and the float32 tensors a quantized checkpoint keeps beside their weights.
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_PROJECTION_WEIGHTS = tuple(f"{m}.weight" for m in _PROJECTIONS)
-_WEIGHT_SCALE_SUFFIXES = tuple(f"{m}.{n}" for m in _PROJECTIONS for n in (*SCALE_NAMES, *DROPPED_NAMES))
+# The projections FP8 applies to (LoRA's seven), and the float32 tensors a quantized checkpoint keeps
+# beside their weights.
+_PROJECTION_WEIGHTS = tuple(f"{m}.weight" for m in TARGET_MODULES)
+_WEIGHT_SCALE_SUFFIXES = tuple(f"{m}.{n}" for m in TARGET_MODULES for n in (*SCALE_NAMES, *DROPPED_NAMES))
 
 
 def resolve_model_path(model: str) -> Path:

@@ -27,6 +27,9 @@ class EngineStats:
     max_loras: int  # ... max_lora
     num_lora_slots_in_use: int  # GPU slots pinned by running requests
     num_adapters_loading: int  # background loads (store, disk) in flight
+    # In a GPU slot or the CPU tier: a request for one of these needs no store call (the server's adapter
+    # lookups serve them from their cache while the store is down).
+    resident_adapters: frozenset[str] = frozenset()
 
 
 def distinct_adapters(requests: Iterable[Request]) -> tuple[str, ...]:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model.fp8_checkpoint import QUANTIZATIONS
+from engine.model.fp8_linear import FP8_GEMMS
 from engine.model.kv_quant import FP8_DTYPE
 
 _DTYPES = {
@@ -70,6 +72,12 @@ class EngineConfig:
     # Steps a request that lacks room (KV blocks; the token budget without chunked prefill) or an adapter
     # slot (max_loras) may be passed over for others before admission waits for it (bounded starvation).
     fairness_max_bypass_steps: int = 4
+    # "fp8": the seven linear projections as float8 e4m3 with per-output-channel scales, quantized at load
+    # (engine/model/fp8_linear.py). None: as the checkpoint is; an FP8 checkpoint is served as FP8 anyway.
+    quantization: str | None = None
+    # How FP8 projections multiply (FP8_GEMMS): "auto" picks torch._scaled_mm where the GPU can, else
+    # "dequant" (the weight dequantized to the model dtype for each GEMM; the CPU and the reference).
+    fp8_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -122,6 +130,13 @@ class EngineConfig:
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype!r}); "
                 "'fp8' stores K/V as float8 e4m3 with a per-tensor scale"
             )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be None or 'fp8' (got {self.quantization!r}); 'fp8' stores the linear "
+                "projections as float8 e4m3 with per-channel scales"
+            )
+        if self.fp8_gemm not in FP8_GEMMS:
+            raise ValueError(f"fp8_gemm must be one of {', '.join(FP8_GEMMS)} (got {self.fp8_gemm!r})")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool (got {self.enforce_eager!r})")
         if self.device != "auto":

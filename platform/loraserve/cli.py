@@ -28,6 +28,7 @@ from loraserve.settings import (
     DEFAULT_STATE_DIR,
     KV_CACHE_DTYPES,
     METRICS_OFF,
+    QUANTIZATIONS,
     SCHEDULING_POLICIES,
     ServerSettings,
     parse_lora_module,
@@ -50,6 +51,7 @@ _SERVE_FIELDS = (
     "block_size",
     "gpu_memory_utilization",
     "kv_cache_dtype",
+    "quantization",
     "enable_prefix_caching",
     "enforce_eager",
     "attention_backend",
@@ -104,6 +106,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         help="auto: the model dtype; fp8 (= fp8_e4m3): float8 e4m3 K/V with per-layer scales from the "
         "checkpoint (else 1.0), twice the tokens of a bf16 cache",
+    )
+    add(
+        "--quantization",
+        choices=[q for q in QUANTIZATIONS if q],
+        help="fp8: the linear projections as float8 e4m3 with per-channel scales, quantized at load "
+        "(FP8 checkpoints are detected from config.json and served as FP8 without it)",
     )
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     add(

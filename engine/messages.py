@@ -34,6 +34,8 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     # again by its __post_init__ when decoded, so no field list is kept twice.
     params: SamplingParams
     adapter: str | None = None  # an adapter id or name the core's adapter source resolves; None: base model
+    tenant: str | None = None  # the fair scheduler's key (None: the shared default); LLMEngine.add_request
+    tenant_weight: float = 1.0
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):

@@ -94,7 +94,12 @@ class EngineCoreLoop:
     def _add(self, message: AddRequest) -> None:
         try:
             self.engine.add_request(
-                message.request_id, message.prompt_token_ids, message.params, message.adapter
+                message.request_id,
+                message.prompt_token_ids,
+                message.params,
+                message.adapter,
+                tenant=message.tenant,
+                tenant_weight=message.tenant_weight,
             )
         except ValueError as exc:  # this request's data (params, a duplicate id): fail it, keep serving
             self._refuse(message.request_id, str(exc))

@@ -116,9 +116,13 @@ class AsyncLLM:
         params: SamplingParams | None,
         request_id: str,
         adapter: str | None = None,
+        *,
+        tenant: str | None = None,
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield deltas: each output's completions hold only the text, tokens and logprobs that are new
-        since the previous yield. The last one has `finished` set; a failed request's has `error`."""
+        since the previous yield. The last one has `finished` set; a failed request's has `error`.
+        `tenant` and `tenant_weight`: see LLMEngine.add_request (the core's scheduler uses them)."""
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         if request_id in self._streams:
@@ -138,7 +142,7 @@ class AsyncLLM:
         for child_id in request.child_ids:
             self._children[child_id] = stream
         try:
-            self._client.send(*request.add_requests())
+            self._client.send(*request.add_requests(tenant, tenant_weight))
             while not request.finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):

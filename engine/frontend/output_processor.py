@@ -112,9 +112,16 @@ class RequestProcessor:
                 detokenizer = IncrementalDetokenizer(tokenizer, request)
             self._children[child_id] = _Child(index, detokenizer, params.logprobs is not None)
 
-    def add_requests(self) -> list[AddRequest]:
+    def add_requests(self, tenant: str | None = None, tenant_weight: float = 1.0) -> list[AddRequest]:
         return [
-            AddRequest(child_id, self.prompt_token_ids, dataclasses.replace(params, stop=[]), self.adapter)
+            AddRequest(
+                child_id,
+                self.prompt_token_ids,
+                dataclasses.replace(params, stop=[]),
+                self.adapter,
+                tenant=tenant,
+                tenant_weight=tenant_weight,
+            )
             for child_id, params in zip(self.child_ids, self._child_params)
         ]
 

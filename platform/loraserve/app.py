@@ -14,6 +14,7 @@ from litestar import Litestar
 from litestar.datastructures import State
 
 from loraserve.adapters import adapters_controller
+from loraserve.adapters.runtime_loading import RuntimeLoRAController
 from loraserve.bootstrap import open_services, store_config
 from loraserve.dependencies import DEPENDENCIES, METRICS_ACCESS_KEY, READINESS_KEY, SERVICES_KEY
 from loraserve.errors import EXCEPTION_HANDLERS
@@ -26,6 +27,7 @@ from loraserve.routes import RoutesController
 from loraserve.services import Services
 from loraserve.settings import ServerSettings
 from loraserve.tokenization import TokenizationController
+from loraserve.usage import UsageController
 
 SHUTDOWN_KEY = "shutdown"
 # Chat histories can be long; uploads have their own, larger limit (adapters_controller).
@@ -52,7 +54,9 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
             invocations,
             TokenizationController,
             adapters_controller(config),
+            RuntimeLoRAController,
             RoutesController,
+            UsageController,
             OpsController,
         ],
         dependencies=DEPENDENCIES,

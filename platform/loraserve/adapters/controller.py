@@ -1,4 +1,4 @@
-"""HTTP endpoints of the adapter store: upload, list, get, delete (DESIGN.md's adapter API)."""
+"""HTTP endpoints of the adapter store: upload, list, get, delete (docs/API_ADMIN.md)."""
 
 from __future__ import annotations
 

@@ -24,6 +24,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # the engine thread for the GIL), "thread" (the manager's worker threads), or "auto" (processes on
 # CUDA, threads on the CPU). engine/lora/background_loads.py.
 ADAPTER_LOADERS = ("auto", "thread", "process")
+# vLLM's --generation-config: "auto" takes unset sampling fields from the model's generation_config.json,
+# "vllm" ignores the file (engine/generation_config.py).
+GENERATION_CONFIGS = ("auto", "vllm")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # CPU only: bytes of KV cache when num_kv_blocks is not given (vLLM's VLLM_CPU_KVCACHE_SPACE).
     cpu_kv_cache_bytes: int = 1 << 30
+    # Where unset sampling fields come from (see GENERATION_CONFIGS); read by LLM and the server.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -94,6 +99,10 @@ class EngineConfig:
         if self.adapter_loader not in ADAPTER_LOADERS:
             raise ValueError(
                 f"adapter_loader must be one of {', '.join(ADAPTER_LOADERS)} (got {self.adapter_loader!r})"
+            )
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(
+                f"generation_config must be one of {', '.join(GENERATION_CONFIGS)} (got {self.generation_config!r})"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

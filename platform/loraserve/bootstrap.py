@@ -16,6 +16,7 @@ from pathlib import Path
 from adapters_store import AdapterNotFound, AdapterStore, DiskCache, StoreConfig, open_store
 from adapters_store.engine_source import StoreAdapterSource
 from engine import AsyncLLM, EngineConfig, LLMEngine, ModelShape
+from engine.generation_config import load_generation_defaults
 from engine.model.loader import load_config, resolve_model_path
 from loraserve.config_store import CachedConfigStore, open_config_store, redact_url
 from loraserve.ops.metrics import Metrics
@@ -53,6 +54,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         dtype=settings.dtype,
         device=settings.device,
         cpu_kv_cache_bytes=settings.cpu_kv_cache_bytes,
+        generation_config=settings.generation_config,
     )
 
 
@@ -67,7 +69,9 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
     """Everything `Services` holds, built from `settings`; closed in reverse order on exit."""
     model = settings.model or str(await asyncio.to_thread(_demo_model, settings))
     model_id = base_model_id(settings, model)
-    shape = ModelShape.from_hf_config(load_config(resolve_model_path(model)))
+    model_path = resolve_model_path(model)
+    shape = ModelShape.from_hf_config(load_config(model_path))
+    sampling_defaults = load_generation_defaults(model_path, settings.generation_config)
     config = store_config(settings)
     store = open_store(config, shape)
     await asyncio.to_thread(store.check)
@@ -108,6 +112,7 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             metrics=metrics,
             tokenizer=llm_engine.tokenizer,
             max_model_len=llm_engine.max_model_len,
+            sampling_defaults=sampling_defaults,
         )
     finally:
         if engine is not None:

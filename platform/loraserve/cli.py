@@ -25,6 +25,7 @@ from loraserve.settings import (
     ATTENTION_BACKENDS,
     DEFAULT_ADAPTER_STORE,
     DEFAULT_STATE_DIR,
+    GENERATION_CONFIGS,
     KV_CACHE_DTYPES,
     ServerSettings,
     parse_lora_module,
@@ -52,6 +53,7 @@ _SERVE_FIELDS = (
     "max_loras",
     "max_cpu_loras",
     "adapter_loader",
+    "generation_config",
     "max_lora_rank",
     "adapter_store",
     "config_store",
@@ -111,6 +113,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=ADAPTER_LOADERS,
         help="where adapter files are read: process (loader processes, off the engine's GIL), thread, or "
         "auto (process on CUDA, thread on the CPU)",
+    )
+    add(
+        "--generation-config",
+        default="auto",
+        choices=GENERATION_CONFIGS,
+        help="auto: sampling fields a request leaves unset (temperature, top_p, top_k) take the model's "
+        "generation_config.json values; vllm: ignore that file",
     )
     add(
         "--lora-modules",

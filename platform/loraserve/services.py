@@ -9,6 +9,7 @@ part of the id, so two tenants' adapters of the same name never share a GPU slot
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -59,5 +60,7 @@ class Services:
     adapter_lookup: AdapterLookup = field(default_factory=AdapterLookup)
     tokenizer: Any = None  # the base model's Hugging Face tokenizer (prompts, chat templates, logprob tokens)
     max_model_len: int | None = None  # prompt plus output tokens per sequence; None: not checked here
+    # The model's recommended temperature/top_p/top_k for fields a request leaves unset (generation_config.json).
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     # Set by the app: SIGTERM's drain state (loraserve.ops.shutdown.Shutdown); None means never draining.
     shutdown: Any = None

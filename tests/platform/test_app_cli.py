@@ -8,7 +8,7 @@ from app_fixtures import make_text_model
 from factories import make_adapter
 from loraserve.bootstrap import engine_config, preload_lora_modules
 from loraserve.cli import build_parser, settings_from_args
-from loraserve.settings import ADAPTER_LOADERS, ATTENTION_BACKENDS, KV_CACHE_DTYPES
+from loraserve.settings import ADAPTER_LOADERS, ATTENTION_BACKENDS, GENERATION_CONFIGS, KV_CACHE_DTYPES
 
 from adapters_store import StoreConfig, open_store
 from engine import ModelShape
@@ -120,6 +120,7 @@ def test_server_choices_are_the_engines():
     assert KV_CACHE_DTYPES == engine_config_module.KV_CACHE_DTYPES
     assert ATTENTION_BACKENDS == engine_config_module.ATTENTION_BACKENDS
     assert ADAPTER_LOADERS == engine_config_module.ADAPTER_LOADERS
+    assert GENERATION_CONFIGS == engine_config_module.GENERATION_CONFIGS
 
 
 def test_admin_client_commands_are_registered():

@@ -32,8 +32,9 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
 
     model: str
     max_tokens: PositiveInt | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
+    # Unset (None): the model's default from its generation_config.json, else 1.0, 1.0 and off.
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     top_k: TopK | None = None  # vLLM's extension; -1 or 0: off
     n: NumChoices = 1
     stream: bool = False

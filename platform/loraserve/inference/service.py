@@ -41,7 +41,7 @@ async def create_completion(
     services: Services, principal: Principal, body: CompletionRequest, request: Request
 ) -> Any:
     check_serving(services)
-    params = completion_params(body)
+    params = completion_params(body, services.sampling_defaults)
     prompts = completion_prompts(body.prompt, services.tokenizer, services.max_model_len)
     return await _generate(services, principal, body, prompts, params, CompletionFormat, "cmpl", request)
 
@@ -50,7 +50,7 @@ async def create_chat_completion(
     services: Services, principal: Principal, body: ChatCompletionRequest, request: Request
 ) -> Any:
     check_serving(services)
-    params = chat_params(body)
+    params = chat_params(body, services.sampling_defaults)
     prompt = chat_prompt(body.messages, services.tokenizer, services.max_model_len)
     return await _generate(services, principal, body, [prompt], params, ChatFormat, "chatcmpl", request)
 

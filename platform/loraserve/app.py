@@ -7,6 +7,7 @@ it drains (ops/shutdown.py), so in-flight streams end cleanly whoever stops the 
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -18,6 +19,7 @@ from loraserve.bootstrap import open_services, store_config
 from loraserve.dependencies import DEPENDENCIES, READINESS_KEY, SERVICES_KEY
 from loraserve.errors import EXCEPTION_HANDLERS
 from loraserve.inference.controller import InferenceController
+from loraserve.openapi import openapi_config
 from loraserve.ops.controller import OpsController
 from loraserve.ops.readiness import Readiness
 from loraserve.ops.shutdown import Shutdown
@@ -50,7 +52,7 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
         lifespan=[lifespan],
         state=State({SHUTDOWN_KEY: shutdown, READINESS_KEY: Readiness()}),
         request_max_body_size=MAX_REQUEST_BODY_BYTES,
-        openapi_config=None,
+        openapi_config=openapi_config(_version()),
     )
 
 
@@ -64,6 +66,13 @@ async def _serving(app: Litestar, services: Services, shutdown: Shutdown) -> Asy
         if shutdown.num_in_flight:
             await shutdown.drain()
         app.state[SERVICES_KEY] = None
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("loraserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing it
+        return "0+unknown"
 
 
 def shutdown_of(app: Litestar) -> Shutdown:

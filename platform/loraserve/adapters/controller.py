@@ -11,6 +11,7 @@ from adapters_store import StoreConfig
 from adapters_store.config import MAX_CONFIG_BYTES, MiB
 from loraserve.adapters import service
 from loraserve.adapters.schemas import Adapter, AdapterDeleted, AdapterDetail, AdapterList
+from loraserve.openapi import BEARER_SECURITY
 from loraserve.services import Services
 from loraserve.tenancy import Principal
 
@@ -28,6 +29,7 @@ def upload_limit_bytes(config: StoreConfig) -> int:
 class AdaptersController(Controller):
     path = "/v1/adapters"
     tags = ["adapters"]
+    security = BEARER_SECURITY
     request_max_body_size = upload_limit_bytes(StoreConfig())  # see adapters_controller() for others
 
     @post(status_code=HTTP_201_CREATED, summary="Upload an adapter (multipart: name, files or archive)")

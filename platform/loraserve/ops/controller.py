@@ -18,18 +18,18 @@ class Health(msgspec.Struct, frozen=True, kw_only=True):
 class OpsController(Controller):
     tags = ["ops"]
 
-    @get("/health")
+    @get("/health", summary="The process answers")
     async def health(self) -> Health:
         return Health()
 
-    @get("/ready")
+    @get("/ready", summary="Able to serve: model loaded, stores answering, not draining (else 503)")
     async def ready(
         self, services: NamedDependency[Services], readiness: NamedDependency[Readiness]
     ) -> Response[ReadyStatus]:
         status = await readiness.check(services)
         return Response(status, status_code=200 if status.ready else 503)
 
-    @get("/metrics")
+    @get("/metrics", summary="Prometheus metrics (vLLM's names where they overlap)")
     async def metrics(self, services: NamedDependency[Services]) -> Response[bytes]:
         body = services.metrics.render() if services.metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -27,6 +27,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats, distinct_adapters
+from engine.structured_output.matchers import StructuredOutputs
 from engine.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class LLMEngine:
             config, self.kv_cache, self.max_model_len, adapter_ready=self.lora.is_ready
         )
         self.sampler = Sampler(config.seed)
+        vocab_size = self.runner.model.weights.embed.shape[0]
+        self.structured = StructuredOutputs(self.tokenizer, vocab_size, self.eos_token_ids)
         self._states: dict[str, RequestState] = {}  # child request id -> state
         self._parents: dict[str, list[str]] = {}  # user request id -> child ids
         self._pending: list[RequestOutput] = []  # refused or aborted requests, reported at the next step
@@ -133,7 +136,12 @@ class LLMEngine:
             adapter_id=adapter_id,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
         )
-        self.scheduler.add_request(child)
+        self.structured.add(child)  # an invalid spec raises here, before anything is queued
+        try:
+            self.scheduler.add_request(child)
+        except ValueError:
+            self.structured.free(child_id)
+            raise
         if adapter_id is not None:
             self.lora.hold(adapter_id)
         detok = IncrementalDetokenizer(self.tokenizer, child) if self.tokenizer is not None else None
@@ -176,18 +184,48 @@ class LLMEngine:
         sampling = [s.request for s in scheduled.scheduled if s.samples]
         if not sampling:
             return outputs
-        sampled = self.sampler(logits, sampling)
-        for request, token_id, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs):
-            request.append_output_token(token_id)
+        # Grammar masks are filled on the host while the GPU still computes the logits.
+        logits = self.structured.apply(logits, self.structured.prepare(sampling))
+        for request, token_id, logprobs in self._sample_isolated(logits, sampling):
             state = self._states[request.request_id]
-            self._count_tokens(state)
-            status = state.append(token_id, logprobs, self.max_model_len)
+            try:
+                if token_id is None:  # its own sampling raised: logprobs holds the reason
+                    raise logprobs
+                request.append_output_token(token_id)
+                self._count_tokens(state)
+                status = state.append(token_id, logprobs, self.max_model_len)
+                if self.structured.accept(request, token_id) and status is None:
+                    status = RequestStatus.FINISHED_STOPPED  # the structure is complete
+            except Exception as exc:  # this request's data broke its own step: fail it, not the batch
+                logger.exception("request %s failed in its step", request.request_id)
+                request.error = f"the request failed while generating: {exc}"
+                status = RequestStatus.FINISHED_ERROR
             if status is not None:
                 self._finish(request, status)
             outputs.append(state.publish())
             if status is not None:
                 self._forget(request.request_id)
         return _latest_per_request(outputs)
+
+    def _sample_isolated(self, logits, requests: list[Request]) -> list[tuple[Request, int | None, object]]:
+        """(request, token id, logprobs) per row; a row whose sampling raises gets (request, None, error).
+
+        The batch is sampled at once; only if that raises is it sampled again row by row, so one request's
+        data (a seed torch refuses, say) fails that request alone while the others keep their tokens.
+        """
+        try:
+            sampled = self.sampler(logits, requests)
+            return list(zip(requests, sampled.token_ids, sampled.logprobs))
+        except Exception:
+            logger.exception("sampling a batch of %d failed; sampling its rows one by one", len(requests))
+        rows = []
+        for i, request in enumerate(requests):
+            try:
+                one = self.sampler(logits[i : i + 1], [request])
+                rows.append((request, one.token_ids[0], one.logprobs[0]))
+            except Exception as exc:
+                rows.append((request, None, exc))
+        return rows
 
     # -- adapters ---------------------------------------------------------------------------------
 
@@ -274,6 +312,7 @@ class LLMEngine:
         self.scheduler.finish_request(request.request_id, status)
         request.status = status
         self.sampler.free(request.request_id)
+        self.structured.free(request.request_id)
 
     def _count_tokens(self, state: RequestState) -> None:
         """vLLM's token counters: every sampled token; a prompt once per user request, at its first token."""

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured_output.params import StructuredOutputsParams
+
 # Below this temperature sampling is greedy (argmax), as vLLM does.
 GREEDY_EPSILON = 1e-5
+# A seed is a 64-bit signed integer, as in vLLM; n > 1 adds the child's index, which torch's generators
+# (seeds up to 2**64 - 1) still take.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -30,6 +35,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     min_tokens: int = 0
+    # Constrain the output to a JSON schema, JSON, a regex, a choice or a grammar (vLLM's name and type;
+    # a dict of the same fields is accepted too).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,10 +59,22 @@ class SamplingParams:
             raise ValueError(f"temperature must be non-negative (got {self.temperature})")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.seed is not None and (
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not MIN_SEED <= self.seed <= MAX_SEED
+        ):
+            raise ValueError(f"seed must be a 64-bit integer in [{MIN_SEED}, {MAX_SEED}] (got {self.seed!r})")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer (got {self.top_k!r})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20 (got {self.logprobs})")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields)")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative (got {self.min_tokens})")
 

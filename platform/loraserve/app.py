@@ -18,7 +18,7 @@ from loraserve.adapters import adapters_controller
 from loraserve.bootstrap import open_services, store_config
 from loraserve.dependencies import DEPENDENCIES, READINESS_KEY, SERVICES_KEY
 from loraserve.errors import EXCEPTION_HANDLERS
-from loraserve.inference.controller import InferenceController
+from loraserve.inference.controller import InferenceController, invocations
 from loraserve.openapi import openapi_config
 from loraserve.ops.controller import OpsController
 from loraserve.ops.readiness import Readiness
@@ -26,6 +26,7 @@ from loraserve.ops.shutdown import Shutdown
 from loraserve.routes import RoutesController
 from loraserve.services import Services
 from loraserve.settings import ServerSettings
+from loraserve.tokenization import TokenizationController
 
 SHUTDOWN_KEY = "shutdown"
 # Chat histories can be long; uploads have their own, larger limit (adapters_controller).
@@ -46,7 +47,14 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
             yield
 
     return Litestar(
-        route_handlers=[InferenceController, adapters_controller(config), RoutesController, OpsController],
+        route_handlers=[
+            InferenceController,
+            invocations,
+            TokenizationController,
+            adapters_controller(config),
+            RoutesController,
+            OpsController,
+        ],
         dependencies=DEPENDENCIES,
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],

@@ -39,6 +39,7 @@ _SERVE_FIELDS = (
     "served_model_name",
     "host",
     "port",
+    "root_path",
     "dtype",
     "device",
     "max_num_seqs",
@@ -75,6 +76,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--served-model-name", help="the base model's name in requests and /v1/models (default: --model)")
     add("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     add("--port", type=int, default=8000)
+    add(
+        "--root-path",
+        default="",
+        help="path prefix a proxy strips before forwarding (e.g. /llm), as vLLM's --root-path; "
+        "links in the API schema carry it",
+    )
     add("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     add("--device", default="auto", help="auto (cuda if present), cuda, cuda:1, cpu")
     add("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
@@ -238,6 +245,7 @@ def serve(settings: ServerSettings, log_level: str = "info") -> None:
         app,
         host=settings.host,
         port=settings.port,
+        root_path=settings.root_path,
         log_level=log_level,
         lifespan="on",
         timeout_graceful_shutdown=5,

@@ -33,6 +33,7 @@ _TAGS = [
         name="routes",
         description="A/B routes that split a tenant's traffic between adapters (writes need admin)",
     ),
+    Tag(name="tokenizer", description="vLLM's tokenize and detokenize, with the served model's tokenizer"),
     Tag(name="ops", description="Probes and Prometheus metrics; no authentication"),
 ]
 

@@ -89,5 +89,7 @@ class Services:
     max_model_len: int | None = None  # prompt plus output tokens per sequence; None: not checked here
     # The model's recommended temperature/top_p/top_k for fields a request leaves unset (generation_config.json).
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # Built on the first structured-output request (loraserve.inference.structured): checks specs for 400s.
+    grammar_compiler: Any = None
     # Set by the app: SIGTERM's drain state; None means never draining.
     shutdown: Shutdown | None = None

@@ -33,6 +33,7 @@ class ServerSettings:
     served_model_name: str | None = None  # the base model's id in requests; None: derived from `model`
     host: str = "127.0.0.1"
     port: int = 8000
+    root_path: str = ""  # the prefix a path-routing proxy strips ("" when served at the root)
     dtype: str = "auto"
     device: str = "auto"
     max_num_seqs: int = 64
@@ -64,6 +65,10 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535 (got {self.port})")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(
+                f"--root-path must start with / and not end with one, e.g. /llm (got {self.root_path!r})"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; use one of "

@@ -40,6 +40,19 @@ def completion_prompts(prompt: str | list[Any], tokenizer: Any, max_model_len: i
 
 def chat_prompt(messages: list[ChatMessage], tokenizer: Any, max_model_len: int | None) -> list[int]:
     """Render the messages with the model's chat template, then tokenize without adding specials twice."""
+    ids = tokenizer_ids(render_chat(messages, tokenizer), tokenizer, add_special_tokens=False)
+    check_prompt_ids(ids, tokenizer, max_model_len)
+    return ids
+
+
+def render_chat(
+    messages: list[ChatMessage],
+    tokenizer: Any,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> str:
+    """The messages as the model's chat template writes them (the text the model is prompted with)."""
     if tokenizer is None:
         raise BadRequest(
             "this model has no tokenizer, so chat is unavailable; use /v1/completions with token ids"
@@ -50,14 +63,30 @@ def chat_prompt(messages: list[ChatMessage], tokenizer: Any, max_model_len: int 
             "use /v1/completions, or serve a model with a chat template",
             code="no_chat_template",
         )
+    if add_generation_prompt and continue_final_message:
+        raise BadRequest(
+            "add_generation_prompt and continue_final_message cannot both be true",
+            param="continue_final_message",
+        )
+    if continue_final_message and messages[-1].role != "assistant":
+        raise BadRequest(
+            "continue_final_message needs the last message to be the assistant's",
+            param="continue_final_message",
+        )
     conversation = [{"role": m.role, "content": _text(m, i)} for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+        )
     except Exception as exc:  # a template may reject e.g. a system message; that is the caller's to fix
         raise BadRequest(f"the chat template rejected these messages: {exc}", param="messages") from None
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    check_prompt_ids(ids, tokenizer, max_model_len)
-    return ids
+
+
+def tokenizer_ids(text: str, tokenizer: Any, *, add_special_tokens: bool = True) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
 def tokenize(text: str, tokenizer: Any) -> list[int]:

@@ -13,6 +13,7 @@ from engine import SamplingParams
 from engine.generation_config import apply_generation_defaults
 from loraserve.errors import BadRequest
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
+from loraserve.inference.structured import structured_params
 
 MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -40,6 +41,8 @@ def _params(
     logprobs: int | None,
     defaults: Mapping[str, Any],
 ) -> SamplingParams:
+    if body.stream_options is not None and not body.stream:
+        raise BadRequest("stream_options can only be set when stream is true", param="stream_options")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
         raise BadRequest(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
@@ -55,6 +58,7 @@ def _params(
             stop=stop,
             logprobs=logprobs,
             ignore_eos=body.ignore_eos,
+            structured_outputs=structured_params(body),
         )
     except ValueError as exc:
         raise BadRequest(str(exc)) from None

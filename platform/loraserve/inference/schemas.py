@@ -21,6 +21,32 @@ TopK = Annotated[int, Meta(ge=-1)]
 NumChoices = Annotated[int, Meta(ge=1, le=MAX_N)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 Stop = str | list[str] | None
+# A 64-bit signed integer, as vLLM takes it (torch's generators refuse anything wider).
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+
+
+class JsonSchemaFormat(msgspec.Struct, frozen=True, kw_only=True):
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following `json_schema.schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs` (one of its fields); options this server lacks are refused, not ignored."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -40,11 +66,18 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop = None
-    seed: int | None = None
+    seed: Seed | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
     # vLLM's extension: logprobs name tokens as "token_id:123", exact where text is ambiguous
     return_tokens_as_token_ids: bool = False
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):

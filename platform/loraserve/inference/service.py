@@ -25,6 +25,7 @@ from loraserve.inference.prompts import chat_prompt, completion_prompts
 from loraserve.inference.responses import ChatFormat, Choices, CompletionFormat
 from loraserve.inference.sampling import chat_params, completion_params
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
+from loraserve.inference.structured import check_structured
 from loraserve.resolution import resolve_model
 from loraserve.services import Services
 from loraserve.tenancy import Principal
@@ -43,6 +44,7 @@ async def create_completion(
     check_serving(services)
     params = completion_params(body, services.sampling_defaults)
     prompts = completion_prompts(body.prompt, services.tokenizer, services.max_model_len)
+    await check_structured(services, params.structured_outputs)
     return await _generate(services, principal, body, prompts, params, CompletionFormat, "cmpl", request)
 
 
@@ -52,7 +54,24 @@ async def create_chat_completion(
     check_serving(services)
     params = chat_params(body, services.sampling_defaults)
     prompt = chat_prompt(body.messages, services.tokenizer, services.max_model_len)
+    await check_structured(services, params.structured_outputs)
     return await _generate(services, principal, body, [prompt], params, ChatFormat, "chatcmpl", request)
+
+
+async def create_invocation(
+    services: Services, principal: Principal, body: dict[str, Any], request: Request
+) -> Any:
+    """SageMaker's /invocations: the body's shape picks the endpoint, then it is validated as that one's."""
+    if ("messages" in body) == ("prompt" in body):
+        raise BadRequest("an invocation needs either messages (chat) or prompt (completion)")
+    kind = ChatCompletionRequest if "messages" in body else CompletionRequest
+    try:
+        parsed = msgspec.convert(body, kind)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid request body: {exc}") from None
+    if isinstance(parsed, ChatCompletionRequest):
+        return await create_chat_completion(services, principal, parsed, request)
+    return await create_completion(services, principal, parsed, request)
 
 
 def check_serving(services: Services) -> None:

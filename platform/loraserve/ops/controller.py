@@ -1,4 +1,4 @@
-"""GET /health (the process answers), /ready (able to serve), /metrics (Prometheus text). No auth: probes."""
+"""GET /health (the process and its engine are alive), /ready (able to serve), /metrics (Prometheus text). No auth: probes."""
 
 from __future__ import annotations
 
@@ -18,9 +18,13 @@ class Health(msgspec.Struct, frozen=True, kw_only=True):
 class OpsController(Controller):
     tags = ["ops"]
 
-    @get("/health", summary="The process answers")
-    async def health(self) -> Health:
-        return Health()
+    @get("/health", summary="The process answers; 503 once the engine has stopped")
+    async def health(self, services: NamedDependency[Services]) -> Response[Health]:
+        """200 while the process can serve; 503 once the engine has stopped, so a liveness probe restarts it."""
+        dead = services.engine is not None and getattr(services.engine, "dead_error", None) is not None
+        if dead:
+            return Response(Health(status="engine stopped"), status_code=503)
+        return Response(Health())
 
     @get("/ready", summary="Able to serve: model loaded, stores answering, not draining (else 503)")
     async def ready(

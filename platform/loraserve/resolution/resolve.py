@@ -44,6 +44,19 @@ async def resolve_model(
     return _adapter(tenant, record)
 
 
+async def model_exists(services: Services, principal: Principal, model: str) -> bool:
+    """Whether `model` names the base model or one of the tenant's routes or adapters (no route pick)."""
+    if model == services.base_model_id:
+        return True
+    if "@" not in model and await services.config_store.get_route(principal.tenant, model) is not None:
+        return True
+    try:
+        await _lookup(services, principal.tenant, model)
+    except LookupError:
+        return False
+    return True
+
+
 async def _lookup(services: Services, tenant: str, ref: str) -> AdapterRecord:
     """The adapter record, or LookupError for a missing adapter or a name no adapter can have."""
     try:

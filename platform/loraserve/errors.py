@@ -3,8 +3,11 @@
     {"error": {"message": "...", "type": "invalid_request_error", "code": "model_not_found"}}
 
 Handlers raise domain errors (tenancy, store, routing, config store, engine) or `APIError`; nothing
-builds error responses by hand. Unknown exceptions are logged with their traceback and answered with a
-generic 500 that leaks no internals.
+builds error responses by hand. ERROR_TABLE is the one place that gives each exception class its HTTP
+status and default `code`; `type` follows from the status (`error_type`); an exception that carries a
+more specific `code` of its own (the store's errors, `ModelNotFound`, `APIError(..., code=...)`) keeps
+it. Unknown exceptions are logged with their traceback and answered with a generic 500 that leaks no
+internals. Litestar's own HTTP exceptions (bad JSON, unknown path, wrong method) have their handler.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from adapters_store import InvalidName as StoreInvalidName
 from engine import EngineDeadError, RequestError
 from loraserve.config_store import ConfigStoreError, ConfigStoreUnavailable
 from loraserve.routing import InvalidRoute
-from loraserve.tenancy import InvalidName, TenancyError, TooManyRequests
+from loraserve.tenancy import Forbidden, InvalidName, TenancyError, TooManyRequests, Unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +48,12 @@ class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class APIError(Exception):
-    """An error the API answers with `status_code`; subclasses fix the status and the type."""
+    """An error the handlers raise on purpose; ERROR_TABLE gives its status by class.
 
-    status_code = 400
-    code: str | None = "invalid_request"
+    `code` (a subclass's, or this instance's) overrides the table's default code; `param` names the field.
+    """
+
+    code: str | None = None
 
     def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
@@ -56,19 +61,24 @@ class APIError(Exception):
             self.code = code
         self.param = param
 
+    @property
+    def status_code(self) -> int:
+        """The HTTP status ERROR_TABLE gives this error (read-only: the table is the one place for it)."""
+        mapped = status_and_code(self)
+        assert mapped is not None  # the table has a row for APIError itself
+        return mapped[0]
+
 
 class BadRequest(APIError):
-    status_code = 400
+    """400."""
 
 
 class NotFound(APIError):
-    status_code = 404
-    code = "not_found"
+    """404, as for anything another tenant owns."""
 
 
 class ServiceUnavailable(APIError):
-    status_code = 503
-    code = "service_unavailable"
+    """503: retry later or elsewhere."""
 
 
 def error_type(status: int) -> str:
@@ -100,8 +110,18 @@ def error_event(status: int, message: str, code: str | None) -> bytes:
     return b"data: " + msgspec.json.encode(ErrorBody(error=detail)) + b"\n\n"
 
 
-# (exception class, status, code); the first matching row wins, so subclasses come before bases.
-_DOMAIN_ERRORS: tuple[tuple[type[Exception], int, str], ...] = (
+# (exception class, status, default code); the first matching row wins, so subclasses come before bases.
+ERROR_TABLE: tuple[tuple[type[Exception], int, str], ...] = (
+    # Raised by the handlers themselves.
+    (NotFound, 404, "not_found"),
+    (ServiceUnavailable, 503, "service_unavailable"),
+    (APIError, 400, "invalid_request"),
+    # Authentication, roles and per-tenant limits.
+    (Unauthorized, 401, "invalid_api_key"),
+    (Forbidden, 403, "insufficient_permissions"),
+    (TooManyRequests, 429, "rate_limit_exceeded"),
+    (TenancyError, 400, "invalid_request"),
+    # The adapter store, names, routes, the config store and the engine.
     (UploadTooLarge, 413, "upload_too_large"),
     (InvalidAdapter, 422, "invalid_adapter"),
     (StoreInvalidName, 422, "invalid_name"),
@@ -117,13 +137,12 @@ _DOMAIN_ERRORS: tuple[tuple[type[Exception], int, str], ...] = (
 )
 
 
-def _api_error(_: Request, exc: APIError) -> Response[ErrorBody]:
-    return error_response(exc.status_code, str(exc), exc.code, param=exc.param)
-
-
-def _tenancy_error(_: Request, exc: TenancyError) -> Response[ErrorBody]:
-    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, TooManyRequests) else None
-    return error_response(exc.status_code, str(exc), exc.code, headers=headers)
+def status_and_code(exc: Exception) -> tuple[int, str | None] | None:
+    """ERROR_TABLE's answer for `exc`: (status, code), or None for an exception the API does not expect."""
+    for kind, status, code in ERROR_TABLE:
+        if isinstance(exc, kind):
+            return status, getattr(exc, "code", None) or code
+    return None
 
 
 def _http_exception(request: Request, exc: HTTPException) -> Response[ErrorBody]:
@@ -156,16 +175,17 @@ def _http_exception(request: Request, exc: HTTPException) -> Response[ErrorBody]
     return error_response(status, str(exc.detail), "invalid_request", headers=exc.headers)
 
 
-def _domain_error(request: Request, exc: Exception) -> Response[ErrorBody]:
-    for kind, status, code in _DOMAIN_ERRORS:
-        if isinstance(exc, kind):
-            if status >= 500:
-                log.warning("%s %s failed: %s", request.method, request.url.path, exc)
-            return error_response(
-                status, str(exc), getattr(exc, "code", None) or code, param=getattr(exc, "field", None)
-            )
-    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, "internal server error; the server log has the details", "internal_error")
+def _mapped_error(request: Request, exc: Exception) -> Response[ErrorBody]:
+    mapped = status_and_code(exc)
+    if mapped is None:
+        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(500, "internal server error; the server log has the details", "internal_error")
+    status, code = mapped
+    if status >= 500 and not isinstance(exc, APIError):  # the handlers' own 503s are expected answers
+        log.warning("%s %s failed: %s", request.method, request.url.path, exc)
+    param = getattr(exc, "param", None) or getattr(exc, "field", None)  # InvalidRoute names its field
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, TooManyRequests) else None
+    return error_response(status, str(exc), code, param=param, headers=headers)
 
 
 def _too_deep(request: Request, exc: RecursionError) -> Response[ErrorBody]:
@@ -198,9 +218,7 @@ def _allow_header(exc: HTTPException) -> dict[str, str] | None:
 
 
 EXCEPTION_HANDLERS: dict[type[Exception], Callable[..., Response[Any]]] = {
-    APIError: _api_error,
-    TenancyError: _tenancy_error,
     HTTPException: _http_exception,
     RecursionError: _too_deep,
-    Exception: _domain_error,
+    Exception: _mapped_error,  # everything ERROR_TABLE knows, and the generic 500
 }

@@ -18,7 +18,7 @@ from litestar import Request, Response
 from litestar.response import Stream
 
 from engine import RequestOutput, SamplingParams
-from loraserve.errors import APIError, BadRequest, ServiceUnavailable, error_event
+from loraserve.errors import APIError, BadRequest, ServiceUnavailable, error_event, status_and_code
 from loraserve.inference.generation import Generation
 from loraserve.inference.logprobs import TokenText
 from loraserve.inference.prompts import chat_prompt, completion_prompts
@@ -165,7 +165,8 @@ async def _sse(
         if include_usage:
             yield _event(fmt.usage_chunk(choices.usage(generation.num_prompt_tokens)))
     except APIError as exc:
-        yield error_event(exc.status_code, str(exc), exc.code)
+        status, code = status_and_code(exc) or (503, "generation_failed")  # ERROR_TABLE has every APIError
+        yield error_event(status, str(exc), code)
     except Exception as exc:  # the engine died mid-stream: tell the client rather than cut the connection
         log.warning("stream %s failed: %s", generation.request_id, exc)
         yield error_event(503, f"the request failed: {exc}", "generation_failed")

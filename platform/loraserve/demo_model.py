@@ -83,11 +83,15 @@ def convert_gguf(source: Path, dest: Path) -> None:
 
 
 def write_sampling_defaults(folder: Path) -> None:
-    """Put SAMPLING_DEFAULTS into the folder's generation_config.json, keeping its other keys."""
+    """Put SAMPLING_DEFAULTS into the folder's generation_config.json, keeping its other keys.
+
+    `do_sample` too, which the server ignores (as vLLM does) but transformers wants beside a temperature.
+    """
     path = Path(folder) / "generation_config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
-    if all(config.get(key) == value for key, value in SAMPLING_DEFAULTS.items()):
+    wanted = {**SAMPLING_DEFAULTS, "do_sample": True}
+    if all(config.get(key) == value for key, value in wanted.items()):
         return
     staging = path.with_suffix(".json.tmp")
-    staging.write_text(json.dumps({**config, **SAMPLING_DEFAULTS}, indent=2) + "\n")
+    staging.write_text(json.dumps({**config, **wanted}, indent=2) + "\n")
     staging.replace(path)

@@ -13,7 +13,9 @@ from collections.abc import Callable, Iterable
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.fairness import DEFAULT_TENANT
 from engine.kv_cache import KVCacheManager
+from engine.logits_processors import apply_logits_processors
 from engine.lora.manager import AdapterManager, AdapterSource, Observer
 from engine.lora.model_shape import ModelShape
 from engine.lora.peft_checkpoint import AdapterError, PeftAdapter
@@ -103,10 +105,23 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams | None = None,
         adapter: str | None = None,
+        *,
+        tenant: str | None = None,
+        tenant_weight: float = 1.0,
     ) -> None:
         """Queue a request. A request that cannot be served is reported as a failed output at the next
-        step instead of raising, so one bad request never disturbs a batch."""
+        step instead of raising, so one bad request never disturbs a batch.
+
+        `tenant` is the fair scheduler's key (None: the one shared "default" key) and `tenant_weight`
+        that tenant's weight: a tenant of weight 2 gets twice the share of weight 1 (engine/fairness.py)."""
         params = params or SamplingParams()
+        tenant = DEFAULT_TENANT if tenant is None else tenant
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"tenant must be a non-empty string or None (got {tenant!r})")
+        if isinstance(tenant_weight, bool) or not isinstance(tenant_weight, (int, float)):
+            raise ValueError(f"tenant_weight must be a positive number (got {tenant_weight!r})")
+        if not 0 < tenant_weight < float("inf"):
+            raise ValueError(f"tenant_weight must be a positive number (got {tenant_weight!r})")
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
@@ -114,12 +129,16 @@ class LLMEngine:
             prompt_ids = self._tokenize(prompt_text) if prompt_ids is None else prompt_ids
             adapter_id = self._resolve_adapter(adapter)
             self._check_prompt(prompt_ids)
+            self._check_token_ids(params)
         except (AdapterError, RequestError) as exc:
             self._fail_unqueued(request_id, prompt_text, prompt_ids or [], adapter, str(exc))
             return
         parent = ParentRequest(request_id, prompt_text, prompt_ids, adapter, [None] * params.n)
         try:
-            children = [self._new_child(parent, params, index, adapter_id) for index in range(params.n)]
+            children = [
+                self._new_child(parent, params, index, adapter_id, tenant, float(tenant_weight))
+                for index in range(params.n)
+            ]
         except ValueError as exc:  # the scheduler refuses what can never fit the KV cache
             self._fail_unqueued(request_id, prompt_text, prompt_ids, adapter, str(exc))
             return
@@ -127,7 +146,15 @@ class LLMEngine:
         if adapter_id is not None:
             self.lora.prefetch(adapter_id)
 
-    def _new_child(self, parent: ParentRequest, params: SamplingParams, index: int, adapter_id: str | None):
+    def _new_child(
+        self,
+        parent: ParentRequest,
+        params: SamplingParams,
+        index: int,
+        adapter_id: str | None,
+        tenant: str,
+        tenant_weight: float,
+    ):
         child_id = parent.request_id if params.n == 1 else f"{parent.request_id}#{index}"
         child = Request(
             request_id=child_id,
@@ -135,6 +162,8 @@ class LLMEngine:
             sampling_params=self._child_params(params, index),
             adapter_id=adapter_id,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
         )
         self.structured.add(child)  # an invalid spec raises here, before anything is queued
         try:
@@ -184,8 +213,10 @@ class LLMEngine:
         sampling = [s.request for s in scheduled.scheduled if s.samples]
         if not sampling:
             return outputs
-        # Grammar masks are filled on the host while the GPU still computes the logits.
-        logits = self.structured.apply(logits, self.structured.prepare(sampling))
+        # Grammar masks are filled on the host while the GPU still computes the logits; they go last, so no
+        # bias can bring back a token the grammar forbids.
+        prepared = self.structured.prepare(sampling)
+        logits = self.structured.apply(apply_logits_processors(logits, sampling), prepared)
         for request, token_id, logprobs in self._sample_isolated(logits, sampling):
             state = self._states[request.request_id]
             try:
@@ -268,6 +299,8 @@ class LLMEngine:
             max_loras=self.config.max_loras,
             num_lora_slots_in_use=self.lora.num_slots_in_use,
             num_adapters_loading=self.lora.num_loading,
+            tenants=self.scheduler.tenant_stats(),
+            resident_adapters=self.lora.resident_ids(),
         )
 
     def _resolve_adapter(self, adapter: str | None) -> str | None:
@@ -355,6 +388,17 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids in logit_bias and allowed_token_ids must exist in this model's vocabulary."""
+        vocab = self.runner.model.weights.embed.shape[0]
+        for name, ids in (
+            ("logit_bias", params.logit_bias or {}),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """Each child of an n > 1 request samples independently (seed + index, as vLLM does); extra

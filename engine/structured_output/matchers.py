@@ -61,9 +61,10 @@ class StructuredOutputs:
         bitmask, rows = prepared
         # Plain torch ops on the GPU: xgrammar's own kernels would be compiled on first use, after /ready.
         backend = "cpu" if logits.device.type == "cpu" else "torch_native"
-        xgrammar.apply_token_bitmask_inplace(
-            logits, bitmask.to(logits.device, non_blocking=True), indices=rows, backend=backend
-        )
+        with torch.inference_mode():  # the runner's logits are inference tensors
+            xgrammar.apply_token_bitmask_inplace(
+                logits, bitmask.to(logits.device, non_blocking=True), indices=rows, backend=backend
+            )
         return logits
 
     def accept(self, request: Request, token_id: int) -> bool:

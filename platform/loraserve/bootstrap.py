@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,7 +19,9 @@ from adapters_store.engine_source import StoreAdapterSource
 from engine import AsyncLLM, EngineConfig, LLMEngine, ModelShape
 from engine.generation_config import load_generation_defaults
 from engine.model.loader import load_config, resolve_model_path
+from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import CachedConfigStore, open_config_store, redact_url
+from loraserve.name_conflicts import check_not_base_model
 from loraserve.ops.metrics import Metrics
 from loraserve.routing import Router
 from loraserve.services import Services
@@ -45,6 +48,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         num_kv_blocks=settings.num_kv_blocks,
         enable_prefix_caching=settings.enable_prefix_caching,
         kv_cache_dtype=settings.kv_cache_dtype,
+        quantization=settings.quantization,
         enforce_eager=settings.enforce_eager,
         attention_backend=settings.attention_backend,
         max_loras=settings.max_loras,
@@ -55,6 +59,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         device=settings.device,
         cpu_kv_cache_bytes=settings.cpu_kv_cache_bytes,
         generation_config=settings.generation_config,
+        scheduling_policy=settings.scheduling_policy,
     )
 
 
@@ -69,12 +74,15 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
     """Everything `Services` holds, built from `settings`; closed in reverse order on exit."""
     model = settings.model or str(await asyncio.to_thread(_demo_model, settings))
     model_id = base_model_id(settings, model)
+    for name, _ in settings.lora_modules:
+        check_not_base_model(name, model_id, "--lora-modules adapter")
     model_path = resolve_model_path(model)
     shape = ModelShape.from_hf_config(load_config(model_path))
     sampling_defaults = load_generation_defaults(model_path, settings.generation_config)
     config = store_config(settings)
     store = open_store(config, shape)
     await asyncio.to_thread(store.check)
+    threading.Thread(target=sweep_quietly, args=(store,), name="adapter-store-sweep", daemon=True).start()
     disk_cache = DiskCache(store, config.cache_dir, config.cache_max_bytes)
     config_store = CachedConfigStore(
         open_config_store(settings.config_store or str(settings.state_dir / "config"))
@@ -84,8 +92,12 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
     try:
         keys = load_api_keys(settings.api_keys) if settings.api_keys else []
         authenticator = await Authenticator.create(keys, config_store)
+        adapter_lookup = AdapterLookup(ttl_s=settings.adapter_lookup_ttl)
         metrics = Metrics(
-            model_id, lambda: engine.stats() if engine is not None else None, lambda: config_store.healthy
+            model_id,
+            lambda: engine.stats() if engine is not None else None,
+            lambda: config_store.healthy,
+            lambda: adapter_lookup.store_up,
         )
         log.info("loading model %s (%s)", model_id, model)
         llm_engine = await asyncio.to_thread(
@@ -110,7 +122,9 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             router=Router(on_pick=metrics.route_picked),
             limiter=ConcurrencyLimiter(settings.max_concurrent_requests_per_tenant),
             metrics=metrics,
+            adapter_lookup=adapter_lookup,
             tokenizer=llm_engine.tokenizer,
+            allowed_lora_paths=settings.allowed_lora_paths,
             max_model_len=llm_engine.max_model_len,
             sampling_defaults=sampling_defaults,
         )
@@ -136,6 +150,17 @@ def preload_lora_modules(store: AdapterStore, modules: tuple[tuple[str, str], ..
         log.info("adapter %s: stored %s as %s for tenant %r", name, path, record.ref, DEFAULT_TENANT)
 
 
+def sweep_quietly(store: AdapterStore) -> None:
+    """At start, in the background: remove uploads that died half-written (see AdapterStore.sweep)."""
+    try:
+        swept = store.sweep()
+    except Exception as exc:  # the store may be down: serving does not depend on this
+        log.warning("could not sweep the adapter store for dead uploads: %s", exc)
+        return
+    if swept:
+        log.info("swept %d half-written or half-deleted adapter versions from the store", swept)
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as file:
@@ -153,6 +178,8 @@ def _demo_model(settings: ServerSettings) -> Path:
 def _log_startup(settings: ServerSettings, model_id: str, model: str, open_mode: bool) -> None:
     log.info("model: %s (from %s)", model_id, model)
     log.info("adapter store: %s", settings.adapter_store)
+    if settings.metrics_listen_port is None and settings.metrics_key is None:
+        log.warning("no metrics listener and no --metrics-key: /metrics is not served")
     log.info(
         "config store: %s",
         redact_url(settings.config_store)

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,6 +28,9 @@ from loraserve.settings import (
     DEFAULT_STATE_DIR,
     GENERATION_CONFIGS,
     KV_CACHE_DTYPES,
+    METRICS_OFF,
+    QUANTIZATIONS,
+    SCHEDULING_POLICIES,
     ServerSettings,
     parse_lora_module,
 )
@@ -48,6 +52,7 @@ _SERVE_FIELDS = (
     "block_size",
     "gpu_memory_utilization",
     "kv_cache_dtype",
+    "quantization",
     "enable_prefix_caching",
     "enforce_eager",
     "attention_backend",
@@ -56,12 +61,18 @@ _SERVE_FIELDS = (
     "adapter_loader",
     "generation_config",
     "max_lora_rank",
+    "allowed_lora_paths",
     "adapter_store",
     "config_store",
     "api_keys",
     "shutdown_timeout",
     "max_concurrent_requests_per_tenant",
+    "scheduling_policy",
     "state_dir",
+    "metrics_port",
+    "metrics_host",
+    "metrics_key",
+    "adapter_lookup_ttl",
 )
 GiB = 1 << 30
 
@@ -97,6 +108,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         help="auto: the model dtype; fp8 (= fp8_e4m3): float8 e4m3 K/V with per-layer scales from the "
         "checkpoint (else 1.0), twice the tokens of a bf16 cache",
+    )
+    add(
+        "--quantization",
+        choices=[q for q in QUANTIZATIONS if q],
+        help="fp8: the linear projections as float8 e4m3 with per-channel scales, quantized at load "
+        "(FP8 checkpoints are detected from config.json and served as FP8 without it)",
     )
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     add(
@@ -137,17 +154,35 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="PEFT folders stored as the default tenant's adapters at start (skipped if unchanged)",
     )
     add(
+        "--allowed-lora-paths",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="folders POST /v1/load_lora_adapter may load adapters from (vLLM's runtime loading); "
+        "unset: runtime loading is off",
+    )
+    add(
         "--adapter-store",
         default=DEFAULT_ADAPTER_STORE,
         help="file:///dir, file://./dir or s3://bucket/prefix",
     )
     add("--config-store", help="redis://host:6379/0 (default: embedded, under STATE_DIR/config)")
-    add("--api-keys", help="JSON or YAML file: key -> {tenant, role: admin|user, max_concurrent_requests}")
+    add(
+        "--api-keys",
+        help="JSON or YAML file: key -> {tenant, role: admin|user, max_concurrent_requests, weight, "
+        "max_tokens_per_minute}",
+    )
     add("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     add(
         "--max-concurrent-requests-per-tenant",
         type=int,
         help="default per-tenant cap (keys may set their own)",
+    )
+    add(
+        "--scheduling-policy",
+        default="fair",
+        choices=SCHEDULING_POLICIES,
+        help="fair: tenants share the GPU by weight (virtual token counters); fcfs: first come first served",
     )
     add(
         "--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="demo model, embedded config, adapter cache"
@@ -158,7 +193,35 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="GiB of KV cache when running on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)",
     )
+    add(
+        "--metrics-port",
+        type=_metrics_port,
+        help="port of the metrics listener, which serves only /metrics, /health and /ready, out of "
+        "tenants' reach (default: --port + 1); off: none",
+    )
+    add("--metrics-host", help="address of the metrics listener (default: --host)")
+    add(
+        "--metrics-key",
+        help="scrapers must send 'Authorization: Bearer KEY' for /metrics; with a key the main port "
+        "serves /metrics too (prefer the environment variable LORASERVE_METRICS_KEY)",
+    )
+    add(
+        "--adapter-lookup-ttl",
+        type=float,
+        default=30.0,
+        help="seconds an adapter name's resolved version is trusted before the store is asked again "
+        "(uploads and deletes reach every replica at once through the config store's events)",
+    )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _metrics_port(raw: str) -> int:
+    if raw.strip().lower() in ("off", "none", "0"):
+        return METRICS_OFF
+    port = int(raw)
+    if not 1 <= port <= 65535:
+        raise ValueError("expected a port in 1..65535, or off")
+    return port
 
 
 def apply_env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
@@ -192,6 +255,7 @@ def _env_value(action: argparse.Action, raw: str) -> object:
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     values = {name: getattr(args, name) for name in _SERVE_FIELDS}
+    values["allowed_lora_paths"] = tuple(args.allowed_lora_paths)
     if args.cpu_kv_cache_space <= 0:
         raise ValueError(
             f"--cpu-kv-cache-space must be a positive number of GiB (got {args.cpu_kv_cache_space})"
@@ -250,7 +314,35 @@ def serve(settings: ServerSettings, log_level: str = "info") -> None:
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
-    DrainingServer(config, shutdown_of(app)).run()
+    DrainingServer(config, shutdown_of(app)).run(sockets=listening_sockets(settings, config))
+
+
+def listening_sockets(settings: ServerSettings, config: uvicorn.Config) -> list[socket.socket]:
+    """The API's socket and, unless it is off, the metrics listener's: one server, one app, two ports.
+
+    The app tells them apart by the port a request arrived on (loraserve.ops.metrics_access).
+    """
+    log = logging.getLogger("loraserve")
+    sockets = [config.bind_socket()]
+    port = settings.metrics_listen_port
+    if port is not None:
+        host = settings.metrics_host or settings.host
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            if settings.metrics_port is not None:  # asked for explicitly: do not start without it
+                raise SystemExit(f"--metrics-port {port}: cannot listen on {host}:{port} ({exc})") from None
+            log.warning(
+                "no metrics listener: %s:%d (--port + 1) is taken (%s); pass --metrics-port", host, port, exc
+            )
+        else:
+            sock.set_inheritable(True)
+            sockets.append(sock)
+            log.info("metrics (/metrics, /health, /ready) on http://%s:%d", host, port)
+    return sockets
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:

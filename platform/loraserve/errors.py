@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from litestar import MediaType, Request, Response
@@ -77,6 +77,14 @@ class NotFound(APIError):
     """404, as for anything another tenant owns."""
 
 
+class PermissionDenied(APIError):
+    """403 for a refusal that is not about the caller's role (tenancy's Forbidden is)."""
+
+
+class Conflict(APIError):
+    """409: the request clashes with what exists (a name taken, a version still in use)."""
+
+
 class ServiceUnavailable(APIError):
     """503: retry later or elsewhere."""
 
@@ -110,39 +118,76 @@ def error_event(status: int, message: str, code: str | None) -> bytes:
     return b"data: " + msgspec.json.encode(ErrorBody(error=detail)) + b"\n\n"
 
 
-# (exception class, status, default code); the first matching row wins, so subclasses come before bases.
-ERROR_TABLE: tuple[tuple[type[Exception], int, str], ...] = (
-    # Raised by the handlers themselves.
-    (NotFound, 404, "not_found"),
-    (ServiceUnavailable, 503, "service_unavailable"),
-    (APIError, 400, "invalid_request"),
-    # Authentication, roles and per-tenant limits.
-    (Unauthorized, 401, "invalid_api_key"),
-    (Forbidden, 403, "insufficient_permissions"),
-    (TooManyRequests, 429, "rate_limit_exceeded"),
-    (TenancyError, 400, "invalid_request"),
-    # The adapter store, names, routes, the config store and the engine.
-    (UploadTooLarge, 413, "upload_too_large"),
-    (InvalidAdapter, 422, "invalid_adapter"),
-    (StoreInvalidName, 422, "invalid_name"),
-    (InvalidName, 422, "invalid_name"),
-    (InvalidRoute, 422, "invalid_route"),
-    (AdapterNotFound, 404, "adapter_not_found"),
-    (ChecksumError, 503, "adapter_corrupt"),
-    (StoreUnavailable, 503, "adapter_store_unavailable"),
-    (ConfigStoreUnavailable, 503, "config_store_unavailable"),
-    (ConfigStoreError, 500, "config_store_error"),
-    (EngineDeadError, 503, "engine_dead"),
-    (RequestError, 400, "invalid_request"),
+class ErrorRow(NamedTuple):
+    kind: type[Exception]
+    status: int
+    code: str  # the default; an exception with a `code` of its own keeps it
+    # What callers are told instead of the exception's text, which for these 5xx names hosts, buckets or
+    # paths (it is logged). None: the exception's own message, written for the caller.
+    public_message: str | None = None
+
+
+# The first matching row wins, so subclasses come before bases.
+ERROR_TABLE: tuple[ErrorRow, ...] = tuple(
+    ErrorRow(*row)
+    for row in (
+        # Raised by the handlers themselves.
+        (NotFound, 404, "not_found"),
+        (PermissionDenied, 403, "permission_denied"),
+        (Conflict, 409, "conflict"),
+        (ServiceUnavailable, 503, "service_unavailable"),
+        (APIError, 400, "invalid_request"),
+        # Authentication, roles and per-tenant limits.
+        (Unauthorized, 401, "invalid_api_key"),
+        (Forbidden, 403, "insufficient_permissions"),
+        (TooManyRequests, 429, "rate_limit_exceeded"),
+        (TenancyError, 400, "invalid_request"),
+        # The adapter store, names, routes, the config store and the engine.
+        (UploadTooLarge, 413, "upload_too_large"),
+        (InvalidAdapter, 422, "invalid_adapter"),
+        (StoreInvalidName, 422, "invalid_name"),
+        (InvalidName, 422, "invalid_name"),
+        (InvalidRoute, 422, "invalid_route"),
+        (AdapterNotFound, 404, "adapter_not_found"),
+        (ChecksumError, 503, "adapter_corrupt"),  # its text names only the caller's adapter and what to do
+        (StoreUnavailable, 503, "adapter_store_unavailable", "the adapter store is unavailable; retry later"),
+        (
+            ConfigStoreUnavailable,
+            503,
+            "config_store_unavailable",
+            "the configuration store is unavailable; retry later",
+        ),
+        (
+            ConfigStoreError,
+            500,
+            "config_store_error",
+            "the configuration store holds a record the server cannot read; the server log has the details",
+        ),
+        (
+            EngineDeadError,
+            503,
+            "engine_dead",
+            "the engine stopped on an internal error; retry on another replica",
+        ),
+        (RequestError, 400, "invalid_request"),
+    )
 )
+
+
+def _row(exc: Exception) -> ErrorRow | None:
+    return next((row for row in ERROR_TABLE if isinstance(exc, row.kind)), None)
 
 
 def status_and_code(exc: Exception) -> tuple[int, str | None] | None:
     """ERROR_TABLE's answer for `exc`: (status, code), or None for an exception the API does not expect."""
-    for kind, status, code in ERROR_TABLE:
-        if isinstance(exc, kind):
-            return status, getattr(exc, "code", None) or code
-    return None
+    row = _row(exc)
+    return None if row is None else (row.status, getattr(exc, "code", None) or row.code)
+
+
+def public_message(exc: Exception) -> str:
+    """The message callers see for `exc`: its own text unless its row says otherwise."""
+    row = _row(exc)
+    return row.public_message if row is not None and row.public_message else str(exc)
 
 
 def _http_exception(request: Request, exc: HTTPException) -> Response[ErrorBody]:
@@ -175,7 +220,7 @@ def _http_exception(request: Request, exc: HTTPException) -> Response[ErrorBody]
     return error_response(status, str(exc.detail), "invalid_request", headers=exc.headers)
 
 
-def _mapped_error(request: Request, exc: Exception) -> Response[ErrorBody]:
+def _domain_error(request: Request, exc: Exception) -> Response[ErrorBody]:
     mapped = status_and_code(exc)
     if mapped is None:
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
@@ -185,7 +230,7 @@ def _mapped_error(request: Request, exc: Exception) -> Response[ErrorBody]:
         log.warning("%s %s failed: %s", request.method, request.url.path, exc)
     param = getattr(exc, "param", None) or getattr(exc, "field", None)  # InvalidRoute names its field
     headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, TooManyRequests) else None
-    return error_response(status, str(exc), code, param=param, headers=headers)
+    return error_response(status, public_message(exc), code, param=param, headers=headers)
 
 
 def _too_deep(request: Request, exc: RecursionError) -> Response[ErrorBody]:
@@ -220,5 +265,5 @@ def _allow_header(exc: HTTPException) -> dict[str, str] | None:
 EXCEPTION_HANDLERS: dict[type[Exception], Callable[..., Response[Any]]] = {
     HTTPException: _http_exception,
     RecursionError: _too_deep,
-    Exception: _mapped_error,  # everything ERROR_TABLE knows, and the generic 500
+    Exception: _domain_error,  # everything ERROR_TABLE knows, and the generic 500
 }

@@ -34,6 +34,7 @@ _TAGS = [
         description="A/B routes that split a tenant's traffic between adapters (writes need admin)",
     ),
     Tag(name="tokenizer", description="vLLM's tokenize and detokenize, with the served model's tokenizer"),
+    Tag(name="usage", description="The tenant's own token usage and fair share"),
     Tag(name="ops", description="Probes and Prometheus metrics; no authentication"),
 ]
 

@@ -18,7 +18,7 @@ from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import ConfigStore
 from loraserve.ops.shutdown import Shutdown
 from loraserve.routing import Router
-from loraserve.tenancy import Authenticator, ConcurrencyLimiter
+from loraserve.tenancy import Authenticator, ConcurrencyLimiter, TokenRateLimiter
 
 
 def engine_adapter_id(tenant: str, name: str, version: int) -> str:
@@ -38,12 +38,24 @@ def split_engine_adapter_id(adapter_id: str) -> tuple[str, str, int] | None:
 class EngineClient(Protocol):
     """The part of the engine the handlers use (engine.AsyncLLM fits)."""
 
-    def generate(self, prompt: Any, params: Any, request_id: str, adapter: str | None = None) -> Any: ...
+    def generate(
+        self,
+        prompt: Any,
+        params: Any,
+        request_id: str,
+        adapter: str | None = None,
+        *,
+        tenant: str | None = None,
+        tenant_weight: float = 1.0,
+    ) -> Any: ...
 
     async def abort(self, request_id: str) -> None: ...
 
     def forget_adapter(self, adapter_id: str) -> None:
         """An adapter version was deleted: no new requests; its slot frees when its last request ends."""
+
+    def stats(self) -> Any:
+        """The latest engine.EngineStats (`resident_adapters` tells resolution which need no store call)."""
 
 
 class Tokenizer(Protocol):
@@ -82,13 +94,17 @@ class Services:
     router: Router
     limiter: ConcurrencyLimiter
     metrics: RequestMetrics | None = None  # the Prometheus registry; None in tests that do not need it
-    # Short-lived adapter-name lookups for model resolution; uploads and deletes invalidate it.
+    # Per-tenant tokens per minute (keys' max_tokens_per_minute); one per replica, like `limiter`.
+    token_limiter: TokenRateLimiter = field(default_factory=TokenRateLimiter)
+    # Adapter-name lookups for model resolution, cached (see adapter_lookup.py); adapter events invalidate.
     adapter_lookup: AdapterLookup = field(default_factory=AdapterLookup)
     # The base model's Hugging Face tokenizer (prompts, chat templates, logprob tokens); None: token ids only.
     tokenizer: Tokenizer | None = None
     max_model_len: int | None = None  # prompt plus output tokens per sequence; None: not checked here
     # The model's recommended temperature/top_p/top_k for fields a request leaves unset (generation_config.json).
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # Folders POST /v1/load_lora_adapter may read from (--allowed-lora-paths); empty: runtime loading off.
+    allowed_lora_paths: tuple[str, ...] = ()
     # Built on the first structured-output request (loraserve.inference.structured): checks specs for 400s.
     grammar_compiler: Any = None
     # Set by the app: SIGTERM's drain state; None means never draining.

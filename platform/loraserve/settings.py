@@ -21,6 +21,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 = fp
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch elsewhere
 ADAPTER_LOADERS = ("auto", "thread", "process")  # auto: loader processes on CUDA, threads elsewhere
 GENERATION_CONFIGS = ("auto", "vllm")  # auto: the model's generation_config.json; vllm: ignore it
+QUANTIZATIONS = (None, "fp8")  # None: the checkpoint as is; fp8: float8 e4m3 linear projections
+METRICS_OFF = 0  # --metrics-port off
+SCHEDULING_POLICIES = ("fair", "fcfs")  # fair: virtual token counters by tenant; fcfs: arrival order
 _MODULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -42,6 +45,7 @@ class ServerSettings:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None  # engine.EngineConfig.quantization
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs
     attention_backend: str = "auto"
@@ -52,19 +56,48 @@ class ServerSettings:
     max_lora_rank: int = 16
     # (name, local PEFT folder) pairs put into the default tenant's store at start.
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # Folders under which POST /v1/load_lora_adapter may read adapters; empty: runtime loading is off.
+    allowed_lora_paths: tuple[str, ...] = ()
     adapter_store: str = DEFAULT_ADAPTER_STORE
     config_store: str | None = None  # None: embedded under ./.loraserve/config
     api_keys: str | None = None  # JSON or YAML file of key -> {tenant, role}
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     max_concurrent_requests_per_tenant: int | None = None  # None: no default cap (keys may set their own)
+    scheduling_policy: str = "fair"  # SCHEDULING_POLICIES
     # CPU only: KV cache bytes when the device is the CPU (tests pass small values).
     cpu_kv_cache_bytes: int = 1 << 30
     num_kv_blocks: int | None = None  # explicit KV cache size in blocks (tests)
     state_dir: Path = field(default=DEFAULT_STATE_DIR)  # demo model, embedded config, disk cache
+    # /metrics lives on a listener of its own, out of tenants' reach (docs/OPERATIONS.md, "Metrics").
+    # None: --port + 1 (no listener when --port is 0 or 65535); METRICS_OFF: no listener.
+    metrics_port: int | None = None
+    metrics_host: str | None = None  # None: --host
+    # Scrapers send `Authorization: Bearer KEY` on /metrics; with a key the main port serves /metrics too.
+    metrics_key: str | None = field(default=None, repr=False)  # a secret: never in logs
+    # Adapter lookups (name -> version) are checked against the store again after this many seconds;
+    # uploads and deletes reach every replica at once as config events, so this only bounds a lost event.
+    adapter_lookup_ttl: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535 (got {self.port})")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in 1..65535, or off (got {self.metrics_port})")
+        if (
+            self.metrics_listen_port is not None
+            and self.metrics_listen_port == self.port
+            and (self.metrics_host in (None, self.host))
+        ):
+            raise ValueError(
+                f"--metrics-port {self.metrics_port} is the --port itself; pick another port, or off"
+            )
+        if self.metrics_key is not None and len(self.metrics_key) < 16:
+            raise ValueError("--metrics-key must be at least 16 characters (a random token)")
+        if not self.adapter_lookup_ttl >= 0:
+            raise ValueError(f"--adapter-lookup-ttl must be >= 0 seconds (got {self.adapter_lookup_ttl})")
+        missing = [p for p in self.allowed_lora_paths if not Path(p).is_dir()]
+        if missing:
+            raise ValueError(f"--allowed-lora-paths: {missing[0]!r} is not a folder")
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
             raise ValueError(
                 f"--root-path must start with / and not end with one, e.g. /llm (got {self.root_path!r})"
@@ -74,6 +107,11 @@ class ServerSettings:
                 f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; use one of "
                 f"{', '.join(KV_CACHE_DTYPES)} (auto: the model dtype; fp8: float8 e4m3 with per-layer scales)"
             )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"--quantization {self.quantization!r} is not supported; use fp8 (float8 e4m3 weights with "
+                "per-channel scales) or leave it out"
+            )
         if self.adapter_loader not in ADAPTER_LOADERS:
             raise ValueError(
                 f"--adapter-loader {self.adapter_loader!r} is not supported; use one of {', '.join(ADAPTER_LOADERS)}"
@@ -82,6 +120,11 @@ class ServerSettings:
             raise ValueError(
                 f"--generation-config {self.generation_config!r} is not supported; use one of "
                 f"{', '.join(GENERATION_CONFIGS)}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"--scheduling-policy {self.scheduling_policy!r} is not supported; use one of "
+                f"{', '.join(SCHEDULING_POLICIES)} (fair: share the GPU between tenants by weight)"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
@@ -110,6 +153,13 @@ class ServerSettings:
                 raise ValueError(f"--lora-modules {name}={path}: {path!r} is not a PEFT adapter folder")
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-modules names an adapter twice: {names}")
+
+    @property
+    def metrics_listen_port(self) -> int | None:
+        """The metrics listener's port; None when there is none."""
+        if self.metrics_port is None:
+            return self.port + 1 if 0 < self.port < 65535 else None
+        return self.metrics_port if self.metrics_port != METRICS_OFF else None
 
     @property
     def cache_dir(self) -> Path:

@@ -3,14 +3,25 @@ idempotent `--lora-modules` preload."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from app_fixtures import make_text_model
 from factories import make_adapter
-from loraserve.bootstrap import engine_config, preload_lora_modules
+from loraserve.bootstrap import engine_config, open_services, preload_lora_modules, sweep_quietly
 from loraserve.cli import build_parser, settings_from_args
-from loraserve.settings import ADAPTER_LOADERS, ATTENTION_BACKENDS, GENERATION_CONFIGS, KV_CACHE_DTYPES
+from loraserve.name_conflicts import NameConflict
+from loraserve.settings import (
+    ADAPTER_LOADERS,
+    ATTENTION_BACKENDS,
+    GENERATION_CONFIGS,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    SCHEDULING_POLICIES,
+    ServerSettings,
+)
 
-from adapters_store import StoreConfig, open_store
+from adapters_store import StoreConfig, StoreUnavailable, open_store
 from engine import ModelShape
 from engine import config as engine_config_module
 from engine.model.loader import load_config
@@ -53,6 +64,8 @@ def test_defaults_flags_and_environment(tmp_path):
         (["--kv-cache-dtype", "int8"], {}, ["--kv-cache-dtype", "int8"]),
         ([], {"LORASERVE_KV_CACHE_DTYPE": "fp16"}, ["LORASERVE_KV_CACHE_DTYPE", "expected one of auto, fp8"]),
         (["--attention-backend", "flash"], {}, ["--attention-backend", "flash"]),
+        (["--quantization", "awq"], {}, ["--quantization", "awq"]),
+        ([], {"LORASERVE_QUANTIZATION": "gptq"}, ["LORASERVE_QUANTIZATION", "expected one of fp8"]),
         (
             [],
             {"LORASERVE_ATTENTION_BACKEND": "flash"},
@@ -124,6 +137,18 @@ def test_server_choices_are_the_engines():
     assert ATTENTION_BACKENDS == engine_config_module.ATTENTION_BACKENDS
     assert ADAPTER_LOADERS == engine_config_module.ADAPTER_LOADERS
     assert GENERATION_CONFIGS == engine_config_module.GENERATION_CONFIGS
+    assert SCHEDULING_POLICIES == engine_config_module.SCHEDULING_POLICIES
+    assert QUANTIZATIONS == engine_config_module.QUANTIZATIONS
+
+
+def test_quantization_flag_reaches_the_engine():
+    assert settings([]).quantization is None
+    flags = settings(["--quantization", "fp8"])
+    assert flags.quantization == "fp8"
+    assert settings([], {"LORASERVE_QUANTIZATION": "fp8"}).quantization == "fp8"
+    assert engine_config(flags, "some/model").quantization == "fp8"
+    with pytest.raises(ValueError, match="--quantization 'awq' is not supported"):
+        ServerSettings(quantization="awq")
 
 
 def test_admin_client_commands_are_registered():
@@ -146,3 +171,23 @@ def test_lora_modules_preload_creates_no_version_on_restart(tmp_path):
     assert [r.version for r in store.versions("default", "bot")] == [1]
     preload_lora_modules(store, (("bot", str(second)),))  # changed weights: a new version
     assert [r.version for r in store.versions("default", "bot")] == [1, 2]
+
+
+def test_a_lora_module_named_like_the_base_model_stops_the_start_at_once(tmp_path):
+    argv = ["--model", str(tmp_path), "--served-model-name", "tiny", "--lora-modules", f"tiny={tmp_path}"]
+
+    async def start():
+        async with open_services(settings(argv)):
+            pass
+
+    with pytest.raises(NameConflict, match="'tiny' is the id of the served base model"):
+        asyncio.run(start())  # before the model or any store is opened: tmp_path holds no model
+
+
+def test_the_start_sweep_is_best_effort(tmp_path, caplog):
+    class StoreDown:
+        def sweep(self):
+            raise StoreUnavailable("list the adapter store failed: connection refused")
+
+    sweep_quietly(StoreDown())
+    assert "could not sweep the adapter store" in caplog.text

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
+import msgspec
 import pytest
 from app_fixtures import MAX_MODEL_LEN, make_text_model
+from loraserve.config_store import ConfigStoreError, ConfigStoreUnavailable
+from loraserve.errors import _domain_error
 from test_inference_completions import run
+
+from adapters_store import StoreUnavailable
+from engine import EngineDeadError
 
 GOOD = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
 CASES = [
@@ -68,7 +75,7 @@ CASES = [
     ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, "invalid_request", ["messages"]),
     (
         "/v1/chat/completions",
-        b'{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}',
+        b'{"model": "tiny", "messages": [{"role": "", "content": "x"}]}',
         400,
         "invalid_request",
         ["role"],
@@ -168,6 +175,49 @@ def test_unknown_path_wrong_method_and_oversize_body(tmp_path, model_dir):
     assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
     assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
     assert after.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "exc, status, code",
+    [
+        (
+            ConfigStoreUnavailable(
+                "redis config store at redis://10.1.2.3:6379/0 unreachable: ConnectionError: Error 111"
+            ),
+            503,
+            "config_store_unavailable",
+        ),
+        (
+            ConfigStoreError("config record '/var/lib/loraserve/config/keys/ab.json' is corrupt"),
+            500,
+            "config_store_error",
+        ),
+        (
+            StoreUnavailable(
+                "list adapters of acme failed: EndpointConnectionError: http://10.9.9.9:9000/secret-bucket; "
+                "bucket 'secret-bucket' does not exist"
+            ),
+            503,
+            "store_unavailable",
+        ),
+        (
+            EngineDeadError("the engine stopped: CUDA error at /opt/loraserve/engine/x.py:12"),
+            503,
+            "engine_dead",
+        ),
+    ],
+)
+def test_server_side_failures_name_no_address_bucket_or_path(exc, status, code, caplog):
+    """The caller learns which part failed and to retry; the log keeps the details for the operator."""
+    request = SimpleNamespace(method="GET", url=SimpleNamespace(path="/v1/models"))
+    response = _domain_error(request, exc)
+    body = msgspec.json.decode(msgspec.json.encode(response.content))
+    assert response.status_code == status and body["error"]["code"] == code
+    message = body["error"]["message"]
+    for secret in ("10.", "6379", "9000", "secret-bucket", "/var/lib", "/opt", "redis://"):
+        assert secret not in message
+    assert "retry" in message or "log" in message
+    assert str(exc) in caplog.text
 
 
 def test_a_bad_seed_mid_batch_leaves_other_streams_and_the_engine_alone(tmp_path, model_dir):

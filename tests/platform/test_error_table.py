@@ -10,13 +10,23 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from loraserve.adapters.runtime_loading import RuntimeLoadingDisabled
+from loraserve.app import create_app  # noqa: F401 (imports every module that defines an API error)
 from loraserve.config_store import ConfigStoreError, ConfigStoreUnavailable
-from loraserve.errors import EXCEPTION_HANDLERS, BadRequest, NotFound, ServiceUnavailable
+from loraserve.errors import (
+    ERROR_TABLE,
+    EXCEPTION_HANDLERS,
+    APIError,
+    BadRequest,
+    NotFound,
+    ServiceUnavailable,
+)
 from loraserve.inference.generation import GenerationFailed
+from loraserve.name_conflicts import AdapterInUse, NameConflict
 from loraserve.resolution import ModelNotFound
 from loraserve.routes import RouteNotFound
 from loraserve.routing import InvalidRoute
-from loraserve.tenancy import Forbidden, InvalidName, TooManyRequests, Unauthorized
+from loraserve.tenancy import Forbidden, InvalidName, TenancyError, TooManyRequests, Unauthorized
 
 from adapters_store import AdapterNotFound, ChecksumError, InvalidAdapter, StoreUnavailable, UploadTooLarge
 from engine import EngineDeadError, RequestError
@@ -64,6 +74,9 @@ CASES = [
     (ConfigStoreUnavailable("m"), 503, "service_unavailable", "config_store_unavailable", None),
     (ConfigStoreError("m"), 500, "server_error", "config_store_error", None),
     (EngineDeadError("m"), 503, "service_unavailable", "engine_dead", None),
+    (NameConflict("m", param="name"), 409, "invalid_request_error", "name_conflict", "name"),
+    (AdapterInUse("m"), 409, "invalid_request_error", "adapter_in_use", None),
+    (RuntimeLoadingDisabled("m"), 403, "permission_error", "runtime_lora_loading_disabled", None),
     (RequestError("m"), 400, "invalid_request_error", "invalid_request", None),
 ]
 
@@ -79,7 +92,12 @@ def answer(exc: Exception):
 def test_each_expected_exception_has_one_answer(exc, status, kind, code, param):
     got_status, body, headers = answer(exc)
     assert got_status == status
-    assert body == {"error": {"message": str(exc), "type": kind, "code": code, "param": param}}
+    # 5xx of the stores and the engine tell a fixed text (theirs names hosts and paths); the rest their own.
+    message = (
+        str(exc) if status < 500 or isinstance(exc, (APIError, ChecksumError)) else body["error"]["message"]
+    )
+    assert message != "m" or status < 500 or isinstance(exc, (APIError, ChecksumError))
+    assert body == {"error": {"message": message, "type": kind, "code": code, "param": param}}
     assert ("Retry-After" in headers) == isinstance(exc, TooManyRequests)
 
 
@@ -91,3 +109,18 @@ def test_anything_else_is_a_500_that_says_nothing_of_it():
     status, body, _ = answer(ValueError("/secret/path"))
     assert status == 500
     assert body["error"]["code"] == "internal_error" and "/secret/path" not in json.dumps(body)
+
+
+def _subclasses(base: type) -> list[type]:
+    return [base] + [c for sub in base.__subclasses__() for c in _subclasses(sub)]
+
+
+def test_statuses_live_only_in_the_table():
+    """No API error class sets its own status: ERROR_TABLE is the one place (a new status needs a row)."""
+    own = [
+        c.__qualname__ for c in _subclasses(APIError) + _subclasses(TenancyError) if "status_code" in vars(c)
+    ]
+    assert own == ["APIError", "TenancyError"]  # the read-only properties that look the status up
+    kinds = [row.kind for row in ERROR_TABLE]
+    for i, kind in enumerate(kinds):  # a base listed before its subclass would shadow the subclass's row
+        assert not any(issubclass(later, kind) for later in kinds[i + 1 :]), kind

@@ -54,6 +54,7 @@ class Metrics:
         model_name: str,
         engine_stats: Callable[[], EngineStats | None] = lambda: None,
         config_store_up: Callable[[], bool] = lambda: True,
+        adapter_store_up: Callable[[], bool] = lambda: True,
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -107,7 +108,13 @@ class Metrics:
             ["tenant", "route", "variant"],
             registry=self.registry,
         )
-        self.registry.register(_StateCollector(model_name, engine_stats, config_store_up))
+        self.rate_limited = Counter(
+            "loraserve_tenant_rate_limited",
+            "Requests refused with 429 per tenant, by the limit hit (concurrency or tokens).",
+            ["tenant", "limit"],
+            registry=self.registry,
+        )
+        self.registry.register(_StateCollector(model_name, engine_stats, config_store_up, adapter_store_up))
 
     def observe_request(self, *, ttft: float, tpot: float | None, e2e: float) -> None:
         self.ttft.observe(ttft)
@@ -130,6 +137,9 @@ class Metrics:
         """The Router's pick hook."""
         self.route_requests.labels(tenant, route, variant.adapter).inc()
 
+    def tenant_rate_limited(self, tenant: str, limit: str) -> None:
+        self.rate_limited.labels(tenant, limit).inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -140,15 +150,24 @@ class _StateCollector(Collector):
         model_name: str,
         engine_stats: Callable[[], EngineStats | None],
         config_store_up: Callable[[], bool],
+        adapter_store_up: Callable[[], bool],
     ) -> None:
         self._model = model_name
         self._engine_stats = engine_stats
         self._config_store_up = config_store_up
+        self._adapter_store_up = adapter_store_up
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("loraserve_config_store_up", "1 while the config store answers, else 0.")
         up.add_metric([], 1.0 if self._config_store_up() else 0.0)
         yield up
+        # /ready stays 200 through a store outage (every replica shares the store): this is where it shows.
+        store_up = GaugeMetricFamily(
+            "loraserve_adapter_store_up",
+            "0 while the adapter store's last answer to this replica was a failure.",
+        )
+        store_up.add_metric([], 1.0 if self._adapter_store_up() else 0.0)
+        yield store_up
         stats = self._engine_stats()
         if stats is None:
             return
@@ -181,6 +200,51 @@ class _StateCollector(Collector):
             time.time(),
         )
         yield info
+        yield from _tenant_families(stats)
+
+
+# Per-tenant series from the engine's accounting (engine.stats.TenantStats). The labels name tenants, so
+# these must stay where tenants cannot read them (like the rest of /metrics).
+_TENANT_SERIES = (
+    ("counter", "loraserve_tenant_requests", "Requests admitted per tenant.", "num_requests"),
+    ("counter", "loraserve_tenant_prompt_tokens", "Prompt tokens admitted per tenant.", "num_prompt_tokens"),
+    (
+        "counter",
+        "loraserve_tenant_generation_tokens",
+        "Tokens generated per tenant.",
+        "num_generation_tokens",
+    ),
+    (
+        "counter",
+        "loraserve_tenant_queue_time_seconds",
+        "Seconds requests waited from arrival to first admission, summed per tenant.",
+        "queue_time_s",
+    ),
+    (
+        "gauge",
+        "loraserve_tenant_service_share",
+        "Part of the weighted tokens served in about the last minute, per tenant (0..1).",
+        "share",
+    ),
+    (
+        "gauge",
+        "loraserve_tenant_virtual_tokens",
+        "The fair scheduler's virtual token counter per tenant.",
+        "virtual_tokens",
+    ),
+    ("gauge", "loraserve_tenant_weight", "The fair scheduler's weight per tenant.", "weight"),
+    ("gauge", "loraserve_tenant_requests_running", "Running requests per tenant.", "num_running"),
+    ("gauge", "loraserve_tenant_requests_waiting", "Waiting requests per tenant.", "num_waiting"),
+)
+
+
+def _tenant_families(stats: EngineStats) -> Iterator[Metric]:
+    for kind, name, doc, attribute in _TENANT_SERIES:
+        family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        family = family_type(name, doc, labels=["tenant"])
+        for tenant in stats.tenants:
+            family.add_metric([tenant.tenant], getattr(tenant, attribute))
+        yield family
 
 
 def affinity_names(adapter_ids: Iterable[str]) -> str:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import calendar
+import functools
 import time
 from typing import Literal
 
@@ -37,18 +37,25 @@ async def list_models(services: Services, principal: Principal) -> ModelList:
     """Names the tenant may send as `model`: `name` means the latest version, `name@version` one version."""
     tenant, base = principal.tenant, services.base_model_id
     now = int(time.time())
-    records = await asyncio.to_thread(services.adapter_store.list, tenant, all_versions=True)
+    records = await services.adapter_lookup.call(
+        functools.partial(services.adapter_store.list, tenant, all_versions=True)
+    )
     routes = await services.config_store.list_routes(tenant)
     cards = [ModelCard(id=base, created=now, owned_by=OWNED_BY_SERVER, root=base, parent=None, kind="base")]
     latest: dict[str, AdapterRecord] = {}
     for record in records:  # sorted by (name, version): the last one of a name is its latest
         latest[record.name] = record
+    # Each id once, as resolution reads it: the base model first, then routes, then adapters (names
+    # stored before the base model's id was refused to them are shadowed the same way).
+    routed = {route.name for route in routes}
     for name, record in latest.items():
-        cards.append(_adapter_card(name, record, tenant, base))
+        if name not in routed and name != base:
+            cards.append(_adapter_card(name, record, tenant, base))
     cards.extend(_adapter_card(record.ref, record, tenant, base) for record in records)
     cards.extend(
         ModelCard(id=route.name, created=now, owned_by=tenant, root=route.name, parent=base, kind="route")
         for route in routes
+        if route.name != base
     )
     return ModelList(data=cards)
 

@@ -1,9 +1,10 @@
 """The model's own sampling defaults (its `generation_config.json`), for fields a request leaves unset.
 
 As vLLM does with `--generation-config auto`: a model folder's `generation_config.json` may recommend
-`temperature`, `top_p` and `top_k`; those apply to every request that does not set the field itself.
-Keys the engine cannot honour (`repetition_penalty`, `min_p`, ...) are ignored with a log line, never
-refused, and so is a value out of range. `"vllm"` ignores the file: SamplingParams' own defaults.
+`temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty` (the sampling keys vLLM reads); those
+apply to every request that does not set the field itself. Other keys (`do_sample`, `max_new_tokens`,
+...) are not read, and a value out of range is ignored with a log line, never refused. `"vllm"` ignores
+the file: SamplingParams' own defaults.
 
     defaults = load_generation_defaults(model_path)      # {"temperature": 0.2, "top_p": 0.9}
     params = apply_generation_defaults(defaults, temperature=None, max_tokens=32)   # temperature 0.2
@@ -24,10 +25,8 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 GENERATION_CONFIG_FILE = "generation_config.json"
-# Sampling defaults a model may recommend that vLLM also reads and this engine supports.
-_SUPPORTED = ("temperature", "top_p", "top_k")
-# What vLLM reads from the file but this engine has no sampler for: noted in the log, not applied.
-_UNSUPPORTED = ("repetition_penalty", "min_p")
+# The sampling defaults vLLM reads from the file (its max_new_tokens aside); this engine honours each.
+_SUPPORTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def load_generation_defaults(model_path: str | Path, mode: str = "auto") -> dict[str, Any]:
@@ -48,17 +47,15 @@ def load_generation_defaults(model_path: str | Path, mode: str = "auto") -> dict
     for key in _SUPPORTED:
         if key in config and key not in defaults:
             logger.warning("%s: %s=%r is out of range; ignored", path, key, config[key])
-    ignored = [key for key in _UNSUPPORTED if key in config]
-    if ignored:
-        logger.info("%s: %s not supported by this engine; ignored", path, ", ".join(ignored))
     if defaults:
         logger.info("sampling defaults from %s: %s", path, defaults)
     return defaults
 
 
 def apply_generation_defaults(defaults: Mapping[str, Any], **fields: Any) -> SamplingParams:
-    """SamplingParams of `fields`; temperature, top_p or top_k left out or None take the model's default,
-    else SamplingParams' own. Other fields pass through as given (None included: `max_tokens=None`).
+    """SamplingParams of `fields`; a sampling field of the file's (temperature, top_p, top_k, min_p,
+    repetition_penalty) left out or None takes the model's default, else SamplingParams' own. Other
+    fields pass through as given (None included: `max_tokens=None`).
 
     One place for the rule, used by the server (every OpenAI request) and the offline `LLM`.
     """
@@ -76,4 +73,10 @@ def _valid(key: str, value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= -1
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         return False
-    return value >= 0.0 if key == "temperature" else 0.0 < value <= 1.0
+    if key == "temperature":
+        return value >= 0.0
+    if key == "repetition_penalty":
+        return value > 0.0
+    if key == "min_p":
+        return 0.0 <= value <= 1.0
+    return 0.0 < value <= 1.0  # top_p

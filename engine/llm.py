@@ -21,7 +21,7 @@ class LLM:
     folder, or None for the base model. A prompt that cannot be served (too long, unknown adapter)
     comes back with `error` set and `finish_reason` "error"; the others are unaffected.
     Without `sampling_params`, prompts use `get_default_sampling_params()`: the model's recommended
-    temperature, top_p and top_k (its generation_config.json) unless `generation_config="vllm"`.
+    sampling fields (its generation_config.json) unless `generation_config="vllm"`.
     """
 
     def __init__(

@@ -142,7 +142,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--generation-config",
         default="auto",
         choices=GENERATION_CONFIGS,
-        help="auto: sampling fields a request leaves unset (temperature, top_p, top_k) take the model's "
+        help="auto: sampling fields a request leaves unset (temperature, top_p, top_k, min_p, repetition_penalty) take the model's "
         "generation_config.json values; vllm: ignore that file",
     )
     add(

@@ -101,7 +101,7 @@ class Services:
     # The base model's Hugging Face tokenizer (prompts, chat templates, logprob tokens); None: token ids only.
     tokenizer: Tokenizer | None = None
     max_model_len: int | None = None  # prompt plus output tokens per sequence; None: not checked here
-    # The model's recommended temperature/top_p/top_k for fields a request leaves unset (generation_config.json).
+    # The model's recommended sampling fields for those a request leaves unset (its generation_config.json).
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     # Folders POST /v1/load_lora_adapter may read from (--allowed-lora-paths); empty: runtime loading off.
     allowed_lora_paths: tuple[str, ...] = ()

@@ -25,13 +25,21 @@ def test_supported_fields_are_read_and_the_rest_ignored(tmp_path, caplog):
             "top_p": 0.9,
             "top_k": 40,
             "repetition_penalty": 1.1,
+            "min_p": 0.05,
             "do_sample": True,
+            "max_new_tokens": 99,
             "eos_token_id": 2,
         },
     )
     with caplog.at_level(logging.INFO, logger="engine.generation_config"):
-        assert load_generation_defaults(folder) == {"temperature": 0.2, "top_p": 0.9, "top_k": 40}
-    assert "repetition_penalty" in caplog.text
+        assert load_generation_defaults(folder) == {
+            "temperature": 0.2,
+            "top_p": 0.9,
+            "top_k": 40,
+            "repetition_penalty": 1.1,
+            "min_p": 0.05,
+        }
+    assert "sampling defaults" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -41,7 +49,13 @@ def test_supported_fields_are_read_and_the_rest_ignored(tmp_path, caplog):
         {"bos_token_id": 1, "eos_token_id": 2},  # what a plain conversion writes
         "not json",
         "[1, 2]",
-        {"temperature": -1, "top_p": 0, "top_k": 1.5},  # out of range: ignored, never refused
+        {
+            "temperature": -1,
+            "top_p": 0,
+            "top_k": 1.5,
+            "min_p": 2,
+            "repetition_penalty": 0,
+        },  # ignored, not refused
         {"temperature": True, "top_p": "0.9"},
     ],
 )
@@ -57,9 +71,18 @@ def test_no_file_and_vllm_mode_mean_no_defaults(tmp_path):
 
 
 def test_unset_fields_take_the_defaults_and_set_ones_win():
-    defaults = {"temperature": 0.2, "top_p": 0.9}
-    params = apply_generation_defaults(defaults, temperature=None, top_p=None, top_k=None, max_tokens=None)
+    defaults = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.3}
+    params = apply_generation_defaults(
+        defaults,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        min_p=None,
+        repetition_penalty=None,
+        max_tokens=None,
+    )
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.2, 0.9, 0, None)
+    assert (params.repetition_penalty, params.min_p) == (1.3, 0.0)
     params = apply_generation_defaults(defaults, temperature=0.0, top_p=1.0, top_k=5, max_tokens=8)
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.0, 1.0, 5, 8)
     plain = apply_generation_defaults({})

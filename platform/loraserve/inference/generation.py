@@ -16,17 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import RequestOutput, SamplingParams
-from loraserve.errors import APIError, ServiceUnavailable
+from loraserve.errors import ServiceUnavailable
 from loraserve.services import Services
 from loraserve.tenancy import Lease, Principal, TokenReservation
 
 _DONE = object()
 
 
-class GenerationFailed(APIError):
+class GenerationFailed(ServiceUnavailable):
     """The engine failed a request it had accepted (e.g. its adapter could not be loaded)."""
 
-    status_code = 503
     code = "generation_failed"
 
 

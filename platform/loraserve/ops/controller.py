@@ -26,7 +26,7 @@ class Health(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 class OpsController(Controller):
     tags = ["ops"]
 
-    @get("/health")
+    @get("/health", summary="The process answers; 503 once the engine has stopped")
     async def health(self, state: State) -> Response[Health]:
         """200 while the process serves; 503 once the engine core died (a liveness probe restarts the pod)."""
         reason = engine_dead_reason(state.get(SERVICES_KEY))
@@ -34,14 +34,14 @@ class OpsController(Controller):
             return Response(Health(status="unhealthy", reason=reason), status_code=503)
         return Response(Health(status="ok"))
 
-    @get("/ready")
+    @get("/ready", summary="Able to serve: model loaded, stores answering, not draining (else 503)")
     async def ready(
         self, services: NamedDependency[Services], readiness: NamedDependency[Readiness]
     ) -> Response[ReadyStatus]:
         status = await readiness.check(services)
         return Response(status, status_code=200 if status.ready else 503)
 
-    @get("/metrics")
+    @get("/metrics", summary="Prometheus metrics (vLLM's names where they overlap)")
     async def metrics(
         self,
         request: Request,

@@ -301,6 +301,8 @@ class LLMEngine:
             num_adapters_loading=self.lora.num_loading,
             tenants=self.scheduler.tenant_stats(),
             resident_adapters=self.lora.resident_ids(),
+            gpu_adapters=self.lora.gpu_ids(),
+            cpu_adapters=self.lora.cpu_ids(),
         )
 
     def _resolve_adapter(self, adapter: str | None) -> str | None:

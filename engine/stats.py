@@ -30,6 +30,9 @@ class EngineStats:
     # In a GPU slot or the CPU tier: a request for one of these needs no store call (the server's adapter
     # lookups serve them from their cache while the store is down).
     resident_adapters: frozenset[str] = frozenset()
+    # The same by tier, sorted: holding a GPU slot, and in the pinned CPU tier (an adapter may be in both).
+    gpu_adapters: tuple[str, ...] = ()
+    cpu_adapters: tuple[str, ...] = ()
     tenants: tuple[TenantStats, ...] = ()  # by tenant name; see TenantStats
 
 

@@ -98,6 +98,7 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             lambda: engine.stats() if engine is not None else None,
             lambda: config_store.healthy,
             lambda: adapter_lookup.store_up,
+            disk_cache.cached_versions,
         )
         log.info("loading model %s (%s)", model_id, model)
         llm_engine = await asyncio.to_thread(

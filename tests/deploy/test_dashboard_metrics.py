@@ -22,8 +22,22 @@ SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")
 def exported_families() -> set[str]:
     """Family names (as `# TYPE` declares them) of a registry that has seen one of everything."""
     tenant = TenantStats("acme", 1.0, 1, 3, 5, 0.1, 11.0, 1.0, 0, 0)
-    stats = EngineStats(0, 0, 0.1, 0, 3, 5, ("acme/a@1",), (), 4, 1, 0, frozenset(), (tenant,))
-    metrics = Metrics("tiny", lambda: stats)
+    stats = EngineStats(
+        num_running=0,
+        num_waiting=0,
+        kv_cache_usage=0.1,
+        num_preemptions=0,
+        num_prompt_tokens=3,
+        num_generation_tokens=5,
+        running_adapters=("acme/a@1",),
+        waiting_adapters=(),
+        max_loras=4,
+        num_lora_slots_in_use=1,
+        num_adapters_loading=0,
+        gpu_adapters=("acme/a@1",),
+        tenants=(tenant,),
+    )
+    metrics = Metrics("tiny", lambda: stats, disk_adapters=lambda: [("acme", "a", 1)])
     metrics.observe_request(
         ttft=0.1,
         tpot=0.01,
@@ -55,6 +69,16 @@ def dashboard_queries() -> list[str]:
     return queries
 
 
+def test_residency_rules_name_exported_metrics():
+    rules = yaml.safe_load((DEPLOY / "monitoring" / "adapter-residency-rules.yml").read_text())
+    exprs = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+    exported = exported_families()
+    assert len(exprs) == 2
+    for expr in exprs:
+        for name in METRIC.findall(expr):
+            assert family(name) in exported, (name, expr)
+
+
 def test_every_dashboard_query_names_an_exported_metric():
     exported = exported_families()
     queries = dashboard_queries()
@@ -71,6 +95,8 @@ def test_every_exported_vllm_and_serving_metric_is_shown_somewhere():
     the info metric for the gateway are the deliberate exceptions)."""
     shown = {family(n) for q in dashboard_queries() for n in METRIC.findall(q)}
     not_on_dashboard = {
+        "loraserve_lora_slots",  # capacity, for the residency rules
+        "loraserve_adapter_resident",  # for the Inference Gateway's scorer (deploy/k8s/inference-gateway)
         "vllm:lora_requests_info",  # for the Inference Gateway's scorer
         "loraserve_tenant_requests",
         "loraserve_tenant_prompt_tokens",

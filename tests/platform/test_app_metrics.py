@@ -104,6 +104,12 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
     assert value(found, "loraserve_config_store_up") == 1
     assert value(found, "loraserve_adapter_store_up") == 1
     assert value(found, "loraserve_lora_slots_in_use") == 0
+    # residency for the gateway: adapter a@1 ran, so it holds a GPU slot and sits in the CPU tier
+    for tier in ("gpu", "cpu", "disk"):
+        assert (
+            value(found, "loraserve_adapter_resident", tenant="default", adapter="a", version="1", tier=tier)
+            == 1
+        )
     assert lora_info(found) == {"max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
     # The first request for the adapter missed every tier; the later ones hit the GPU slot.
     assert sum(v for (n, _), v in found.items() if n == "loraserve_adapter_cache_misses_total") >= 1

@@ -56,6 +56,7 @@ class Metrics:
         engine_stats: Callable[[], EngineStats | None] = lambda: None,
         config_store_up: Callable[[], bool] = lambda: True,
         adapter_store_up: Callable[[], bool] = lambda: True,
+        disk_adapters: Callable[[], Iterable[tuple[str, str, int]]] = lambda: (),
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -142,7 +143,9 @@ class Metrics:
             ["tenant", "limit"],
             registry=self.registry,
         )
-        self.registry.register(_StateCollector(model_name, engine_stats, config_store_up, adapter_store_up))
+        self.registry.register(
+            _StateCollector(model_name, engine_stats, config_store_up, adapter_store_up, disk_adapters)
+        )
 
     def observe_request(
         self,
@@ -195,11 +198,13 @@ class _StateCollector(Collector):
         engine_stats: Callable[[], EngineStats | None],
         config_store_up: Callable[[], bool],
         adapter_store_up: Callable[[], bool],
+        disk_adapters: Callable[[], Iterable[tuple[str, str, int]]],
     ) -> None:
         self._model = model_name
         self._engine_stats = engine_stats
         self._config_store_up = config_store_up
         self._adapter_store_up = adapter_store_up
+        self._disk_adapters = disk_adapters
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("loraserve_config_store_up", "1 while the config store answers, else 0.")
@@ -213,6 +218,7 @@ class _StateCollector(Collector):
         store_up.add_metric([], 1.0 if self._adapter_store_up() else 0.0)
         yield store_up
         stats = self._engine_stats()
+        yield self._residency(stats)
         if stats is None:
             return
         model = [self._model]
@@ -229,6 +235,9 @@ class _StateCollector(Collector):
         )
         slots.add_metric([], stats.num_lora_slots_in_use)
         yield slots
+        capacity = GaugeMetricFamily("loraserve_lora_slots", "GPU adapter slots (max_loras).")
+        capacity.add_metric([], stats.max_loras)
+        yield capacity
         # vLLM's labels, in vLLM's order; the value is the time of this snapshot (vLLM: set_to_current_time).
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",
@@ -245,6 +254,25 @@ class _StateCollector(Collector):
         )
         yield info
         yield from _tenant_families(stats)
+
+    def _residency(self, stats: EngineStats | None) -> Metric:
+        """One series per adapter version and tier holding it, for an Inference Gateway scorer that prefers
+        replicas with the adapter close (llm-d's proposal: GPU 1.0, CPU 0.7, a free slot 0.6)."""
+        family = GaugeMetricFamily(
+            "loraserve_adapter_resident",
+            "1 for each adapter version a tier of this replica holds (gpu slot, cpu tier, disk cache); "
+            "`adapter` is the name clients send.",
+            labels=["tenant", "adapter", "version", "tier"],
+        )
+        tiers = (("gpu", stats.gpu_adapters), ("cpu", stats.cpu_adapters)) if stats is not None else ()
+        for tier, adapter_ids in tiers:
+            for adapter_id in adapter_ids:
+                parts = split_engine_adapter_id(adapter_id)
+                tenant, name, version = parts if parts is not None else ("", adapter_id, 0)
+                family.add_metric([tenant, name, str(version), tier], 1.0)
+        for tenant, name, version in self._disk_adapters():
+            family.add_metric([tenant, name, str(version), "disk"], 1.0)
+        return family
 
 
 # Per-tenant series from the engine's accounting (engine.stats.TenantStats). The labels name tenants, so

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 
+from engine import kernel_compiles
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
@@ -28,6 +29,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats, distinct_adapters
 from engine.tokenizer import eos_token_ids, load_tokenizer
+from engine.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,8 @@ class LLMEngine:
             tokenizer if tokenizer is not None or skip_tokenizer_init else load_tokenizer(model_path)
         )
         self.eos_token_ids = eos_token_ids(model_path, hf_config, self.tokenizer)
+        self._compiles = kernel_compiles.install()  # before the runner, so start-up compiles are counted
+        self._compiles_at_ready = 0
         self.runner = ModelRunner(config, model_path, hf_config, self.max_model_len)
         capacity = self.runner.num_kv_blocks * config.block_size
         if capacity < self.max_model_len:
@@ -86,11 +90,14 @@ class LLMEngine:
             config, self.kv_cache, self.max_model_len, adapter_ready=self.lora.is_ready
         )
         self.sampler = Sampler(config.seed)
+        if self.runner.device.type == "cuda":  # elsewhere nothing is compiled
+            warm_up(self.runner, self.sampler)
         self._states: dict[str, RequestState] = {}  # child request id -> state
         self._parents: dict[str, list[str]] = {}  # user request id -> child ids
         self._pending: list[RequestOutput] = []  # refused or aborted requests, reported at the next step
         self._num_prompt_tokens = 0  # cumulative, for stats()
         self._num_generation_tokens = 0
+        self.mark_ready()
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -216,6 +223,13 @@ class LLMEngine:
         """Stop the adapter loaders (threads and processes); the engine serves no adapter loads after it."""
         self.lora.shutdown()
 
+    def mark_ready(self) -> None:
+        """From now on every Triton compile is unexpected: counted in stats() and logged as a warning.
+        The engine marks itself ready once built (after its warm-up); a server that warms up more may
+        call this again."""
+        self._compiles_at_ready = self._compiles.num_compiles
+        self._compiles.warn = True
+
     def stats(self) -> EngineStats:
         """The engine's load right now (engine thread only; AsyncLLM publishes copies for others)."""
         return EngineStats(
@@ -230,6 +244,7 @@ class LLMEngine:
             max_loras=self.config.max_loras,
             num_lora_slots_in_use=self.lora.num_slots_in_use,
             num_adapters_loading=self.lora.num_loading,
+            num_kernel_compiles_after_ready=self._compiles.num_compiles - self._compiles_at_ready,
         )
 
     def _resolve_adapter(self, adapter: str | None) -> str | None:

@@ -132,6 +132,7 @@ def warm_up(runner, sampler) -> None:  # sampler: the engine's, for its type onl
         steps.append(batches.decode(1, use_lora=False))
     for scheduled in steps:
         logits = runner.execute(scheduled)
+    runner.reset_inputs()
     warm_up_sampler(type(sampler)(), logits)  # a sampler of its own: the engine's random state stays put
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)

@@ -132,6 +132,11 @@ class AsyncLLM:
                     self.engine.add_request(request_id, prompt, params, adapter)
                 except ValueError as exc:  # e.g. bad sampling params: fail this request alone
                     self._deliver(request_id, _failed(request_id, prompt, str(exc)))
+                except Exception as exc:  # a bug met by this request's data: still this request alone
+                    logger.exception("adding request %s failed", request_id)
+                    self._deliver(
+                        request_id, _failed(request_id, prompt, f"the request could not start: {exc}")
+                    )
             elif command[0] == "forget":
                 self.engine.forget_adapter(command[1])
             else:

@@ -183,18 +183,44 @@ class LLMEngine:
         sampling = [s.request for s in scheduled.scheduled if s.samples]
         if not sampling:
             return outputs
-        sampled = self.sampler(logits, sampling)
-        for request, token_id, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs):
-            request.append_output_token(token_id)
+        for request, token_id, logprobs in self._sample_isolated(logits, sampling):
             state = self._states[request.request_id]
-            self._count_tokens(state)
-            status = state.append(token_id, logprobs, self.max_model_len)
+            try:
+                if token_id is None:  # its own sampling raised: logprobs holds the reason
+                    raise logprobs
+                request.append_output_token(token_id)
+                self._count_tokens(state)
+                status = state.append(token_id, logprobs, self.max_model_len)
+            except Exception as exc:  # this request's data broke its own step: fail it, not the batch
+                logger.exception("request %s failed in its step", request.request_id)
+                request.error = f"the request failed while generating: {exc}"
+                status = RequestStatus.FINISHED_ERROR
             if status is not None:
                 self._finish(request, status)
             outputs.append(state.publish())
             if status is not None:
                 self._forget(request.request_id)
         return _latest_per_request(outputs)
+
+    def _sample_isolated(self, logits, requests: list[Request]) -> list[tuple[Request, int | None, object]]:
+        """(request, token id, logprobs) per row; a row whose sampling raises gets (request, None, error).
+
+        The batch is sampled at once; only if that raises is it sampled again row by row, so one request's
+        data (a seed torch refuses, say) fails that request alone while the others keep their tokens.
+        """
+        try:
+            sampled = self.sampler(logits, requests)
+            return list(zip(requests, sampled.token_ids, sampled.logprobs))
+        except Exception:
+            logger.exception("sampling a batch of %d failed; sampling its rows one by one", len(requests))
+        rows = []
+        for i, request in enumerate(requests):
+            try:
+                one = self.sampler(logits[i : i + 1], [request])
+                rows.append((request, one.token_ids[0], one.logprobs[0]))
+            except Exception as exc:
+                rows.append((request, None, exc))
+        return rows
 
     # -- adapters ---------------------------------------------------------------------------------
 

@@ -78,7 +78,9 @@ class Sampler:
         scores = scores / temperature.unsqueeze(1)
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             vocab = scores.shape[1]
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+            top_k = torch.tensor(
+                [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device
+            )
             top_p = torch.tensor([p.top_p for p in params], dtype=SAMPLING_DTYPE, device=device)
             scores = apply_top_k_top_p(scores, top_k, top_p)
         probs = scores.softmax(dim=-1)  # [num_rows, vocab]
@@ -88,14 +90,20 @@ class Sampler:
     def _exponential_noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Exponential(1) noise like probs: seeded rows from their own generators, the rest from the shared one."""
         noise = torch.empty_like(probs)
+        # Every generator exists before any noise is drawn: a seed torch refuses then fails before a
+        # single generator has advanced, so the engine can sample the other rows again unchanged.
+        seeded = {
+            i: self._request_generator(r, probs.device)
+            for i, r in enumerate(requests)
+            if r.sampling_params.seed is not None
+        }
         unseeded = [i for i, r in enumerate(requests) if r.sampling_params.seed is None]
         if unseeded:
             shared_noise = torch.empty(len(unseeded), probs.shape[1], dtype=probs.dtype, device=probs.device)
             shared_noise.exponential_(generator=self._shared_generator(probs.device))
             noise[torch.tensor(unseeded, device=probs.device)] = shared_noise
-        for i, request in enumerate(requests):
-            if request.sampling_params.seed is not None:
-                noise[i].exponential_(generator=self._request_generator(request, probs.device))
+        for i, generator in seeded.items():
+            noise[i].exponential_(generator=generator)
         return noise.clamp_(min=MIN_EXPONENTIAL_NOISE)
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:

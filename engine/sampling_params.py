@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 # Below this temperature sampling is greedy (argmax), as vLLM does.
 GREEDY_EPSILON = 1e-5
+# A seed is a 64-bit signed integer, as in vLLM; n > 1 adds the child's index, which torch's generators
+# (seeds up to 2**64 - 1) still take.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -51,6 +54,12 @@ class SamplingParams:
             raise ValueError(f"temperature must be non-negative (got {self.temperature})")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.seed is not None and (
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not MIN_SEED <= self.seed <= MAX_SEED
+        ):
+            raise ValueError(f"seed must be a 64-bit integer in [{MIN_SEED}, {MAX_SEED}] (got {self.seed!r})")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer (got {self.top_k!r})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

@@ -168,6 +168,12 @@ def _domain_error(request: Request, exc: Exception) -> Response[ErrorBody]:
     return error_response(500, "internal server error; the server log has the details", "internal_error")
 
 
+def _too_deep(request: Request, exc: RecursionError) -> Response[ErrorBody]:
+    """msgspec decodes a body nested past the interpreter's recursion limit by raising RecursionError."""
+    log.warning("%s %s: body nested too deeply (%s)", request.method, request.url.path, exc)
+    return error_response(400, "the request body is nested too deeply to be a valid request", "invalid_json")
+
+
 def _validation_message(exc: ValidationException) -> str:
     """Litestar's detail plus msgspec's precise reason (e.g. 'Expected `int` >= 1 - at `$.max_tokens`')."""
     extra: Any = exc.extra
@@ -195,5 +201,6 @@ EXCEPTION_HANDLERS: dict[type[Exception], Callable[..., Response[Any]]] = {
     APIError: _api_error,
     TenancyError: _tenancy_error,
     HTTPException: _http_exception,
+    RecursionError: _too_deep,
     Exception: _domain_error,
 }

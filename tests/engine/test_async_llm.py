@@ -84,3 +84,48 @@ def test_failed_request_reports_its_error(engines):
     deltas = asyncio.run(_collect(streaming, "hi", SamplingParams(max_tokens=2), "bad", "missing"))
     assert len(deltas) == 1 and deltas[0].finished
     assert "unknown adapter 'missing'" in deltas[0].error
+
+
+def test_a_request_that_breaks_its_step_fails_alone_and_streams_go_on(engines, monkeypatch):
+    """The engine loop survives a request whose data raises inside the step (a fault injected into its
+    sampling at its third token): its stream ends with an error, the others finish, the engine serves on."""
+    offline, streaming = engines
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in _offline(offline, ["Hello world", "The end."], greedy)]
+    sampler = streaming.engine.sampler
+    real = sampler._request_generator
+
+    def faulty(request, device):
+        if request.sampling_params.seed == 666 and request.num_output_tokens == 2:
+            raise RuntimeError("Overflow when unpacking long long")
+        return real(request, device)
+
+    monkeypatch.setattr(sampler, "_request_generator", faulty)
+    poisoned = SamplingParams(temperature=1.0, seed=666, max_tokens=8, ignore_eos=True)
+
+    async def main():
+        streams = asyncio.gather(
+            _collect(streaming, "Hello world", greedy, "good-1"),
+            _collect(streaming, "hi", poisoned, "poisoned", "alpha"),
+            _collect(streaming, "The end.", greedy, "good-2"),
+        )
+        return await asyncio.wait_for(streams, timeout=60)
+
+    good_1, bad, good_2 = asyncio.run(main())
+    streamed = [[t for d in deltas for t in d.outputs[0].token_ids] for deltas in (good_1, good_2)]
+    assert streamed == expected
+    assert bad[-1].finished and bad[-1].outputs[0].finish_reason == "error" and bad[-1].error
+    assert [t for d in bad for t in d.outputs[0].token_ids][:2] and streaming.dead_error is None
+    after = asyncio.run(_collect(streaming, "The end.", greedy, "after"))
+    assert [t for d in after for t in d.outputs[0].token_ids] == expected[1]
+
+
+def _offline(engine, prompts, params):
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"offline-{i}", prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+    return [done[f"offline-{i}"] for i in range(len(prompts))]

@@ -134,3 +134,44 @@ def test_prefix_cache_hits_per_adapter_only(llm):
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert other.num_cached_tokens == 0 and base.num_cached_tokens == 0
     assert len({tuple(o.outputs[0].token_ids) for o in (first, other, base)}) == 3
+
+
+def test_a_seed_torch_refuses_is_refused_up_front():
+    for seed in (2**64, 2**63, -(2**63) - 1, True, 1.5):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=seed)
+    SamplingParams(seed=2**63 - 1)
+    SamplingParams(seed=-(2**63))
+
+
+def test_a_request_whose_sampling_raises_fails_alone(llm, monkeypatch):
+    """A fault in one request's sampling mid-generation (here: its generator raises on its fourth token)
+    fails that request alone; the others keep exactly the tokens they get without it, seeded ones too."""
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
+    prompts = ["Hello world", "The end.", "café crème"]
+    params = [seeded, GREEDY, SamplingParams(temperature=0.8, seed=666, max_tokens=10, ignore_eos=True)]
+    baseline = llm.generate(prompts[:2], params[:2], adapters=["alpha", None])
+    sampler = llm.engine.sampler
+    real = sampler._request_generator
+
+    def faulty(request, device):
+        if request.sampling_params.seed == 666 and request.num_output_tokens == 3:
+            raise RuntimeError("Overflow when unpacking long long")
+        return real(request, device)
+
+    monkeypatch.setattr(sampler, "_request_generator", faulty)
+    outputs = llm.generate(prompts, params, adapters=["alpha", None, "beta"])
+    assert [o.outputs[0].token_ids for o in outputs[:2]] == [b.outputs[0].token_ids for b in baseline]
+    failed = outputs[2]
+    assert failed.outputs[0].finish_reason == "error" and "failed while generating" in failed.error
+    assert len(failed.outputs[0].token_ids) == 3
+    assert llm.generate(prompts[1:2], GREEDY)[0].outputs[0].token_ids == baseline[1].outputs[0].token_ids
+
+
+def test_a_seed_changed_after_validation_fails_its_request_alone(llm):
+    good = llm.generate(["The end."], GREEDY)[0].outputs[0].token_ids
+    poisoned = SamplingParams(temperature=0.8, seed=1, max_tokens=10)
+    poisoned.seed = 2**64
+    outputs = llm.generate(["Hello", "The end."], [poisoned, GREEDY])
+    assert outputs[0].outputs[0].finish_reason == "error" and "seed" in outputs[0].error
+    assert outputs[1].outputs[0].token_ids == good

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from app_fixtures import MAX_MODEL_LEN, make_text_model
 from test_inference_completions import run
@@ -79,6 +81,29 @@ CASES = [
         ["logprobs"],
     ),
     ("/v1/chat/completions", b"[1, 2]", 400, "invalid_request", ["object"]),
+    # A seed must be a 64-bit integer, as in vLLM; larger ones once stopped the engine for everyone.
+    *[
+        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "seed": ' + seed + b"}", 400, None, [word])
+        for seed, word in (
+            (b"18446744073709551616", "seed"),
+            (b"9223372036854775808", "seed"),
+            (b"-9223372036854775809", "seed"),
+            (b"1" * 5000, "out of range"),  # too wide for msgspec's JSON reader itself
+        )
+    ],
+    # Bodies nested beyond any real request's depth are refused, not a recursion crash.
+    *[
+        (path, b'{"model": "tiny", "prompt": ' + b"[" * depth + b"]" * depth + b"}", 400, "invalid_json", [])
+        for path in ("/v1/completions", "/v1/chat/completions")
+        for depth in (1_000, 100_000)
+    ],
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x", "name": ' + b"{" * 5000 + b"}",
+        400,
+        "invalid_json",
+        [],
+    ),
 ]
 
 
@@ -136,3 +161,36 @@ def test_unknown_path_wrong_method_and_oversize_body(tmp_path, model_dir):
     assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
     assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
     assert after.status_code == 200
+
+
+def test_a_bad_seed_mid_batch_leaves_other_streams_and_the_engine_alone(tmp_path, model_dir):
+    """A seed torch would refuse once stopped the engine for every tenant: now it is a 400 of its own,
+    the streams around it finish, and /health stays 200."""
+    stream_body = {"model": "tiny", "prompt": "Hello", "max_tokens": 24, "ignore_eos": True, "stream": True}
+
+    async def scenario(client, services):
+        streams = [asyncio.create_task(client.post("/v1/completions", json=stream_body)) for _ in range(3)]
+        bad = await client.post("/v1/completions", json={**GOOD, "seed": 2**64, "temperature": 1.0})
+        finished = await asyncio.wait_for(asyncio.gather(*streams), timeout=60)
+        return bad, finished, await client.get("/health"), await client.post("/v1/completions", json=GOOD)
+
+    bad, finished, health, after = run(tmp_path, model_dir, scenario)
+    assert bad.status_code == 400 and "seed" in bad.json()["error"]["message"]
+    for response in finished:
+        assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
+        assert '"error"' not in response.text
+    assert health.status_code == 200 and after.status_code == 200
+
+
+def test_health_turns_503_when_the_engine_is_dead(tmp_path, model_dir):
+    async def scenario(client, services):
+        before = await client.get("/health")
+        services.engine.dead_error = RuntimeError("simulated")
+        try:
+            return before, await client.get("/health"), await client.get("/ready")
+        finally:
+            services.engine.dead_error = None
+
+    before, dead, ready = run(tmp_path, model_dir, scenario)
+    assert before.status_code == 200
+    assert dead.status_code == 503 and ready.status_code == 503

@@ -21,6 +21,8 @@ TopK = Annotated[int, Meta(ge=-1)]
 NumChoices = Annotated[int, Meta(ge=1, le=MAX_N)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 Stop = str | list[str] | None
+# A 64-bit signed integer, as vLLM takes it (torch's generators refuse anything wider).
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,7 +41,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop = None
-    seed: int | None = None
+    seed: Seed | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
     # vLLM's extension: logprobs name tokens as "token_id:123", exact where text is ambiguous

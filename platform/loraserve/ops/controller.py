@@ -1,4 +1,4 @@
-"""GET /health (the process answers), /ready (able to serve), /metrics (Prometheus text). No auth: probes."""
+"""GET /health (the process and its engine are alive), /ready (able to serve), /metrics (Prometheus text). No auth: probes."""
 
 from __future__ import annotations
 
@@ -19,8 +19,12 @@ class OpsController(Controller):
     tags = ["ops"]
 
     @get("/health")
-    async def health(self) -> Health:
-        return Health()
+    async def health(self, services: NamedDependency[Services]) -> Response[Health]:
+        """200 while the process can serve; 503 once the engine has stopped, so a liveness probe restarts it."""
+        dead = services.engine is not None and getattr(services.engine, "dead_error", None) is not None
+        if dead:
+            return Response(Health(status="engine stopped"), status_code=503)
+        return Response(Health())
 
     @get("/ready")
     async def ready(

@@ -59,6 +59,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # CPU only: bytes of KV cache when num_kv_blocks is not given (vLLM's VLLM_CPU_KVCACHE_SPACE).
     cpu_kv_cache_bytes: int = 1 << 30
+    # True: schedule and launch each step before reading the previous step's sampled tokens (they reach
+    # the next step's inputs on the device), so host bookkeeping overlaps the GPU; step() then returns
+    # one step late. A request that ends on a stop token costs one wasted row in the next step.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)

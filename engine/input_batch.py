@@ -20,13 +20,12 @@ other steps into buffers of their own.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import torch
 
 from engine.model.attention import AttentionMetadata
 from engine.request import NO_LORA, Request
+from engine.sampler import SampledStep, on_device
 from engine.scheduler import ScheduledRequest
 from engine.step_buffers import DecodeTwins, EagerTwins
 
@@ -105,15 +104,19 @@ class InputBatch:
 
     # -- one step's tensors -----------------------------------------------------------------------------
 
-    def prepare_decode(self, scheduled: list[ScheduledRequest], size: int) -> bool:
+    def prepare_decode(
+        self, scheduled: list[ScheduledRequest], size: int, in_flight: SampledStep | None = None
+    ) -> bool:
         """A decode-only step (one new token per row) into the graphs' buffers, rows [n, size) padding
-        (one token in the scratch block, no adapter). Returns whether any row uses an adapter."""
+        (one token in the scratch block, no adapter). Input tokens still in flight are read from
+        `in_flight` on the device. Returns whether any row uses an adapter."""
         n, bs = len(scheduled), self.block_size
         self._wait_for_copies()
         twins = self.decode
         longs, ints = twins.longs.host_np, twins.ints.host_np
         starts = np.fromiter((s.start for s in scheduled), np.int64, n)
-        longs[0, :n] = [s.request.all_token_ids[s.start] for s in scheduled]
+        ids, waiting = _input_ids(scheduled)
+        longs[0, :n] = ids
         longs[1, :n] = starts
         longs[2, :n] = self.block_table[np.arange(n), starts // bs] * bs + starts % bs
         ints[0, :n] = starts + 1
@@ -128,11 +131,13 @@ class InputBatch:
         table[n:, 0] = self.pad_block
         twins.send(size, width)
         self._record_copies()
+        _read_in_flight(twins.input_ids, waiting, in_flight)
         return bool((self.lora_slots[:n] != NO_LORA).any())
 
-    def prepare_eager(self, scheduled: list[ScheduledRequest]):
+    def prepare_eager(self, scheduled: list[ScheduledRequest], in_flight: SampledStep | None = None):
         """Any step: (input_ids [num_tokens], AttentionMetadata, token slots [num_tokens] int32 or None when
-        no token uses an adapter, logits rows [num_sampling_rows] of the rows that sample)."""
+        no token uses an adapter, logits rows [num_sampling_rows] of the rows that sample). Input tokens
+        still in flight are read from `in_flight` on the device."""
         n, bs = len(scheduled), self.block_size
         self._wait_for_copies()
         twins = self.eager
@@ -148,11 +153,8 @@ class InputBatch:
         ints[0, :n] = starts + num_new  # sequence lengths
         rows = np.repeat(np.arange(n), num_new)  # [num_tokens] the row of each token
         positions = np.arange(num_tokens) + np.repeat(starts - query_start_loc[:n], num_new)
-        longs[0, :num_tokens] = list(
-            itertools.chain.from_iterable(
-                s.request.all_token_ids[s.start : s.start + s.num_new_tokens] for s in scheduled
-            )
-        )
+        ids, waiting = _input_ids(scheduled)
+        longs[0, :num_tokens] = ids
         longs[1, :num_tokens] = positions
         longs[2, :num_tokens] = self.block_table[rows, positions // bs] * bs + positions % bs
         use_lora = bool((self.lora_slots[:n] != NO_LORA).any())
@@ -174,6 +176,7 @@ class InputBatch:
         )
         twins.send(num_tokens, n * width, len(sampling_rows), use_lora)
         self._record_copies()
+        _read_in_flight(twins.longs.device[0], waiting, in_flight)
         token_slots = twins.token_slots.device[:num_tokens] if use_lora else None
         return (
             twins.longs.device[0, :num_tokens],
@@ -189,3 +192,38 @@ class InputBatch:
     def _record_copies(self) -> None:
         if self._copied is not None:
             self._copied.record()
+
+
+def _input_ids(scheduled: list[ScheduledRequest]) -> tuple[list[int], list[tuple[int, Request]]]:
+    """The step's input tokens in order, 0 for a token still in flight (async scheduling: the last
+    sampled token, computed alone in its row), and (position in the step, request) of each such token."""
+    ids: list[int] = []
+    waiting: list[tuple[int, Request]] = []
+    for s in scheduled:
+        known = s.request.all_token_ids[s.start : s.start + s.num_new_tokens]
+        ids.extend(known)
+        missing = s.num_new_tokens - len(known)
+        if missing:
+            if missing > 1:
+                raise RuntimeError(f"request {s.request.request_id}: {missing} input tokens in flight")
+            waiting.append((len(ids), s.request))
+            ids.append(0)
+    return ids, waiting
+
+
+def _read_in_flight(
+    input_ids: torch.Tensor, waiting: list[tuple[int, Request]], in_flight: SampledStep | None
+) -> None:
+    """Write the in-flight tokens into the step's input ids on the device (after the host's copy)."""
+    if not waiting:
+        return
+    if in_flight is None:
+        raise RuntimeError("a step reads tokens still in flight, but no in-flight step was given")
+    row_of = in_flight.row_of()
+    positions = [p for p, _ in waiting]
+    rows = [row_of[request] for _, request in waiting]
+    if positions == rows == list(range(len(rows))):  # the steady state: the same requests, same order
+        input_ids[: len(rows)].copy_(in_flight.token_ids[: len(rows)])
+        return
+    device = input_ids.device
+    input_ids[on_device(positions, device)] = in_flight.token_ids[on_device(rows, device)]

@@ -19,6 +19,7 @@ from engine.model.kv_quant import FP8_DTYPE
 from engine.model.llama import LlamaModel
 from engine.model.loader import checkpoint_dtype, load_weights
 from engine.model.paged_attention_triton import interpreting
+from engine.sampler import SampledStep
 from engine.scheduler import ScheduledRequest
 
 logger = logging.getLogger(__name__)
@@ -100,19 +101,22 @@ class ModelRunner:
         return f"dtype {self.kv_cache_dtype} (fp8, per-tensor scales {source})"
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+    def execute(
+        self, scheduled: list[ScheduledRequest], in_flight: SampledStep | None = None
+    ) -> torch.Tensor:
         """Run one step; returns float32 logits [num_sampling_rows, vocab], rows in `scheduled` order
-        of the requests whose `samples` is true."""
+        of the requests whose `samples` is true. Input tokens the host does not know yet (async
+        scheduling) are read from `in_flight`, the previous step's sampling, on the device."""
         self.inputs.update(scheduled)
         if self.graphs is not None and _is_decode_only(scheduled, self.graphs.max_batch_size):
             size = self.graphs.bucket(len(scheduled))
-            use_lora = self.inputs.prepare_decode(scheduled, size)
+            use_lora = self.inputs.prepare_decode(scheduled, size, in_flight)
             logits = self.graphs.replay(len(scheduled), size, use_lora)
             if all(s.samples for s in scheduled):
                 return logits
             rows = [i for i, s in enumerate(scheduled) if s.samples]
             return logits[torch.tensor(rows, device=logits.device)]
-        input_ids, meta, token_slots, logits_rows = self.inputs.prepare_eager(scheduled)
+        input_ids, meta, token_slots, logits_rows = self.inputs.prepare_eager(scheduled, in_flight)
         lora = None
         if token_slots is not None:
             lora = LoRAContext(self.lora_slots, token_slots)

@@ -30,6 +30,28 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # None where the request did not ask for logprobs
 
 
+@dataclass
+class SampledStep:
+    """One step's sampling, queued: token ids on the device now, on the host once `result()` waited."""
+
+    requests: list[Request]
+    token_ids: torch.Tensor  # [num_rows] int64 on the device (async scheduling feeds the next step with it)
+    wanted: list[int]  # rows that asked for logprobs
+    host: list[torch.Tensor]  # token ids, then (if wanted) chosen logprobs, top values, top ids
+    copied: torch.cuda.Event | None  # recorded after the copies to `host`; None on the CPU
+
+    def row_of(self) -> dict[Request, int]:
+        """Request -> its row in `token_ids`."""
+        return {request: row for row, request in enumerate(self.requests)}
+
+    def result(self) -> SamplerOutput:
+        """Wait for the copies (if not done yet) and return the tokens and logprobs as Python values."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        token_ids = self.host[0].tolist()
+        return SamplerOutput(token_ids, _logprob_lists(self.requests, self.wanted, token_ids, self.host[1:]))
+
+
 class Sampler:
     """Picks one token per row of logits.
 
@@ -48,6 +70,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [num_rows, vocab], row i belongs to requests[i]."""
+        return self.launch(logits, requests).result()
+
+    def launch(self, logits: torch.Tensor, requests: list[Request]) -> SampledStep:
+        """Queue the sampling of `logits` on the device, and the copy of its results to the host; the
+        host waits only in `result()`."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [num_rows={len(requests)}, vocab], got {tuple(logits.shape)}")
         raw = logits.to(SAMPLING_DTYPE)  # [num_rows, vocab]
@@ -69,9 +96,8 @@ class Sampler:
         results = [token_ids]
         if wanted:
             results += _logprob_tensors(raw, requests, wanted, token_ids)
-        host = to_host(results)  # the one wait for this step's results
-        token_id_list = host[0].tolist()
-        return SamplerOutput(token_id_list, _logprob_lists(requests, wanted, token_id_list, host[1:]))
+        host, copied = start_copy_to_host(results)
+        return SampledStep(requests, token_ids, wanted, host, copied)
 
     def free(self, request_id: str) -> None:
         """Forget a finished request's generator."""
@@ -163,7 +189,7 @@ def _mask_stop_tokens_before_min(scores: torch.Tensor, requests: list[Request]) 
     vocab = scores.shape[1]
     for i, request in enumerate(requests):
         params = request.sampling_params
-        if may_stop_at(request.num_output_tokens + 1, params):
+        if may_stop_at(request.num_output_tokens + request.num_in_flight + 1, params):
             continue
         stop_ids = set(params.stop_token_ids)
         if request.eos_token_id is not None:
@@ -206,15 +232,14 @@ def _logprob_lists(
     return result
 
 
-def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """CUDA tensors copied into page-locked host memory, queued together, then one wait on an event
-    recorded after the copies (instead of one blocking copy per tensor). CPU tensors are returned as is."""
-    if not tensors or tensors[0].device.type != "cuda":
-        return tensors
+def start_copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """CUDA tensors copied into page-locked host memory, queued together, and an event recorded after the
+    copies: one wait for all of them instead of one blocking copy each. CPU tensors are returned as is."""
+    if tensors[0].device.type != "cuda":
+        return tensors, None
     host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
     for h, t in zip(host, tensors):
         h.copy_(t, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
-    copied.synchronize()
-    return host
+    return host, copied

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapters_store.base import AdapterStore
-from adapters_store.filenames import ADAPTER_FILES
+from adapters_store.filenames import ADAPTER_FILES, MANIFEST_FILE
 from adapters_store.metrics import StoreMetrics
 from adapters_store.names import is_valid_name
 from adapters_store.record import AdapterRecord
@@ -115,6 +115,21 @@ class DiskCache:
             yield CachedAdapter(record, folder, hit)
         finally:
             os.close(pin)
+
+    def cached_record(self, tenant: str, name: str, version: int) -> AdapterRecord | None:
+        """The record of a version cached here, from the manifest copied along with its files; None if
+        it is not cached. Versions are never reused, so a cached one needs no store call to be trusted
+        (whether it still exists is resolution's question): a load from disk works while S3 is down."""
+        for entry in _scan_name(self.directory / tenant / name):
+            if not entry.path.name.startswith(f"{version}-"):
+                continue
+            try:
+                record = AdapterRecord.from_json((entry.path / MANIFEST_FILE).read_bytes())
+            except (OSError, ValueError):  # moved aside meanwhile, or cached before manifests were copied
+                continue
+            if (record.name, record.version) == (name, version) and entry.path.name.endswith(record.sha256):
+                return record
+        return None
 
     def discard(self, tenant: str, name: str, version: int | None = None) -> int:
         """Drop cached versions of a deleted adapter now instead of waiting for LRU; returns how many."""

@@ -71,8 +71,12 @@ class StoreConfig:
     retries: int = 4
     backoff_s: float = 0.2
     max_backoff_s: float = 10.0
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 60.0
+    # No retry starts this long after an operation's first attempt: with the timeouts below, a hung S3
+    # fails an operation within about retry_deadline_s + read_timeout_s instead of retries x read_timeout_s.
+    retry_deadline_s: float = 10.0
+    # Per connection attempt and per socket read (not per download): a hung endpoint fails in seconds.
+    connect_timeout_s: float = 3.0
+    read_timeout_s: float = 5.0
     # None: boto3's own resolution (AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3, ~/.aws/config, then AWS).
     endpoint_url: str | None = None
     region: str | None = None  # None: AWS_REGION / AWS_DEFAULT_REGION / ~/.aws/config
@@ -95,7 +99,7 @@ class StoreConfig:
             _positive(name, getattr(self, name))
         if not isinstance(self.retries, int) or isinstance(self.retries, bool) or self.retries < 0:
             raise ValueError(f"retries must be a non-negative integer (got {self.retries!r})")
-        for name in ("backoff_s", "max_backoff_s"):
+        for name in ("backoff_s", "max_backoff_s", "retry_deadline_s"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
                 raise ValueError(
                     f"{name} must be a non-negative number of seconds (got {getattr(self, name)!r})"

@@ -9,6 +9,7 @@ versions are never reused, so an id always means the same bytes (hot swap is a n
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 from collections.abc import Callable
@@ -17,13 +18,14 @@ from typing import Any
 
 from adapters_store.base import AdapterStore
 from adapters_store.cache import DiskCache
-from adapters_store.errors import AdapterNotFound, InvalidName, StoreError
+from adapters_store.errors import AdapterNotFound, ChecksumError, InvalidName, StoreError
 from adapters_store.metrics import RecordingMetrics, replay_metrics
 from adapters_store.names import check_name, check_tenant, check_version, format_ref, parse_ref
 from engine.lora.manager import Observer, emit
 from engine.lora.model_shape import ModelShape
 from engine.lora.peft_checkpoint import AdapterError, load_peft_adapter
 
+log = logging.getLogger(__name__)
 _ID_FORM = "tenant/name@version, e.g. acme/support-bot@3"
 
 
@@ -114,7 +116,10 @@ class StoreAdapterSource:
         pinned; by default, the validated PeftAdapter."""
         tenant, name, version = parse_adapter_id(adapter_id)
         try:
-            record = self.store.get(tenant, name, version)
+            # On local disk already: no store call, so such loads work while the store is down.
+            record = self.disk_cache.cached_record(tenant, name, version) or self.store.get(
+                tenant, name, version
+            )
             started = time.perf_counter()
             with self.disk_cache.checkout(tenant, record) as cached:
                 self._emit("hit" if cached.hit else "miss", "disk")
@@ -126,17 +131,29 @@ class StoreAdapterSource:
                 else:
                     loaded = read(cached.path)
                 self._emit("load", "disk", time.perf_counter() - started)
+        # Messages reach the client: they name the adapter and what to do, never an endpoint, bucket or
+        # local path; the log has the details.
         except AdapterNotFound as exc:
             raise AdapterError("unknown_adapter", f"adapter {adapter_id!r} does not exist: {exc}") from None
-        except StoreError as exc:
+        except ChecksumError as exc:  # names only the adapter and its sha256
             raise AdapterError(
                 exc.code, f"adapter {adapter_id!r} could not be fetched from the store: {exc}"
             ) from None
-        except AdapterError as exc:
-            raise AdapterError(exc.code, f"adapter {adapter_id!r} cannot be served: {exc}") from None
-        except OSError as exc:  # the disk cache's folder: full disk, permissions
+        except StoreError as exc:
+            log.warning("adapter %s could not be fetched from the store: %s", adapter_id, exc)
             raise AdapterError(
-                "load_failed", f"adapter {adapter_id!r} could not be cached on local disk: {exc}"
+                exc.code,
+                f"adapter {adapter_id!r} could not be fetched from the store: it is unavailable; retry later",
+            ) from None
+        except AdapterError as exc:
+            log.warning("adapter %s cannot be served: %s", adapter_id, exc)
+            message = str(exc).replace(str(self.disk_cache.directory), "<cache>")
+            raise AdapterError(exc.code, f"adapter {adapter_id!r} cannot be served: {message}") from None
+        except OSError as exc:  # the disk cache's folder: full disk, permissions
+            log.error("adapter %s could not be cached on local disk: %s", adapter_id, exc)
+            raise AdapterError(
+                "load_failed",
+                f"adapter {adapter_id!r} could not be loaded: a server-side disk error; retry later",
             ) from None
         return loaded
 

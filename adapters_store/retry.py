@@ -25,6 +25,7 @@ class RetryPolicy:
     retries: int  # extra attempts after the first
     backoff_s: float  # the first wait is at most this
     max_backoff_s: float  # no wait exceeds this
+    deadline_s: float = float("inf")  # no retry starts later than this after the first attempt
 
 
 def backoff_delay(attempt: int, policy: RetryPolicy, rand: Callable[[], float] = random.random) -> float:
@@ -49,6 +50,7 @@ def call_with_retries(
     Errors that retrying cannot fix (not found, access denied, a failed precondition) propagate
     unchanged at once, for the caller to translate.
     """
+    started = time.monotonic()
     for attempt in range(policy.retries + 1):
         try:
             return fn()
@@ -56,12 +58,13 @@ def call_with_retries(
             if not is_retryable(exc):
                 raise
             reason = describe(exc)
-            if attempt == policy.retries:
+            delay = backoff_delay(attempt, policy)
+            if attempt == policy.retries or time.monotonic() + delay - started > policy.deadline_s:
                 raise StoreUnavailable(
                     f"{operation} failed after {attempt + 1} attempts: {reason}; check that the adapter store "
                     "is reachable and healthy (retries and timeouts are set in StoreConfig)",
                     reason,
                 ) from exc
             metrics.retry(operation, reason)
-            sleep(backoff_delay(attempt, policy))
+            sleep(delay)
     raise AssertionError("unreachable")

@@ -77,7 +77,9 @@ class S3Store(AdapterStore):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.client = client or make_client(config)
-        self._policy = RetryPolicy(config.retries, config.backoff_s, config.max_backoff_s)
+        self._policy = RetryPolicy(
+            config.retries, config.backoff_s, config.max_backoff_s, config.retry_deadline_s
+        )
         self._conditional_writes = True
 
     def __repr__(self) -> str:

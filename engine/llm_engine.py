@@ -17,6 +17,7 @@ from engine import kernel_compiles
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
+from engine.logits_processors import apply_logits_processors, uses_processors
 from engine.lora.manager import AdapterManager, AdapterSource, Observer
 from engine.lora.model_shape import ModelShape
 from engine.lora.peft_checkpoint import AdapterError, PeftAdapter
@@ -30,6 +31,7 @@ from engine.sampler import SampledStep, Sampler, on_device
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats, distinct_adapters
+from engine.structured_output.matchers import StructuredOutputs
 from engine.tokenizer import eos_token_ids, load_tokenizer
 from engine.warmup import warm_up
 
@@ -94,6 +96,8 @@ class LLMEngine:
             config, self.kv_cache, self.max_model_len, adapter_ready=self.lora.is_ready
         )
         self.sampler = Sampler(config.seed)
+        vocab_size = self.runner.model.weights.embed.shape[0]
+        self.structured = StructuredOutputs(self.tokenizer, vocab_size, self.eos_token_ids)
         self._in_flight: Sampled | None = None  # async scheduling: the launched step not yet read back
         if self.runner.device.type == "cuda":  # elsewhere nothing is compiled
             warm_up(self.runner, self.sampler)
@@ -123,6 +127,7 @@ class LLMEngine:
             prompt_ids = self._tokenize(prompt_text) if prompt_ids is None else prompt_ids
             adapter_id = self._resolve_adapter(adapter)
             self._check_prompt(prompt_ids)
+            self._check_token_ids(params)
         except (AdapterError, RequestError) as exc:
             self._fail_unqueued(request_id, prompt_text, prompt_ids or [], adapter, str(exc))
             return
@@ -145,7 +150,12 @@ class LLMEngine:
             adapter_id=adapter_id,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
         )
-        self.scheduler.add_request(child)
+        self.structured.add(child)  # an invalid spec raises here, before anything is queued
+        try:
+            self.scheduler.add_request(child)
+        except ValueError:
+            self.structured.free(child_id)
+            raise
         if adapter_id is not None:
             self.lora.hold(adapter_id)
         detok = IncrementalDetokenizer(self.tokenizer, child) if self.tokenizer is not None else None
@@ -190,6 +200,13 @@ class LLMEngine:
             self.lora.start_copies()  # while the GPU runs the step: issuing copies must not delay its launch
             sampling = [s.request for s in scheduled.scheduled if s.samples]
             if sampling:
+                if self._in_flight is not None and any(_needs_last_token(r) for r in sampling):
+                    outputs.extend(self._update(self._in_flight))  # penalties, grammars read the tokens
+                    self._in_flight = None
+                # Grammar masks are filled on the host while the GPU still computes the logits; they go
+                # last, so no bias can bring back a token the grammar forbids.
+                prepared = self.structured.prepare(sampling)
+                logits = self.structured.apply(apply_logits_processors(logits, sampling), prepared)
                 launched = self._launch_sampling(logits, sampling)
         else:
             self.lora.start_copies()
@@ -222,6 +239,8 @@ class LLMEngine:
                 request.append_output_token(token_id)
                 self._count_tokens(state)
                 status = state.append(token_id, logprobs, self.max_model_len)
+                if self.structured.accept(request, token_id) and status is None:
+                    status = RequestStatus.FINISHED_STOPPED  # the structure is complete
             except Exception as exc:  # this request's data broke its own step: fail it, not the batch
                 logger.exception("request %s failed in its step", request.request_id)
                 request.error = f"the request failed while generating: {exc}"
@@ -300,6 +319,7 @@ class LLMEngine:
             max_loras=self.config.max_loras,
             num_lora_slots_in_use=self.lora.num_slots_in_use,
             num_adapters_loading=self.lora.num_loading,
+            resident_adapters=self.lora.resident_ids(),
             num_kernel_compiles_after_ready=self._compiles.num_compiles - self._compiles_at_ready,
         )
 
@@ -345,6 +365,7 @@ class LLMEngine:
         self.scheduler.finish_request(request.request_id, status)
         request.status = status
         self.sampler.free(request.request_id)
+        self.structured.free(request.request_id)
 
     def _count_tokens(self, state: RequestState) -> None:
         """vLLM's token counters: every sampled token; a prompt once per user request, at its first token."""
@@ -388,6 +409,17 @@ class LLMEngine:
         if bad:
             raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids in logit_bias and allowed_token_ids must exist in this model's vocabulary."""
+        vocab = self.runner.model.weights.embed.shape[0]
+        for name, ids in (
+            ("logit_bias", params.logit_bias or {}),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """Each child of an n > 1 request samples independently (seed + index, as vLLM does); extra
         end-of-sequence ids of the checkpoint stop generation like eos itself."""
@@ -428,3 +460,10 @@ def _rows(sampled: Sampled) -> list[tuple[Request, int | None, object]]:
         return rows
     result = step.result()
     return list(zip(step.requests, result.token_ids, result.logprobs))
+
+
+def _needs_last_token(request: Request) -> bool:
+    """Whether sampling the request's next token reads its previous one on the host (penalties, grammars):
+    with async scheduling, a token still in flight is read back first."""
+    params = request.sampling_params
+    return bool(request.num_in_flight) and (params.structured_outputs is not None or uses_processors(params))

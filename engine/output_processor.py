@@ -90,5 +90,6 @@ class RequestState:
         )
         if request.error and self.parent.error is None:
             self.parent.error = request.error
-        self.parent.num_cached_tokens = max(self.parent.num_cached_tokens, request.num_cached_tokens)
+        if self.index == 0:  # the prompt is counted once, as the first completion's (vLLM's usage does so)
+            self.parent.num_cached_tokens = request.num_cached_tokens
         return self.parent.output()

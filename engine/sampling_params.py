@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from engine.structured_output.params import StructuredOutputsParams
 
 # Below this temperature sampling is greedy (argmax), as vLLM does.
 GREEDY_EPSILON = 1e-5
@@ -33,6 +36,16 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     min_tokens: int = 0
+    # Constrain the output to a JSON schema, JSON, a regex, a choice or a grammar (vLLM's name and type;
+    # a dict of the same fields is accepted too).
+    structured_outputs: StructuredOutputsParams | None = None
+    # Logits edits (engine/logits_processors.py), named and bounded as in vLLM and OpenAI.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +77,27 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer (got {self.top_k!r})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20 (got {self.logprobs})")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields)")
+        if not self.repetition_penalty > 0.0 or not math.isfinite(self.repetition_penalty):
+            raise ValueError(f"repetition_penalty must be a positive number (got {self.repetition_penalty})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (got {getattr(self, name)})")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (got {self.min_p})")
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative (got {self.min_tokens})")
 

@@ -27,6 +27,9 @@ class EngineStats:
     max_loras: int  # ... max_lora
     num_lora_slots_in_use: int  # GPU slots pinned by running requests
     num_adapters_loading: int  # background loads (store, disk) in flight
+    # In a GPU slot or the CPU tier: a request for one of these needs no store call (the server's adapter
+    # lookups serve them from their cache while the store is down).
+    resident_adapters: frozenset[str] = frozenset()
     # Triton kernel variants compiled since the engine was marked ready (LLMEngine.mark_ready); should stay
     # 0: loraserve_kernel_compiles_after_ready_total.
     num_kernel_compiles_after_ready: int = 0

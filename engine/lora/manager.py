@@ -282,6 +282,10 @@ class AdapterManager:
     def num_loading(self) -> int:
         return len(self._loading)
 
+    def resident_ids(self) -> frozenset[str]:
+        """Adapters in the CPU tier or a GPU slot (a slot's adapter may have left the CPU tier's LRU)."""
+        return frozenset(self._cpu).union(self.allocator.adapter_ids())
+
     def wait_for_loads(self, timeout: float) -> None:
         """Block briefly until some background load finishes (used when nothing else can run)."""
         if self._loading:
@@ -359,9 +363,12 @@ class AdapterManager:
 
 
 def _reason(adapter_id: str, error: BaseException) -> str:
+    """What the adapter's requests are told. AdapterErrors are written for users; anything else is a
+    bug or an environment problem whose text may carry paths or hosts, so it goes to the log only."""
     if isinstance(error, AdapterError):
         return str(error)
-    return f"adapter {adapter_id!r} could not be loaded: {error}"  # store outages, corrupt files
+    logger.error("adapter %s failed to load", adapter_id, exc_info=error)
+    return f"adapter {adapter_id!r} could not be loaded: an internal error (the server log has the details)"
 
 
 def emit(observer: Observer | None, event: str, tier: str, seconds: float = 0.0) -> None:

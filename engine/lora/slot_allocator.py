@@ -27,6 +27,10 @@ class SlotAllocator:
     def lookup(self, adapter_id: str) -> int | None:
         return self._slot_of.get(adapter_id)
 
+    def adapter_ids(self) -> list[str]:
+        """The adapters holding a slot, least recently used first."""
+        return list(self._slot_of)
+
     def can_acquire(self, adapter_id: str, protected: frozenset[str] = frozenset()) -> bool:
         return (
             adapter_id in self._slot_of or bool(self._free_slots) or self._lru_unpinned(protected) is not None

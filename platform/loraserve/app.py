@@ -15,15 +15,17 @@ from litestar.datastructures import State
 
 from loraserve.adapters import adapters_controller
 from loraserve.bootstrap import open_services, store_config
-from loraserve.dependencies import DEPENDENCIES, READINESS_KEY, SERVICES_KEY
+from loraserve.dependencies import DEPENDENCIES, METRICS_ACCESS_KEY, READINESS_KEY, SERVICES_KEY
 from loraserve.errors import EXCEPTION_HANDLERS
-from loraserve.inference.controller import InferenceController
+from loraserve.inference.controller import InferenceController, invocations
 from loraserve.ops.controller import OpsController
+from loraserve.ops.metrics_access import MetricsAccess
 from loraserve.ops.readiness import Readiness
 from loraserve.ops.shutdown import Shutdown
 from loraserve.routes import RoutesController
 from loraserve.services import Services
 from loraserve.settings import ServerSettings
+from loraserve.tokenization import TokenizationController
 
 SHUTDOWN_KEY = "shutdown"
 # Chat histories can be long; uploads have their own, larger limit (adapters_controller).
@@ -33,6 +35,7 @@ MAX_REQUEST_BODY_BYTES = 16 << 20
 def create_app(settings: ServerSettings, *, services: Services | None = None) -> Litestar:
     shutdown = Shutdown(settings.shutdown_timeout)
     config = services.adapter_store.config if services is not None else store_config(settings)
+    metrics_access = MetricsAccess(port=settings.metrics_listen_port, key=settings.metrics_key)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -44,11 +47,19 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
             yield
 
     return Litestar(
-        route_handlers=[InferenceController, adapters_controller(config), RoutesController, OpsController],
+        route_handlers=[
+            InferenceController,
+            invocations,
+            TokenizationController,
+            adapters_controller(config),
+            RoutesController,
+            OpsController,
+        ],
         dependencies=DEPENDENCIES,
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
-        state=State({SHUTDOWN_KEY: shutdown, READINESS_KEY: Readiness()}),
+        state=State({SHUTDOWN_KEY: shutdown, READINESS_KEY: Readiness(), METRICS_ACCESS_KEY: metrics_access}),
+        before_request=metrics_access.check_path,
         request_max_body_size=MAX_REQUEST_BODY_BYTES,
         openapi_config=None,
     )
@@ -57,6 +68,8 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
 @asynccontextmanager
 async def _serving(app: Litestar, services: Services, shutdown: Shutdown) -> AsyncIterator[None]:
     services.shutdown = shutdown
+    # Uploads and deletes through any replica drop this replica's cached lookups of that adapter.
+    unsubscribe = await services.config_store.subscribe(services.adapter_lookup.on_config_event)
     app.state[SERVICES_KEY] = services
     try:
         yield
@@ -64,6 +77,9 @@ async def _serving(app: Litestar, services: Services, shutdown: Shutdown) -> Asy
         if shutdown.num_in_flight:
             await shutdown.drain()
         app.state[SERVICES_KEY] = None
+        unsubscribe()
+        services.adapter_lookup.close()
+        app.state[READINESS_KEY].close()
 
 
 def shutdown_of(app: Litestar) -> Shutdown:

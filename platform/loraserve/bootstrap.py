@@ -17,6 +17,7 @@ from adapters_store import AdapterNotFound, AdapterStore, DiskCache, StoreConfig
 from adapters_store.engine_source import StoreAdapterSource
 from engine import AsyncLLM, EngineConfig, LLMEngine, ModelShape
 from engine.model.loader import load_config, resolve_model_path
+from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import CachedConfigStore, open_config_store, redact_url
 from loraserve.ops.metrics import Metrics
 from loraserve.routing import Router
@@ -80,8 +81,12 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
     try:
         keys = load_api_keys(settings.api_keys) if settings.api_keys else []
         authenticator = await Authenticator.create(keys, config_store)
+        adapter_lookup = AdapterLookup(ttl_s=settings.adapter_lookup_ttl)
         metrics = Metrics(
-            model_id, lambda: engine.stats() if engine is not None else None, lambda: config_store.healthy
+            model_id,
+            lambda: engine.stats() if engine is not None else None,
+            lambda: config_store.healthy,
+            lambda: adapter_lookup.store_up,
         )
         log.info("loading model %s (%s)", model_id, model)
         llm_engine = await asyncio.to_thread(
@@ -106,6 +111,7 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             router=Router(on_pick=metrics.route_picked),
             limiter=ConcurrencyLimiter(settings.max_concurrent_requests_per_tenant),
             metrics=metrics,
+            adapter_lookup=adapter_lookup,
             tokenizer=llm_engine.tokenizer,
             max_model_len=llm_engine.max_model_len,
         )
@@ -148,6 +154,8 @@ def _demo_model(settings: ServerSettings) -> Path:
 def _log_startup(settings: ServerSettings, model_id: str, model: str, open_mode: bool) -> None:
     log.info("model: %s (from %s)", model_id, model)
     log.info("adapter store: %s", settings.adapter_store)
+    if settings.metrics_listen_port is None and settings.metrics_key is None:
+        log.warning("no metrics listener and no --metrics-key: /metrics is not served")
     log.info(
         "config store: %s",
         redact_url(settings.config_store)

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from loraserve.settings import (
     DEFAULT_ADAPTER_STORE,
     DEFAULT_STATE_DIR,
     KV_CACHE_DTYPES,
+    METRICS_OFF,
     ServerSettings,
     parse_lora_module,
 )
@@ -38,6 +40,7 @@ _SERVE_FIELDS = (
     "served_model_name",
     "host",
     "port",
+    "root_path",
     "dtype",
     "device",
     "max_num_seqs",
@@ -59,6 +62,10 @@ _SERVE_FIELDS = (
     "shutdown_timeout",
     "max_concurrent_requests_per_tenant",
     "state_dir",
+    "metrics_port",
+    "metrics_host",
+    "metrics_key",
+    "adapter_lookup_ttl",
 )
 GiB = 1 << 30
 
@@ -73,6 +80,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--served-model-name", help="the base model's name in requests and /v1/models (default: --model)")
     add("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     add("--port", type=int, default=8000)
+    add(
+        "--root-path",
+        default="",
+        help="path prefix a proxy strips before forwarding (e.g. /llm), as vLLM's --root-path; "
+        "links in the API schema carry it",
+    )
     add("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     add("--device", default="auto", help="auto (cuda if present), cuda, cuda:1, cpu")
     add("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
@@ -142,7 +155,35 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="GiB of KV cache when running on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)",
     )
+    add(
+        "--metrics-port",
+        type=_metrics_port,
+        help="port of the metrics listener, which serves only /metrics, /health and /ready, out of "
+        "tenants' reach (default: --port + 1); off: none",
+    )
+    add("--metrics-host", help="address of the metrics listener (default: --host)")
+    add(
+        "--metrics-key",
+        help="scrapers must send 'Authorization: Bearer KEY' for /metrics; with a key the main port "
+        "serves /metrics too (prefer the environment variable LORASERVE_METRICS_KEY)",
+    )
+    add(
+        "--adapter-lookup-ttl",
+        type=float,
+        default=30.0,
+        help="seconds an adapter name's resolved version is trusted before the store is asked again "
+        "(uploads and deletes reach every replica at once through the config store's events)",
+    )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _metrics_port(raw: str) -> int:
+    if raw.strip().lower() in ("off", "none", "0"):
+        return METRICS_OFF
+    port = int(raw)
+    if not 1 <= port <= 65535:
+        raise ValueError("expected a port in 1..65535, or off")
+    return port
 
 
 def apply_env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
@@ -229,11 +270,40 @@ def serve(settings: ServerSettings, log_level: str = "info") -> None:
         app,
         host=settings.host,
         port=settings.port,
+        root_path=settings.root_path,
         log_level=log_level,
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
-    DrainingServer(config, shutdown_of(app)).run()
+    DrainingServer(config, shutdown_of(app)).run(sockets=listening_sockets(settings, config))
+
+
+def listening_sockets(settings: ServerSettings, config: uvicorn.Config) -> list[socket.socket]:
+    """The API's socket and, unless it is off, the metrics listener's: one server, one app, two ports.
+
+    The app tells them apart by the port a request arrived on (loraserve.ops.metrics_access).
+    """
+    log = logging.getLogger("loraserve")
+    sockets = [config.bind_socket()]
+    port = settings.metrics_listen_port
+    if port is not None:
+        host = settings.metrics_host or settings.host
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            if settings.metrics_port is not None:  # asked for explicitly: do not start without it
+                raise SystemExit(f"--metrics-port {port}: cannot listen on {host}:{port} ({exc})") from None
+            log.warning(
+                "no metrics listener: %s:%d (--port + 1) is taken (%s); pass --metrics-port", host, port, exc
+            )
+        else:
+            sock.set_inheritable(True)
+            sockets.append(sock)
+            log.info("metrics (/metrics, /health, /ready) on http://%s:%d", host, port)
+    return sockets
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:

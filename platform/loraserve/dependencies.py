@@ -1,4 +1,5 @@
-"""The app's dependencies: `services` (the lifespan's parts), `principal` (the caller), `readiness`.
+"""The app's dependencies: `services` (the lifespan's parts), `principal` (the caller), `readiness`,
+`metrics_access` (who may scrape /metrics).
 
 Handlers declare them by name (`services: NamedDependency[Services]`); `principal` authenticates the
 `Authorization: Bearer KEY` header on every request that asks for it, so a handler that takes a
@@ -11,12 +12,14 @@ from litestar import Request
 from litestar.datastructures import State
 from litestar.di import NamedDependency, Provide
 
+from loraserve.ops.metrics_access import MetricsAccess
 from loraserve.ops.readiness import Readiness
 from loraserve.services import Services
 from loraserve.tenancy import Principal
 
 SERVICES_KEY = "services"
 READINESS_KEY = "readiness"
+METRICS_ACCESS_KEY = "metrics_access"
 
 
 def provide_services(state: State) -> Services:
@@ -34,8 +37,13 @@ def provide_readiness(state: State) -> Readiness:
     return state[READINESS_KEY]
 
 
+def provide_metrics_access(state: State) -> MetricsAccess:
+    return state[METRICS_ACCESS_KEY]
+
+
 DEPENDENCIES = {
     "services": Provide(provide_services, sync_to_thread=False),
     "principal": Provide(provide_principal),
     "readiness": Provide(provide_readiness, sync_to_thread=False),
+    "metrics_access": Provide(provide_metrics_access, sync_to_thread=False),
 }

@@ -156,13 +156,25 @@ def _http_exception(request: Request, exc: HTTPException) -> Response[ErrorBody]
     return error_response(status, str(exc.detail), "invalid_request", headers=exc.headers)
 
 
+# What callers of a 5xx are told: the exception's own text names hosts, buckets or paths (it is logged).
+# ChecksumError is absent: it names only the caller's own adapter and what to do.
+_PUBLIC_MESSAGES: dict[type[Exception], str] = {
+    StoreUnavailable: "the adapter store is unavailable; retry later",
+    ConfigStoreUnavailable: "the configuration store is unavailable; retry later",
+    ConfigStoreError: "the configuration store holds a record the server cannot read; the server log has the details",
+    EngineDeadError: "the engine stopped on an internal error; retry on another replica",
+}
+
+
 def _domain_error(request: Request, exc: Exception) -> Response[ErrorBody]:
     for kind, status, code in _DOMAIN_ERRORS:
         if isinstance(exc, kind):
+            message = str(exc)
             if status >= 500:
                 log.warning("%s %s failed: %s", request.method, request.url.path, exc)
+                message = next((m for k, m in _PUBLIC_MESSAGES.items() if isinstance(exc, k)), message)
             return error_response(
-                status, str(exc), getattr(exc, "code", None) or code, param=getattr(exc, "field", None)
+                status, message, getattr(exc, "code", None) or code, param=getattr(exc, "field", None)
             )
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(500, "internal server error; the server log has the details", "internal_error")

@@ -43,6 +43,9 @@ class EngineClient(Protocol):
     def forget_adapter(self, adapter_id: str) -> None:
         """An adapter version was deleted: no new requests; its slot frees when its last request ends."""
 
+    def stats(self) -> Any:
+        """The latest engine.EngineStats (`resident_adapters` tells resolution which need no store call)."""
+
 
 @dataclass
 class Services:
@@ -55,9 +58,11 @@ class Services:
     router: Router
     limiter: ConcurrencyLimiter
     metrics: Any = None  # loraserve.ops metrics registry; None in tests that do not need it
-    # Short-lived adapter-name lookups for model resolution; uploads and deletes invalidate it.
+    # Adapter-name lookups for model resolution, cached (see adapter_lookup.py); adapter events invalidate.
     adapter_lookup: AdapterLookup = field(default_factory=AdapterLookup)
     tokenizer: Any = None  # the base model's Hugging Face tokenizer (prompts, chat templates, logprob tokens)
     max_model_len: int | None = None  # prompt plus output tokens per sequence; None: not checked here
+    # Built on the first structured-output request (loraserve.inference.structured): checks specs for 400s.
+    grammar_compiler: Any = None
     # Set by the app: SIGTERM's drain state (loraserve.ops.shutdown.Shutdown); None means never draining.
     shutdown: Any = None

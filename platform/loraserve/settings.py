@@ -20,6 +20,7 @@ DEFAULT_STATE_DIR = Path(".loraserve")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 = fp8_e4m3: float8 e4m3 K/V
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch elsewhere
 ADAPTER_LOADERS = ("auto", "thread", "process")  # auto: loader processes on CUDA, threads elsewhere
+METRICS_OFF = 0  # --metrics-port off
 _MODULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -32,6 +33,7 @@ class ServerSettings:
     served_model_name: str | None = None  # the base model's id in requests; None: derived from `model`
     host: str = "127.0.0.1"
     port: int = 8000
+    root_path: str = ""  # the prefix a path-routing proxy strips ("" when served at the root)
     dtype: str = "auto"
     device: str = "auto"
     max_num_seqs: int = 64
@@ -58,10 +60,37 @@ class ServerSettings:
     cpu_kv_cache_bytes: int = 1 << 30
     num_kv_blocks: int | None = None  # explicit KV cache size in blocks (tests)
     state_dir: Path = field(default=DEFAULT_STATE_DIR)  # demo model, embedded config, disk cache
+    # /metrics lives on a listener of its own, out of tenants' reach (docs/OPERATIONS.md, "Metrics").
+    # None: --port + 1 (no listener when --port is 0 or 65535); METRICS_OFF: no listener.
+    metrics_port: int | None = None
+    metrics_host: str | None = None  # None: --host
+    # Scrapers send `Authorization: Bearer KEY` on /metrics; with a key the main port serves /metrics too.
+    metrics_key: str | None = field(default=None, repr=False)  # a secret: never in logs
+    # Adapter lookups (name -> version) are checked against the store again after this many seconds;
+    # uploads and deletes reach every replica at once as config events, so this only bounds a lost event.
+    adapter_lookup_ttl: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535 (got {self.port})")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in 1..65535, or off (got {self.metrics_port})")
+        if (
+            self.metrics_listen_port is not None
+            and self.metrics_listen_port == self.port
+            and (self.metrics_host in (None, self.host))
+        ):
+            raise ValueError(
+                f"--metrics-port {self.metrics_port} is the --port itself; pick another port, or off"
+            )
+        if self.metrics_key is not None and len(self.metrics_key) < 16:
+            raise ValueError("--metrics-key must be at least 16 characters (a random token)")
+        if not self.adapter_lookup_ttl >= 0:
+            raise ValueError(f"--adapter-lookup-ttl must be >= 0 seconds (got {self.adapter_lookup_ttl})")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(
+                f"--root-path must start with / and not end with one, e.g. /llm (got {self.root_path!r})"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; use one of "
@@ -98,6 +127,13 @@ class ServerSettings:
                 raise ValueError(f"--lora-modules {name}={path}: {path!r} is not a PEFT adapter folder")
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-modules names an adapter twice: {names}")
+
+    @property
+    def metrics_listen_port(self) -> int | None:
+        """The metrics listener's port; None when there is none."""
+        if self.metrics_port is None:
+            return self.port + 1 if 0 < self.port < 65535 else None
+        return self.metrics_port if self.metrics_port != METRICS_OFF else None
 
     @property
     def cache_dir(self) -> Path:

@@ -56,6 +56,7 @@ def test_bad_store_urls(url, message):
         ("max_backoff_s", 0.01, r"max_backoff_s \(0.01\) must be at least backoff_s"),
         ("connect_timeout_s", 0, "connect_timeout_s must be a positive number"),
         ("read_timeout_s", "5", "read_timeout_s must be a positive number"),
+        ("retry_deadline_s", -1, "retry_deadline_s must be a non-negative number"),
         ("endpoint_url", "localhost:9000", "must start with http:// or https://"),
         ("addressing_style", "dns", "addressing_style must be one of auto, path, virtual"),
     ],
@@ -70,6 +71,8 @@ def test_store_config_defaults():
     assert config.url == "file://./.loraserve/adapters"
     assert config.max_adapter_bytes == 1 << 30
     assert config.location.scheme == "file"
+    # A hung S3 fails a call within seconds: the last retry starts before the deadline, then one read times out.
+    assert config.retry_deadline_s + config.connect_timeout_s + config.read_timeout_s <= 20
 
 
 @pytest.mark.parametrize(

@@ -185,10 +185,44 @@ def test_a_store_outage_fails_only_that_adapters_requests(setup, local_store, tm
     plan = [(0, "acme/b@1"), (1, "acme/a@1"), (2, "acme/b@1"), (3, None)]
     outputs = run(engine, setup["prompts"], plan)
     for index in (0, 2):
-        assert "'acme/b@1' could not be fetched from the store" in outputs[index].error
-        assert "connection reset" in outputs[index].error
+        assert "'acme/b@1' could not be fetched from the store: it is unavailable" in outputs[index].error
+        assert "connection reset" not in outputs[index].error  # the log has it; clients get no internals
     assert outputs[1].outputs[0].token_ids == setup["expected"][(1, "a1")]
     assert outputs[3].outputs[0].token_ids == setup["expected"][(3, None)]
+
+
+def test_an_adapter_on_local_disk_loads_while_the_store_is_down(setup, local_store, tmp_path, monkeypatch):
+    """The disk cache keeps each version's manifest: a restarted engine (or one whose CPU tier dropped the
+    adapter) loads it from disk without asking the store, so an S3 outage spares it."""
+    first = make_engine(setup, local_store, tmp_path / "cache")
+    assert run(first, setup["prompts"], [(0, "acme/b@1")])[0].error is None
+    first.shutdown()
+
+    def store_down(*args, **kwargs):
+        raise StoreUnavailable("read acme/b/1/manifest.json failed: connection refused", "refused")
+
+    monkeypatch.setattr(local_store, "get", store_down)
+    events = Counter()
+    again = make_engine(setup, local_store, tmp_path / "cache", events)
+    outputs = run(again, setup["prompts"], [(0, "acme/b@1"), (1, "acme/a@1")])
+    again.shutdown()
+    assert outputs[0].outputs[0].token_ids == setup["expected"][(0, "b1")]
+    assert events[("hit", "disk")] == 1
+    assert (
+        "'acme/a@1' could not be fetched from the store: it is unavailable" in outputs[1].error
+    )  # not on disk
+
+
+def test_cached_record_reads_the_cached_manifest_only(setup, local_store, tmp_path):
+    cache = DiskCache(local_store, tmp_path / "cache", 1 << 30)
+    record = local_store.get("acme", "a", 2)
+    assert cache.cached_record("acme", "a", 2) is None
+    with cache.checkout("acme", record):
+        pass
+    assert cache.cached_record("acme", "a", 2) == record
+    assert cache.cached_record("acme", "a", 1) is None and cache.cached_record("other", "a", 2) is None
+    cache.discard("acme", "a", 2)
+    assert cache.cached_record("acme", "a", 2) is None
 
 
 @pytest.mark.parametrize("loader", ["thread", "process"])

@@ -63,15 +63,23 @@ def test_selectors_match_the_pods(gateway_stack):
         one(gateway_stack, "InferencePool")["spec"]["selector"]["matchLabels"], pod_labels(epp)
     )
     monitor = one(render("monitoring"), "ServiceMonitor")
-    service = one(gateway_stack, "Service", "loraserve")
-    assert selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
-    assert monitor["spec"]["endpoints"][0]["port"] in [p["name"] for p in service["spec"]["ports"]]
+    scraped = [
+        s
+        for s in find(gateway_stack, "Service")
+        if selects(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+    ]
+    assert [s["metadata"]["name"] for s in scraped] == ["loraserve-metrics"]
+    assert selects(scraped[0]["spec"]["selector"], labels)
+    assert monitor["spec"]["endpoints"][0]["port"] in [p["name"] for p in scraped[0]["spec"]["ports"]]
+    policy = one(gateway_stack, "NetworkPolicy", "loraserve")
+    assert selects(policy["spec"]["podSelector"]["matchLabels"], labels)
 
 
 def test_probes_and_ports_agree_with_the_server_settings(gateway_stack):
     deployment = one(gateway_stack, "Deployment", "loraserve")
     server = container(deployment, "loraserve")
-    (http,) = server["ports"]
+    http, metrics = (next(p for p in server["ports"] if p["name"] == name) for name in ("http", "metrics"))
+    assert len(server["ports"]) == 2
     assert int(env_of(gateway_stack)["LORASERVE_PORT"]) == http["containerPort"]
     assert env_of(gateway_stack)["LORASERVE_HOST"] == "0.0.0.0", "a pod must listen beyond loopback"
     assert server["readinessProbe"]["httpGet"]["path"] == "/ready"
@@ -79,9 +87,30 @@ def test_probes_and_ports_agree_with_the_server_settings(gateway_stack):
     assert server["livenessProbe"]["httpGet"]["path"] == "/health"
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert server[probe]["httpGet"]["port"] in (http["name"], http["containerPort"])
-    service_port = one(gateway_stack, "Service", "loraserve")["spec"]["ports"][0]
+    (service_port,) = one(gateway_stack, "Service", "loraserve")["spec"]["ports"]  # tenants: the API only
     assert service_port["targetPort"] in (http["name"], http["containerPort"])
     assert one(gateway_stack, "InferencePool")["spec"]["targetPorts"] == [{"number": http["containerPort"]}]
+
+
+def test_metrics_are_scraped_on_their_own_port_only(gateway_stack):
+    """/metrics names tenants: the server serves it on LORASERVE_METRICS_PORT, which every scraper uses
+    and which the tenants' Service and the gateway's pool never route to."""
+    server = container(one(gateway_stack, "Deployment", "loraserve"), "loraserve")
+    metrics = next(p for p in server["ports"] if p["name"] == "metrics")
+    assert int(env_of(gateway_stack)["LORASERVE_METRICS_PORT"]) == metrics["containerPort"]
+    pod_annotations = one(gateway_stack, "Deployment", "loraserve")["spec"]["template"]["metadata"][
+        "annotations"
+    ]
+    assert int(pod_annotations["prometheus.io/port"]) == metrics["containerPort"]
+    epp = container(one(gateway_stack, "Deployment", "loraserve-epp"), "epp")
+    assert f"--model-server-metrics-port={metrics['containerPort']}" in epp["args"]
+    (scrape_port,) = one(gateway_stack, "Service", "loraserve-metrics")["spec"]["ports"]
+    assert scrape_port["targetPort"] in (metrics["name"], metrics["containerPort"])
+    for port in one(gateway_stack, "Service", "loraserve")["spec"]["ports"]:
+        assert port["targetPort"] not in (metrics["name"], metrics["containerPort"])
+    policy = one(gateway_stack, "NetworkPolicy", "loraserve")["spec"]["ingress"]
+    open_rules = [rule for rule in policy if not rule.get("from")]
+    assert all(p["port"] != metrics["name"] for rule in open_rules for p in rule["ports"])
 
 
 def test_grace_period_covers_the_prestop_sleep_and_the_drain(gateway_stack):

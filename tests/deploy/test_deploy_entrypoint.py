@@ -146,10 +146,11 @@ def test_entrypoint_serves_with_the_deployment_settings(tmp_path, s3_endpoint, r
     tokenizer.save_pretrained(model_dir)
     bucket = urlparse(env["LORASERVE_ADAPTER_STORE"]).netloc
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
-    port = _free_port()
+    port, metrics_port = _free_port(), _free_port()
     env.update(
         LORASERVE_MODEL=str(model_dir),
         LORASERVE_PORT=str(port),
+        LORASERVE_METRICS_PORT=str(metrics_port),
         AWS_ENDPOINT_URL=s3_endpoint,
         LORASERVE_CONFIG_STORE=redis_url,
         LORASERVE_CPU_KV_CACHE_BYTES=str(8 << 20),
@@ -168,6 +169,7 @@ def test_entrypoint_serves_with_the_deployment_settings(tmp_path, s3_endpoint, r
     try:
         _wait_ready(base, process, tmp_path / "server.log")
         _check_settings_took_effect(base, admin_key, env, model_dir, k8s, s3_endpoint, tmp_path)
+        _check_metrics(base, f"http://127.0.0.1:{metrics_port}", env, k8s)
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -221,8 +223,12 @@ def _check_settings_took_effect(base, admin_key, env, model_dir, k8s, s3_url, tm
     client = redis.Redis.from_url(env["LORASERVE_CONFIG_STORE"])
     route_hashes = [key for key in client.scan_iter(match="*:routes:*") if client.type(key) == b"hash"]
     assert any(client.hexists(key, "wired-route") for key in route_hashes), "route not stored in Redis"
-    # Metrics: the HPA's metric, the picker's, and max_lora from LORASERVE_MAX_LORAS.
-    metrics = httpx.get(f"{base}/metrics", timeout=5).text
+
+
+def _check_metrics(base: str, metrics_base: str, env: dict, k8s: list) -> None:
+    """The HPA's metric, the picker's, and max_lora from LORASERVE_MAX_LORAS, on the metrics port only."""
+    assert httpx.get(f"{base}/metrics", timeout=5).status_code == 404  # not on the tenants' port
+    metrics = httpx.get(f"{metrics_base}/metrics", timeout=5).text
     hpa_metric = one(k8s, "HorizontalPodAutoscaler")["spec"]["metrics"][0]["pods"]["metric"]["name"]
     for name in (hpa_metric, *PICKER_METRICS):
         assert re.search(rf"^{re.escape(name)}[{{ ]", metrics, re.MULTILINE), f"{name} missing from /metrics"

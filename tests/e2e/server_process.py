@@ -32,6 +32,8 @@ class ServerProcess:
         self.workdir = workdir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_port = free_port()
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}"  # /metrics is served there only
         self.log_path = workdir / f"server-{self.port}.log"
         command = [
             *loraserve_command(),
@@ -40,6 +42,8 @@ class ServerProcess:
             "127.0.0.1",
             "--port",
             str(self.port),
+            "--metrics-port",
+            str(self.metrics_port),
             "--state-dir",
             str(workdir / "state"),
             "--device",

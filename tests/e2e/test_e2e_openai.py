@@ -108,5 +108,6 @@ def test_openai_client_and_adapter_upload(start_server, tmp_path):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nobody", prompt="x", max_tokens=1)
-    metrics = httpx.get(f"{server.url}/metrics").text
+    assert httpx.get(f"{server.url}/metrics").status_code == 404  # tenants' port: no metrics
+    metrics = httpx.get(f"{server.metrics_url}/metrics").text
     assert 'vllm:generation_tokens_total{model_name="tiny"}' in metrics

@@ -25,7 +25,7 @@ PARAMS = [
     SamplingParams(temperature=0.9, top_k=30, seed=7, max_tokens=9),
     SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, ignore_eos=True),
     SamplingParams(temperature=0.8, seed=3, max_tokens=16, stop=["e"]),
-    SamplingParams(temperature=0.0, max_tokens=7, min_tokens=5),
+    SamplingParams(temperature=0.0, max_tokens=7, min_tokens=5, repetition_penalty=1.3),  # reads tokens
     SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True),
     SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),  # up to max_model_len
 ]

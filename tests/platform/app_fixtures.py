@@ -91,15 +91,23 @@ async def open_test_services(
     max_concurrent: int | None = None,
     num_kv_blocks: int = 96,
     max_loras: int = 2,
+    store_config: StoreConfig | None = None,
+    config_store: CachedConfigStore | None = None,
 ) -> AsyncIterator[Services]:
+    """`store_config` (e.g. S3) replaces the local store under `root`; `config_store` the embedded one."""
     shape = ModelShape.from_hf_config(load_config(model_dir))
-    store = open_store(StoreConfig(url=f"file://{root / 'adapters'}", max_lora_rank=16), shape)
+    store_config = store_config or StoreConfig(url=f"file://{root / 'adapters'}", max_lora_rank=16)
+    store = open_store(store_config, shape)
     cache = DiskCache(store, root / "cache", 1 << 30)
-    config_store = CachedConfigStore(EmbeddedConfigStore(root / "config"))
+    config_store = config_store or CachedConfigStore(EmbeddedConfigStore(root / "config"))
     await config_store.start()
     engine = None
+    built: list[Services] = []  # the Services below, for the adapter store gauge
     metrics = Metrics(
-        "tiny", lambda: engine.stats() if engine is not None else None, lambda: config_store.healthy
+        "tiny",
+        lambda: engine.stats() if engine is not None else None,
+        lambda: config_store.healthy,
+        lambda: built[0].adapter_lookup.store_up if built else True,
     )
     config = EngineConfig(
         model=str(model_dir),
@@ -118,7 +126,7 @@ async def open_test_services(
     engine = AsyncLLM(llm)
     try:
         keys = parse_api_keys(api_keys) if api_keys else []
-        yield Services(
+        services = Services(
             base_model_id="tiny",
             engine=engine,
             adapter_store=store,
@@ -131,6 +139,8 @@ async def open_test_services(
             tokenizer=llm.tokenizer,
             max_model_len=llm.max_model_len,
         )
+        built.append(services)
+        yield services
     finally:
         engine.shutdown()
         await config_store.close()

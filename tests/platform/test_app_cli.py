@@ -42,6 +42,7 @@ def test_defaults_flags_and_environment(tmp_path):
     assert from_env.adapter_store == "s3://bucket/prefix"
     flags_win = settings(["--max-loras", "2", "--enable-prefix-caching", "--model", "m"], env)
     assert flags_win.max_loras == 2 and flags_win.enable_prefix_caching and flags_win.model == "m"
+    assert default.root_path == "" and settings(["--root-path", "/llm"]).root_path == "/llm"
 
 
 @pytest.mark.parametrize(
@@ -63,6 +64,8 @@ def test_defaults_flags_and_environment(tmp_path):
         (["--lora-modules", "x=/no/such/dir"], {}, ["PEFT adapter folder"]),
         (["--adapter-store", "ftp://x"], {}, ["--adapter-store"]),
         (["--shutdown-timeout", "-1"], {}, ["--shutdown-timeout"]),
+        (["--root-path", "llm"], {}, ["--root-path", "start with /"]),
+        (["--root-path", "/llm/"], {}, ["--root-path"]),
     ],
 )
 def test_bad_settings_fail_with_the_flag_named(argv, env, words, capsys):

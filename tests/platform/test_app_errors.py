@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
+import msgspec
 import pytest
 from app_fixtures import MAX_MODEL_LEN, make_text_model
+from loraserve.config_store import ConfigStoreError, ConfigStoreUnavailable
+from loraserve.errors import _domain_error
 from test_inference_completions import run
+
+from adapters_store import StoreUnavailable
+from engine import EngineDeadError
 
 GOOD = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
 CASES = [
@@ -68,7 +75,7 @@ CASES = [
     ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, "invalid_request", ["messages"]),
     (
         "/v1/chat/completions",
-        b'{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}',
+        b'{"model": "tiny", "messages": [{"role": "", "content": "x"}]}',
         400,
         "invalid_request",
         ["role"],
@@ -81,6 +88,13 @@ CASES = [
         ["logprobs"],
     ),
     ("/v1/chat/completions", b"[1, 2]", 400, "invalid_request", ["object"]),
+    (
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "x", "stream_options": {"include_usage": true}}',
+        400,
+        "invalid_request",
+        ["stream_options", "stream"],
+    ),
     # A seed must be a 64-bit integer, as in vLLM; larger ones once stopped the engine for everyone.
     *[
         ("/v1/completions", b'{"model": "tiny", "prompt": "x", "seed": ' + seed + b"}", 400, None, [word])
@@ -163,6 +177,49 @@ def test_unknown_path_wrong_method_and_oversize_body(tmp_path, model_dir):
     assert after.status_code == 200
 
 
+@pytest.mark.parametrize(
+    "exc, status, code",
+    [
+        (
+            ConfigStoreUnavailable(
+                "redis config store at redis://10.1.2.3:6379/0 unreachable: ConnectionError: Error 111"
+            ),
+            503,
+            "config_store_unavailable",
+        ),
+        (
+            ConfigStoreError("config record '/var/lib/loraserve/config/keys/ab.json' is corrupt"),
+            500,
+            "config_store_error",
+        ),
+        (
+            StoreUnavailable(
+                "list adapters of acme failed: EndpointConnectionError: http://10.9.9.9:9000/secret-bucket; "
+                "bucket 'secret-bucket' does not exist"
+            ),
+            503,
+            "store_unavailable",
+        ),
+        (
+            EngineDeadError("the engine stopped: CUDA error at /opt/loraserve/engine/x.py:12"),
+            503,
+            "engine_dead",
+        ),
+    ],
+)
+def test_server_side_failures_name_no_address_bucket_or_path(exc, status, code, caplog):
+    """The caller learns which part failed and to retry; the log keeps the details for the operator."""
+    request = SimpleNamespace(method="GET", url=SimpleNamespace(path="/v1/models"))
+    response = _domain_error(request, exc)
+    body = msgspec.json.decode(msgspec.json.encode(response.content))
+    assert response.status_code == status and body["error"]["code"] == code
+    message = body["error"]["message"]
+    for secret in ("10.", "6379", "9000", "secret-bucket", "/var/lib", "/opt", "redis://"):
+        assert secret not in message
+    assert "retry" in message or "log" in message
+    assert str(exc) in caplog.text
+
+
 def test_a_bad_seed_mid_batch_leaves_other_streams_and_the_engine_alone(tmp_path, model_dir):
     """A seed torch would refuse once stopped the engine for every tenant: now it is a 400 of its own,
     the streams around it finish, and /health stays 200."""
@@ -194,3 +251,25 @@ def test_health_turns_503_when_the_engine_is_dead(tmp_path, model_dir):
     before, dead, ready = run(tmp_path, model_dir, scenario)
     assert before.status_code == 200
     assert dead.status_code == 503 and ready.status_code == 503
+
+
+def test_a_body_that_is_not_declared_json_is_refused(tmp_path, model_dir):
+    body = b'{"model": "tiny", "prompt": "x", "max_tokens": 2}'
+
+    async def scenario(client, services):
+        answers = []
+        for content_type in ("text/plain", None, "application/x-www-form-urlencoded"):
+            headers = {"content-type": content_type} if content_type else {}
+            for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/invocations"):
+                answers.append(await client.post(path, content=body, headers=headers))
+        ok = await client.post(
+            "/v1/completions", content=body, headers={"content-type": "application/json; charset=utf-8"}
+        )
+        return answers, ok
+
+    answers, ok = run(tmp_path, model_dir, scenario)
+    for response in answers:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "unsupported_media_type" and "application/json" in error["message"]
+    assert ok.status_code == 200

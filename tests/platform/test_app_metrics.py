@@ -1,16 +1,19 @@
-"""/metrics speaks vLLM's names where they overlap, counts route variants and adapter cache events;
-/health and /ready answer for probes."""
+"""/metrics speaks vLLM's names where they overlap, counts route variants and adapter cache events, and
+is served to scrapers only (the metrics port, or a scrape key); /health and /ready answer for probes."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 from app_fixtures import make_text_model
 from factories import make_adapter
 from loraserve.ops.metrics import Metrics, affinity_names
+from loraserve.ops.readiness import ADAPTER_STORE_DOWN, Readiness
 from loraserve.routing import Route, Variant
+from loraserve.settings import METRICS_OFF, ServerSettings
 from prometheus_client.parser import text_string_to_metric_families
 from test_inference_completions import run
 
@@ -34,6 +37,11 @@ def adapter_dir(model_dir, tmp_path_factory):
     )
 
 
+# ServerSettings() listens on 8000, so its metrics listener is 8001; httpx's ASGI transport hands the
+# URL's port to the app as the listening socket's (scope["server"]).
+METRICS_URL = "http://testserver:8001/metrics"
+
+
 def samples(text: str) -> dict:
     """{(sample name, frozenset of labels): value}"""
     return {
@@ -49,7 +57,7 @@ def value(found: dict, name: str, **labels) -> float:
 
 def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_dir):
     async def scenario(client, services):
-        before = (await client.get("/metrics")).text
+        before = (await client.get(METRICS_URL)).text
         services.adapter_store.put("default", "a", adapter_dir)
         await services.config_store.put_route(
             "default", Route(name="ab", variants=(Variant(adapter="a", weight=1),))
@@ -66,7 +74,7 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
         return (
             before,
             routed,
-            await client.get("/metrics"),
+            await client.get(METRICS_URL),
             await client.get("/ready"),
             await client.get("/health"),
         )
@@ -87,6 +95,7 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
     assert ("vllm:num_preemptions_total", frozenset(model.items())) in found
     assert value(found, "loraserve_route_requests_total", tenant="default", route="ab", variant="a") == 1
     assert value(found, "loraserve_config_store_up") == 1
+    assert value(found, "loraserve_adapter_store_up") == 1
     assert value(found, "loraserve_lora_slots_in_use") == 0
     assert lora_info(found) == {"max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
     # The first request for the adapter missed every tier; the later ones hit the GPU slot.
@@ -162,7 +171,7 @@ def test_lora_requests_info_names_a_running_adapter_as_requests_name_it(tmp_path
         request = asyncio.create_task(client.post("/v1/completions", json=body))
         seen = []
         while not request.done():  # scrape until one scrape lands while the request runs
-            info = lora_info(samples((await client.get("/metrics")).text))
+            info = lora_info(samples((await client.get(METRICS_URL)).text))
             if info["running_lora_adapters"]:
                 seen.append(info)
                 break
@@ -174,14 +183,81 @@ def test_lora_requests_info_names_a_running_adapter_as_requests_name_it(tmp_path
     assert seen == [{"max_lora": "2", "running_lora_adapters": "a", "waiting_lora_adapters": ""}]
 
 
-def test_ready_reports_an_unreachable_adapter_store(tmp_path, model_dir):
+def test_ready_reports_an_unreachable_adapter_store_without_failing_or_waiting(tmp_path, model_dir):
+    """The store is shared by every replica: its outage must not take them all out of the load balancer,
+    a hung store must not hang the probe, and the body names no path (anyone may read /ready)."""
+
     async def scenario(client, services):
         def broken():
-            raise OSError("disk gone")
+            raise OSError("disk gone at /secret/place")
 
         services.adapter_store.check = broken
-        return await client.get("/ready")
+        first = await client.get("/ready")  # starts the background check
+        await asyncio.sleep(0.2)
+        second = await client.get("/ready")
+        hung = threading.Event()
+        services.adapter_store.check = hung.wait
+        app_readiness = Readiness(interval_s=0.0)
+        started = time.monotonic()
+        probes = [await app_readiness.check(services) for _ in range(3)]
+        waited = time.monotonic() - started
+        hung.set()
+        return first, second, probes, waited
 
-    ready = run(tmp_path, model_dir, scenario)
-    assert ready.status_code == 503
-    assert ready.json()["reasons"] == ["adapter store unreachable: disk gone"]
+    first, second, probes, waited = run(tmp_path, model_dir, scenario)
+    assert first.status_code == 200
+    assert second.status_code == 200
+    assert second.json() == {"ready": True, "model": "tiny", "reasons": [], "degraded": [ADAPTER_STORE_DOWN]}
+    assert "/secret" not in second.text
+    assert all(p.ready for p in probes) and waited < 0.5
+
+
+def test_metrics_are_not_served_to_tenants_on_the_main_port(tmp_path, model_dir, adapter_dir):
+    async def scenario(client, services):
+        services.adapter_store.put("default", "a", adapter_dir)
+        body = {"model": "a", "prompt": [4, 5, 6], "max_tokens": 2}
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        return (
+            await client.get("/metrics"),
+            await client.get(METRICS_URL),
+            await client.post("http://testserver:8001/v1/completions", json=body),
+            await client.get("http://testserver:8001/health"),
+            await client.get("http://testserver:8001/ready"),
+        )
+
+    main, scrape, tenant_on_metrics_port, health, ready = run(tmp_path, model_dir, scenario)
+    assert main.status_code == 404 and "default" not in main.text
+    assert scrape.status_code == 200 and main.json()["error"]["code"] == "not_found"
+    assert "loraserve_adapter_cache_misses_total" in scrape.text
+    assert tenant_on_metrics_port.status_code == 404
+    assert health.status_code == 200 and ready.status_code == 200
+
+
+@pytest.mark.parametrize("where", ["http://testserver", "http://testserver:8001"])
+def test_a_scrape_key_guards_metrics_on_both_ports(tmp_path, model_dir, where):
+    key = "scrape-key-0123456789abcdef"
+    settings = ServerSettings(metrics_key=key)
+
+    async def scenario(client, services):
+        return (
+            await client.get(f"{where}/metrics"),
+            await client.get(f"{where}/metrics", headers={"Authorization": "Bearer wrong-key-0123456789"}),
+            await client.get(f"{where}/metrics", headers={"Authorization": f"Bearer {key}"}),
+        )
+
+    missing, wrong, right = run(tmp_path, model_dir, scenario, settings=settings)
+    assert missing.status_code == 401 and wrong.status_code == 401
+    assert missing.json()["error"]["type"] == "authentication_error"
+    assert right.status_code == 200 and "vllm:num_requests_running" in right.text
+
+
+def test_metrics_settings():
+    assert ServerSettings().metrics_listen_port == 8001
+    assert ServerSettings(port=9000).metrics_listen_port == 9001
+    assert ServerSettings(port=0).metrics_listen_port is None
+    assert ServerSettings(metrics_port=METRICS_OFF).metrics_listen_port is None
+    assert ServerSettings(metrics_port=9100).metrics_listen_port == 9100
+    with pytest.raises(ValueError, match="--metrics-port"):
+        ServerSettings(port=9000, metrics_port=9000)
+    with pytest.raises(ValueError, match="--metrics-key"):
+        ServerSettings(metrics_key="short")

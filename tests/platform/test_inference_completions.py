@@ -19,7 +19,7 @@ def model_dir(tmp_path_factory):
     return make_text_model(tmp_path_factory.mktemp("completions") / "model")
 
 
-def run(tmp_path, model_dir, scenario, **options):
+def run(tmp_path, model_dir, scenario, settings=None, **options):
     """Run `scenario(client, services)` against the app on this event loop.
 
     httpx's ASGI transport rather than Litestar's AsyncTestClient: the latter runs the app on a portal
@@ -28,7 +28,7 @@ def run(tmp_path, model_dir, scenario, **options):
 
     async def main():
         async with open_test_services(tmp_path, model_dir, **options) as services:
-            app = create_app(ServerSettings(), services=services)
+            app = create_app(settings or ServerSettings(), services=services)
             async with (
                 app.lifespan(),
                 httpx.AsyncClient(
@@ -62,7 +62,12 @@ def test_greedy_completion_equals_transformers(tmp_path, model_dir):
     assert response.headers["x-loraserve-variant"] == "tiny"
     assert body["choices"][0]["text"] == tokenizer.decode(reference)
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 8,
+        "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_prompts_times_n_give_indexed_choices_and_summed_usage(tmp_path, model_dir):
@@ -86,6 +91,7 @@ def test_prompts_times_n_give_indexed_choices_and_summed_usage(tmp_path, model_d
         "prompt_tokens": prompt_tokens,
         "completion_tokens": 16,
         "total_tokens": prompt_tokens + 16,
+        "prompt_tokens_details": {"cached_tokens": 0},  # two different prompts, each run once
     }
 
 
@@ -152,9 +158,46 @@ def test_stream_concatenates_to_the_whole_response_and_ends_with_done(tmp_path, 
     events = sse_events(stream.text)
     assert events[-1] == "[DONE]"
     usage_chunk = events[-2]
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
+    assert usage_chunk["choices"] == []
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [usage_chunk["usage"][k] for k in counts] == [whole["usage"][k] for k in counts]
+    # the same prompt again: its full blocks now come from the prefix cache
+    assert usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     for index in (0, 1):
         parts = [c["text"] for e in events[:-2] for c in e["choices"] if c["index"] == index]
         assert "".join(parts) == whole["choices"][index]["text"]
         reasons = [c["finish_reason"] for e in events[:-2] for c in e["choices"] if c["index"] == index]
         assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+
+
+def test_stream_sends_one_choice_per_chunk_cached_tokens_and_continuous_usage(tmp_path, model_dir):
+    """With n > 1 each chunk carries one choice (as OpenAI and vLLM send them), no chunk but the usage chunk
+    has an empty `choices`, usage reports the prefix-cache hits of a repeated prompt, and
+    continuous_usage_stats puts the usage so far in every chunk."""
+    prompt = list(range(3, 40))  # several KV blocks, so a second run hits the prefix cache
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 5,
+        "n": 3,
+        "temperature": 1.0,
+        "seed": 4,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+
+    async def scenario(client, services):
+        first = await client.post("/v1/completions", json={**body, "stream": False, "stream_options": None})
+        return first, await client.post("/v1/completions", json=body)
+
+    first, streamed = run(tmp_path, model_dir, scenario)
+    assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    events = [e for e in sse_events(streamed.text) if e != "[DONE]"]
+    *chunks, usage_chunk = events
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    assert {c["choices"][0]["index"] for c in chunks} == {0, 1, 2}
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 15
+    assert usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32  # whole blocks of the prompt
+    completed = [c["usage"]["completion_tokens"] for c in chunks]
+    assert completed == sorted(completed) and completed[-1] == 15

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Literal
 
 from litestar import Request
 
@@ -16,6 +17,7 @@ from adapters_store import parse_ref
 from loraserve.adapters.multipart_reader import read_upload_body
 from loraserve.adapters.schemas import Adapter, AdapterDeleted, AdapterDetail, AdapterList
 from loraserve.adapters.upload_form import read_upload_form
+from loraserve.config_store import ConfigStoreError
 from loraserve.services import Services, engine_adapter_id
 from loraserve.tenancy import Principal, require_admin
 
@@ -34,23 +36,22 @@ async def upload_adapter(services: Services, principal: Principal, request: Requ
     finally:
         await form.close()  # removes the spooled parts
     services.adapter_lookup.invalidate(principal.tenant, record.name)
+    await _announce(services, principal.tenant, record.name, "put")
     return Adapter.from_record(record)
 
 
 async def list_adapters(services: Services, principal: Principal) -> AdapterList:
-    records = await asyncio.to_thread(services.adapter_store.list, principal.tenant)
+    records = await services.adapter_lookup.call(services.adapter_store.list, principal.tenant)
     return AdapterList(data=[Adapter.from_record(r) for r in records])
 
 
 async def get_adapter(services: Services, principal: Principal, ref: str) -> AdapterDetail | Adapter:
     """`name`: the latest record with every version; `name@version`: that version's record."""
     name, version = parse_ref(ref)
-    store = services.adapter_store
+    store, call = services.adapter_store, services.adapter_lookup.call
     if version is not None:
-        return Adapter.from_record(await asyncio.to_thread(store.get, principal.tenant, name, version))
-    records = [
-        Adapter.from_record(r) for r in await asyncio.to_thread(store.versions, principal.tenant, name)
-    ]
+        return Adapter.from_record(await call(store.get, principal.tenant, name, version))
+    records = [Adapter.from_record(r) for r in await call(store.versions, principal.tenant, name)]
     return AdapterDetail(name=name, latest=records[-1], versions=records)
 
 
@@ -60,7 +61,8 @@ async def delete_adapter(services: Services, principal: Principal, ref: str) -> 
     tenant = principal.tenant
     name, version = parse_ref(ref)
     records = await asyncio.to_thread(services.adapter_store.delete, tenant, name, version)
-    services.adapter_lookup.invalidate(tenant, name)
+    services.adapter_lookup.invalidate(tenant, name, deleted=True)
+    await _announce(services, tenant, name, "delete")
     for record in records:
         if services.engine is not None:
             services.engine.forget_adapter(engine_adapter_id(tenant, record.name, record.version))
@@ -68,3 +70,18 @@ async def delete_adapter(services: Services, principal: Principal, ref: str) -> 
         await asyncio.to_thread(services.disk_cache.discard, tenant, record.name, record.version)
     log.info("tenant %s deleted adapter %s versions %s", tenant, name, [r.version for r in records])
     return AdapterDeleted(name=name, versions=[r.version for r in records])
+
+
+async def _announce(services: Services, tenant: str, name: str, op: Literal["put", "delete"]) -> None:
+    """Tell the other replicas (their adapter lookups); without Redis they notice within the lookup TTL."""
+    try:
+        await services.config_store.announce_adapter_change(tenant, name, op)
+    except ConfigStoreError as exc:
+        log.warning(
+            "adapter %s/%s changed (%s) but the other replicas could not be told (%s); they see it within %g s",
+            tenant,
+            name,
+            op,
+            exc,
+            services.adapter_lookup.ttl_s,
+        )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from typing import Literal
 
 from loraserve.config_store.events import EventCallback
 from loraserve.routing.route import Route
@@ -55,6 +56,14 @@ class ConfigStore(abc.ABC):
         Returns once the subscription is live (or its first attempt failed, which it reports as a
         `disconnected` event and keeps retrying), so changes made after it returns are not missed.
         """
+
+    async def announce_adapter_change(self, tenant: str, name: str, op: Literal["put", "delete"]) -> None:
+        """Tell every subscriber (every replica, through Redis) that one adapter's versions changed.
+
+        The adapter store has no change feed of its own, so the replica that uploads or deletes announces
+        it here and the others drop their cached lookups. A store without events has nothing to tell.
+        """
+        return None
 
     @abc.abstractmethod
     async def ping(self) -> None:

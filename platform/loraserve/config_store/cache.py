@@ -27,7 +27,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
-from typing import Any
+from typing import Any, Literal
 
 from loraserve.config_store.base import ConfigStore
 from loraserve.config_store.errors import ConfigStoreUnavailable
@@ -128,6 +128,9 @@ class CachedConfigStore(ConfigStore):
         deleted = await self._call(self.backend.delete_key(key_hash))
         self._invalidate(("key", key_hash), ("keys",))
         return deleted
+
+    async def announce_adapter_change(self, tenant: str, name: str, op: Literal["put", "delete"]) -> None:
+        await self._call(self.backend.announce_adapter_change(tenant, name, op))
 
     # events and lifecycle
 

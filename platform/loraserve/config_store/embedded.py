@@ -19,7 +19,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import msgspec
 
@@ -90,6 +90,9 @@ class EmbeddedConfigStore(ConfigStore):
     async def list_keys(self) -> list[ApiKey]:
         keys = await self._io(_read_folder, self.root / "keys", ApiKey)
         return sorted(keys, key=lambda key: (key.tenant, key.key_hash))
+
+    async def announce_adapter_change(self, tenant: str, name: str, op: Literal["put", "delete"]) -> None:
+        self._subscribers.emit(ConfigEvent(kind="adapter", op=op, tenant=tenant, name=name))
 
     # lifecycle
 

@@ -1,6 +1,8 @@
 """Change events and the callback list that delivers them.
 
-`route` and `key` events name what changed, so caches drop only that. `resync` means events may have
+`route` and `key` events name what changed, so caches drop only that; `adapter` events (an upload or a
+delete through some replica) do the same for the adapter lookups in front of the adapter store, which
+announces nothing itself. `resync` means events may have
 been missed (the subscription was just made or remade): drop everything. `disconnected` means the
 event stream is down, so cached copies may silently go stale until the next `resync`.
 """
@@ -15,14 +17,14 @@ import msgspec
 
 log = logging.getLogger(__name__)
 
-EventKind = Literal["route", "key", "resync", "disconnected"]
+EventKind = Literal["route", "key", "adapter", "resync", "disconnected"]
 
 
 class ConfigEvent(msgspec.Struct, frozen=True, kw_only=True):
     kind: EventKind
     op: Literal["put", "delete"] | None = None
-    tenant: str | None = None  # route events only
-    name: str | None = None  # the route name, or the key hash for key events
+    tenant: str | None = None  # route and adapter events only
+    name: str | None = None  # the route or adapter name, or the key hash for key events
     error: str | None = None  # disconnected events only: why
 
 

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Literal, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
@@ -133,6 +133,10 @@ class RedisConfigStore(ConfigStore):
         return sorted(keys, key=lambda key: (key.tenant, key.key_hash))
 
     # events and lifecycle
+
+    async def announce_adapter_change(self, tenant: str, name: str, op: Literal["put", "delete"]) -> None:
+        event = ConfigEvent(kind="adapter", op=op, tenant=check_tenant(tenant), name=name)
+        await self._call(self._client.publish(self.channel, msgspec.json.encode(event)))
 
     async def subscribe(self, callback: EventCallback) -> Callable[[], None]:
         unsubscribe = self._subscribers.add(callback)

@@ -9,13 +9,15 @@ from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
-from loraserve.inference.service import create_chat_completion, create_completion
+from loraserve.inference.service import create_chat_completion, create_completion, create_invocation
+from loraserve.json_guard import require_json_body
 from loraserve.resolution import list_models
 from loraserve.services import Services
 from loraserve.tenancy import Principal
 
 
 class InferenceController(Controller):
+    guards = [require_json_body]
     path = "/v1"
     tags = ["inference"]
 
@@ -42,3 +44,20 @@ class InferenceController(Controller):
     @get("/models")
     async def models(self, services: NamedDependency[Services], principal: NamedDependency[Principal]) -> Any:
         return await list_models(services, principal)
+
+
+@post(
+    "/invocations",
+    status_code=200,
+    tags=["inference"],
+    guards=[require_json_body],
+    summary="SageMaker's entry: chat or completion",
+)
+async def invocations(
+    data: JSONBody[dict[str, Any]],
+    request: Request,
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+) -> Any:
+    """A body with `messages` is a chat completion, one with `prompt` a completion (SageMaker's convention)."""
+    return await create_invocation(services, principal, data, request)

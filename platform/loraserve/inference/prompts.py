@@ -14,7 +14,9 @@ from loraserve.inference.schemas import ChatMessage
 MAX_PROMPTS = 64  # prompts in one completions request
 
 
-def completion_prompts(prompt: str | list[Any], tokenizer: Any, max_model_len: int | None) -> list[list[int]]:
+def completion_prompts(
+    prompt: str | list[Any], tokenizer: Any, max_model_len: int | None, truncate: int | None = None
+) -> list[list[int]]:
     """`"text"`, `["a", "b"]`, `[1, 2, 3]` or `[[1, 2], [3]]` -> one token id list per prompt."""
     if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
@@ -32,14 +34,44 @@ def completion_prompts(prompt: str | list[Any], tokenizer: Any, max_model_len: i
         )
     if len(prompts) > MAX_PROMPTS:
         raise BadRequest(f"at most {MAX_PROMPTS} prompts per request (got {len(prompts)})", param="prompt")
-    ids = [tokenize(p, tokenizer) if isinstance(p, str) else p for p in prompts]
+    ids = [
+        truncated(tokenize(p, tokenizer) if isinstance(p, str) else p, truncate, max_model_len)
+        for p in prompts
+    ]
     for prompt_ids in ids:
         check_prompt_ids(prompt_ids, tokenizer, max_model_len)
     return ids
 
 
-def chat_prompt(messages: list[ChatMessage], tokenizer: Any, max_model_len: int | None) -> list[int]:
+def chat_prompt(
+    messages: list[ChatMessage],
+    tokenizer: Any,
+    max_model_len: int | None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    truncate: int | None = None,
+) -> list[int]:
     """Render the messages with the model's chat template, then tokenize without adding specials twice."""
+    text = render_chat(
+        messages,
+        tokenizer,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
+    ids = truncated(tokenizer_ids(text, tokenizer, add_special_tokens=False), truncate, max_model_len)
+    check_prompt_ids(ids, tokenizer, max_model_len)
+    return ids
+
+
+def render_chat(
+    messages: list[ChatMessage],
+    tokenizer: Any,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> str:
+    """The messages as the model's chat template writes them (the text the model is prompted with)."""
     if tokenizer is None:
         raise BadRequest(
             "this model has no tokenizer, so chat is unavailable; use /v1/completions with token ids"
@@ -50,14 +82,43 @@ def chat_prompt(messages: list[ChatMessage], tokenizer: Any, max_model_len: int 
             "use /v1/completions, or serve a model with a chat template",
             code="no_chat_template",
         )
+    if add_generation_prompt and continue_final_message:
+        raise BadRequest(
+            "add_generation_prompt and continue_final_message cannot both be true",
+            param="continue_final_message",
+        )
+    if continue_final_message and messages[-1].role != "assistant":
+        raise BadRequest(
+            "continue_final_message needs the last message to be the assistant's",
+            param="continue_final_message",
+        )
     conversation = [{"role": m.role, "content": _text(m, i)} for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+        )
     except Exception as exc:  # a template may reject e.g. a system message; that is the caller's to fix
         raise BadRequest(f"the chat template rejected these messages: {exc}", param="messages") from None
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    check_prompt_ids(ids, tokenizer, max_model_len)
-    return ids
+
+
+def tokenizer_ids(text: str, tokenizer: Any, *, add_special_tokens: bool = True) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+
+def truncated(ids: list[int], keep: int | None, max_model_len: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` tokens; -1 keeps as many as leave room for one output."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        if max_model_len is None:
+            return ids
+        keep = max_model_len - 1
+    if keep == 0:
+        raise BadRequest("truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
+    return ids[-keep:]
 
 
 def tokenize(text: str, tokenizer: Any) -> list[int]:
@@ -81,6 +142,10 @@ def check_prompt_ids(ids: list[int], tokenizer: Any, max_model_len: int | None) 
         raise BadRequest(f"prompt token ids must lie in [0, {vocab})", param="prompt")
 
 
+def message_text(message: ChatMessage) -> str:
+    return _text(message, 0)
+
+
 def _text(message: ChatMessage, index: int) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
@@ -97,3 +162,19 @@ def _text(message: ChatMessage, index: int) -> str:
 
 def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_sampling_token_ids(params: Any, tokenizer: Any) -> None:
+    """logit_bias and allowed_token_ids must name tokens of the vocabulary (a 400, before queueing)."""
+    if tokenizer is None:
+        return
+    vocab = len(tokenizer)
+    for name, ids in (
+        ("logit_bias", params.logit_bias or {}),
+        ("allowed_token_ids", params.allowed_token_ids or []),
+    ):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(
+                f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})", param=name
+            )

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from msgspec import UNSET, UnsetType
+
 from engine import CompletionOutput, RequestOutput
 from engine.sampler import TokenLogprobs
 from loraserve.inference.logprobs import TokenText, chat_logprobs, completion_logprobs
@@ -20,6 +22,7 @@ from loraserve.inference.schemas import (
     ChatDelta,
     Completion,
     CompletionChoice,
+    PromptTokensDetails,
     Usage,
 )
 
@@ -37,26 +40,44 @@ class Choice:
     num_tokens: int = 0
     num_chars: int = 0  # streamed so far, for completions' text_offset
     finish_reason: str | None = None
-    started: bool = False  # chat streams send the role once, in a choice's first chunk
+    started: bool = False  # a choice's first chunk carries the role (chat), the echo and the prompt's ids
+    token_ids: list[int] = field(default_factory=list)  # kept only with return_token_ids
+
+
+@dataclass(frozen=True)
+class ResponseOptions:
+    """What a request asked to see besides the generated text."""
+
+    want_logprobs: bool = False
+    return_token_ids: bool = False
+    prompts: list[list[int]] = field(default_factory=list)  # prompt token ids, by prompt index
+    echo: list[str] | None = None  # text repeated before each prompt's completions (echo)
 
 
 class Choices:
     """Everything generated so far, per choice."""
 
-    def __init__(self, n: int, want_logprobs: bool = False) -> None:
+    def __init__(self, n: int, want_logprobs: bool = False, keep_token_ids: bool = False) -> None:
         self.n = n
         self.want_logprobs = want_logprobs  # then every new token is worth a chunk, text or not
+        self.keep_token_ids = keep_token_ids
         self.by_index: dict[int, Choice] = {}
+        self.cached_tokens: dict[int, int] = {}  # prompt index -> prompt tokens served from the prefix cache
 
     def add(self, prompt_index: int, delta: RequestOutput) -> list[tuple[int, CompletionOutput]]:
         """Record one delta; returns (choice index, completion delta) for the parts worth sending."""
         changed = []
+        self.cached_tokens[prompt_index] = max(
+            self.cached_tokens.get(prompt_index, 0), delta.num_cached_tokens
+        )
         for completion in delta.outputs:
             index = prompt_index * self.n + completion.index
             choice = self.by_index.setdefault(index, Choice())
             choice.text.append(completion.text)
             choice.logprobs.extend(completion.logprobs or [])
             choice.num_tokens += len(completion.token_ids)
+            if self.keep_token_ids:
+                choice.token_ids.extend(completion.token_ids)
             choice.finish_reason = finish_reason(completion.finish_reason)
             has_logprobs = self.want_logprobs and completion.token_ids
             if completion.text or has_logprobs or completion.finish_reason:
@@ -69,90 +90,135 @@ class Choices:
             prompt_tokens=num_prompt_tokens,
             completion_tokens=generated,
             total_tokens=num_prompt_tokens + generated,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values())),
         )
 
     def sorted(self) -> list[tuple[int, Choice]]:
         return sorted(self.by_index.items())
 
 
-class CompletionFormat:
-    """`text_completion` objects, whole or as stream chunks."""
-
-    def __init__(self, response_id: str, model: str, text: TokenText, want_logprobs: bool) -> None:
-        self.id, self.model, self.text, self.want_logprobs = response_id, model, text, want_logprobs
+class _Format:
+    def __init__(self, response_id: str, model: str, text: TokenText, options: ResponseOptions) -> None:
+        self.id, self.model, self.text, self.options = response_id, model, text, options
         self.created = int(time.time())
+
+    @property
+    def want_logprobs(self) -> bool:
+        return self.options.want_logprobs
+
+    def _echo(self, choices: Choices, index: int) -> str:
+        echo = self.options.echo
+        return echo[index // choices.n] if echo else ""
+
+    def _prompt_ids(self, choices: Choices, index: int) -> list[int] | UnsetType:
+        return self.options.prompts[index // choices.n] if self.options.return_token_ids else UNSET
+
+    def _ids(self, token_ids: list[int]) -> list[int] | UnsetType:
+        return list(token_ids) if self.options.return_token_ids else UNSET
+
+
+class CompletionFormat(_Format):
+    """`text_completion` objects, whole or as stream chunks."""
 
     def whole(self, choices: Choices, usage: Usage) -> Completion:
         items = [
             CompletionChoice(
                 index=index,
-                text="".join(choice.text),
+                text=self._echo(choices, index) + "".join(choice.text),
                 logprobs=completion_logprobs(choice.logprobs, self.text) if self.want_logprobs else None,
                 finish_reason=choice.finish_reason,
+                prompt_token_ids=self._prompt_ids(choices, index),
+                token_ids=self._ids(choice.token_ids),
             )
             for index, choice in choices.sorted()
         ]
         return Completion(id=self.id, created=self.created, model=self.model, choices=items, usage=usage)
 
-    def chunk(self, choices: Choices, changed: list[tuple[int, CompletionOutput]]) -> Completion:
+    def chunk(
+        self, choices: Choices, changed: list[tuple[int, CompletionOutput]], usage: Usage | None = None
+    ) -> Completion:
         items = []
         for index, completion in changed:
             choice = choices.by_index[index]
+            first = not choice.started
+            choice.started = True
             logprobs = None
             if self.want_logprobs:
                 offset = choice.num_chars
                 logprobs = completion_logprobs(completion.logprobs or [], self.text, offset)
-            choice.num_chars += len(completion.text)
+            text = (self._echo(choices, index) if first else "") + completion.text
+            choice.num_chars += len(text)
             items.append(
                 CompletionChoice(
                     index=index,
-                    text=completion.text,
+                    text=text,
                     logprobs=logprobs,
                     finish_reason=finish_reason(completion.finish_reason),
+                    prompt_token_ids=self._prompt_ids(choices, index) if first else UNSET,
+                    token_ids=self._ids(completion.token_ids),
                 )
             )
-        return Completion(id=self.id, created=self.created, model=self.model, choices=items)
+        return Completion(id=self.id, created=self.created, model=self.model, choices=items, usage=usage)
 
     def usage_chunk(self, usage: Usage) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
 
 
-class ChatFormat:
+class ChatFormat(_Format):
     """`chat.completion` objects and `chat.completion.chunk` stream chunks."""
-
-    def __init__(self, response_id: str, model: str, text: TokenText, want_logprobs: bool) -> None:
-        self.id, self.model, self.text, self.want_logprobs = response_id, model, text, want_logprobs
-        self.created = int(time.time())
 
     def whole(self, choices: Choices, usage: Usage) -> ChatCompletion:
         items = [
             ChatChoice(
                 index=index,
-                message=AssistantMessage(content="".join(choice.text)),
+                message=AssistantMessage(content=self._echo(choices, index) + "".join(choice.text)),
                 logprobs=chat_logprobs(choice.logprobs, self.text) if self.want_logprobs else None,
                 finish_reason=choice.finish_reason,
+                token_ids=self._ids(choice.token_ids),
             )
             for index, choice in choices.sorted()
         ]
-        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=items, usage=usage)
+        return ChatCompletion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=items,
+            usage=usage,
+            prompt_token_ids=self._prompt_ids(choices, 0),
+        )
 
-    def chunk(self, choices: Choices, changed: list[tuple[int, CompletionOutput]]) -> ChatCompletionChunk:
+    def chunk(
+        self, choices: Choices, changed: list[tuple[int, CompletionOutput]], usage: Usage | None = None
+    ) -> ChatCompletionChunk:
         items = []
+        prompt_ids: list[int] | UnsetType = UNSET
         for index, completion in changed:
             choice = choices.by_index[index]
-            role = None if choice.started else "assistant"
+            first = not choice.started
             choice.started = True
+            role = "assistant" if first else None
+            if first:
+                prompt_ids = self._prompt_ids(choices, index)
             logprobs = chat_logprobs(completion.logprobs or [], self.text) if self.want_logprobs else None
-            delta = ChatDelta(role=role, content=completion.text if completion.text or role else None)
+            text = (self._echo(choices, index) if first else "") + completion.text
+            delta = ChatDelta(role=role, content=text if text or role else None)
             items.append(
                 ChatChunkChoice(
                     index=index,
                     delta=delta,
                     logprobs=logprobs,
                     finish_reason=finish_reason(completion.finish_reason),
+                    token_ids=self._ids(completion.token_ids),
                 )
             )
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=items)
+        return ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=items,
+            usage=usage,
+            prompt_token_ids=prompt_ids,
+        )
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Meta
+from msgspec import UNSET, Meta, UnsetType
 
 MAX_N = 16  # completions per prompt: each is a full sequence in the batch
 MAX_LOGPROBS = 20
@@ -23,10 +23,38 @@ NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 Stop = str | list[str] | None
 # A 64-bit signed integer, as vLLM takes it (torch's generators refuse anything wider).
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI allows 300, vLLM any
+
+
+class JsonSchemaFormat(msgspec.Struct, frozen=True, kw_only=True):
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following `json_schema.schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs` (one of its fields); options this server lacks are refused, not ignored."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
 class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,6 +74,25 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
     # vLLM's extension: logprobs name tokens as "token_id:123", exact where text is ambiguous
     return_tokens_as_token_ids: bool = False
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=100.0)] = 1.0  # vLLM's extension
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0  # vLLM's extension
+    # OpenAI's: token id (as a string key) -> bias added to its logit
+    logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(min_length=1)] | None = None  # vLLM's
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM's: the prompt's and each choice's token ids in the response
+    return_token_ids: bool = False
+    # vLLM's: keep only the last k prompt tokens (-1: as many as the context allows)
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    prompt_logprobs: int | None = None  # vLLM's; refused (the engine returns no prompt logprobs yet)
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
@@ -62,7 +109,8 @@ class TextPart(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Any role the chat template knows (vLLM passes custom roles through; a template that refuses one is a 400).
+    role: Annotated[str, Meta(min_length=1, max_length=64)]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
@@ -72,15 +120,24 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     max_completion_tokens: PositiveInt | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
+    # vLLM's: render the last (assistant) message open so the model continues it; echo repeats it in the answer
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
 
 
 # ---- responses --------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct, frozen=True, kw_only=True):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(msgspec.Struct, frozen=True, kw_only=True):
@@ -95,6 +152,9 @@ class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # with return_token_ids (vLLM's); left out of the body otherwise
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):
@@ -133,6 +193,7 @@ class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
 
 
 class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
@@ -142,6 +203,7 @@ class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
 
 
 class ChatDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -154,6 +216,7 @@ class ChatChunkChoice(msgspec.Struct, frozen=True, kw_only=True):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # with return_token_ids: this chunk's new tokens
 
 
 class ChatCompletionChunk(msgspec.Struct, frozen=True, kw_only=True):
@@ -163,3 +226,4 @@ class ChatCompletionChunk(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids, in a choice's first chunk

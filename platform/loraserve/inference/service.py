@@ -21,10 +21,16 @@ from engine import RequestOutput, SamplingParams
 from loraserve.errors import APIError, BadRequest, ServiceUnavailable, error_event
 from loraserve.inference.generation import Generation
 from loraserve.inference.logprobs import TokenText
-from loraserve.inference.prompts import chat_prompt, completion_prompts
-from loraserve.inference.responses import ChatFormat, Choices, CompletionFormat
+from loraserve.inference.prompts import (
+    chat_prompt,
+    check_sampling_token_ids,
+    completion_prompts,
+    message_text,
+)
+from loraserve.inference.responses import ChatFormat, Choices, CompletionFormat, ResponseOptions
 from loraserve.inference.sampling import chat_params, completion_params
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
+from loraserve.inference.structured import check_structured
 from loraserve.resolution import resolve_model
 from loraserve.services import Services
 from loraserve.tenancy import Principal
@@ -42,8 +48,15 @@ async def create_completion(
 ) -> Any:
     check_serving(services)
     params = completion_params(body)
-    prompts = completion_prompts(body.prompt, services.tokenizer, services.max_model_len)
-    return await _generate(services, principal, body, prompts, params, CompletionFormat, "cmpl", request)
+    prompts = completion_prompts(
+        body.prompt, services.tokenizer, services.max_model_len, body.truncate_prompt_tokens
+    )
+    check_sampling_token_ids(params, services.tokenizer)
+    await check_structured(services, params.structured_outputs)
+    echo = [_prompt_text(p, services.tokenizer) for p in prompts] if body.echo else None
+    return await _generate(
+        services, principal, body, prompts, params, CompletionFormat, "cmpl", request, echo
+    )
 
 
 async def create_chat_completion(
@@ -51,8 +64,36 @@ async def create_chat_completion(
 ) -> Any:
     check_serving(services)
     params = chat_params(body)
-    prompt = chat_prompt(body.messages, services.tokenizer, services.max_model_len)
-    return await _generate(services, principal, body, [prompt], params, ChatFormat, "chatcmpl", request)
+    prompt = chat_prompt(
+        body.messages,
+        services.tokenizer,
+        services.max_model_len,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        truncate=body.truncate_prompt_tokens,
+    )
+    check_sampling_token_ids(params, services.tokenizer)
+    await check_structured(services, params.structured_outputs)
+    # vLLM's chat echo: the last message's content, when it is the assistant's (the reply continues it)
+    last = body.messages[-1]
+    echo = [message_text(last)] if body.echo and last.role == "assistant" else None
+    return await _generate(services, principal, body, [prompt], params, ChatFormat, "chatcmpl", request, echo)
+
+
+async def create_invocation(
+    services: Services, principal: Principal, body: dict[str, Any], request: Request
+) -> Any:
+    """SageMaker's /invocations: the body's shape picks the endpoint, then it is validated as that one's."""
+    if ("messages" in body) == ("prompt" in body):
+        raise BadRequest("an invocation needs either messages (chat) or prompt (completion)")
+    kind = ChatCompletionRequest if "messages" in body else CompletionRequest
+    try:
+        parsed = msgspec.convert(body, kind)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid request body: {exc}") from None
+    if isinstance(parsed, ChatCompletionRequest):
+        return await create_chat_completion(services, principal, parsed, request)
+    return await create_completion(services, principal, parsed, request)
 
 
 def check_serving(services: Services) -> None:
@@ -73,23 +114,28 @@ async def _generate(
     format_type: type[Format],
     prefix: str,
     request: Request,
+    echo: list[str] | None = None,
 ) -> Any:
     resolved = await resolve_model(services, principal, body.model, body.user)
     lease = services.limiter.try_acquire(principal)
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     generation = Generation(services, response_id, prompts, params, resolved.engine_adapter_id, lease)
-    fmt = format_type(
-        response_id,
-        resolved.served_model,
-        TokenText(services.tokenizer, body.return_tokens_as_token_ids),
-        params.logprobs is not None,
+    options = ResponseOptions(
+        want_logprobs=params.logprobs is not None,
+        return_token_ids=body.return_token_ids,
+        prompts=prompts,
+        echo=echo,
     )
+    text = TokenText(services.tokenizer, body.return_tokens_as_token_ids)
+    fmt = format_type(response_id, resolved.served_model, text, options)
     headers = {VARIANT_HEADER: resolved.served_model}
-    choices = Choices(params.n, params.logprobs is not None)
+    choices = Choices(params.n, params.logprobs is not None, keep_token_ids=body.return_token_ids)
     if not body.stream:
         await _until_done_or_disconnected(_collect(generation, choices), request, generation)
         return Response(fmt.whole(choices, choices.usage(generation.num_prompt_tokens)), headers=headers)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    options = body.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous_usage = bool(options and options.include_usage and options.continuous_usage_stats)
     events = generation.events()
     try:
         first = await anext(events)
@@ -98,7 +144,7 @@ async def _generate(
     except BaseException:
         generation.close()
         raise
-    sse = _sse(first, events, choices, fmt, include_usage, generation)
+    sse = _sse(first, events, choices, fmt, include_usage, continuous_usage, generation)
     return EventStream(sse, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
 
 
@@ -133,26 +179,39 @@ async def _sse(
     choices: Choices,
     fmt: Format,
     include_usage: bool,
+    continuous_usage: bool,
     generation: Generation,
 ) -> AsyncIterator[bytes]:
-    """`data: {chunk}` events, an optional usage chunk, then `data: [DONE]`; failures become an error event."""
+    """`data: {chunk}` events, one choice each (as OpenAI and vLLM send them with n > 1), an optional usage
+    chunk, then `data: [DONE]`; failures become an error event. Only the usage chunk has no choices."""
+
+    def chunks(index: int, delta: RequestOutput) -> list[bytes]:
+        changed = choices.add(index, delta)
+        usage = choices.usage(generation.num_prompt_tokens) if continuous_usage else None
+        return [_event(fmt.chunk(choices, [item], usage)) for item in changed]
+
     try:
         if first is not None:
-            yield _event(fmt.chunk(choices, choices.add(*first)))
+            for event in chunks(*first):
+                yield event
         async for index, delta in events:
-            changed = choices.add(index, delta)
-            if changed:
-                yield _event(fmt.chunk(choices, changed))
+            for event in chunks(index, delta):
+                yield event
         if include_usage:
             yield _event(fmt.usage_chunk(choices.usage(generation.num_prompt_tokens)))
     except APIError as exc:
         yield error_event(exc.status_code, str(exc), exc.code)
     except Exception as exc:  # the engine died mid-stream: tell the client rather than cut the connection
         log.warning("stream %s failed: %s", generation.request_id, exc)
-        yield error_event(503, f"the request failed: {exc}", "generation_failed")
+        yield error_event(503, "the request failed on the server; retry it", "generation_failed")
     finally:
         generation.close()
     yield DONE_EVENT
+
+
+def _prompt_text(prompt_ids: list[int], tokenizer: Any) -> str:
+    """The prompt as completions' echo repeats it (decoded from the ids the model saw)."""
+    return tokenizer.decode(prompt_ids) if tokenizer is not None else ""
 
 
 class EventStream(Stream):

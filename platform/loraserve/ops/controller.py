@@ -1,12 +1,17 @@
-"""GET /health (the process and its engine are alive), /ready (able to serve), /metrics (Prometheus text). No auth: probes."""
+"""GET /health (the process and its engine are alive), /ready (able to serve), /metrics (Prometheus text,
+for scrapers only).
+
+/health and /ready need no key (probes) and read no store. /metrics is guarded by MetricsAccess.
+"""
 
 from __future__ import annotations
 
 import msgspec
-from litestar import Controller, Response, get
+from litestar import Controller, Request, Response, get
 from litestar.di import NamedDependency
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from loraserve.ops.metrics_access import MetricsAccess
 from loraserve.ops.readiness import Readiness, ReadyStatus
 from loraserve.services import Services
 
@@ -34,6 +39,12 @@ class OpsController(Controller):
         return Response(status, status_code=200 if status.ready else 503)
 
     @get("/metrics")
-    async def metrics(self, services: NamedDependency[Services]) -> Response[bytes]:
+    async def metrics(
+        self,
+        request: Request,
+        services: NamedDependency[Services],
+        metrics_access: NamedDependency[MetricsAccess],
+    ) -> Response[bytes]:
+        metrics_access.check_scrape(request)
         body = services.metrics.render() if services.metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)

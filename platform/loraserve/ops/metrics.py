@@ -54,6 +54,7 @@ class Metrics:
         model_name: str,
         engine_stats: Callable[[], EngineStats | None] = lambda: None,
         config_store_up: Callable[[], bool] = lambda: True,
+        adapter_store_up: Callable[[], bool] = lambda: True,
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -107,7 +108,7 @@ class Metrics:
             ["tenant", "route", "variant"],
             registry=self.registry,
         )
-        self.registry.register(_StateCollector(model_name, engine_stats, config_store_up))
+        self.registry.register(_StateCollector(model_name, engine_stats, config_store_up, adapter_store_up))
 
     def observe_request(self, *, ttft: float, tpot: float | None, e2e: float) -> None:
         self.ttft.observe(ttft)
@@ -140,15 +141,24 @@ class _StateCollector(Collector):
         model_name: str,
         engine_stats: Callable[[], EngineStats | None],
         config_store_up: Callable[[], bool],
+        adapter_store_up: Callable[[], bool],
     ) -> None:
         self._model = model_name
         self._engine_stats = engine_stats
         self._config_store_up = config_store_up
+        self._adapter_store_up = adapter_store_up
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("loraserve_config_store_up", "1 while the config store answers, else 0.")
         up.add_metric([], 1.0 if self._config_store_up() else 0.0)
         yield up
+        # /ready stays 200 through a store outage (every replica shares the store): this is where it shows.
+        store_up = GaugeMetricFamily(
+            "loraserve_adapter_store_up",
+            "0 while the adapter store's last answer to this replica was a failure.",
+        )
+        store_up.add_metric([], 1.0 if self._adapter_store_up() else 0.0)
+        yield store_up
         stats = self._engine_stats()
         if stats is None:
             return

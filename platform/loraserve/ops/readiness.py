@@ -1,32 +1,46 @@
-"""What /ready checks: the model is loaded, the adapter store and config store answer, no drain is on.
+"""What /ready checks: the model is loaded, the engine runs, no drain is on. It never waits on a store.
 
-The adapter store check lists or writes the backend (S3 included), so its result is reused for a few
-seconds: probes every second from several load balancers must not become a request storm on S3.
+The adapter store and the config store are shared by every replica, so their trouble is not this
+replica's: failing readiness for it would take the whole fleet out of the load balancer, while each
+replica can still serve the base model, every adapter it holds, and the last known config. So their
+health shows under `degraded` (and in the metrics) without failing the probe. The adapter store's
+check lists or writes the backend (S3 included): it runs in the background at most every few seconds,
+and a probe reads its last result, so a hung store cannot hang the probe.
+
+The body names no address, path or bucket: anyone who reaches the port may read it; the log has the
+details.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import msgspec
 
 from loraserve.services import Services
 
-STORE_CHECK_TTL_S = 5.0
+log = logging.getLogger(__name__)
+
+STORE_CHECK_INTERVAL_S = 5.0
+ADAPTER_STORE_DOWN = "adapter store unreachable: adapters not resident here cannot be loaded"
+CONFIG_STORE_DOWN = "config store unreachable: serving the last known routes and keys"
 
 
-class ReadyStatus(msgspec.Struct, frozen=True, kw_only=True):
+class ReadyStatus(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     ready: bool
     model: str
-    reasons: list[str]  # empty when ready
+    reasons: list[str]  # why not ready; empty when ready
+    degraded: list[str] = []  # shared stores in trouble: still ready, but some requests will fail
 
 
 class Readiness:
-    def __init__(self, ttl_s: float = STORE_CHECK_TTL_S) -> None:
-        self._ttl_s = ttl_s
-        self._store_checked_at = -float("inf")
-        self._store_error: str | None = None
+    def __init__(self, interval_s: float = STORE_CHECK_INTERVAL_S) -> None:
+        self._interval_s = interval_s
+        self._checked_at = -float("inf")
+        self._check: asyncio.Task[None] | None = None
+        self.adapter_store_up = True  # the last background check's result
 
     async def check(self, services: Services) -> ReadyStatus:
         reasons = []
@@ -35,34 +49,37 @@ class Readiness:
         if services.engine is None:
             reasons.append("model not loaded yet")
         elif getattr(services.engine, "dead_error", None) is not None:
-            reasons.append(f"engine stopped: {services.engine.dead_error}")
-        store_error = await self._adapter_store_error(services)
-        if store_error:
-            reasons.append(f"adapter store unreachable: {store_error}")
-        config_error = await _config_store_error(services)
-        if config_error:
-            reasons.append(f"config store unhealthy: {config_error}")
-        return ReadyStatus(ready=not reasons, model=services.base_model_id, reasons=reasons)
+            reasons.append("engine stopped on an internal error; restart the server (the log has details)")
+        self._start_store_check(services)
+        degraded = []
+        if not self.adapter_store_up:
+            degraded.append(ADAPTER_STORE_DOWN)
+        if not getattr(services.config_store, "healthy", True):
+            degraded.append(CONFIG_STORE_DOWN)
+        return ReadyStatus(
+            ready=not reasons, model=services.base_model_id, reasons=reasons, degraded=degraded
+        )
 
-    async def _adapter_store_error(self, services: Services) -> str | None:
+    def close(self) -> None:
+        """Stop a store check still waiting (its worker thread ends with the store call's own timeout)."""
+        if self._check is not None:
+            self._check.cancel()
+
+    def _start_store_check(self, services: Services) -> None:
         now = time.monotonic()
-        if now - self._store_checked_at >= self._ttl_s:
-            try:
-                await asyncio.to_thread(services.adapter_store.check)
-                self._store_error = None
-            except Exception as exc:  # StoreUnavailable, or anything else the backend raises
-                self._store_error = str(exc) or type(exc).__name__
-            self._store_checked_at = now
-        return self._store_error
+        if (self._check is not None and not self._check.done()) or now - self._checked_at < self._interval_s:
+            return
+        self._checked_at = now
+        self._check = asyncio.create_task(self._check_adapter_store(services), name="adapter-store-check")
 
-
-async def _config_store_error(services: Services) -> str | None:
-    store = services.config_store
-    healthy = getattr(store, "healthy", None)
-    if healthy is not None:  # CachedConfigStore tracks its backend; no extra round trip per probe
-        return None if healthy else (getattr(store, "last_error", None) or "unreachable")
-    try:
-        await store.ping()
-    except Exception as exc:
-        return str(exc) or type(exc).__name__
-    return None
+    async def _check_adapter_store(self, services: Services) -> None:
+        try:
+            await asyncio.to_thread(services.adapter_store.check)
+        except Exception as exc:  # StoreUnavailable, or anything else the backend raises
+            if self.adapter_store_up:
+                log.warning("adapter store check failed: %s", exc)
+            self.adapter_store_up = False
+        else:
+            if not self.adapter_store_up:
+                log.info("adapter store reachable again")
+            self.adapter_store_up = True

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import calendar
+import functools
 import time
 from typing import Literal
 
@@ -37,7 +37,9 @@ async def list_models(services: Services, principal: Principal) -> ModelList:
     """Names the tenant may send as `model`: `name` means the latest version, `name@version` one version."""
     tenant, base = principal.tenant, services.base_model_id
     now = int(time.time())
-    records = await asyncio.to_thread(services.adapter_store.list, tenant, all_versions=True)
+    records = await services.adapter_lookup.call(
+        functools.partial(services.adapter_store.list, tenant, all_versions=True)
+    )
     routes = await services.config_store.list_routes(tenant)
     cards = [ModelCard(id=base, created=now, owned_by=OWNED_BY_SERVER, root=base, parent=None, kind="base")]
     latest: dict[str, AdapterRecord] = {}

@@ -8,6 +8,8 @@ and clients already sending `model: support` join the experiment without a chang
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from adapters_store import AdapterNotFound, AdapterRecord
 from adapters_store import InvalidName as StoreInvalidName
 from loraserve.resolution.resolved import ModelNotFound, ResolvedModel
@@ -44,12 +46,42 @@ async def resolve_model(
     return _adapter(tenant, record)
 
 
-async def _lookup(services: Services, tenant: str, ref: str) -> AdapterRecord:
-    """The adapter record, or LookupError for a missing adapter or a name no adapter can have."""
+async def model_exists(services: Services, principal: Principal, model: str) -> bool:
+    """Whether `model` names the base model or one of the tenant's routes or adapters (no route pick)."""
+    if model == services.base_model_id:
+        return True
+    if "@" not in model and await services.config_store.get_route(principal.tenant, model) is not None:
+        return True
     try:
-        return await services.adapter_lookup.resolve(services.adapter_store, tenant, ref)
+        await _lookup(services, principal.tenant, model)
+    except LookupError:
+        return False
+    return True
+
+
+async def _lookup(services: Services, tenant: str, ref: str) -> AdapterRecord:
+    """The adapter record, or LookupError for a missing adapter or a name no adapter can have.
+
+    StoreUnavailable (503) only for an adapter the lookup cache has never seen while the store fails:
+    a resident adapter is served from the cache without a store call.
+    """
+    try:
+        return await services.adapter_lookup.resolve(
+            services.adapter_store, tenant, ref, is_resident=_is_resident(services)
+        )
     except (AdapterNotFound, StoreInvalidName) as exc:
         raise LookupError(ref) from exc
+
+
+def _is_resident(services: Services) -> Callable[[str, AdapterRecord], bool]:
+    """Whether the engine holds a version in a GPU slot or its CPU tier (its latest published stats)."""
+
+    def is_resident(tenant: str, record: AdapterRecord) -> bool:
+        stats = getattr(services.engine, "stats", None)  # None: no engine yet
+        resident = getattr(stats(), "resident_adapters", ()) if stats is not None else ()
+        return engine_adapter_id(tenant, record.name, record.version) in resident
+
+    return is_resident
 
 
 def _adapter(

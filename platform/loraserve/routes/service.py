@@ -7,8 +7,6 @@ tenant's route answers exactly like a missing one.
 
 from __future__ import annotations
 
-import asyncio
-
 from adapters_store import AdapterNotFound
 from loraserve.errors import NotFound
 from loraserve.routes.schemas import RouteDeleted, RouteList
@@ -32,7 +30,7 @@ async def put_route(services: Services, principal: Principal, name: str, body: b
 
     async def exists(ref: AdapterRef) -> bool:
         try:
-            await asyncio.to_thread(store.get, tenant, ref.name, ref.version)
+            await services.adapter_lookup.call(store.get, tenant, ref.name, ref.version)
         except AdapterNotFound:
             return False
         return True

@@ -1,0 +1,76 @@
+"""A request's structured-output fields -> engine.StructuredOutputsParams, checked before anything is queued.
+
+Three spellings reach the same engine feature: OpenAI's `response_format` (`json_object`, `json_schema`),
+vLLM's `structured_outputs` object and vLLM's older `guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar`. A request may use one of them. The spec is compiled here, off the event loop, so an invalid
+schema, regex or grammar is a 400 naming the problem; the engine's compile of the same text then hits
+xgrammar's cache when both live in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from engine.structured_output import StructuredOutputsParams
+from engine.structured_output.grammars import GrammarCompiler
+from loraserve.errors import BadRequest
+from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
+from loraserve.services import Services
+
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def structured_params(body: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+    """What the body asks its output to follow, or None; a 400 for conflicting or incomplete fields."""
+    asked: list[tuple[str, dict[str, Any]]] = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema is None:
+            raise BadRequest(
+                "response_format of type json_schema needs json_schema.schema", param="response_format"
+            )
+        asked.append(("response_format", {"json": fmt.json_schema.schema}))
+    if body.structured_outputs is not None:
+        so = body.structured_outputs
+        fields = {"json": so.json, "regex": so.regex, "choice": so.choice, "grammar": so.grammar}
+        fields = {k: v for k, v in fields.items() if v is not None}
+        if so.json_object:
+            fields["json_object"] = True
+        asked.append(("structured_outputs", fields))
+    for name, kind in _GUIDED.items():
+        value = getattr(body, name)
+        if value is not None:
+            asked.append((name, {kind: value}))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        names = ", ".join(name for name, _ in asked)
+        raise BadRequest(f"ask for one structured output at a time (got {names})", param=asked[1][0])
+    param, fields = asked[0]
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as exc:
+        raise BadRequest(str(exc), param=param) from None
+
+
+async def check_structured(services: Services, params: StructuredOutputsParams | None) -> None:
+    """Compile the spec once here: an invalid one is the caller's 400, not a failed generation."""
+    if params is None:
+        return
+    if services.tokenizer is None:
+        raise BadRequest("structured outputs need the model's tokenizer, and this model has none")
+    if services.grammar_compiler is None:
+        tokenizer = services.tokenizer
+        services.grammar_compiler = await asyncio.to_thread(GrammarCompiler, tokenizer, len(tokenizer))
+    try:
+        await asyncio.to_thread(services.grammar_compiler.compile, params)
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="response_format", code="invalid_structured_output") from None

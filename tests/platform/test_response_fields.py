@@ -1,0 +1,120 @@
+"""vLLM's response-shaping fields through the official `openai` client against the real app: echo,
+return_token_ids, truncate_prompt_tokens, custom chat roles, continue_final_message; prompt_logprobs and
+echo with logprobs are 400s rather than ignored."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from app_fixtures import make_text_model
+from test_inference_completions import run, sse_events
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_text_model(tmp_path_factory.mktemp("shape") / "model")
+
+
+def sdk(client) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url="http://testserver/v1", api_key="none", http_client=client, max_retries=0
+    )
+
+
+GREEDY = {"max_tokens": 5, "temperature": 0}
+
+
+def test_echo_token_ids_and_truncation(tmp_path, model_dir):
+    async def scenario(client, services):
+        api = sdk(client)
+        plain = await api.completions.create(model="tiny", prompt="Hello world", **GREEDY)
+        echoed = await api.completions.create(
+            model="tiny", prompt="Hello world", **GREEDY, echo=True, extra_body={"return_token_ids": True}
+        )
+        streamed = await client.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "Hello world", **GREEDY, "echo": True, "stream": True},
+        )
+        long_prompt = list(range(3, 60))
+        cut = await api.completions.create(
+            model="tiny",
+            prompt=long_prompt,
+            **GREEDY,
+            extra_body={"truncate_prompt_tokens": 8, "return_token_ids": True},
+        )
+        tail = await api.completions.create(model="tiny", prompt=long_prompt[-8:], **GREEDY)
+        return plain, echoed, streamed, cut, tail, services.tokenizer
+
+    plain, echoed, streamed, cut, tail, tokenizer = run(tmp_path, model_dir, scenario)
+    choice = echoed.choices[0]
+    assert choice.text == "Hello world" + plain.choices[0].text
+    extra = choice.model_extra
+    assert extra["prompt_token_ids"] == tokenizer("Hello world").input_ids
+    assert tokenizer.decode(extra["token_ids"]) == plain.choices[0].text and len(extra["token_ids"]) == 5
+    texts = [e["choices"][0]["text"] for e in sse_events(streamed.text) if e != "[DONE]" and e["choices"]]
+    assert "".join(texts) == choice.text and texts[0].startswith("Hello world")
+    assert cut.usage.prompt_tokens == 8 and cut.choices[0].model_extra["prompt_token_ids"] == list(
+        range(52, 60)
+    )
+    assert cut.choices[0].text == tail.choices[0].text
+    assert "token_ids" not in plain.choices[0].model_extra  # left out unless asked for
+
+
+def test_chat_roles_continuation_and_token_ids(tmp_path, model_dir):
+    messages = [
+        {"role": "narrator", "content": "A story."},  # a custom role: the template decides
+        {"role": "user", "content": "Go on"},
+        {"role": "assistant", "content": "Once upon"},
+    ]
+
+    async def scenario(client, services):
+        api = sdk(client)
+        continued = await api.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            **GREEDY,
+            extra_body={
+                "continue_final_message": True,
+                "add_generation_prompt": False,
+                "echo": True,
+                "return_token_ids": True,
+            },
+        )
+        rendered = services.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=False, continue_final_message=True, tokenize=False
+        )
+        return continued, services.tokenizer(rendered, add_special_tokens=False).input_ids
+
+    continued, expected_prompt = run(tmp_path, model_dir, scenario)
+    assert continued.choices[0].message.content.startswith("Once upon")
+    assert continued.model_extra["prompt_token_ids"] == expected_prompt
+    assert len(continued.choices[0].model_extra["token_ids"]) == continued.usage.completion_tokens
+
+
+@pytest.mark.parametrize(
+    "path, fields, param",
+    [
+        ("completions", {"echo": True, "logprobs": 2}, "echo"),
+        ("completions", {"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+        ("completions", {"extra_body": {"truncate_prompt_tokens": -2}}, "truncate_prompt_tokens"),
+        ("chat", {"logprobs": True, "extra_body": {"echo": True}}, "echo"),
+        (
+            "chat",
+            {"extra_body": {"continue_final_message": True, "add_generation_prompt": True}},
+            "continue_final_message",
+        ),
+    ],
+)
+def test_fields_that_cannot_be_honoured_are_400s(tmp_path, model_dir, path, fields, param):
+    async def scenario(client, services):
+        api = sdk(client)
+        with pytest.raises(openai.BadRequestError) as error:
+            if path == "completions":
+                await api.completions.create(model="tiny", prompt="x", max_tokens=2, **fields)
+            else:
+                messages = [{"role": "user", "content": "x"}]
+                await api.chat.completions.create(model="tiny", messages=messages, max_tokens=2, **fields)
+        return error.value
+
+    error = run(tmp_path, model_dir, scenario)
+    assert error.status_code == 400 and param in error.message

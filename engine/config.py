@@ -104,8 +104,9 @@ class EngineConfig:
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype!r}); "
                 "'fp8' stores K/V as float8 e4m3 with a per-tensor scale"
             )
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool (got {self.enforce_eager!r})")
+        for name in ("enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool (got {getattr(self, name)!r})")
         if self.device != "auto":
             try:
                 torch.device(self.device)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, input_batch
+from engine.config import EngineConfig
 
 PROMPTS = [
     "The quick brown fox",
@@ -161,3 +162,8 @@ def test_async_graph_replays_match_sync_on_the_gpu(text_model_dir, text_adapters
         assert llm.engine.stats().num_kernel_compiles_after_ready == 0
         results.append([o.outputs[0].token_ids for o in outputs])
     assert results[0] == results[1]
+
+
+def test_async_scheduling_must_be_a_bool():
+    with pytest.raises(ValueError, match="async_scheduling must be a bool"):
+        EngineConfig(model="m", async_scheduling="yes")

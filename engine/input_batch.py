@@ -54,9 +54,9 @@ class InputBatch:
         self._rows: dict[Request, int] = {}
         self.decode = DecodeTwins(max_num_seqs, max_blocks_per_seq, device)
         self.eager = EagerTwins(max_num_seqs, max_num_tokens, max_blocks_per_seq, device)
-        pinned = device.type == "cuda"
+        self.device = device
         # Recorded after each step's copies: the host buffers they read are rewritten only after it.
-        self._copied = torch.cuda.Event() if pinned else None
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     @property
     def num_rows(self) -> int:
@@ -191,7 +191,7 @@ class InputBatch:
 
     def _record_copies(self) -> None:
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))
 
 
 def _input_ids(scheduled: list[ScheduledRequest]) -> tuple[list[int], list[tuple[int, Request]]]:

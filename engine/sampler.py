@@ -241,5 +241,5 @@ def start_copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor],
     for h, t in zip(host, tensors):
         h.copy_(t, non_blocking=True)
     copied = torch.cuda.Event()
-    copied.record()
+    copied.record(torch.cuda.current_stream(tensors[0].device))
     return host, copied

@@ -5,13 +5,16 @@ Layout, keys relative to the store root (a directory, or an S3 bucket prefix):
     {tenant}/{name}/{version}/adapter_config.json
     {tenant}/{name}/{version}/adapter_model.safetensors
     {tenant}/{name}/{version}/manifest.json      <- written last: the commit mark
-    {tenant}/{name}/{version}/deleted.json       <- left by delete, so the number is never reused
+    {tenant}/{name}/{version}/deleted.json       <- written first by delete, so the number is never reused
 
-A version is visible only while its manifest exists, so an upload killed midway is invisible and
-deletion hides a version before its files go. Version numbers count up per (tenant, name) from 1:
-the next one is 1 + the highest number with any key at all (committed, half-written or deleted),
-so `name@3` means the same bytes forever, or nothing. Backends implement five primitives on keys and
-`_commit`, which claims a number and publishes the files (atomically on both backends).
+A version is visible only while it has a manifest and no tombstone (versions.py), so an upload killed
+midway is invisible and deletion hides a version at once, before its files go. Version numbers count
+up per (tenant, name) from 1: the next one is 1 + the highest number with any key at all (committed,
+deleted, or an upload in progress), so `name@3` means the same bytes forever, or nothing. A failed
+upload removes what it wrote, and half-written versions older than `stale_upload_s` (uploads that
+died) are swept before each upload of that name and by `sweep()`: the store holds only committed and
+deleted versions, and a dead upload's number is taken by the next one. Backends implement five
+primitives on keys and `_commit`, which claims a number and publishes the files.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from adapters_store.config import MAX_CONFIG_BYTES, StoreConfig
-from adapters_store.errors import AdapterNotFound, ChecksumError
+from adapters_store.errors import AdapterNotFound, ChecksumError, StoreError
 from adapters_store.filenames import ADAPTER_FILES, MANIFEST_FILE
 from adapters_store.intake import UploadSource, stage_upload
 from adapters_store.metrics import StoreMetrics
@@ -40,17 +43,16 @@ from adapters_store.names import (
     check_version,
     is_valid_name,
     parse_ref,
-    parse_version,
 )
 from adapters_store.record import AdapterRecord, utc_now_iso
 from adapters_store.streams import CHUNK_BYTES
 from adapters_store.validate import CheckedAdapter, check_folder
+from adapters_store.versions import TOMBSTONE_FILE, scan_versions, sweepable
 from engine.lora.model_shape import ModelShape
 from engine.lora.peft_checkpoint import CONFIG_FILE, WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-TOMBSTONE_FILE = "deleted.json"
 
 
 class MissingKey(KeyError):
@@ -66,6 +68,7 @@ class AdapterStore(ABC):
         self.config = config
         self.shape = shape  # the base model's; needed only to validate uploads
         self.metrics = metrics or StoreMetrics()
+        self.clock = time.time  # compared with the backend's last-modified times when sweeping
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -82,6 +85,7 @@ class AdapterStore(ABC):
             folder = stage_upload(source, Path(staging), self.config)
             checked = check_folder(folder, self.shape, self.config.max_lora_rank)
             created_at = utc_now_iso()
+            self._sweep_name(tenant, name)
             record = self._commit(
                 tenant, name, folder, lambda version: _record(name, version, checked, created_at)
             )
@@ -93,14 +97,16 @@ class AdapterStore(ABC):
     def list(self, tenant: str, *, all_versions: bool = False) -> builtins.list[AdapterRecord]:
         """The tenant's adapters sorted by name: the latest version of each, or every version."""
         check_tenant(tenant)
-        keys = self._call(f"list adapters of {tenant}", lambda: self._list_keys(f"{tenant}/"))
-        committed: dict[str, builtins.list[int]] = {}
-        for key in keys:
-            parts = key.split("/")
-            if len(parts) == 3 and parts[2] == MANIFEST_FILE and is_valid_name(parts[0]):
-                version = parse_version(parts[1])
-                if version is not None:
-                    committed.setdefault(parts[0], []).append(version)
+        times = self._call(f"list adapters of {tenant}", lambda: self._list_times(f"{tenant}/"))
+        by_name: dict[str, dict[str, float]] = {}
+        for key, modified in times.items():
+            name, _, rest = key.partition("/")
+            if is_valid_name(name):
+                by_name.setdefault(name, {})[rest] = modified
+        committed = {
+            name: [v for v, state in scan_versions(keys).items() if state.committed]
+            for name, keys in by_name.items()
+        }
         records = []
         for name, versions in sorted(committed.items()):
             for version in sorted(versions, reverse=True):
@@ -166,20 +172,32 @@ class AdapterStore(ABC):
     def delete(self, tenant: str, name: str, version: int | None = None) -> builtins.list[AdapterRecord]:
         """Delete one version, or every committed version when version is None; returns what was deleted.
 
-        Per version: the manifest first (readers stop seeing it at once), then a tombstone that keeps the
-        number taken, then the files. Half-written versions of an upload still running are left alone.
+        Per version: a tombstone first (readers stop seeing the version at once, and its number stays
+        taken even if the rest fails), then the manifest and the files; `sweep` removes what a failed
+        delete left. Half-written versions of an upload still running are left alone.
         """
         records = [self.get(tenant, name, version)] if version is not None else self.versions(tenant, name)
         tombstone = json.dumps({"deleted_at": utc_now_iso()}).encode()
         for record in records:
             prefix = _version_prefix(tenant, name, record.version)
             op = f"delete {tenant}/{record.ref}"
-            self._call(op, lambda p=prefix: self._remove(p + MANIFEST_FILE))
             self._call(op, lambda p=prefix: self._write(p + TOMBSTONE_FILE, tombstone))
-            for filename in ADAPTER_FILES:
+            for filename in (MANIFEST_FILE, *ADAPTER_FILES):
                 self._call(op, lambda p=prefix, f=filename: self._remove(p + f))
             log.info("deleted adapter %s/%s", tenant, record.ref)
         return records
+
+    def sweep(self) -> int:
+        """Remove half-written versions older than `stale_upload_s` and the leftovers of failed deletes,
+        in the whole store (e.g. at start); returns how many versions were cleaned."""
+        times = self._call("list the adapter store", lambda: self._list_times(""))
+        by_adapter: dict[str, dict[str, float]] = {}
+        for key, modified in times.items():
+            tenant, _, rest = key.partition("/")
+            name, _, rest = rest.partition("/")
+            if is_valid_name(tenant) and is_valid_name(name):
+                by_adapter.setdefault(f"{tenant}/{name}/", {})[rest] = modified
+        return sum(self._sweep_keys(prefix, keys) for prefix, keys in by_adapter.items())
 
     @abstractmethod
     def check(self) -> None:
@@ -187,9 +205,13 @@ class AdapterStore(ABC):
 
     # ---- backend primitives (keys are relative to the store root; no retries or translation) ------
 
-    @abstractmethod
     def _list_keys(self, prefix: str) -> builtins.list[str]:
-        """Every key under `prefix` (which ends with '/'), relative to it."""
+        """Every key under `prefix` (which ends with '/' or is empty), relative to it."""
+        return sorted(self._list_times(prefix))
+
+    @abstractmethod
+    def _list_times(self, prefix: str) -> dict[str, float]:
+        """Every key under `prefix`, relative to it, with its last-modified time (unix seconds)."""
 
     @abstractmethod
     def _read(self, key: str) -> bytes:
@@ -219,19 +241,35 @@ class AdapterStore(ABC):
 
     # ---- shared helpers ---------------------------------------------------------------------------
 
+    def _adapter_times(self, tenant: str, name: str) -> dict[str, float]:
+        prefix = f"{tenant}/{name}/"
+        return self._call(f"list versions of {tenant}/{name}", lambda: self._list_times(prefix))
+
     def _next_version(self, tenant: str, name: str) -> int:
-        keys = self._call(f"list versions of {tenant}/{name}", lambda: self._list_keys(f"{tenant}/{name}/"))
-        versions = [v for key in keys if (v := parse_version(key.split("/", 1)[0])) is not None]
-        return max(versions, default=0) + 1
+        return max(scan_versions(self._adapter_times(tenant, name)), default=0) + 1
 
     def _committed_versions(self, tenant: str, name: str) -> builtins.list[int]:
-        keys = self._call(f"list versions of {tenant}/{name}", lambda: self._list_keys(f"{tenant}/{name}/"))
-        found = set()
-        for key in keys:
-            segment, _, rest = key.partition("/")
-            if rest == MANIFEST_FILE and (version := parse_version(segment)) is not None:
-                found.add(version)
-        return sorted(found)
+        versions = scan_versions(self._adapter_times(tenant, name))
+        return sorted(v for v, state in versions.items() if state.committed)
+
+    def _sweep_name(self, tenant: str, name: str) -> None:
+        """Before an upload: free the numbers dead uploads took, so the new version gets the lowest."""
+        self._sweep_keys(f"{tenant}/{name}/", self._adapter_times(tenant, name))
+
+    def _sweep_keys(self, prefix: str, keys: dict[str, float]) -> int:
+        """Remove what `sweepable` picks among one adapter's keys; a failed removal is logged, not raised
+        (the next sweep tries again)."""
+        stale = sweepable(scan_versions(keys), self.clock(), self.config.stale_upload_s)
+        for version, filenames in stale:
+            try:
+                for filename in filenames:
+                    key = f"{prefix}{version}/{filename}"
+                    self._call(f"sweep {key}", lambda k=key: self._remove(k))
+            except StoreError as exc:
+                log.warning("could not sweep %s%d/: %s", prefix, version, exc)
+            else:
+                log.info("swept %s%d/ (%s)", prefix, version, ", ".join(filenames))
+        return len(stale)
 
     def _read_manifest(self, tenant: str, name: str, version: int) -> AdapterRecord | None:
         key = _version_prefix(tenant, name, version) + MANIFEST_FILE

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from engine.lora.peft_config import MAX_CONFIG_BYTES  # noqa: F401 (the store's limit is the engine's)
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
 DEFAULT_URL = "file://./.loraserve/adapters"
-# adapter_config.json is a few hundred bytes; anything near this bound is not a PEFT config.
-MAX_CONFIG_BYTES = 1 * MiB
 ADDRESSING_STYLES = ("auto", "path", "virtual")
 
 
@@ -83,6 +83,9 @@ class StoreConfig:
     addressing_style: str = "auto"  # "path" for MinIO-like endpoints without wildcard DNS
     # Where uploads are unpacked and validated before anything is written (None: the system temp dir).
     staging_dir: str | None = None
+    # A version folder with no manifest this old is an upload that died: swept, its number freed.
+    # Longer than any upload takes, so a live one on another replica is never swept.
+    stale_upload_s: float = 3600.0
     # The local disk cache in front of the store (see DiskCache).
     cache_dir: str = ".loraserve/cache/adapters"
     cache_max_bytes: int = 10 * GiB
@@ -108,7 +111,7 @@ class StoreConfig:
             raise ValueError(
                 f"max_backoff_s ({self.max_backoff_s}) must be at least backoff_s ({self.backoff_s})"
             )
-        for name in ("connect_timeout_s", "read_timeout_s"):
+        for name in ("connect_timeout_s", "read_timeout_s", "stale_upload_s"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds (got {getattr(self, name)!r})")
         if self.endpoint_url is not None and not self.endpoint_url.startswith(("http://", "https://")):

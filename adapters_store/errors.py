@@ -30,14 +30,21 @@ class InvalidName(StoreError, ValueError):
 
 
 class InvalidAdapter(StoreError, ValueError):
-    """An upload the engine could not serve, or an unsafe archive; nothing was written."""
+    """An upload the engine could not serve, or an unsafe archive; nothing was written.
+
+    `field`: the adapter_config.json key at fault, when one is (the API's `param`).
+    """
 
     code = "invalid_adapter"
 
+    def __init__(self, message: str, code: str | None = None, field: str | None = None):
+        super().__init__(message, code)
+        self.field = field
+
     @classmethod
     def from_adapter_error(cls, error: ValueError) -> InvalidAdapter:
-        """Wrap engine.lora.peft_checkpoint.AdapterError, keeping its code and message."""
-        return cls(str(error), getattr(error, "code", cls.code))
+        """Wrap engine.lora.peft_checkpoint.AdapterError, keeping its code, message and field."""
+        return cls(str(error), getattr(error, "code", cls.code), getattr(error, "field", None))
 
 
 class UploadTooLarge(StoreError, ValueError):

@@ -14,6 +14,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -28,7 +29,6 @@ from engine.lora.model_shape import ModelShape
 
 T = TypeVar("T")
 INCOMING_PREFIX = ".incoming-"
-STALE_INCOMING_S = 24 * 3600  # older half-uploads are certainly dead
 MAX_CLAIM_ATTEMPTS = 100
 
 
@@ -75,13 +75,15 @@ class LocalStore(AdapterStore):
                 f"{operation} failed: {exc}; check the permissions and free space of {self.root}", str(exc)
             ) from exc
 
-    def _list_keys(self, prefix: str) -> list[str]:
+    def _list_times(self, prefix: str) -> dict[str, float]:
         base = self.root / prefix
-        keys = []
+        times = {}
         for dirpath, _, filenames in os.walk(base):
             rel = Path(dirpath).relative_to(base).as_posix()
-            keys.extend(name if rel == "." else f"{rel}/{name}" for name in filenames)
-        return keys
+            for name in filenames:
+                with suppress(FileNotFoundError):  # removed since the walk listed it
+                    times[name if rel == "." else f"{rel}/{name}"] = (Path(dirpath) / name).stat().st_mtime
+        return times
 
     def _read(self, key: str) -> bytes:
         try:
@@ -101,7 +103,11 @@ class LocalStore(AdapterStore):
         _write_durably(path, data)
 
     def _remove(self, key: str) -> None:
-        (self.root / key).unlink(missing_ok=True)
+        path = self.root / key
+        path.unlink(missing_ok=True)
+        if path.parent != self.root:
+            with suppress(OSError):  # a version folder emptied by a sweep goes too; any other stays
+                path.parent.rmdir()
 
     def _commit(
         self, tenant: str, name: str, folder: Path, record_for: Callable[[int], AdapterRecord]
@@ -110,7 +116,7 @@ class LocalStore(AdapterStore):
         incoming = name_dir / f"{INCOMING_PREFIX}{uuid.uuid4().hex}"
         try:
             name_dir.mkdir(parents=True, exist_ok=True)
-            _sweep_stale(name_dir)
+            _sweep_stale(name_dir, self.config.stale_upload_s)
             incoming.mkdir()
             for filename in ADAPTER_FILES:
                 shutil.move(folder / filename, incoming / filename)  # a rename when staging shares the disk
@@ -147,9 +153,9 @@ def _write_durably(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _sweep_stale(name_dir: Path) -> None:
+def _sweep_stale(name_dir: Path, stale_s: float) -> None:
     """Remove `.incoming-*` folders left by uploads that died long ago (they are invisible anyway)."""
-    cutoff = time.time() - STALE_INCOMING_S
+    cutoff = time.time() - stale_s
     for entry in name_dir.iterdir():
         try:
             if entry.name.startswith(INCOMING_PREFIX) and entry.stat().st_mtime < cutoff:

@@ -5,14 +5,15 @@ AWS_ENDPOINT_URL (and AWS_ENDPOINT_URL_S3) natively since botocore 1.31. S3 has 
 version is committed by writing manifest.json after the other two files. The version number is
 claimed by writing adapter_config.json with `If-None-Match: *` (a conditional write): of two
 concurrent uploads only one creates it, and the other moves on to the next number. Endpoints that
-do not implement conditional writes fall back to plain writes (a warning is logged once).
+do not implement conditional writes fall back to plain writes (a warning is logged once). An upload
+that fails after its claim removes what it wrote, the claim last, so its number goes to the next one.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from contextlib import closing, suppress
+from contextlib import closing
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -108,12 +109,13 @@ class S3Store(AdapterStore):
             reason = describe(exc)
             raise StoreUnavailable(f"{operation} failed: {reason}; {hint(exc, self.bucket)}", reason) from exc
 
-    def _list_keys(self, prefix: str) -> list[str]:
+    def _list_times(self, prefix: str) -> dict[str, float]:
         full = self._key(prefix)
-        keys = []
+        times = {}
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
-            keys.extend(obj["Key"][len(full) :] for obj in page.get("Contents", ()))
-        return keys
+            for obj in page.get("Contents", ()):
+                times[obj["Key"][len(full) :]] = obj["LastModified"].timestamp()
+        return times
 
     def _read(self, key: str) -> bytes:
         with self._open(key) as body:
@@ -178,13 +180,36 @@ class S3Store(AdapterStore):
                 f"upload {tenant}/{record.ref}",
                 lambda: self._put_file(prefix + WEIGHTS_FILE, folder / WEIGHTS_FILE),
             )
-        except BaseException:
-            # Best effort: drop the bulk. adapter_config.json stays as the claim: the number is never reused.
-            with suppress(Exception):
-                self.client.delete_object(Bucket=self.bucket, Key=self._key(prefix + WEIGHTS_FILE))
+        except Exception:
+            self._abandon(prefix, record)
             raise
-        # The commit mark. No cleanup if this fails: the write may have landed even when the answer was lost.
-        self._call(
-            f"commit {tenant}/{record.ref}", lambda: self._write(prefix + MANIFEST_FILE, record.to_json())
-        )
+        try:
+            self._call(
+                f"commit {tenant}/{record.ref}", lambda: self._write(prefix + MANIFEST_FILE, record.to_json())
+            )
+        except Exception:
+            # The write may have landed with only its answer lost: then the version is committed.
+            if self._manifest_landed(tenant, record):
+                return record
+            self._abandon(prefix, record)
+            raise
         return record
+
+    def _manifest_landed(self, tenant: str, record: AdapterRecord) -> bool:
+        try:
+            return self._read_manifest(tenant, record.name, record.version) == record
+        except StoreUnavailable:
+            return False
+
+    def _abandon(self, prefix: str, record: AdapterRecord) -> None:
+        """Remove what a failed upload wrote, the claim last, so the next upload can take its number.
+
+        Best effort: whatever stays (the store is down) is invisible without a manifest and is swept
+        once older than `stale_upload_s`.
+        """
+        for filename in (MANIFEST_FILE, WEIGHTS_FILE, CONFIG_FILE):
+            try:
+                self._call(f"clean up {prefix}{filename}", lambda f=filename: self._remove(prefix + f))
+            except Exception as exc:  # best effort: the sweep finishes the job
+                log.warning("could not clean up the failed upload %s: %s", record.ref, exc)
+                return

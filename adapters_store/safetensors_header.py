@@ -1,121 +1,17 @@
-"""Tensor names and shapes from a safetensors header, without reading any tensor data.
-
-Layout: 8 bytes little-endian header length N, N bytes of JSON
-`{"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`, then the data.
-Every field is bounds-checked here (lengths, offsets, sizes), so a file that passes is one
-`safetensors.safe_open` accepts, and a pickle renamed to .safetensors is refused with a clear message.
-"""
+"""The safetensors header check (engine.lora.safetensors_header) as the store raises it: InvalidAdapter."""
 
 from __future__ import annotations
 
-import json
-import math
-import struct
 from pathlib import Path
 
 from adapters_store.errors import InvalidAdapter
-
-# The safetensors library's own ceiling on the header size.
-MAX_HEADER_BYTES = 100_000_000
-# LoRA weights are floating point; the engine converts any of these to its compute dtype.
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-_PICKLE_HINT = (
-    "it looks like a pickled PyTorch checkpoint, which is never loaded; save the adapter with safetensors "
-    "(save_pretrained(..., safe_serialization=True)) and upload adapter_model.safetensors"
-)
+from engine.lora import safetensors_header
+from engine.lora.adapter_error import AdapterError
 
 
 def read_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Parse and check the header of `path`; InvalidAdapter('bad_weights') for anything malformed."""
-    path = Path(path)
-    file_size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        # A pickle (b"\x80\x02".. protocol marks) or a zipped torch.save (b"PK") fails one of the next
-        # checks; the magic only picks the message, since a valid header length may begin with the same bytes.
-        pickled = head[:2] == b"PK" or (
-            head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
-        )
-        if len(head) < 8:
-            _fail(
-                path,
-                _PICKLE_HINT if pickled else f"it is {file_size} bytes, too short for a safetensors header",
-            )
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > min(MAX_HEADER_BYTES, file_size - 8):
-            _fail(
-                path,
-                _PICKLE_HINT
-                if pickled
-                else (
-                    f"its header claims {header_len} bytes, but the file holds {file_size} (truncated or corrupt)"
-                ),
-            )
-        raw = f.read(header_len)
+    """Tensor names and shapes from the header of `path`; InvalidAdapter('bad_weights') if malformed."""
     try:
-        header = json.loads(raw, object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as exc:
-        _fail(path, _PICKLE_HINT if pickled else f"its header is not valid JSON ({exc})")
-    if not isinstance(header, dict):
-        _fail(path, "its header is not a JSON object")
-    metadata = header.pop("__metadata__", None)
-    if metadata is not None and not (
-        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
-    ):
-        _fail(path, "its __metadata__ must map strings to strings")
-    data_size = file_size - 8 - header_len
-    shapes: dict[str, tuple[int, ...]] = {}
-    spans: list[tuple[int, int, str]] = []
-    for name, info in header.items():
-        shape, begin, end = _check_entry(path, name, info)
-        shapes[name] = shape
-        spans.append((begin, end, name))
-    # Tensors must tile the data area exactly: no gaps, no overlaps, nothing past the end.
-    position = 0
-    for begin, end, name in sorted(spans):
-        if begin != position:
-            _fail(
-                path,
-                f"tensor {name!r} starts at byte {begin}, expected {position} (overlapping or gapped data)",
-            )
-        position = end
-    if position != data_size:
-        _fail(
-            path,
-            f"its tensors cover {position} data bytes, but the file holds {data_size} (truncated or padded)",
-        )
-    return shapes
-
-
-def _check_entry(path: Path, name: str, info: object) -> tuple[tuple[int, ...], int, int]:
-    if not isinstance(info, dict):
-        _fail(path, f"tensor {name!r} has no dtype/shape/data_offsets entry")
-    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in DTYPE_BYTES:
-        _fail(
-            path, f"tensor {name!r} has dtype {dtype!r}; LoRA weights must be one of {', '.join(DTYPE_BYTES)}"
-        )
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        _fail(path, f"tensor {name!r} has shape {shape!r}; expected a list of non-negative integers")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
-        _fail(path, f"tensor {name!r} has data_offsets {offsets!r}; expected [begin, end]")
-    begin, end = offsets
-    expected = math.prod(shape) * DTYPE_BYTES[dtype]
-    if end < begin or end - begin != expected:
-        _fail(path, f"tensor {name!r} spans {end - begin} bytes, but {dtype} {shape} needs {expected}")
-    return tuple(shape), begin, end
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    keys = [key for key, _ in pairs]
-    if len(keys) != len(set(keys)):
-        raise ValueError(f"duplicate keys {sorted({k for k in keys if keys.count(k) > 1})}")
-    return dict(pairs)
-
-
-def _fail(path: Path, why: str):
-    raise InvalidAdapter(f"{path.name} is not a valid safetensors file: {why}", "bad_weights")
+        return safetensors_header.read_tensor_shapes(path)
+    except AdapterError as exc:
+        raise InvalidAdapter.from_adapter_error(exc) from None

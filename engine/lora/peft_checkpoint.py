@@ -1,15 +1,16 @@
 """Read and validate PEFT LoRA checkpoints (adapter_config.json + adapter_model.safetensors).
 
-Validation works on tensor names and shapes alone (`check_adapter`), so the adapter store can run it
-on a safetensors header before writing anything; `load_peft_adapter` then reads the tensors.
+Validation works on tensor names and shapes alone (`check_adapter`, fed by safetensors_header.py), so
+the adapter store can run it on a safetensors header before writing anything; `load_peft_adapter` runs
+the same checks, then reads the tensors.
 Only safetensors is read: pickled `.bin` checkpoints are refused, never unpickled.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,26 +18,36 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.lora.adapter_error import AdapterError, show_value
 from engine.lora.model_shape import ATTENTION_MODULES, TARGET_MODULES, ModelShape
+from engine.lora.peft_config import (
+    CONFIG_FILE,
+    PATTERN_MATCH_BUDGET_S,
+    LoraSettings,
+    check_adapter_config,
+    read_adapter_config,
+)
+from engine.lora.safetensors_header import read_tensor_shapes
 
-CONFIG_FILE = "adapter_config.json"
+__all__ = [  # the config's names are re-exported: callers import the checkpoint format from here
+    "CONFIG_FILE",
+    "WEIGHTS_FILE",
+    "AdapterError",
+    "ModuleLoRA",
+    "PeftAdapter",
+    "check_adapter",
+    "check_adapter_config",
+    "load_peft_adapter",
+    "read_adapter_config",
+]
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 # e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (any prefix before `layers.`).
 _TENSOR_NAME = re.compile(
     r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<module>\w+?)\.lora_(?P<ab>[AB])\.weight$"
 )
-
-
-class AdapterError(ValueError):
-    """An adapter the engine cannot serve; `code` names the failed check for callers and APIs."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-
-    def __reduce__(self):  # raised in a loader process, re-raised in the engine's: keep the code
-        return type(self), (self.code, str(self))
+# PEFT's names are under 100 characters; longer ones are refused before the pattern or int() see them.
+MAX_TENSOR_NAME_CHARS = 512
 
 
 @dataclass(frozen=True)
@@ -60,46 +71,6 @@ class PeftAdapter:
     modules: dict[tuple[int, str], ModuleLoRA]
 
 
-def check_adapter_config(config: Mapping, max_lora_rank: int) -> None:
-    """Refuse adapter configs the engine cannot serve faithfully."""
-    peft_type = str(config.get("peft_type", "")).upper()
-    if peft_type != "LORA":
-        raise AdapterError(
-            "not_lora", f"peft_type is {config.get('peft_type')!r}; only LORA adapters are supported"
-        )
-    rank = config.get("r")
-    if not isinstance(rank, int) or rank < 1:
-        raise AdapterError("bad_rank", f"adapter_config.json: r must be a positive integer (got {rank!r})")
-    ranks = [rank, *dict(config.get("rank_pattern") or {}).values()]
-    if max(ranks) > max_lora_rank:
-        raise AdapterError(
-            "rank_too_large",
-            f"adapter rank {max(ranks)} exceeds max_lora_rank {max_lora_rank}; start the server with a larger "
-            "--max-lora-rank or retrain with a smaller r",
-        )
-    if config.get("use_dora"):
-        raise AdapterError("dora_unsupported", "DoRA adapters (use_dora) are not supported")
-    if config.get("bias", "none") != "none" or config.get("lora_bias"):
-        raise AdapterError(
-            "bias_unsupported", "adapters that train biases (bias != 'none') are not supported"
-        )
-    if config.get("modules_to_save"):
-        raise AdapterError(
-            "modules_to_save_unsupported",
-            f"modules_to_save ({config['modules_to_save']}) is not supported: only LoRA pairs can be served",
-        )
-    if config.get("fan_in_fan_out"):
-        raise AdapterError("fan_in_fan_out_unsupported", "fan_in_fan_out adapters are not supported")
-    targets = config.get("target_modules")
-    if isinstance(targets, (list, tuple)):
-        unsupported = sorted(set(targets) - set(TARGET_MODULES))
-        if unsupported:
-            raise AdapterError(
-                "unsupported_target",
-                f"target modules {unsupported} are not supported; LoRA may target {', '.join(TARGET_MODULES)}",
-            )
-
-
 def check_adapter(
     config: Mapping,
     tensor_shapes: Mapping[str, tuple[int, ...]],
@@ -107,14 +78,14 @@ def check_adapter(
     max_lora_rank: int,
 ) -> PeftAdapter:
     """Validate a config and its tensors' names and shapes against the base model (no tensor data read)."""
-    check_adapter_config(config, max_lora_rank)
+    settings = check_adapter_config(config, max_lora_rank)
     pairs: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
     for name, tensor_shape in tensor_shapes.items():
-        match = _TENSOR_NAME.match(name)
+        match = _TENSOR_NAME.match(name) if len(name) <= MAX_TENSOR_NAME_CHARS else None
         if match is None:
             raise AdapterError(
                 "unexpected_tensor",
-                f"tensor {name!r} is not a LoRA weight of a decoder-layer projection "
+                f"tensor {show_value(name)} is not a LoRA weight of a decoder-layer projection "
                 f"({', '.join(TARGET_MODULES)}); embedding, lm_head, bias and DoRA tensors are not supported",
             )
         layer, module = int(match["layer"]), match["module"]
@@ -132,7 +103,7 @@ def check_adapter(
     if not pairs:
         raise AdapterError("no_lora_weights", "adapter_model.safetensors holds no LoRA weights")
 
-    alpha = float(config.get("lora_alpha", 8))
+    deadline = time.monotonic() + PATTERN_MATCH_BUDGET_S
     modules: dict[tuple[int, str], ModuleLoRA] = {}
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
@@ -140,7 +111,13 @@ def check_adapter(
                 "incomplete_pair", f"layer {layer} {module}: lora_A and lora_B must both be present"
             )
         in_features, out_features = shape.module_dims(module)
-        rank = ab["A"][0]
+        rank = ab["A"][0] if len(ab["A"]) == 2 else 0
+        if rank < 1:
+            raise AdapterError(
+                "shape_mismatch",
+                f"layer {layer} {module}: lora_A has shape {list(ab['A'])}; it must be [rank, {in_features}] "
+                "with rank >= 1",
+            )
         expected_a, expected_b = (rank, in_features), (out_features, rank)
         if ab["A"] != expected_a or ab["B"] != expected_b:
             raise AdapterError(
@@ -153,43 +130,24 @@ def check_adapter(
                 "rank_too_large",
                 f"layer {layer} {module} has rank {rank}, above max_lora_rank {max_lora_rank}",
             )
-        modules[(layer, module)] = ModuleLoRA(rank=rank, scale=_scaling(config, layer, module, rank, alpha))
+        modules[(layer, module)] = ModuleLoRA(
+            rank=rank, scale=_scaling(settings, layer, module, rank, deadline)
+        )
     targets = tuple(sorted({module for _, module in modules}, key=TARGET_MODULES.index))
     return PeftAdapter(
         rank=max(m.rank for m in modules.values()),
-        alpha=alpha,
+        alpha=settings.alpha,
         target_modules=targets,
-        base_model=config.get("base_model_name_or_path"),
+        base_model=settings.base_model,
         modules=modules,
     )
 
 
-def _scaling(config: Mapping, layer: int, module: str, rank: int, alpha: float) -> float:
+def _scaling(settings: LoraSettings, layer: int, module: str, rank: int, deadline: float) -> float:
     """PEFT's per-module scaling, honouring alpha_pattern and use_rslora."""
     block = "self_attn" if module in ATTENTION_MODULES else "mlp"
-    key = f"model.layers.{layer}.{block}.{module}"
-    alpha_pattern = dict(config.get("alpha_pattern") or {})
-    if alpha_pattern:
-        from peft.utils.other import get_pattern_key  # PEFT's own matching; imported only when needed (slow)
-
-        matched = get_pattern_key(alpha_pattern.keys(), key)
-        alpha = float(alpha_pattern.get(matched, alpha))
-    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-
-
-def read_adapter_config(folder: Path) -> dict:
-    path = Path(folder) / CONFIG_FILE
-    if not path.is_file():
-        raise AdapterError(
-            "missing_config", f"{path} does not exist: a PEFT adapter folder needs {CONFIG_FILE}"
-        )
-    try:
-        config = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterError("bad_config", f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise AdapterError("bad_config", f"{path} must hold a JSON object")
-    return config
+    alpha = settings.alpha_for(f"model.layers.{layer}.{block}.{module}", deadline)
+    return alpha / math.sqrt(rank) if settings.use_rslora else alpha / rank
 
 
 def load_peft_adapter(folder: str | Path, shape: ModelShape, max_lora_rank: int) -> PeftAdapter:
@@ -207,13 +165,10 @@ def load_peft_adapter(folder: str | Path, shape: ModelShape, max_lora_rank: int)
             else ""
         )
         raise AdapterError("missing_weights", f"{weights} does not exist{hint}")
+    adapter = check_adapter(config, read_tensor_shapes(weights, str(weights)), shape, max_lora_rank)
     try:
         with safe_open(str(weights), framework="pt") as f:
-            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-            adapter = check_adapter(config, shapes, shape, max_lora_rank)
             tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except AdapterError:
-        raise
     except Exception as exc:  # safetensors raises several types for corrupt headers
         raise AdapterError("bad_weights", f"{weights} is not a readable safetensors file: {exc}") from None
     loaded: dict[tuple[int, str], ModuleLoRA] = {}

@@ -14,6 +14,7 @@ from litestar import Litestar
 from litestar.datastructures import State
 
 from loraserve.adapters import adapters_controller
+from loraserve.adapters.runtime_loading import RuntimeLoRAController
 from loraserve.bootstrap import open_services, store_config
 from loraserve.dependencies import DEPENDENCIES, METRICS_ACCESS_KEY, READINESS_KEY, SERVICES_KEY
 from loraserve.errors import EXCEPTION_HANDLERS
@@ -52,6 +53,7 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
             invocations,
             TokenizationController,
             adapters_controller(config),
+            RuntimeLoRAController,
             RoutesController,
             OpsController,
         ],

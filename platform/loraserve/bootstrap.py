@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ from engine import AsyncLLM, EngineConfig, LLMEngine, ModelShape
 from engine.model.loader import load_config, resolve_model_path
 from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import CachedConfigStore, open_config_store, redact_url
+from loraserve.name_conflicts import check_not_base_model
 from loraserve.ops.metrics import Metrics
 from loraserve.routing import Router
 from loraserve.services import Services
@@ -68,10 +70,13 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
     """Everything `Services` holds, built from `settings`; closed in reverse order on exit."""
     model = settings.model or str(await asyncio.to_thread(_demo_model, settings))
     model_id = base_model_id(settings, model)
+    for name, _ in settings.lora_modules:
+        check_not_base_model(name, model_id, "--lora-modules adapter")
     shape = ModelShape.from_hf_config(load_config(resolve_model_path(model)))
     config = store_config(settings)
     store = open_store(config, shape)
     await asyncio.to_thread(store.check)
+    threading.Thread(target=sweep_quietly, args=(store,), name="adapter-store-sweep", daemon=True).start()
     disk_cache = DiskCache(store, config.cache_dir, config.cache_max_bytes)
     config_store = CachedConfigStore(
         open_config_store(settings.config_store or str(settings.state_dir / "config"))
@@ -113,6 +118,7 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             metrics=metrics,
             adapter_lookup=adapter_lookup,
             tokenizer=llm_engine.tokenizer,
+            allowed_lora_paths=settings.allowed_lora_paths,
             max_model_len=llm_engine.max_model_len,
         )
     finally:
@@ -135,6 +141,17 @@ def preload_lora_modules(store: AdapterStore, modules: tuple[tuple[str, str], ..
             continue
         record = store.put(DEFAULT_TENANT, name, path)
         log.info("adapter %s: stored %s as %s for tenant %r", name, path, record.ref, DEFAULT_TENANT)
+
+
+def sweep_quietly(store: AdapterStore) -> None:
+    """At start, in the background: remove uploads that died half-written (see AdapterStore.sweep)."""
+    try:
+        swept = store.sweep()
+    except Exception as exc:  # the store may be down: serving does not depend on this
+        log.warning("could not sweep the adapter store for dead uploads: %s", exc)
+        return
+    if swept:
+        log.info("swept %d half-written or half-deleted adapter versions from the store", swept)
 
 
 def _sha256(path: Path) -> str:

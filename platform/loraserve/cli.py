@@ -56,6 +56,7 @@ _SERVE_FIELDS = (
     "max_cpu_loras",
     "adapter_loader",
     "max_lora_rank",
+    "allowed_lora_paths",
     "adapter_store",
     "config_store",
     "api_keys",
@@ -132,6 +133,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=PATH",
         help="PEFT folders stored as the default tenant's adapters at start (skipped if unchanged)",
+    )
+    add(
+        "--allowed-lora-paths",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="folders POST /v1/load_lora_adapter may load adapters from (vLLM's runtime loading); "
+        "unset: runtime loading is off",
     )
     add(
         "--adapter-store",
@@ -217,6 +226,7 @@ def _env_value(action: argparse.Action, raw: str) -> object:
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     values = {name: getattr(args, name) for name in _SERVE_FIELDS}
+    values["allowed_lora_paths"] = tuple(args.allowed_lora_paths)
     if args.cpu_kv_cache_space <= 0:
         raise ValueError(
             f"--cpu-kv-cache-space must be a positive number of GiB (got {args.cpu_kv_cache_space})"

@@ -62,6 +62,8 @@ class Services:
     adapter_lookup: AdapterLookup = field(default_factory=AdapterLookup)
     tokenizer: Any = None  # the base model's Hugging Face tokenizer (prompts, chat templates, logprob tokens)
     max_model_len: int | None = None  # prompt plus output tokens per sequence; None: not checked here
+    # Folders POST /v1/load_lora_adapter may read from (--allowed-lora-paths); empty: runtime loading off.
+    allowed_lora_paths: tuple[str, ...] = ()
     # Built on the first structured-output request (loraserve.inference.structured): checks specs for 400s.
     grammar_compiler: Any = None
     # Set by the app: SIGTERM's drain state (loraserve.ops.shutdown.Shutdown); None means never draining.

@@ -51,6 +51,8 @@ class ServerSettings:
     max_lora_rank: int = 16
     # (name, local PEFT folder) pairs put into the default tenant's store at start.
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # Folders under which POST /v1/load_lora_adapter may read adapters; empty: runtime loading is off.
+    allowed_lora_paths: tuple[str, ...] = ()
     adapter_store: str = DEFAULT_ADAPTER_STORE
     config_store: str | None = None  # None: embedded under ./.loraserve/config
     api_keys: str | None = None  # JSON or YAML file of key -> {tenant, role}
@@ -87,6 +89,9 @@ class ServerSettings:
             raise ValueError("--metrics-key must be at least 16 characters (a random token)")
         if not self.adapter_lookup_ttl >= 0:
             raise ValueError(f"--adapter-lookup-ttl must be >= 0 seconds (got {self.adapter_lookup_ttl})")
+        missing = [p for p in self.allowed_lora_paths if not Path(p).is_dir()]
+        if missing:
+            raise ValueError(f"--allowed-lora-paths: {missing[0]!r} is not a folder")
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
             raise ValueError(
                 f"--root-path must start with / and not end with one, e.g. /llm (got {self.root_path!r})"

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from adapters_store import InvalidAdapter, LocalStore, StoreConfig, StoreUnavailable, open_store
-from adapters_store.local import INCOMING_PREFIX, STALE_INCOMING_S
+from adapters_store.local import INCOMING_PREFIX
 
 
 def test_relative_file_url_is_relative_to_the_working_directory(
@@ -38,7 +38,7 @@ def test_a_dead_upload_folder_is_invisible_holds_no_number_and_is_swept(tmp_path
     store.put("acme", "a", adapter_dir)
     assert [r.version for r in store.list("acme", all_versions=True)] == [1]
     assert dead.is_dir()  # recent: it might still be running
-    old = time.time() - STALE_INCOMING_S - 60
+    old = time.time() - store.config.stale_upload_s - 60
     os.utime(dead, (old, old))
     assert store.put("acme", "a", adapter_dir).version == 2
     assert not dead.exists()

@@ -137,14 +137,16 @@ def test_a_body_cut_off_midway_is_downloaded_again(s3_store, adapter_dir, files_
     assert s3_store.metrics.num_retries == 1
 
 
-def test_a_failed_weights_upload_leaves_only_the_claim(s3_store, adapter_dir, files_of, keys_of):
+def test_a_failed_weights_upload_leaves_nothing_and_frees_its_number(
+    s3_store, adapter_dir, files_of, keys_of
+):
     weights_put = lambda request: request.url.endswith(WEIGHTS)  # noqa: E731
-    inject(s3_store, "PutObject", FAULTS["500_internal_error"], times=None, only=weights_put)
+    inject(s3_store, "PutObject", FAULTS["500_internal_error"], times=3, only=weights_put)
     with pytest.raises(StoreUnavailable, match="upload acme/a@1 failed after 3 attempts"):
         s3_store.put("acme", "a", files_of(adapter_dir))
-    assert keys_of(s3_store) == ["acme/a/1/adapter_config.json"]
-    s3_store.client.meta.events.unregister("before-send.s3.PutObject")
+    assert keys_of(s3_store) == []  # the claim was removed last
     assert s3_store.list("acme") == []
+    assert s3_store.put("acme", "a", files_of(adapter_dir)).version == 1
 
 
 def test_a_version_claimed_concurrently_is_skipped(

@@ -135,7 +135,7 @@ def test_an_adapter_that_fails_to_load_fails_only_its_requests(case, tmp_path, l
         output = finals[str(i)]
         if adapter == str(corrupt):
             assert output.outputs[0].finish_reason == "error"
-            assert "not a readable safetensors file" in output.error and str(corrupt) in output.error
+            assert "not a valid safetensors file" in output.error and str(corrupt) in output.error
         else:
             assert output.error is None
             assert output.outputs[0].token_ids == case["expected"](all_prompts[i], adapter)
@@ -144,7 +144,7 @@ def test_an_adapter_that_fails_to_load_fails_only_its_requests(case, tmp_path, l
     engine.add_request("again", all_prompts[0], GREEDY, str(corrupt))
     engine.add_request("fine", all_prompts[0], GREEDY, "ad0")
     finals = run_to_end(engine)
-    assert "not a readable safetensors file" in finals["again"].error
+    assert "not a valid safetensors file" in finals["again"].error
     assert finals["fine"].outputs[0].token_ids == case["expected"](all_prompts[0], "ad0")
     engine.shutdown()
 

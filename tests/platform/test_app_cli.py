@@ -3,14 +3,17 @@ idempotent `--lora-modules` preload."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from app_fixtures import make_text_model
 from factories import make_adapter
-from loraserve.bootstrap import engine_config, preload_lora_modules
+from loraserve.bootstrap import engine_config, open_services, preload_lora_modules, sweep_quietly
 from loraserve.cli import build_parser, settings_from_args
+from loraserve.name_conflicts import NameConflict
 from loraserve.settings import ADAPTER_LOADERS, ATTENTION_BACKENDS, KV_CACHE_DTYPES
 
-from adapters_store import StoreConfig, open_store
+from adapters_store import StoreConfig, StoreUnavailable, open_store
 from engine import ModelShape
 from engine import config as engine_config_module
 from engine.model.loader import load_config
@@ -145,3 +148,23 @@ def test_lora_modules_preload_creates_no_version_on_restart(tmp_path):
     assert [r.version for r in store.versions("default", "bot")] == [1]
     preload_lora_modules(store, (("bot", str(second)),))  # changed weights: a new version
     assert [r.version for r in store.versions("default", "bot")] == [1, 2]
+
+
+def test_a_lora_module_named_like_the_base_model_stops_the_start_at_once(tmp_path):
+    argv = ["--model", str(tmp_path), "--served-model-name", "tiny", "--lora-modules", f"tiny={tmp_path}"]
+
+    async def start():
+        async with open_services(settings(argv)):
+            pass
+
+    with pytest.raises(NameConflict, match="'tiny' is the id of the served base model"):
+        asyncio.run(start())  # before the model or any store is opened: tmp_path holds no model
+
+
+def test_the_start_sweep_is_best_effort(tmp_path, caplog):
+    class StoreDown:
+        def sweep(self):
+            raise StoreUnavailable("list the adapter store failed: connection refused")
+
+    sweep_quietly(StoreDown())
+    assert "could not sweep the adapter store" in caplog.text

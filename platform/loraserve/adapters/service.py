@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Literal
+from typing import Any, Literal
 
 from litestar import Request
 
@@ -18,6 +18,8 @@ from loraserve.adapters.multipart_reader import read_upload_body
 from loraserve.adapters.schemas import Adapter, AdapterDeleted, AdapterDetail, AdapterList
 from loraserve.adapters.upload_form import read_upload_form
 from loraserve.config_store import ConfigStoreError
+from loraserve.name_conflicts import check_not_base_model, refuse_breaking_routes
+from loraserve.routing.in_use import variants_needing
 from loraserve.services import Services, engine_adapter_id
 from loraserve.tenancy import Principal, require_admin
 
@@ -30,11 +32,15 @@ async def upload_adapter(services: Services, principal: Principal, request: Requ
     form = await read_upload_body(request)
     try:
         upload = read_upload_form(form)
-        record = await asyncio.to_thread(
-            services.adapter_store.put, principal.tenant, upload.name, upload.source
-        )
+        return await store_adapter(services, principal, upload.name, upload.source)
     finally:
         await form.close()  # removes the spooled parts
+
+
+async def store_adapter(services: Services, principal: Principal, name: str, source: Any) -> Adapter:
+    """Validate and store `source` (a form's files, an archive or a folder) as the next version of `name`."""
+    check_not_base_model(name, services.base_model_id, "adapter")
+    record = await asyncio.to_thread(services.adapter_store.put, principal.tenant, name, source)
     services.adapter_lookup.invalidate(principal.tenant, record.name)
     await _announce(services, principal.tenant, record.name, "put")
     return Adapter.from_record(record)
@@ -56,11 +62,21 @@ async def get_adapter(services: Services, principal: Principal, ref: str) -> Ada
 
 
 async def delete_adapter(services: Services, principal: Principal, ref: str) -> AdapterDeleted:
-    """Delete one version (`name@version`) or all of them; the engine stops taking them at once."""
+    """Delete one version (`name@version`) or all of them; the engine stops taking them at once.
+
+    AdapterInUse (409) if a route of the tenant needs what would be deleted. Requests already running
+    on a deleted version finish on it; the engine refuses new ones.
+    """
     require_admin(principal)
     tenant = principal.tenant
     name, version = parse_ref(ref)
-    records = await asyncio.to_thread(services.adapter_store.delete, tenant, name, version)
+    store = services.adapter_store
+    existing = [r.version for r in await services.adapter_lookup.call(store.versions, tenant, name)]
+    deleted = existing if version is None else [version]
+    remaining = [v for v in existing if v not in deleted]
+    routes = await services.config_store.list_routes(tenant)
+    refuse_breaking_routes(ref, variants_needing(routes, name, deleted, remaining))
+    records = await asyncio.to_thread(store.delete, tenant, name, version)
     services.adapter_lookup.invalidate(tenant, name, deleted=True)
     await _announce(services, tenant, name, "delete")
     for record in records:

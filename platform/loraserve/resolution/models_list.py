@@ -45,12 +45,17 @@ async def list_models(services: Services, principal: Principal) -> ModelList:
     latest: dict[str, AdapterRecord] = {}
     for record in records:  # sorted by (name, version): the last one of a name is its latest
         latest[record.name] = record
+    # Each id once, as resolution reads it: the base model first, then routes, then adapters (names
+    # stored before the base model's id was refused to them are shadowed the same way).
+    routed = {route.name for route in routes}
     for name, record in latest.items():
-        cards.append(_adapter_card(name, record, tenant, base))
+        if name not in routed and name != base:
+            cards.append(_adapter_card(name, record, tenant, base))
     cards.extend(_adapter_card(record.ref, record, tenant, base) for record in records)
     cards.extend(
         ModelCard(id=route.name, created=now, owned_by=tenant, root=route.name, parent=base, kind="route")
         for route in routes
+        if route.name != base
     )
     return ModelList(data=cards)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from adapters_store import AdapterNotFound
 from loraserve.errors import NotFound
+from loraserve.name_conflicts import check_not_base_model
 from loraserve.routes.schemas import RouteDeleted, RouteList
 from loraserve.routing import AdapterRef, Route, check_route_adapters, parse_route
 from loraserve.services import Services
@@ -26,6 +27,7 @@ async def put_route(services: Services, principal: Principal, name: str, body: b
     """Create or replace a route; InvalidRoute (422) for a bad body or a variant naming no adapter."""
     require_admin(principal)
     route = parse_route(name, body)
+    check_not_base_model(route.name, services.base_model_id, "route")
     store, tenant = services.adapter_store, principal.tenant
 
     async def exists(ref: AdapterRef) -> bool:

@@ -1,0 +1,117 @@
+"""vLLM's dynamic LoRA endpoints, mapped onto the tenant's adapter store.
+
+`POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace}` validates the folder at `lora_path` exactly
+as an upload and stores it as the next version of `lora_name`; `POST /v1/unload_lora_adapter {lora_name}`
+deletes every version (refused with 409 while a route needs one). Admin keys only. `lora_path` must lie under
+a folder the operator allowed with `--allowed-lora-paths`; without that flag runtime loading is off, as vLLM
+keeps it off unless VLLM_ALLOW_RUNTIME_LORA_UPDATING is set. Answers are vLLM's plain-text lines.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+from litestar import Controller, Response, post
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
+
+from adapters_store import AdapterNotFound
+from loraserve.adapters import service
+from loraserve.errors import APIError, BadRequest, NotFound
+from loraserve.json_guard import require_json_body
+from loraserve.services import Services
+from loraserve.tenancy import Principal, require_admin
+
+
+class LoadLoRAAdapterRequest(msgspec.Struct, frozen=True, kw_only=True):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # vLLM's: replace an adapter already loaded under this name
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, frozen=True, kw_only=True):
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM sends it; names are what identify adapters here
+
+
+class RuntimeLoadingDisabled(APIError):
+    status_code = 403
+    code = "runtime_lora_loading_disabled"
+
+
+class RuntimeLoRAController(Controller):
+    path = "/v1"
+    tags = ["adapters"]
+    guards = [require_json_body]
+
+    @post("/load_lora_adapter", status_code=200, summary="vLLM's: load a PEFT folder as the next version")
+    async def load(
+        self,
+        data: JSONBody[LoadLoRAAdapterRequest],
+        services: NamedDependency[Services],
+        principal: NamedDependency[Principal],
+    ) -> Response[str]:
+        require_admin(principal)
+        folder = _allowed_folder(services, data.lora_path)
+        if not data.load_inplace and await _exists(services, principal, data.lora_name):
+            raise BadRequest(
+                f"The lora adapter '{data.lora_name}' has already been loaded. "
+                "Pass load_inplace: true to load a new version of it.",
+                code="adapter_exists",
+                param="lora_name",
+            )
+        record = await service.store_adapter(services, principal, data.lora_name, folder)
+        return Response(
+            f"Success: LoRA adapter '{data.lora_name}' added successfully (version {record.version})."
+        )
+
+    @post("/unload_lora_adapter", status_code=200, summary="vLLM's: delete every version of an adapter")
+    async def unload(
+        self,
+        data: JSONBody[UnloadLoRAAdapterRequest],
+        services: NamedDependency[Services],
+        principal: NamedDependency[Principal],
+    ) -> Response[str]:
+        require_admin(principal)
+        try:
+            await service.delete_adapter(services, principal, data.lora_name)
+        except AdapterNotFound:
+            raise NotFound(
+                f"The lora adapter '{data.lora_name}' cannot be found.", code="adapter_not_found"
+            ) from None
+        return Response(f"Success: LoRA adapter '{data.lora_name}' removed successfully.")
+
+
+def _allowed_folder(services: Services, lora_path: str) -> Path:
+    """The real folder behind `lora_path`, if it lies under an allowed root; the caller's own path is the
+    only one an error names."""
+    roots = services.allowed_lora_paths
+    if not roots:
+        raise RuntimeLoadingDisabled(
+            "runtime adapter loading is off on this server; upload adapters with POST /v1/adapters, or ask "
+            "the operator to start it with --allowed-lora-paths"
+        )
+    if lora_path.startswith("s3://"):
+        raise BadRequest(
+            "lora_path must be a local folder; adapters in S3 are uploaded with POST /v1/adapters",
+            param="lora_path",
+        )
+    folder = Path(os.path.realpath(lora_path))
+    if not any(folder.is_relative_to(os.path.realpath(root)) for root in roots):
+        raise BadRequest(
+            f"lora_path {lora_path!r} is not under a folder this server allows loading from",
+            param="lora_path",
+        )
+    if not folder.is_dir():
+        raise BadRequest(f"no adapter folder at lora_path {lora_path!r}", param="lora_path")
+    return folder
+
+
+async def _exists(services: Services, principal: Principal, name: str) -> bool:
+    try:
+        await services.adapter_lookup.call(services.adapter_store.versions, principal.tenant, name)
+    except AdapterNotFound:
+        return False
+    return True

@@ -5,6 +5,7 @@ transformers (+ PEFT) static batches, all in one run on the same random-weight m
     python3 benchmarks/throughput.py --shape L       # Llama-3.1-8B
     python3 benchmarks/throughput.py --profile       # also: where one decode step's time goes
     python3 benchmarks/throughput.py --kv-cache-dtype fp8 --skip-transformers   # the engine, fp8 KV cache
+    python3 benchmarks/throughput.py --quantization fp8 --skip-transformers     # bf16 and FP8 weights
     python3 benchmarks/throughput.py --smoke         # tiny shapes on the CPU (checks that it runs)
     python3 benchmarks/throughput.py --no-warmup-run --skip-transformers   # the first run after start-up
     python3 benchmarks/throughput.py --async-scheduling --skip-transformers --profile
@@ -15,7 +16,8 @@ is slow (small GEMMs per adapter, projection and step), so it runs a subset, `--
 (one static batch) for `--peft-tokens` output tokens; the table says so. transformers without LoRA runs
 every request in static batches of `--hf-batch`.
 
-The decode-step floor is the bytes one step must read, (base weights + the KV of every sequence + A and B
+`--quantization fp8` runs every engine condition twice in the same invocation, bf16 weights then FP8
+weights (rows marked "fp8"), and compares them. The decode-step floor is the bytes one step must read, (base weights + the KV of every sequence + A and B
 of each adapter in the step), over the device-to-device copy bandwidth measured in this run.
 Imports: torch, transformers, peft, safetensors and this repo only.
 """
@@ -42,6 +44,8 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
+FP8_SUFFIX = " fp8"  # the name of a run with FP8 weights: its bf16 twin's name plus this
+
 
 @dataclass
 class StepRecord:
@@ -62,6 +66,7 @@ class RunResult:
     peak_bytes: int
     decode_steps: list[StepRecord] = field(default_factory=list)
     note: str = ""
+    fp8_weights: bool = False
 
     @property
     def tokens_per_second(self) -> float:
@@ -83,7 +88,9 @@ def percentile(values: list[float], q: float) -> float:
 # -- the engine -------------------------------------------------------------------------------------
 
 
-def make_engine(args, model_dir: Path, adapters: list[Path], max_len: int) -> LLMEngine:
+def make_engine(
+    args, model_dir: Path, adapters: list[Path], max_len: int, quantization: str | None
+) -> LLMEngine:
     blocks_per_seq = -(-max_len // 16)
     config = EngineConfig(
         model=str(model_dir),
@@ -100,6 +107,8 @@ def make_engine(args, model_dir: Path, adapters: list[Path], max_len: int) -> LL
         enforce_eager=args.enforce_eager,
         kv_cache_dtype=args.kv_cache_dtype,
         async_scheduling=args.async_scheduling,
+        quantization=quantization,
+        fp8_gemm=args.fp8_gemm,
     )
     engine = LLMEngine(config, skip_tokenizer_init=True)
     for i, path in enumerate(adapters):
@@ -115,12 +124,18 @@ def drain(engine: LLMEngine, on_step=None) -> None:
 
 
 def run_engine(
-    args, name: str, model_dir: Path, adapters: list[Path], prompts: list[list[int]], max_len: int
+    args,
+    name: str,
+    model_dir: Path,
+    adapters: list[Path],
+    prompts: list[list[int]],
+    max_len: int,
+    quantization: str | None = None,
 ):
     device = torch.device(args.device)
     w1.free_memory(device)
     started = time.perf_counter()
-    engine = make_engine(args, model_dir, adapters, max_len)
+    engine = make_engine(args, model_dir, adapters, max_len, quantization)
     startup = time.perf_counter() - started  # weights, KV cache, graph capture, the engine's warm-up
     names = [f"a{i % len(adapters)}" if adapters else None for i in range(len(prompts))]
     # Warm-up run: the measured requests themselves, once, unmeasured, so every adapter is resident before
@@ -178,6 +193,7 @@ def run_engine(
         tpot=[(done[r] - first[r]) / (n - 1) for r in done],
         peak_bytes=w1.peak_bytes(device),
         decode_steps=steps,
+        fp8_weights=quantization is not None,
     )
     notes = [
         f"start-up {startup:.1f} s",
@@ -259,9 +275,9 @@ def run_transformers(args, name, model_dir, adapters, prompts, output_tokens, ba
 
 
 def step_floor(
-    config, steps: list[StepRecord], rank: int, element: int, bandwidth: float, kv_element: int
+    config, steps: list[StepRecord], rank: int, element: int, bandwidth: float, kv_element: int, fp8: bool
 ) -> float:
-    base = w1.base_weight_bytes(config, element)
+    base = w1.base_weight_bytes(config, element, fp8)
     per_token, per_adapter = (
         w1.kv_bytes_per_token(config, kv_element),
         w1.adapter_bytes(config, rank, element),
@@ -275,7 +291,8 @@ def report(args, config, results: list[RunResult], bandwidth: float, element: in
     lines = [
         f"W1, shape {args.shape}, {args.dtype}, {args.num_requests} requests, prompts [{args.min_prompt}, "
         f"{args.max_prompt}] tokens, {args.output_tokens} output tokens, rank {args.rank} over all 7 projections, "
-        f"KV cache {args.kv_cache_dtype}, {'async' if args.async_scheduling else 'sync'} scheduling, "
+        f"KV cache {args.kv_cache_dtype}, FP8 GEMM {args.fp8_gemm}, "
+        f"{'async' if args.async_scheduling else 'sync'} scheduling, "
         f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}; "
         f"copy bandwidth "
         f"{bandwidth / 1e9:.0f} GB/s",
@@ -292,7 +309,7 @@ def report(args, config, results: list[RunResult], bandwidth: float, element: in
         if steps:
             step = statistics.median(s.seconds for s in steps)
             kv_element = 1 if args.kv_cache_dtype.startswith("fp8") else element
-            floor = step_floor(config, steps, args.rank, element, bandwidth, kv_element)
+            floor = step_floor(config, steps, args.rank, element, bandwidth, kv_element, r.fp8_weights)
             steady[r.name] = (step, floor)
             step_cells = f"| {1e3 * step:.2f} @ {steps[0].num_seqs} | {1e3 * floor:.2f} | {step / floor:.2f}"
         lines.append(
@@ -313,6 +330,13 @@ def report(args, config, results: list[RunResult], bandwidth: float, element: in
             f"bytes explain {f_lora / f_base:.2f}x; extra time / extra floor time = "
             f"{(t_lora - t_base) / max(f_lora - f_base, 1e-12):.2f}"
         )
+    for r in results:
+        bf16 = by_name.get(r.name.removesuffix(FP8_SUFFIX))
+        if r.fp8_weights and bf16 is not None:
+            cells = f"output tok/s {r.tokens_per_second / bf16.tokens_per_second:.2f}x"
+            if r.name in steady and bf16.name in steady:
+                cells += f", decode step {steady[r.name][0] / steady[bf16.name][0]:.2f}x"
+            lines.append(f"- FP8 weights / bf16 at {bf16.name}: {cells}")
     return "\n".join(lines)
 
 
@@ -333,6 +357,14 @@ def parse_args(argv=None):
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="the engine without CUDA graphs")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the engine's KV cache")
+    p.add_argument(
+        "--quantization",
+        choices=["fp8"],
+        help="also run every engine condition with FP8 weights, after the bf16 ones (same invocation)",
+    )
+    p.add_argument(
+        "--fp8-gemm", choices=["auto", "scaled_mm", "dequant"], default="auto", help="the FP8 weights' GEMM"
+    )
     p.add_argument("--profile", action="store_true", help="break a decode step of the largest N down")
     p.add_argument(
         "--async-scheduling",
@@ -372,13 +404,15 @@ def main(argv=None) -> None:
         model_dir = w1.make_model(Path(tmp) / "model", args.shape, dtype, device)
         adapters = w1.make_adapters(Path(tmp), model_dir, config, max(args.adapters), args.rank, dtype)
         bandwidth = w1.copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 26)
-        results, profile = [], None
-        for n in [0, *args.adapters]:
-            name = f"engine N={n}" if n else "engine (no LoRA)"
-            result, prof = run_engine(args, name, model_dir, adapters[:n], prompts, max_len)
-            results.append(result)
-            profile = prof or profile
-            print(f"{name}: {result.tokens_per_second:.0f} output tokens/s", flush=True)
+        results, profiles = [], []
+        for quantization in [None, *([args.quantization] if args.quantization else [])]:
+            for n in [0, *args.adapters]:
+                name = (f"engine N={n}" if n else "engine (no LoRA)") + (FP8_SUFFIX if quantization else "")
+                result, prof = run_engine(args, name, model_dir, adapters[:n], prompts, max_len, quantization)
+                results.append(result)
+                if prof:
+                    profiles.append(f"{name}:\n{prof}")
+                print(f"{name}: {result.tokens_per_second:.0f} output tokens/s", flush=True)
         if not args.skip_transformers:
             n = max(args.adapters)
             peft_note = f"first {args.peft_requests} requests, {args.peft_tokens} output tokens, N={n}"
@@ -408,7 +442,7 @@ def main(argv=None) -> None:
             )
     print()
     print(report(args, config, results, bandwidth, element))
-    if profile:
+    for profile in profiles:
         print()
         print(profile)
 

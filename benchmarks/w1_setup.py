@@ -148,14 +148,18 @@ def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
     return 2 * num_bytes / statistics.median(times[2:])
 
 
-def base_weight_bytes(config, element: int) -> int:
-    """Bytes a decode step reads from the base weights: every layer, the final norm, the LM head."""
-    per_layer = (
-        sum(fan_in * fan_out for fan_in, fan_out in module_dims(config).values()) + 2 * config.hidden_size
+def base_weight_bytes(config, element: int, fp8: bool = False) -> int:
+    """Bytes a decode step reads from the base weights: every layer, the final norm, the LM head. With
+    `fp8` the seven projections take one byte a weight plus a float32 scale per output row."""
+    dims = module_dims(config).values()
+    projections = sum(fan_in * fan_out for fan_in, fan_out in dims)
+    projection_bytes = projections + 4 * sum(fan_out for _, fan_out in dims) if fp8 else element * projections
+    other = element * (
+        config.num_hidden_layers * 2 * config.hidden_size
+        + config.vocab_size * config.hidden_size
+        + config.hidden_size
     )
-    return element * (
-        config.num_hidden_layers * per_layer + config.vocab_size * config.hidden_size + config.hidden_size
-    )
+    return config.num_hidden_layers * projection_bytes + other
 
 
 def kv_bytes_per_token(config, element: int) -> int:

@@ -54,16 +54,20 @@ class AsyncLLM:
         params: SamplingParams | None,
         request_id: str,
         adapter: str | None = None,
+        *,
+        tenant: str | None = None,
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield deltas: each output's completions hold only the text, tokens and logprobs that are new
-        since the previous yield. The last one has `finished` set; a failed request's has `error`."""
+        since the previous yield. The last one has `finished` set; a failed request's has `error`.
+        `tenant` and `tenant_weight`: see LLMEngine.add_request."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead_error}")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._submit(("add", request_id, prompt, params, adapter))
+        self._submit(("add", request_id, prompt, params, adapter, tenant, tenant_weight))
         seen: dict[int, tuple[int, int, int]] = {}
         finished = False
         try:
@@ -127,9 +131,11 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, prompt, params, adapter = command
+                _, request_id, prompt, params, adapter, tenant, tenant_weight = command
                 try:
-                    self.engine.add_request(request_id, prompt, params, adapter)
+                    self.engine.add_request(
+                        request_id, prompt, params, adapter, tenant=tenant, tenant_weight=tenant_weight
+                    )
                 except ValueError as exc:  # e.g. bad sampling params: fail this request alone
                     self._deliver(request_id, _failed(request_id, prompt, str(exc)))
                 except Exception as exc:  # a bug met by this request's data: still this request alone

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model.fp8_checkpoint import QUANTIZATIONS
+from engine.model.fp8_linear import FP8_GEMMS
 from engine.model.kv_quant import FP8_DTYPE
 
 _DTYPES = {
@@ -24,6 +26,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # the engine thread for the GIL), "thread" (the manager's worker threads), or "auto" (processes on
 # CUDA, threads on the CPU). engine/lora/background_loads.py.
 ADAPTER_LOADERS = ("auto", "thread", "process")
+# Which waiting request runs next: "fair" (virtual token counters by tenant, engine/fairness.py) or
+# "fcfs" (arrival order, ignoring tenants). vLLM's option name; its "priority" is not offered.
+SCHEDULING_POLICIES = ("fair", "fcfs")
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,20 @@ class EngineConfig:
     # the next step's inputs on the device), so host bookkeeping overlaps the GPU; step() then returns
     # one step late. A request that ends on a stop token costs one wasted row in the next step.
     async_scheduling: bool = False
+    scheduling_policy: str = "fair"  # see SCHEDULING_POLICIES
+    # Cost of a token in the fair scheduler's counters: prompt tokens (charged when a request is first
+    # admitted) and generated tokens (charged as scheduled) weigh differently, as in VTC.
+    fairness_prompt_token_weight: float = 1.0
+    fairness_output_token_weight: float = 2.0
+    # Steps a request that lacks room (KV blocks; the token budget without chunked prefill) or an adapter
+    # slot (max_loras) may be passed over for others before admission waits for it (bounded starvation).
+    fairness_max_bypass_steps: int = 4
+    # "fp8": the seven linear projections as float8 e4m3 with per-output-channel scales, quantized at load
+    # (engine/model/fp8_linear.py). None: as the checkpoint is; an FP8 checkpoint is served as FP8 anyway.
+    quantization: str | None = None
+    # How FP8 projections multiply (FP8_GEMMS): "auto" picks torch._scaled_mm where the GPU can, else
+    # "dequant" (the weight dequantized to the model dtype for each GEMM; the CPU and the reference).
+    fp8_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -99,11 +118,29 @@ class EngineConfig:
             raise ValueError(
                 f"adapter_loader must be one of {', '.join(ADAPTER_LOADERS)} (got {self.adapter_loader!r})"
             )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)} (got {self.scheduling_policy!r})"
+            )
+        for name in ("fairness_prompt_token_weight", "fairness_output_token_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number (got {value!r})")
+        max_bypass = self.fairness_max_bypass_steps
+        if isinstance(max_bypass, bool) or not isinstance(max_bypass, int) or max_bypass < 0:
+            raise ValueError(f"fairness_max_bypass_steps must be a non-negative integer (got {max_bypass!r})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype!r}); "
                 "'fp8' stores K/V as float8 e4m3 with a per-tensor scale"
             )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be None or 'fp8' (got {self.quantization!r}); 'fp8' stores the linear "
+                "projections as float8 e4m3 with per-channel scales"
+            )
+        if self.fp8_gemm not in FP8_GEMMS:
+            raise ValueError(f"fp8_gemm must be one of {', '.join(FP8_GEMMS)} (got {self.fp8_gemm!r})")
         for name in ("enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (got {getattr(self, name)!r})")

@@ -16,6 +16,7 @@ import torch
 from engine import kernel_compiles
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.fairness import DEFAULT_TENANT
 from engine.kv_cache import KVCacheManager
 from engine.logits_processors import apply_logits_processors, uses_processors
 from engine.lora.manager import AdapterManager, AdapterSource, Observer
@@ -116,10 +117,23 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams | None = None,
         adapter: str | None = None,
+        *,
+        tenant: str | None = None,
+        tenant_weight: float = 1.0,
     ) -> None:
         """Queue a request. A request that cannot be served is reported as a failed output at the next
-        step instead of raising, so one bad request never disturbs a batch."""
+        step instead of raising, so one bad request never disturbs a batch.
+
+        `tenant` is the fair scheduler's key (None: the one shared "default" key) and `tenant_weight`
+        that tenant's weight: a tenant of weight 2 gets twice the share of weight 1 (engine/fairness.py)."""
         params = params or SamplingParams()
+        tenant = DEFAULT_TENANT if tenant is None else tenant
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"tenant must be a non-empty string or None (got {tenant!r})")
+        if isinstance(tenant_weight, bool) or not isinstance(tenant_weight, (int, float)):
+            raise ValueError(f"tenant_weight must be a positive number (got {tenant_weight!r})")
+        if not 0 < tenant_weight < float("inf"):
+            raise ValueError(f"tenant_weight must be a positive number (got {tenant_weight!r})")
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
@@ -133,7 +147,10 @@ class LLMEngine:
             return
         parent = ParentRequest(request_id, prompt_text, prompt_ids, adapter, [None] * params.n)
         try:
-            children = [self._new_child(parent, params, index, adapter_id) for index in range(params.n)]
+            children = [
+                self._new_child(parent, params, index, adapter_id, tenant, float(tenant_weight))
+                for index in range(params.n)
+            ]
         except ValueError as exc:  # the scheduler refuses what can never fit the KV cache
             self._fail_unqueued(request_id, prompt_text, prompt_ids, adapter, str(exc))
             return
@@ -141,7 +158,15 @@ class LLMEngine:
         if adapter_id is not None:
             self.lora.prefetch(adapter_id)
 
-    def _new_child(self, parent: ParentRequest, params: SamplingParams, index: int, adapter_id: str | None):
+    def _new_child(
+        self,
+        parent: ParentRequest,
+        params: SamplingParams,
+        index: int,
+        adapter_id: str | None,
+        tenant: str,
+        tenant_weight: float,
+    ):
         child_id = parent.request_id if params.n == 1 else f"{parent.request_id}#{index}"
         child = Request(
             request_id=child_id,
@@ -149,6 +174,8 @@ class LLMEngine:
             sampling_params=self._child_params(params, index),
             adapter_id=adapter_id,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
         )
         self.structured.add(child)  # an invalid spec raises here, before anything is queued
         try:
@@ -319,6 +346,7 @@ class LLMEngine:
             max_loras=self.config.max_loras,
             num_lora_slots_in_use=self.lora.num_slots_in_use,
             num_adapters_loading=self.lora.num_loading,
+            tenants=self.scheduler.tenant_stats(),
             resident_adapters=self.lora.resident_ids(),
             num_kernel_compiles_after_ready=self._compiles.num_compiles - self._compiles_at_ready,
         )

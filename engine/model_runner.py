@@ -44,7 +44,9 @@ class ModelRunner:
             and self.device.type == "cuda"
         ):
             _check_fp8_triton_support(self.device)
-        weights = load_weights(model_path, hf_config, self.dtype, self.device)
+        weights = load_weights(
+            model_path, hf_config, self.dtype, self.device, config.quantization, config.fp8_gemm
+        )
         self.model = LlamaModel(hf_config, weights, max_model_len, self.attention_backend)
         self.shape = ModelShape.from_hf_config(hf_config)
         self.lora_slots = LoRASlots(

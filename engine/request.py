@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.fairness import DEFAULT_TENANT
 from engine.sampling_params import SamplingParams
 
 # Token slot of a request that uses no adapter (see lora_kernels.add_lora).
@@ -57,6 +58,9 @@ class Request:
     adapter_id: str | None = None
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # Whose share of the engine this request uses (the fair scheduler's key), and that tenant's weight.
+    tenant: str = DEFAULT_TENANT
+    tenant_weight: float = 1.0
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

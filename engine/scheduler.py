@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.fairness import VirtualTokenCounters
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.stats import TenantStats
+from engine.tenant_queues import TenantQueues
+from engine.tenant_usage import TenantLedger
 
 
 @dataclass(frozen=True)
@@ -51,10 +54,18 @@ class Scheduler:
     """Continuous batching in the vLLM v1 style: every step re-decides the whole batch.
 
     Running requests go first, oldest first, so decodes never starve behind prefills. When blocks
-    run out the newest running request is preempted (blocks freed, recomputed from token 0 later).
-    Waiting requests are admitted in FIFO order while the token budget, `max_num_seqs`, free blocks
-    and `max_loras` allow; one whose adapter is not ready, or would be one adapter too many, is
-    skipped without holding up the requests behind it.
+    run out a running request is preempted (blocks freed, recomputed from token 0 later): under the
+    "fair" policy the newest of the tenant with the highest virtual token counter (the one most over
+    its share), under "fcfs" the newest overall.
+
+    Waiting requests wait in one FIFO queue per tenant ("fair") or one queue for all ("fcfs").
+    Admission takes the head of the queue whose tenant has the lowest counter (engine/fairness.py),
+    again and again, while the token budget, `max_num_seqs`, free blocks and `max_loras` allow. A
+    request whose adapter is still loading is skipped without holding up the requests behind it.
+    Under "fcfs" so is one that would be one adapter too many, and a head that lacks room (blocks, or
+    the budget without chunked prefill) stops admission. Under "fair" both are passed over, but only
+    for `fairness_max_bypass_steps` steps each, after which admission waits for them, so that neither
+    a stream of short prompts nor of other adapters can starve them.
     """
 
     def __init__(
@@ -77,10 +88,15 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.adapter_ready = adapter_ready
-        # Read-only for callers. running: admission order, oldest first; waiting: FIFO, preempted
-        # requests at the front.
+        self.fair = config.scheduling_policy == "fair"
+        self.counters = VirtualTokenCounters(
+            config.fairness_prompt_token_weight, config.fairness_output_token_weight
+        )
+        self.ledger = TenantLedger()
+        # Read-only for callers. running: admission order, oldest first.
         self.running: list[Request] = []
-        self.waiting: deque[Request] = deque()
+        self._queues = TenantQueues(self.fair, self.counters)  # the waiting requests
+        self._bypassed: dict[str, int] = {}  # request id -> steps admission went past it (fair only)
         self._requests: dict[str, Request] = {}  # request_id -> every unfinished request
         self.num_preemptions = 0  # cumulative, for metrics
 
@@ -90,10 +106,18 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self._queues)
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Waiting requests (a new list) in about the order admission would take them."""
+        return self._queues.in_admission_order()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or len(self._queues))
+
+    def tenant_stats(self) -> tuple[TenantStats, ...]:
+        return self.ledger.stats(self.counters.counters(), self.counters.weight, self.running, self._queues)
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError, naming the limit, if it could never run to completion."""
@@ -119,7 +143,7 @@ class Scheduler:
             )
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
-        self.waiting.append(request)
+        self._queues.push(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Remove a request at once, freeing its blocks; None for an unknown (or finished) id."""
@@ -131,7 +155,8 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         else:
-            self.waiting.remove(request)
+            self._queues.remove(request)
+            self._bypassed.pop(request_id, None)
         request.status = status
         self.kv_cache_manager.free(request)
         return request
@@ -148,6 +173,9 @@ class Scheduler:
         for item in scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
             item.request.status = RequestStatus.RUNNING
+            if item.samples:  # one generated token, whatever the step recomputes
+                cost = self.counters.charge(item.request.tenant, num_output_tokens=1)
+                self.ledger.generated(item.request.tenant, 1, cost)
         return SchedulerOutput(
             scheduled=scheduled,
             preempted=preempted,
@@ -160,7 +188,8 @@ class Scheduler:
     ) -> int:
         """Give each running request, oldest first, its next tokens; returns the budget left.
 
-        Only requests after the current one are preempted, and those have nothing scheduled yet.
+        A victim scheduled earlier in this step (only "fair" picks those) gives back its tokens: nothing
+        of the step has run yet, so freeing its blocks loses no work.
         """
         index = 0
         while index < len(self.running) and budget > 0:
@@ -176,42 +205,87 @@ class Scheduler:
                 index += 1
                 continue
             num_new_tokens = min(num_new_tokens, budget)
+            preempted_self = False
             while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
-                victim = self.running.pop()
+                victim = self._pick_victim()
+                position = self.running.index(victim)
+                del self.running[position]
+                if position < index:
+                    item = next(s for s in scheduled if s.request is victim)
+                    scheduled.remove(item)
+                    budget += item.num_new_tokens
+                    index -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
-                    return budget
+                    preempted_self = True
+                    break
+            if preempted_self:
+                continue  # the next request now sits at `index`
             scheduled.append(self._scheduled(request, num_new_tokens, request.num_computed_tokens))
             budget -= num_new_tokens
             index += 1
         return budget
 
+    def _pick_victim(self) -> Request:
+        """The newest running request of the tenant with the highest counter ("fcfs": the newest)."""
+        if not self.fair:
+            return self.running[-1]
+        victim, highest = None, 0.0
+        for request in reversed(self.running):
+            counter = self.counters.counter(request.tenant)
+            if victim is None or counter > highest:
+                victim, highest = request, counter
+        return victim
+
     def _schedule_waiting(
         self, budget: int, scheduled: list[ScheduledRequest], newly_admitted: list[Request]
     ) -> None:
-        """Admit waiting requests in FIFO order; skipped ones keep their place in the queue."""
+        """Admit heads of the lowest-counter queues; skipped requests keep their place."""
         kv = self.kv_cache_manager
         adapters = {r.adapter_id for r in self.running if r.adapter_id is not None}
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            if not self._adapter_admissible(request.adapter_id, adapters):
-                skipped.append(self.waiting.popleft())
+        queues = self._queues
+        cursors = dict.fromkeys(queues.keys(), 0)  # per queue: its next candidate; earlier ones are skipped
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            key = min(
+                (k for k, i in cursors.items() if i < len(queues.queue(k))), key=queues.priority, default=None
+            )
+            if key is None:
+                break
+            request = queues.queue(key)[cursors[key]]
+            if self._one_adapter_too_many(request.adapter_id, adapters):
+                # Under fair, a request kept out by other adapters holds the line after a while, so that
+                # their requests drain and free a slot for its adapter.
+                if self.fair and not self._may_bypass(request):
+                    break
+                cursors[key] += 1
+                continue
+            if request.adapter_id is not None and not self.adapter_ready(request.adapter_id):
+                cursors[key] += 1  # still loading: it waits without holding up anything
                 continue
             hits, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+            fits = True
             if num_new_tokens > budget:
-                if not self.config.enable_chunked_prefill:
-                    break  # head-of-line waits for a step with room, so it cannot starve
-                num_new_tokens = budget
-            if kv.allocate_slots(request, num_new_tokens, hits) is None:
-                break
-            self.waiting.popleft()
-            if request.status is RequestStatus.WAITING:
+                if self.config.enable_chunked_prefill:
+                    num_new_tokens = budget
+                else:
+                    fits = False  # it waits for a step with room
+            if not fits or kv.allocate_slots(request, num_new_tokens, hits) is None:
+                if not self.fair or not self._may_bypass(request):
+                    break  # admission waits for this head, so it cannot starve
+                del cursors[key]  # the other queues go first this step
+                continue
+            if request.status is RequestStatus.WAITING:  # charged once, not again after a preemption
                 request.num_cached_tokens = num_hit_tokens
+                cost = self.counters.charge(request.tenant, num_prompt_tokens=request.num_prompt_tokens)
+                self.ledger.admitted(request, cost)
+            queues.pop(key, cursors[key])
+            self._bypassed.pop(request.request_id, None)
+            if not queues.has(key):
+                del cursors[key]
             request.num_computed_tokens += num_hit_tokens
             self.running.append(request)
             newly_admitted.append(request)
@@ -219,7 +293,6 @@ class Scheduler:
                 adapters.add(request.adapter_id)
             scheduled.append(self._scheduled(request, num_new_tokens, request.num_computed_tokens))
             budget -= num_new_tokens
-        self.waiting.extendleft(reversed(skipped))
 
     def _finishes_in_flight(self, request: Request) -> bool:
         """Whether the token in flight ends the request by length (max_tokens or max_model_len): then
@@ -232,12 +305,18 @@ class Scheduler:
             return True
         return request.num_scheduled_tokens >= self.max_model_len
 
-    def _adapter_admissible(self, adapter_id: str | None, adapters: set[str]) -> bool:
-        if adapter_id is None:
-            return True
-        if adapter_id not in adapters and len(adapters) >= self.config.max_loras:
+    def _may_bypass(self, request: Request) -> bool:
+        """Whether admission may go past `request`, which lacks room or an adapter slot; counts the steps."""
+        count = self._bypassed.get(request.request_id, 0)
+        if count >= self.config.fairness_max_bypass_steps:
             return False
-        return self.adapter_ready(adapter_id)
+        self._bypassed[request.request_id] = count + 1
+        return True
+
+    def _one_adapter_too_many(self, adapter_id: str | None, adapters: set[str]) -> bool:
+        return (
+            adapter_id is not None and adapter_id not in adapters and len(adapters) >= self.config.max_loras
+        )
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -245,7 +324,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._queues.push(request, front=True)
 
     def _scheduled(self, request: Request, num_new_tokens: int, start: int) -> ScheduledRequest:
         return ScheduledRequest(

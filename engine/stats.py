@@ -30,6 +30,7 @@ class EngineStats:
     # In a GPU slot or the CPU tier: a request for one of these needs no store call (the server's adapter
     # lookups serve them from their cache while the store is down).
     resident_adapters: frozenset[str] = frozenset()
+    tenants: tuple[TenantStats, ...] = ()  # by tenant name; see TenantStats
     # Triton kernel variants compiled since the engine was marked ready (LLMEngine.mark_ready); should stay
     # 0: loraserve_kernel_compiles_after_ready_total.
     num_kernel_compiles_after_ready: int = 0
@@ -38,3 +39,24 @@ class EngineStats:
 def distinct_adapters(requests: Iterable[Request]) -> tuple[str, ...]:
     """The adapters some of `requests` use, sorted (base-model requests name none)."""
     return tuple(sorted({r.adapter_id for r in requests if r.adapter_id is not None}))
+
+
+@dataclass(frozen=True)
+class TenantStats:
+    """One tenant's use of this engine since it started (counters) and right now (gauges).
+
+    Tokens are the scheduler's cost view: a request's prompt counts once, when it is first admitted
+    (each of the `n` completions of a request is a request of its own); generated tokens count when
+    they are scheduled. `share` is the tenant's part of all weighted service of about the last minute.
+    """
+
+    tenant: str
+    weight: float
+    num_requests: int  # admitted at least once
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    queue_time_s: float  # summed over requests: arrival to first admission
+    virtual_tokens: float  # the fairness counter (weighted tokens / weight, lifts included)
+    share: float  # 0..1
+    num_running: int
+    num_waiting: int

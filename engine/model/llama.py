@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, with per-token LoRA.
 
 q/k/v and gate/up run as fused projections; LoRA adds each adapter's low-rank update to the
-fused output through `LoRAContext.apply`, one slot index per token.
+fused output through `LoRAContext.apply`, one slot index per token. A projection is a plain weight in
+the model dtype or an `Fp8Linear` (FP8 base weights); LoRA runs in the model dtype on top of either.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from engine.lora.context import LoRAContext
 from engine.lora.slots import FUSED_PROJECTIONS
 from engine.model.attention import AttentionMetadata, attention, write_kv
+from engine.model.fp8_linear import Fp8Linear, linear
 from engine.model.rope import RotaryEmbedding
 
 QKV, GATE_UP = FUSED_PROJECTIONS
@@ -24,12 +26,12 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv: torch.Tensor | Fp8Linear  # [q_size + 2 * kv_size, hidden]
     qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size] (Qwen2)
-    o: torch.Tensor  # [hidden, q_size]
+    o: torch.Tensor | Fp8Linear  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: torch.Tensor | Fp8Linear  # [2 * intermediate, hidden]
+    down: torch.Tensor | Fp8Linear  # [hidden, intermediate]
     # fp8 KV cache scales (stored * scale = real); 1.0 unless the checkpoint has them. Unused otherwise.
     k_scale: torch.Tensor  # [1] float32
     v_scale: torch.Tensor  # [1] float32
@@ -42,6 +44,7 @@ class ModelWeights:
     norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
     kv_scales_from_checkpoint: bool = False  # True: the checkpoint carried k_scale/v_scale tensors
+    quantization: str | None = None  # the FP8 scheme of the projections (fp8_checkpoint.py); None: none
 
 
 class LlamaModel:
@@ -92,7 +95,7 @@ class LlamaModel:
         return F.linear(hidden, self.weights.lm_head).float()
 
     def _attention(self, i, layer, x, meta, kv_cache, lora):
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = linear(x, layer.qkv, layer.qkv_bias)
         if lora is not None:
             lora.apply(qkv, x, i, QKV)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -114,18 +117,18 @@ class LlamaModel:
             layer.v_scale,
         )
         attn = attn.reshape(-1, self.q_size)
-        out = F.linear(attn, layer.o)
+        out = linear(attn, layer.o)
         if lora is not None:
             lora.apply(out, attn, i, ("o_proj",))
         return out
 
     def _mlp(self, i, layer, x, lora):
-        gate_up = F.linear(x, layer.gate_up)
+        gate_up = linear(x, layer.gate_up)
         if lora is not None:
             lora.apply(gate_up, x, i, GATE_UP)
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate) * up
-        out = F.linear(act, layer.down)
+        out = linear(act, layer.down)
         if lora is not None:
             lora.apply(out, act, i, ("down_proj",))
         return out

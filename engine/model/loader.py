@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from engine.model.kv_quant import default_scale
+from engine.lora.model_shape import TARGET_MODULES
+from engine.model.fp8_checkpoint import DROPPED_NAMES, SCALE_NAMES, build_fp8_linear, fp8_scheme
+from engine.model.fp8_linear import Fp8Linear
+from engine.model.kv_quant import FP8_DTYPE, default_scale
 from engine.model.llama import LayerWeights, ModelWeights
+
+logger = logging.getLogger(__name__)
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 # fp8 KV-cache scales under `model.layers.N.self_attn.`, as vLLM reads them: llm-compressor's and
@@ -18,6 +24,10 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*
 _K_SCALE_NAMES = ("k_scale", "attn.k_scale", "k_proj.k_scale", "k_proj.output_scale", "kv_scale")
 _V_SCALE_NAMES = ("v_scale", "attn.v_scale", "v_proj.v_scale", "v_proj.output_scale", "kv_scale")
 _SCALE_SUFFIXES = tuple(f".self_attn.{n}" for n in {*_K_SCALE_NAMES, *_V_SCALE_NAMES})
+# The projections FP8 applies to (LoRA's seven), and the float32 tensors a quantized checkpoint keeps
+# beside their weights.
+_PROJECTION_WEIGHTS = tuple(f"{m}.weight" for m in TARGET_MODULES)
+_WEIGHT_SCALE_SUFFIXES = tuple(f"{m}.{n}" for m in TARGET_MODULES for n in (*SCALE_NAMES, *DROPPED_NAMES))
 
 
 def resolve_model_path(model: str) -> Path:
@@ -60,25 +70,61 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(path: Path, config, dtype: torch.dtype, device: torch.device) -> ModelWeights:
-    """Read every shard once, fusing q/k/v and gate/up as the layers are completed."""
+def load_weights(
+    path: Path,
+    config,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
+    fp8_gemm: str = "auto",
+) -> ModelWeights:
+    """Read every shard once, fusing q/k/v and gate/up as the layers are completed.
+
+    With FP8 (`quantization="fp8"`, or a checkpoint quantized in a supported FP8 format) the seven
+    projections become `Fp8Linear`s (engine/model/fp8_checkpoint.py); everything else keeps `dtype`."""
+    scheme = fp8_scheme(config, quantization)
     raw: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
+                tensor = f.get_tensor(name)
                 # Scales stay float32: rounded to bf16 they would be off by up to 0.4%.
-                is_scale = name.endswith(_SCALE_SUFFIXES)
-                raw[name] = f.get_tensor(name).to(dtype=torch.float32 if is_scale else dtype)
+                if name.endswith(_SCALE_SUFFIXES) or name.endswith(_WEIGHT_SCALE_SUFFIXES):
+                    raw[name] = tensor.to(torch.float32)
+                elif tensor.dtype == FP8_DTYPE or (scheme and name.endswith(_PROJECTION_WEIGHTS)):
+                    raw[name] = tensor  # quantized below, from the checkpoint's own values
+                else:
+                    raw[name] = tensor.to(dtype)
 
     def take(name: str) -> torch.Tensor:
         if name not in raw:
             raise ValueError(f"checkpoint {path} lacks tensor {name!r}; is it a Llama-family model?")
+        if raw[name].dtype == FP8_DTYPE:
+            raise ValueError(
+                f"checkpoint {path} stores {name!r} as float8 but config.json's quantization_config does "
+                "not describe it (only the seven linear projections of a supported FP8 format are read)"
+            )
         return raw.pop(name).to(device)
 
     def take_optional(name: str) -> torch.Tensor | None:
         return take(name) if name in raw else None
+
+    def take_linear(prefixes: list[str]) -> torch.Tensor | Fp8Linear:
+        """One projection, or several fused along the output dimension (q/k/v, gate/up)."""
+        if scheme is None:
+            weights = [take(f"{p}.weight") for p in prefixes]
+            return weights[0] if len(weights) == 1 else torch.cat(weights)
+        parts = []
+        for p in prefixes:
+            if f"{p}.weight" not in raw:
+                take(f"{p}.weight")  # raises naming the tensor
+            scales = [raw.pop(f"{p}.{n}") for n in SCALE_NAMES if f"{p}.{n}" in raw]
+            for n in DROPPED_NAMES:
+                raw.pop(f"{p}.{n}", None)
+            parts.append((raw.pop(f"{p}.weight"), scales[0] if scales else None))
+        return build_fp8_linear(prefixes[0], parts, device, fp8_gemm)
 
     def take_scale(layer: int, names: tuple[str, ...]) -> torch.Tensor | None:
         """The first of `names` present, all of them removed (kv_scale serves both K and V)."""
@@ -103,19 +149,18 @@ def load_weights(path: Path, config, dtype: torch.dtype, device: torch.device) -
         k_scale, v_scale = take_scale(i, _K_SCALE_NAMES), take_scale(i, _V_SCALE_NAMES)
         raw.pop(f"{p}self_attn.kv_scale", None)
         num_scales += (k_scale is not None) + (v_scale is not None)
-        q, k, v = (take(f"{p}self_attn.{m}_proj.weight") for m in "qkv")
         biases = [take_optional(f"{p}self_attn.{m}_proj.bias") for m in "qkv"]
         if any(b is not None for b in biases) and not all(b is not None for b in biases):
             raise ValueError(f"layer {i}: q/k/v biases must be all present or all absent")
         layers.append(
             LayerWeights(
                 input_norm=take(f"{p}input_layernorm.weight"),
-                qkv=torch.cat([q, k, v]),
+                qkv=take_linear([f"{p}self_attn.{m}_proj" for m in "qkv"]),
                 qkv_bias=torch.cat(biases) if biases[0] is not None else None,
-                o=take(f"{p}self_attn.o_proj.weight"),
+                o=take_linear([f"{p}self_attn.o_proj"]),
                 post_norm=take(f"{p}post_attention_layernorm.weight"),
-                gate_up=torch.cat([take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")]),
-                down=take(f"{p}mlp.down_proj.weight"),
+                gate_up=take_linear([f"{p}mlp.gate_proj", f"{p}mlp.up_proj"]),
+                down=take_linear([f"{p}mlp.down_proj"]),
                 k_scale=default_scale(device) if k_scale is None else k_scale,
                 v_scale=default_scale(device) if v_scale is None else v_scale,
             )
@@ -127,6 +172,14 @@ def load_weights(path: Path, config, dtype: torch.dtype, device: torch.device) -
         lm_head = embed
     if raw:
         raise ValueError(f"checkpoint {path} has tensors this model does not use: {sorted(raw)[:5]}")
+    if scheme is not None:
+        gemms = sorted({w.gemm for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)})
+        logger.info("FP8 weights: %s, GEMM %s", scheme, ", ".join(gemms))
     return ModelWeights(
-        embed=embed, layers=layers, norm=norm, lm_head=lm_head, kv_scales_from_checkpoint=num_scales > 0
+        embed=embed,
+        layers=layers,
+        norm=norm,
+        lm_head=lm_head,
+        kv_scales_from_checkpoint=num_scales > 0,
+        quantization=scheme,
     )

@@ -27,6 +27,7 @@ from loraserve.routes import RoutesController
 from loraserve.services import Services
 from loraserve.settings import ServerSettings
 from loraserve.tokenization import TokenizationController
+from loraserve.usage import UsageController
 
 SHUTDOWN_KEY = "shutdown"
 # Chat histories can be long; uploads have their own, larger limit (adapters_controller).
@@ -55,6 +56,7 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
             adapters_controller(config),
             RuntimeLoRAController,
             RoutesController,
+            UsageController,
             OpsController,
         ],
         dependencies=DEPENDENCIES,

@@ -47,6 +47,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         num_kv_blocks=settings.num_kv_blocks,
         enable_prefix_caching=settings.enable_prefix_caching,
         kv_cache_dtype=settings.kv_cache_dtype,
+        quantization=settings.quantization,
         enforce_eager=settings.enforce_eager,
         attention_backend=settings.attention_backend,
         max_loras=settings.max_loras,
@@ -56,6 +57,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         dtype=settings.dtype,
         device=settings.device,
         cpu_kv_cache_bytes=settings.cpu_kv_cache_bytes,
+        scheduling_policy=settings.scheduling_policy,
     )
 
 

@@ -28,6 +28,8 @@ from loraserve.settings import (
     DEFAULT_STATE_DIR,
     KV_CACHE_DTYPES,
     METRICS_OFF,
+    QUANTIZATIONS,
+    SCHEDULING_POLICIES,
     ServerSettings,
     parse_lora_module,
 )
@@ -49,6 +51,7 @@ _SERVE_FIELDS = (
     "block_size",
     "gpu_memory_utilization",
     "kv_cache_dtype",
+    "quantization",
     "enable_prefix_caching",
     "enforce_eager",
     "attention_backend",
@@ -62,6 +65,7 @@ _SERVE_FIELDS = (
     "api_keys",
     "shutdown_timeout",
     "max_concurrent_requests_per_tenant",
+    "scheduling_policy",
     "state_dir",
     "metrics_port",
     "metrics_host",
@@ -102,6 +106,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         help="auto: the model dtype; fp8 (= fp8_e4m3): float8 e4m3 K/V with per-layer scales from the "
         "checkpoint (else 1.0), twice the tokens of a bf16 cache",
+    )
+    add(
+        "--quantization",
+        choices=[q for q in QUANTIZATIONS if q],
+        help="fp8: the linear projections as float8 e4m3 with per-channel scales, quantized at load "
+        "(FP8 checkpoints are detected from config.json and served as FP8 without it)",
     )
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     add(
@@ -148,12 +158,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="file:///dir, file://./dir or s3://bucket/prefix",
     )
     add("--config-store", help="redis://host:6379/0 (default: embedded, under STATE_DIR/config)")
-    add("--api-keys", help="JSON or YAML file: key -> {tenant, role: admin|user, max_concurrent_requests}")
+    add(
+        "--api-keys",
+        help="JSON or YAML file: key -> {tenant, role: admin|user, max_concurrent_requests, weight, "
+        "max_tokens_per_minute}",
+    )
     add("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     add(
         "--max-concurrent-requests-per-tenant",
         type=int,
         help="default per-tenant cap (keys may set their own)",
+    )
+    add(
+        "--scheduling-policy",
+        default="fair",
+        choices=SCHEDULING_POLICIES,
+        help="fair: tenants share the GPU by weight (virtual token counters); fcfs: first come first served",
     )
     add(
         "--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="demo model, embedded config, adapter cache"

@@ -16,7 +16,7 @@ from adapters_store import AdapterStore, DiskCache
 from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import ConfigStore
 from loraserve.routing import Router
-from loraserve.tenancy import Authenticator, ConcurrencyLimiter
+from loraserve.tenancy import Authenticator, ConcurrencyLimiter, TokenRateLimiter
 
 
 def engine_adapter_id(tenant: str, name: str, version: int) -> str:
@@ -36,7 +36,16 @@ def split_engine_adapter_id(adapter_id: str) -> tuple[str, str, int] | None:
 class EngineClient(Protocol):
     """The part of the engine the handlers use (engine.AsyncLLM fits)."""
 
-    def generate(self, prompt: Any, params: Any, request_id: str, adapter: str | None = None) -> Any: ...
+    def generate(
+        self,
+        prompt: Any,
+        params: Any,
+        request_id: str,
+        adapter: str | None = None,
+        *,
+        tenant: str | None = None,
+        tenant_weight: float = 1.0,
+    ) -> Any: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -58,6 +67,8 @@ class Services:
     router: Router
     limiter: ConcurrencyLimiter
     metrics: Any = None  # loraserve.ops metrics registry; None in tests that do not need it
+    # Per-tenant tokens per minute (keys' max_tokens_per_minute); one per replica, like `limiter`.
+    token_limiter: TokenRateLimiter = field(default_factory=TokenRateLimiter)
     # Adapter-name lookups for model resolution, cached (see adapter_lookup.py); adapter events invalidate.
     adapter_lookup: AdapterLookup = field(default_factory=AdapterLookup)
     tokenizer: Any = None  # the base model's Hugging Face tokenizer (prompts, chat templates, logprob tokens)

@@ -20,7 +20,9 @@ DEFAULT_STATE_DIR = Path(".loraserve")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 = fp8_e4m3: float8 e4m3 K/V
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch elsewhere
 ADAPTER_LOADERS = ("auto", "thread", "process")  # auto: loader processes on CUDA, threads elsewhere
+QUANTIZATIONS = (None, "fp8")  # None: the checkpoint as is; fp8: float8 e4m3 linear projections
 METRICS_OFF = 0  # --metrics-port off
+SCHEDULING_POLICIES = ("fair", "fcfs")  # fair: virtual token counters by tenant; fcfs: arrival order
 _MODULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -42,6 +44,7 @@ class ServerSettings:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None  # engine.EngineConfig.quantization
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs
     attention_backend: str = "auto"
@@ -58,6 +61,7 @@ class ServerSettings:
     api_keys: str | None = None  # JSON or YAML file of key -> {tenant, role}
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     max_concurrent_requests_per_tenant: int | None = None  # None: no default cap (keys may set their own)
+    scheduling_policy: str = "fair"  # SCHEDULING_POLICIES
     # CPU only: KV cache bytes when the device is the CPU (tests pass small values).
     cpu_kv_cache_bytes: int = 1 << 30
     num_kv_blocks: int | None = None  # explicit KV cache size in blocks (tests)
@@ -101,9 +105,19 @@ class ServerSettings:
                 f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; use one of "
                 f"{', '.join(KV_CACHE_DTYPES)} (auto: the model dtype; fp8: float8 e4m3 with per-layer scales)"
             )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"--quantization {self.quantization!r} is not supported; use fp8 (float8 e4m3 weights with "
+                "per-channel scales) or leave it out"
+            )
         if self.adapter_loader not in ADAPTER_LOADERS:
             raise ValueError(
                 f"--adapter-loader {self.adapter_loader!r} is not supported; use one of {', '.join(ADAPTER_LOADERS)}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"--scheduling-policy {self.scheduling_policy!r} is not supported; use one of "
+                f"{', '.join(SCHEDULING_POLICIES)} (fair: share the GPU between tenants by weight)"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

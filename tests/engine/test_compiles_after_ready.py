@@ -39,11 +39,11 @@ def case(tmp_path_factory):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize(
-    "enforce_eager, kv_cache_dtype, max_loras",
-    [(False, "auto", 4), (True, "auto", 4), (False, "fp8", 2)],
-    ids=["graphs", "eager", "graphs-fp8"],
+    "enforce_eager, kv_cache_dtype, max_loras, quantization",
+    [(False, "auto", 4, None), (True, "auto", 4, None), (False, "fp8", 2, None), (False, "auto", 4, "fp8")],
+    ids=["graphs", "eager", "graphs-fp8-kv", "graphs-fp8-weights"],
 )
-def test_no_kernel_compiles_after_ready(case, enforce_eager, kv_cache_dtype, max_loras):
+def test_no_kernel_compiles_after_ready(case, enforce_eager, kv_cache_dtype, max_loras, quantization):
     model_dir, adapters = case
     llm = LLM(
         model=str(model_dir),
@@ -59,6 +59,7 @@ def test_no_kernel_compiles_after_ready(case, enforce_eager, kv_cache_dtype, max
         device="cuda",
         enforce_eager=enforce_eager,
         kv_cache_dtype=kv_cache_dtype,
+        quantization=quantization,
     )
     engine = llm.engine
     assert engine.stats().num_kernel_compiles_after_ready == 0

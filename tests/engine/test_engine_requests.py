@@ -175,3 +175,28 @@ def test_a_seed_changed_after_validation_fails_its_request_alone(llm):
     outputs = llm.generate(["Hello", "The end."], [poisoned, GREEDY])
     assert outputs[0].outputs[0].finish_reason == "error" and "seed" in outputs[0].error
     assert outputs[1].outputs[0].token_ids == good
+
+
+def test_tenant_and_weight_reach_the_scheduler_and_its_accounting(llm):
+    engine = llm.engine
+    before = {t.tenant: t for t in engine.stats().tenants}.get("default")
+    engine.add_request("fair-1", [5, 6, 7, 8], GREEDY, None, tenant="acme", tenant_weight=3)
+    engine.add_request("fair-2", [5, 6, 7], SamplingParams(max_tokens=2, n=2, ignore_eos=True), None)
+    while engine.has_unfinished_requests():
+        engine.step()
+    tenants = {t.tenant: t for t in engine.stats().tenants}
+    acme, default = tenants["acme"], tenants["default"]
+    assert (acme.weight, acme.num_prompt_tokens, acme.num_generation_tokens) == (3.0, 4, 12)
+    assert acme.virtual_tokens >= (4 * 1.0 + 12 * 2.0) / 3 - 1e-9
+    # No tenant given: the shared default key; each of the n = 2 completions pays its prompt.
+    counts = (default.num_requests, default.num_prompt_tokens, default.num_generation_tokens)
+    earlier = (
+        (before.num_requests, before.num_prompt_tokens, before.num_generation_tokens) if before else (0, 0, 0)
+    )
+    assert [now - then for now, then in zip(counts, earlier)] == [2, 6, 4]
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="tenant"):
+            engine.add_request(f"bad-{bad}", [5], GREEDY, tenant=bad)
+    for weight in (0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="tenant_weight"):
+            engine.add_request("bad-weight", [5], GREEDY, tenant="acme", tenant_weight=weight)

@@ -12,6 +12,7 @@ from kernel_variants import record_variants
 import lora_kernels
 from engine import warmup
 from engine.lora.model_shape import ModelShape
+from engine.model import fp8_quant_kernel
 from engine.model import paged_attention_triton as attention
 from lora_kernels import expand_kernels, shrink_kernels, tiles
 
@@ -115,3 +116,13 @@ def test_attention_decode_variants_follow_key_splits_only(monkeypatch, h100):
     keys = [k for k in attention_keys(monkeypatch, batches) if k[0] == "paged_attention_kernel"]
     splits = {attention.decode_num_splits(n, 1, torch.device("cpu")) for n in sizes}
     assert len(set(keys)) == len(splits)
+
+
+@pytest.mark.parametrize("group_size", [128, 384], ids=["block-scaled", "per-token"])
+def test_fp8_activation_quantization_is_one_variant_whatever_the_batch(monkeypatch, group_size):
+    """Block-scaled scales are laid out [groups, tokens]: their stride is the step's token count."""
+    with record_variants(monkeypatch, fp8_quant_kernel, ["_quantize_rows_kernel"]) as keys:
+        for num_tokens in (1, 2, 3, 16, 17, 32, 100):
+            fp8_quant_kernel.quantize_activations_triton(torch.zeros(num_tokens, 384), group_size)
+    assert len(keys) == 7
+    assert len(set(keys)) == 1

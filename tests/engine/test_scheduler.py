@@ -12,13 +12,26 @@ from engine.scheduler import ScheduledRequest, Scheduler
 
 BLOCK_SIZE = 4
 SAMPLED_TOKEN = 7
+_POLICY = {"name": "fair"}  # set per test by `policy`: with one tenant both policies behave alike
+
+
+@pytest.fixture(autouse=True, params=["fair", "fcfs"])
+def policy(request):
+    _POLICY["name"] = request.param
+    yield request.param
+    _POLICY["name"] = "fair"
 
 
 def make_scheduler(
     *, num_blocks=64, max_model_len=64, caching=False, adapter_ready=lambda adapter_id: True, **config
 ):
     config = EngineConfig(
-        model="test", block_size=BLOCK_SIZE, num_kv_blocks=num_blocks, enable_prefix_caching=caching, **config
+        model="test",
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=num_blocks,
+        enable_prefix_caching=caching,
+        scheduling_policy=_POLICY["name"],
+        **config,
     )
     kv_cache_manager = KVCacheManager(num_blocks, BLOCK_SIZE, caching)
     return Scheduler(config, kv_cache_manager, max_model_len, adapter_ready)

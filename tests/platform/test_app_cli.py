@@ -11,7 +11,14 @@ from factories import make_adapter
 from loraserve.bootstrap import engine_config, open_services, preload_lora_modules, sweep_quietly
 from loraserve.cli import build_parser, settings_from_args
 from loraserve.name_conflicts import NameConflict
-from loraserve.settings import ADAPTER_LOADERS, ATTENTION_BACKENDS, KV_CACHE_DTYPES
+from loraserve.settings import (
+    ADAPTER_LOADERS,
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    SCHEDULING_POLICIES,
+    ServerSettings,
+)
 
 from adapters_store import StoreConfig, StoreUnavailable, open_store
 from engine import ModelShape
@@ -56,6 +63,8 @@ def test_defaults_flags_and_environment(tmp_path):
         (["--kv-cache-dtype", "int8"], {}, ["--kv-cache-dtype", "int8"]),
         ([], {"LORASERVE_KV_CACHE_DTYPE": "fp16"}, ["LORASERVE_KV_CACHE_DTYPE", "expected one of auto, fp8"]),
         (["--attention-backend", "flash"], {}, ["--attention-backend", "flash"]),
+        (["--quantization", "awq"], {}, ["--quantization", "awq"]),
+        ([], {"LORASERVE_QUANTIZATION": "gptq"}, ["LORASERVE_QUANTIZATION", "expected one of fp8"]),
         (
             [],
             {"LORASERVE_ATTENTION_BACKEND": "flash"},
@@ -126,6 +135,18 @@ def test_server_choices_are_the_engines():
     assert KV_CACHE_DTYPES == engine_config_module.KV_CACHE_DTYPES
     assert ATTENTION_BACKENDS == engine_config_module.ATTENTION_BACKENDS
     assert ADAPTER_LOADERS == engine_config_module.ADAPTER_LOADERS
+    assert SCHEDULING_POLICIES == engine_config_module.SCHEDULING_POLICIES
+    assert QUANTIZATIONS == engine_config_module.QUANTIZATIONS
+
+
+def test_quantization_flag_reaches_the_engine():
+    assert settings([]).quantization is None
+    flags = settings(["--quantization", "fp8"])
+    assert flags.quantization == "fp8"
+    assert settings([], {"LORASERVE_QUANTIZATION": "fp8"}).quantization == "fp8"
+    assert engine_config(flags, "some/model").quantization == "fp8"
+    with pytest.raises(ValueError, match="--quantization 'awq' is not supported"):
+        ServerSettings(quantization="awq")
 
 
 def test_admin_client_commands_are_registered():

@@ -100,9 +100,6 @@ def test_load_use_replace_and_unload(tmp_path, model_dir):
     assert "max_lora_rank" in answers["too_big"].json()["error"]["message"]
     for key in ("outside", "dotdot", "symlink"):
         assert "allows loading from" in answers[key].json()["error"]["message"]
-        assert str(allowed) not in answers[key].json()["error"]["message"].replace(
-            str(answers[key].request.content), ""
-        )
     assert {"sql", "sql@1", "sql@2"} <= {m["id"] for m in models["data"]}
     assert answers["unload"].text == "Success: LoRA adapter 'sql' removed successfully."
     assert "cannot be found" in answers["unload_again"].json()["error"]["message"]

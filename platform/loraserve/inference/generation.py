@@ -2,8 +2,9 @@
 
 Each prompt becomes an engine request `{id}-{i}` carrying all `n` completions of that prompt. Events
 are `(prompt_index, RequestOutput delta)`. Closing the stream (client gone, handler done, shutdown)
-aborts whatever is still running, which frees its KV blocks; the tenant's lease is released exactly
-once, however the stream ends.
+aborts whatever is still running, which frees its KV blocks; the tenant's lease is released, and its
+token charge settled to the tokens used, exactly once, however the stream ends. Engine requests carry
+the caller's tenant and weight, the fair scheduler's key.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from engine import RequestOutput, SamplingParams
 from loraserve.errors import APIError, ServiceUnavailable
 from loraserve.services import Services
-from loraserve.tenancy import Lease
+from loraserve.tenancy import Lease, Principal, TokenReservation
 
 _DONE = object()
 
@@ -47,6 +48,8 @@ class Generation:
         params: SamplingParams,
         adapter: str | None,
         lease: Lease,
+        principal: Principal | None = None,
+        tokens: TokenReservation | None = None,
     ) -> None:
         self.services = services
         self.request_id = request_id
@@ -54,6 +57,8 @@ class Generation:
         self.params = params
         self.adapter = adapter
         self.lease = lease
+        self.principal = principal
+        self.tokens = tokens
         self.ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self._timings = [_Timing() for _ in prompts]
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -100,6 +105,8 @@ class Generation:
         if self.services.shutdown is not None:
             self.services.shutdown.untrack(self)
         self.lease.release()
+        if self.tokens is not None:
+            self.tokens.settle(self.num_prompt_tokens + sum(t.num_tokens for t in self._timings))
 
     async def abort_for_shutdown(self) -> None:
         """Called by the drain: the engine answers each request with finish_reason 'abort'."""
@@ -109,8 +116,14 @@ class Generation:
     async def _pump(self, index: int) -> None:
         timing = self._timings[index]
         try:
+            principal = self.principal
             stream = self.services.engine.generate(
-                self.prompts[index], self.params, self.ids[index], self.adapter
+                self.prompts[index],
+                self.params,
+                self.ids[index],
+                self.adapter,
+                tenant=principal.tenant if principal is not None else None,
+                tenant_weight=principal.weight if principal is not None else 1.0,
             )
             async for delta in stream:
                 new_tokens = sum(len(c.token_ids) for c in delta.outputs)

@@ -1,8 +1,9 @@
 """Completions and chat completions: admit, resolve the model, run the engine, answer whole or as SSE.
 
 Order of checks: draining / model loaded (503), body and prompt (400), the tenant's model name (404),
-the tenant's concurrency limit (429). A stream's headers go out only once the engine has produced its
-first delta, so a request that fails at once still gets a proper HTTP error instead of a broken stream.
+the tenant's concurrency limit, then its tokens per minute (429). A stream's headers go out only once
+the engine has produced its first delta, so a request that fails at once still gets a proper HTTP error
+instead of a broken stream.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.structured import check_structured
 from loraserve.resolution import resolve_model
 from loraserve.services import Services
-from loraserve.tenancy import Principal
+from loraserve.tenancy import Principal, TooManyRequests
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +118,22 @@ async def _generate(
     echo: list[str] | None = None,
 ) -> Any:
     resolved = await resolve_model(services, principal, body.model, body.user)
-    lease = services.limiter.try_acquire(principal)
+    try:
+        lease = services.limiter.try_acquire(principal)
+    except TooManyRequests:
+        _count_refusal(services, principal, "concurrency")
+        raise
+    try:
+        tokens = services.token_limiter.try_reserve(principal, _tokens_at_most(prompts, params))
+    except BaseException as exc:
+        lease.release()
+        if isinstance(exc, TooManyRequests):
+            _count_refusal(services, principal, "tokens")
+        raise
     response_id = f"{prefix}-{uuid.uuid4().hex}"
-    generation = Generation(services, response_id, prompts, params, resolved.engine_adapter_id, lease)
+    generation = Generation(
+        services, response_id, prompts, params, resolved.engine_adapter_id, lease, principal, tokens
+    )
     options = ResponseOptions(
         want_logprobs=params.logprobs is not None,
         return_token_ids=body.return_token_ids,
@@ -146,6 +160,17 @@ async def _generate(
         raise
     sse = _sse(first, events, choices, fmt, include_usage, continuous_usage, generation)
     return EventStream(sse, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
+
+
+def _count_refusal(services: Services, principal: Principal, limit: str) -> None:
+    if services.metrics is not None:
+        services.metrics.tenant_rate_limited(principal.tenant, limit)
+
+
+def _tokens_at_most(prompts: list[list[int]], params: SamplingParams) -> int:
+    """A request's charge at admission for the token-rate limit: each prompt plus n x max_tokens (max_tokens
+    unset: the prompts alone; the generated tokens are added when it ends, see TokenRateLimiter)."""
+    return sum(len(prompt) + params.n * (params.max_tokens or 0) for prompt in prompts)
 
 
 async def _collect(generation: Generation, choices: Choices) -> None:

@@ -108,6 +108,12 @@ class Metrics:
             ["tenant", "route", "variant"],
             registry=self.registry,
         )
+        self.rate_limited = Counter(
+            "loraserve_tenant_rate_limited",
+            "Requests refused with 429 per tenant, by the limit hit (concurrency or tokens).",
+            ["tenant", "limit"],
+            registry=self.registry,
+        )
         self.registry.register(_StateCollector(model_name, engine_stats, config_store_up, adapter_store_up))
 
     def observe_request(self, *, ttft: float, tpot: float | None, e2e: float) -> None:
@@ -130,6 +136,9 @@ class Metrics:
     def route_picked(self, tenant: str, route: str, variant: Variant, sticky: bool) -> None:
         """The Router's pick hook."""
         self.route_requests.labels(tenant, route, variant.adapter).inc()
+
+    def tenant_rate_limited(self, tenant: str, limit: str) -> None:
+        self.rate_limited.labels(tenant, limit).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -191,6 +200,51 @@ class _StateCollector(Collector):
             time.time(),
         )
         yield info
+        yield from _tenant_families(stats)
+
+
+# Per-tenant series from the engine's accounting (engine.stats.TenantStats). The labels name tenants, so
+# these must stay where tenants cannot read them (like the rest of /metrics).
+_TENANT_SERIES = (
+    ("counter", "loraserve_tenant_requests", "Requests admitted per tenant.", "num_requests"),
+    ("counter", "loraserve_tenant_prompt_tokens", "Prompt tokens admitted per tenant.", "num_prompt_tokens"),
+    (
+        "counter",
+        "loraserve_tenant_generation_tokens",
+        "Tokens generated per tenant.",
+        "num_generation_tokens",
+    ),
+    (
+        "counter",
+        "loraserve_tenant_queue_time_seconds",
+        "Seconds requests waited from arrival to first admission, summed per tenant.",
+        "queue_time_s",
+    ),
+    (
+        "gauge",
+        "loraserve_tenant_service_share",
+        "Part of the weighted tokens served in about the last minute, per tenant (0..1).",
+        "share",
+    ),
+    (
+        "gauge",
+        "loraserve_tenant_virtual_tokens",
+        "The fair scheduler's virtual token counter per tenant.",
+        "virtual_tokens",
+    ),
+    ("gauge", "loraserve_tenant_weight", "The fair scheduler's weight per tenant.", "weight"),
+    ("gauge", "loraserve_tenant_requests_running", "Running requests per tenant.", "num_running"),
+    ("gauge", "loraserve_tenant_requests_waiting", "Waiting requests per tenant.", "num_waiting"),
+)
+
+
+def _tenant_families(stats: EngineStats) -> Iterator[Metric]:
+    for kind, name, doc, attribute in _TENANT_SERIES:
+        family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        family = family_type(name, doc, labels=["tenant"])
+        for tenant in stats.tenants:
+            family.add_metric([tenant.tenant], getattr(tenant, attribute))
+        yield family
 
 
 def affinity_names(adapter_ids: Iterable[str]) -> str:

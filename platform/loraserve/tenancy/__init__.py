@@ -1,4 +1,4 @@
-"""Tenancy: API keys (hashed), principals, admin checks, name syntax and per-tenant concurrency limits."""
+"""Tenancy: API keys (hashed), principals, admin checks, name syntax, per-tenant concurrency and token limits."""
 
 from loraserve.tenancy.auth import Authenticator, KeySource, parse_bearer, require_admin
 from loraserve.tenancy.errors import (
@@ -21,6 +21,7 @@ from loraserve.tenancy.names import (
     is_valid_name,
 )
 from loraserve.tenancy.principal import DEFAULT_TENANT, OPEN_MODE_PRINCIPAL, Principal
+from loraserve.tenancy.token_limiter import TokenRateLimiter, TokenReservation
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -39,6 +40,8 @@ __all__ = [
     "Principal",
     "Role",
     "TenancyError",
+    "TokenRateLimiter",
+    "TokenReservation",
     "TooManyRequests",
     "Unauthorized",
     "check_adapter_name",

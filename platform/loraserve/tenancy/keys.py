@@ -7,10 +7,13 @@ per-key salt would force trying every record).
 
 File format, one entry per key:
 
-    {"sk-alice-1": {"tenant": "alice", "role": "admin", "max_concurrent_requests": 8},
+    {"sk-alice-1": {"tenant": "alice", "role": "admin", "max_concurrent_requests": 8,
+                    "weight": 2, "max_tokens_per_minute": 200000},
      "sk-bob-1":   {"tenant": "bob", "role": "user"}}
 
-`role` defaults to `user` (least privilege); `max_concurrent_requests` to the server-wide default.
+`role` defaults to `user` (least privilege); `max_concurrent_requests` to the server-wide default;
+`weight` (the tenant's share in the fair scheduler, relative to other tenants) to 1;
+`max_tokens_per_minute` to no limit. Give every key of one tenant the same weight.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from loraserve.tenancy.names import check_tenant
 
 Role = Literal["admin", "user"]
 ROLES: tuple[str, ...] = ("admin", "user")
-_ENTRY_FIELDS = {"tenant", "role", "max_concurrent_requests"}
+_ENTRY_FIELDS = {"tenant", "role", "max_concurrent_requests", "weight", "max_tokens_per_minute"}
+MAX_WEIGHT = 1_000_000.0  # weights are ratios; beyond this they only risk float trouble
 
 
 class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,6 +43,8 @@ class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
     tenant: str
     role: Role = "user"
     max_concurrent_requests: int | None = None  # None: the server's default limit
+    weight: float = 1.0  # the tenant's weight in the fair scheduler
+    max_tokens_per_minute: int | None = None  # None: no token-rate limit
 
     @property
     def key_id(self) -> str:
@@ -81,7 +87,7 @@ def load_api_keys(path: str | Path) -> list[ApiKey]:
 
 
 def parse_api_keys(data: object, *, source: str = "API keys") -> list[ApiKey]:
-    """Validate `{KEY: {tenant, role?, max_concurrent_requests?}}` and hash every key.
+    """Validate `{KEY: {tenant, role?, max_concurrent_requests?, weight?, max_tokens_per_minute?}}`, hash keys.
 
     Entries are named by position (`entry 2`), never by key, so error messages are safe to log.
     """
@@ -105,10 +111,26 @@ def parse_api_keys(data: object, *, source: str = "API keys") -> list[ApiKey]:
         role = entry.get("role", "user")
         if role not in ROLES:
             raise InvalidKeysFile(f"{where}: role must be 'admin' or 'user' (got {role!r})")
-        limit = entry.get("max_concurrent_requests")
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-            raise InvalidKeysFile(
-                f"{where}: max_concurrent_requests must be a positive integer (got {limit!r})"
+        limit = _positive_int(entry, "max_concurrent_requests", where)
+        tokens_per_minute = _positive_int(entry, "max_tokens_per_minute", where)
+        weight = entry.get("weight", 1)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= MAX_WEIGHT:
+            raise InvalidKeysFile(f"{where}: weight must be a number in (0, {MAX_WEIGHT:g}] (got {weight!r})")
+        keys.append(
+            ApiKey(
+                key_hash=hash_key(key),
+                tenant=tenant,
+                role=role,
+                max_concurrent_requests=limit,
+                weight=float(weight),
+                max_tokens_per_minute=tokens_per_minute,
             )
-        keys.append(ApiKey(key_hash=hash_key(key), tenant=tenant, role=role, max_concurrent_requests=limit))
+        )
     return keys
+
+
+def _positive_int(entry: Mapping, name: str, where: str) -> int | None:
+    value = entry.get(name)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise InvalidKeysFile(f"{where}: {name} must be a positive integer (got {value!r})")
+    return value

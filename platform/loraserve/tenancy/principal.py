@@ -1,4 +1,4 @@
-"""Who is calling: the tenant, the role and the key's own concurrency limit."""
+"""Who is calling: the tenant, the role, and the key's own limits and fair-share weight."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ class Principal(msgspec.Struct, frozen=True, kw_only=True):
     role: Role
     max_concurrent: int | None = None  # None: the limiter's default
     key_id: str | None = None  # non-secret handle of the key (hash prefix); None in open mode
+    weight: float = 1.0  # the tenant's weight in the engine's fair scheduler
+    max_tokens_per_minute: int | None = None  # None: no token-rate limit
 
     @property
     def is_admin(self) -> bool:
@@ -22,7 +24,12 @@ class Principal(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def from_key(cls, key: ApiKey) -> Principal:
         return cls(
-            tenant=key.tenant, role=key.role, max_concurrent=key.max_concurrent_requests, key_id=key.key_id
+            tenant=key.tenant,
+            role=key.role,
+            max_concurrent=key.max_concurrent_requests,
+            key_id=key.key_id,
+            weight=key.weight,
+            max_tokens_per_minute=key.max_tokens_per_minute,
         )
 
 

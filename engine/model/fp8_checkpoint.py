@@ -1,0 +1,181 @@
+"""Which FP8 scheme a model loads with, from `quantization` and config.json's `quantization_config`, and
+how one (possibly fused) projection's checkpoint tensors become an `Fp8Linear`.
+
+Accepted checkpoints (anything else is refused, naming the format):
+- compressed-tensors (llm-compressor): `quant_method: "compressed-tensors"`, format `float-quantized`
+  (or `naive-quantized`), weights `num_bits: 8, type: float`, strategy `channel` (`weight_scale`
+  [out, 1]), `tensor` (one number) or `block` 128x128; activations absent (weight-only) or 8-bit float.
+- block-wise FP8 (Qwen, DeepSeek): `quant_method: "fp8"`, `weight_block_size: [128, 128]`,
+  `activation_scheme: dynamic`, `weight_scale_inv` [ceil(out/128), ceil(in/128)] (multiplied, despite the
+  name); without `weight_block_size`, vLLM's per-tensor `weight_scale`.
+Scales are "real = stored * scale" in every format. Static activation scales (`input_scale`) are dropped:
+activations are always quantized per token at run time, which is at least as fine as one scale per tensor.
+A projection a checkpoint left unquantized (its `ignore` list) is quantized on load like the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from engine.model.fp8_linear import BLOCK, FP8_GEMMS, Fp8Linear, quantize_weight, scaled_mm_problem
+from engine.model.kv_quant import FP8_DTYPE
+
+QUANTIZATIONS = (None, "fp8")
+ON_THE_FLY = "fp8 (on the fly)"
+COMPRESSED_TENSORS = "compressed-tensors"
+BLOCK_FP8 = "fp8 (checkpoint)"
+# Tensors beside a projection's `.weight`: its scale under either name, and static input scales (dropped).
+SCALE_NAMES = ("weight_scale", "weight_scale_inv")
+DROPPED_NAMES = ("input_scale",)
+_CT_FORMATS = ("float-quantized", "naive-quantized")
+_CT_STRATEGIES = ("channel", "tensor", "block")
+
+
+def fp8_scheme(hf_config, quantization: str | None) -> str | None:
+    """The scheme the weights load with (None: unquantized); ValueError naming an unsupported format."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or 'fp8' (got {quantization!r})")
+    config = _quantization_config(hf_config)
+    if config is None:
+        return ON_THE_FLY if quantization == "fp8" else None
+    method = config.get("quant_method")
+    if method == "compressed-tensors":
+        _check_compressed_tensors(config)
+        return COMPRESSED_TENSORS
+    if method == "fp8":
+        _check_fp8(config)
+        return BLOCK_FP8
+    raise ValueError(
+        f"the checkpoint is quantized with {method!r} (config.json quantization_config), which this engine "
+        "does not serve; supported: FP8 checkpoints (compressed-tensors float8, or quant_method 'fp8' with "
+        "128x128 blocks), or a bf16/fp16/fp32 checkpoint with quantization='fp8'"
+    )
+
+
+def _quantization_config(hf_config) -> dict | None:
+    config = getattr(hf_config, "quantization_config", None)
+    if config is None or isinstance(config, dict):
+        return config
+    return config.to_dict()
+
+
+def _check_compressed_tensors(config: Mapping) -> None:
+    def refuse(what: str) -> None:
+        raise ValueError(
+            f"compressed-tensors checkpoint with {what} is not supported; supported: float8 weights "
+            "(num_bits 8, type float, strategy channel, tensor or 128x128 block), activations absent or float8"
+        )
+
+    if config.get("sparsity_config"):
+        refuse("a sparsity_config")
+    groups = config.get("config_groups") or {}
+    if not groups:
+        refuse("no config_groups")
+    for name, group in groups.items():
+        fmt = group.get("format") or config.get("format")
+        if fmt not in _CT_FORMATS:
+            refuse(f"format {fmt!r} (group {name})")
+        weights = group.get("weights") or {}
+        bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
+        if bits != 8 or kind != "float":
+            refuse(f"{bits}-bit {kind} weights (group {name})")
+        if strategy not in _CT_STRATEGIES or not weights.get("symmetric", True):
+            refuse(f"weight strategy {strategy!r} (group {name})")
+        if strategy == "block" and list(weights.get("block_structure") or []) != [BLOCK, BLOCK]:
+            refuse(f"weight blocks {weights.get('block_structure')} (group {name})")
+        acts = group.get("input_activations")
+        if acts is not None and (acts.get("num_bits") != 8 or acts.get("type") != "float"):
+            refuse(f"{acts.get('num_bits')}-bit {acts.get('type')} activations (group {name})")
+        if group.get("output_activations"):
+            refuse(f"output activation quantization (group {name})")
+
+
+def _check_fp8(config: Mapping) -> None:
+    fmt = config.get("fmt", "e4m3")
+    block = config.get("weight_block_size")
+    scheme = config.get("activation_scheme", "dynamic")
+    if fmt != "e4m3":
+        raise ValueError(f"fp8 checkpoint in format {fmt!r} is not supported; only e4m3")
+    if block is not None and list(block) != [BLOCK, BLOCK]:
+        raise ValueError(f"fp8 checkpoint with weight_block_size {block} is not supported; only [128, 128]")
+    if block is not None and scheme != "dynamic":
+        raise ValueError(f"block-wise fp8 checkpoint with activation_scheme {scheme!r} is not supported")
+
+
+def build_fp8_linear(
+    name: str,  # for errors: the first projection's name
+    parts: list[
+        tuple[torch.Tensor, torch.Tensor | None]
+    ],  # per fused projection: (weight, its scale or None)
+    device: torch.device,
+    gemm: str,  # FP8_GEMMS
+) -> Fp8Linear:
+    """Fuse the parts (along the output dimension) into one FP8 weight.
+
+    Float8 parts keep their values; their scales become [out, groups]. Parts in a float dtype are
+    quantized here (per channel, or per 128 columns when a fused sibling has block scales)."""
+    in_features = parts[0][0].shape[1]
+    blocked = any(_is_block_scale(w, s) for w, s in parts if s is not None)
+    group_size = BLOCK if blocked and in_features > BLOCK else in_features
+    weights, scales = [], []
+    for weight, scale in parts:
+        if weight.dtype == FP8_DTYPE:
+            weights.append(weight.to(device))
+            scales.append(_grouped_scale(name, weight, scale, group_size).to(device))
+        elif scale is not None:
+            raise ValueError(f"{name}: the checkpoint has a scale for a {weight.dtype} weight (not float8)")
+        else:
+            q, s = quantize_weight(weight.to(device), group_size)
+            weights.append(q)
+            scales.append(s)
+    linear = Fp8Linear(torch.cat(weights), torch.cat(scales), group_size)
+    return Fp8Linear(linear.weight, linear.scale, group_size, _resolve_gemm(name, linear, device, gemm))
+
+
+def _is_block_scale(weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    out_features, in_features = weight.shape
+    return scale.numel() > 1 and tuple(scale.shape) not in ((out_features,), (out_features, 1))
+
+
+def _grouped_scale(
+    name: str, weight: torch.Tensor, scale: torch.Tensor | None, group_size: int
+) -> torch.Tensor:  # [out, ceil(in / group_size)] float32
+    out_features, in_features = weight.shape
+    groups = -(-in_features // group_size)
+    if scale is None:
+        raise ValueError(f"{name}: float8 weight without a weight_scale / weight_scale_inv tensor")
+    scale = scale.float()
+    blocks = (-(-out_features // BLOCK), -(-in_features // BLOCK))
+    if scale.numel() == 1:  # per tensor
+        scale = scale.reshape(1, 1).expand(out_features, 1)
+    elif tuple(scale.shape) in ((out_features,), (out_features, 1)):  # per channel
+        scale = scale.reshape(out_features, 1)
+    elif tuple(scale.shape) == blocks:  # 128x128 blocks: each block's scale on each of its rows
+        scale = scale.repeat_interleave(BLOCK, dim=0)[:out_features]
+    else:
+        raise ValueError(
+            f"{name}: weight scale of shape {tuple(scale.shape)} fits no supported scheme for a weight of "
+            f"{tuple(weight.shape)} (per tensor: 1, per channel: [{out_features}, 1], blocks: {list(blocks)})"
+        )
+    if not torch.isfinite(scale).all() or (scale <= 0).any():
+        raise ValueError(f"{name}: weight scales must be positive and finite")
+    return scale.expand(out_features, groups).contiguous() if scale.shape[1] == 1 else scale.contiguous()
+
+
+def _resolve_gemm(name: str, linear: Fp8Linear, device: torch.device, gemm: str) -> str:
+    if gemm not in FP8_GEMMS:
+        raise ValueError(f"fp8_gemm must be one of {', '.join(FP8_GEMMS)} (got {gemm!r})")
+    if gemm == "dequant":
+        return gemm
+    problem = scaled_mm_problem(device, linear)
+    if not linear.per_channel and problem is None and linear.weight.shape[1] % BLOCK:
+        problem = f"block-scaled FP8 GEMMs need in_features divisible by {BLOCK}"
+    if problem is None:
+        return "scaled_mm"
+    if gemm == "scaled_mm":
+        raise ValueError(
+            f"fp8_gemm 'scaled_mm' cannot run {name}: {problem}; use fp8_gemm 'dequant' or 'auto'"
+        )
+    return "dequant"

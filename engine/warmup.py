@@ -81,13 +81,17 @@ class WarmupBatches:
         self._next_id = 0
 
     def mixed(self, num_tokens: int, use_lora: bool) -> list[ScheduledRequest]:
-        """One decode row of a two-block context, then prefill chunks: `num_tokens` tokens in all (fewer
-        if max_num_seqs sequences cannot hold them). LoRA, when used, on the chunks only."""
-        context = max(1, min(2 * self.block_size, self.max_model_len - 1))
-        batch = [self._scheduled(context, context - 1, NO_LORA)]
-        left = num_tokens - 1
+        """One decode row of a two-block context (when the chunks leave room for it), then prefill chunks:
+        `num_tokens` tokens in all (fewer if max_num_seqs sequences cannot hold them). LoRA, when used, on
+        the chunks only."""
+        longest_chunk = self.max_model_len - 1
+        batch, left = [], num_tokens
+        if 1 < num_tokens <= 1 + (self.max_num_seqs - 1) * longest_chunk:
+            context = max(1, min(2 * self.block_size, longest_chunk))
+            batch.append(self._scheduled(context, context - 1, NO_LORA))
+            left -= 1
         while left > 0 and len(batch) < self.max_num_seqs:
-            chunk = min(left, self.max_model_len - 1)
+            chunk = min(left, longest_chunk)
             batch.append(self._scheduled(chunk, 0, 0 if use_lora else NO_LORA))
             left -= chunk
         return batch
@@ -122,7 +126,7 @@ def warm_up(runner, sampler) -> None:  # sampler: the engine's, for its type onl
         )
 
     batches = WarmupBatches(runner)
-    max_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * (runner.max_model_len - 1) + 1)
+    max_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * (runner.max_model_len - 1))
     counts = eager_token_counts(max_tokens, key)
     steps = [batches.mixed(n, use_lora=True) for n in counts]
     steps.append(batches.mixed(max_tokens, use_lora=False))

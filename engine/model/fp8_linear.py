@@ -98,6 +98,9 @@ def dequantize(w: Fp8Linear, dtype: torch.dtype) -> torch.Tensor:  # [out, in] i
     return real.to(dtype)
 
 
+BLOCK_GEMM_ROWS = 16  # block-scaled _scaled_mm runs on row counts padded to a multiple of this
+
+
 def quantize_activations(
     x: torch.Tensor,  # [tokens, in], the compute dtype
     group_size: int,  # `in`: one scale per token; BLOCK: per token and 128 columns
@@ -129,6 +132,10 @@ def linear(
 
 
 def _scaled_mm_linear(x: torch.Tensor, w: Fp8Linear, bias: torch.Tensor | None) -> torch.Tensor:
+    tokens = x.shape[0]
+    if not w.per_channel and tokens % BLOCK_GEMM_ROWS:
+        # cuBLAS refuses block-scaled GEMMs of some row counts (3 on an H100): pad to a multiple of 16.
+        x = F.pad(x, (0, 0, 0, BLOCK_GEMM_ROWS - tokens % BLOCK_GEMM_ROWS))
     if x.is_cuda:  # one Triton kernel; scales already in the layout _scaled_mm reads
         x_fp8, x_scale = quantize_activations_triton(x, w.group_size)
     else:
@@ -139,7 +146,7 @@ def _scaled_mm_linear(x: torch.Tensor, w: Fp8Linear, bias: torch.Tensor | None) 
     out = torch._scaled_mm(
         x_fp8, w.weight.t(), scale_a=x_scale, scale_b=w.gemm_scale, out_dtype=torch.bfloat16
     )
-    out = out.to(x.dtype)
+    out = out[:tokens].to(x.dtype)
     return out if bias is None else out + bias
 
 

@@ -1,4 +1,4 @@
-"""End-to-end throughput, workload W1 of DESIGN.md: the engine with N adapters and without LoRA, and
+"""End-to-end throughput, workload W1 (docs/ARCHITECTURE.md): the engine with N adapters and without LoRA, and
 transformers (+ PEFT) static batches, all in one run on the same random-weight model.
 
     python3 benchmarks/throughput.py                 # shape S (Llama-3.2-1B), bf16

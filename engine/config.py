@@ -26,6 +26,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # the engine thread for the GIL), "thread" (the manager's worker threads), or "auto" (processes on
 # CUDA, threads on the CPU). engine/lora/background_loads.py.
 ADAPTER_LOADERS = ("auto", "thread", "process")
+# vLLM's --generation-config: "auto" takes unset sampling fields from the model's generation_config.json,
+# "vllm" ignores the file (engine/generation_config.py).
+GENERATION_CONFIGS = ("auto", "vllm")
 # Which waiting request runs next: "fair" (virtual token counters by tenant, engine/fairness.py) or
 # "fcfs" (arrival order, ignoring tenants). vLLM's option name; its "priority" is not offered.
 SCHEDULING_POLICIES = ("fair", "fcfs")
@@ -68,6 +71,8 @@ class EngineConfig:
     # the next step's inputs on the device), so host bookkeeping overlaps the GPU; step() then returns
     # one step late. A request that ends on a stop token costs one wasted row in the next step.
     async_scheduling: bool = False
+    # Where unset sampling fields come from (see GENERATION_CONFIGS); read by LLM and the server.
+    generation_config: str = "auto"
     scheduling_policy: str = "fair"  # see SCHEDULING_POLICIES
     # Cost of a token in the fair scheduler's counters: prompt tokens (charged when a request is first
     # admitted) and generated tokens (charged as scheduled) weigh differently, as in VTC.
@@ -117,6 +122,10 @@ class EngineConfig:
         if self.adapter_loader not in ADAPTER_LOADERS:
             raise ValueError(
                 f"adapter_loader must be one of {', '.join(ADAPTER_LOADERS)} (got {self.adapter_loader!r})"
+            )
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(
+                f"generation_config must be one of {', '.join(GENERATION_CONFIGS)} (got {self.generation_config!r})"
             )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.config import EngineConfig
+from engine.generation_config import apply_generation_defaults, load_generation_defaults
 from engine.llm_engine import LLMEngine
+from engine.model.loader import resolve_model_path
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -18,6 +20,8 @@ class LLM:
     `adapters` holds, per prompt, a name registered with `lora_modules`/`register_adapter`, a local PEFT
     folder, or None for the base model. A prompt that cannot be served (too long, unknown adapter)
     comes back with `error` set and `finish_reason` "error"; the others are unaffected.
+    Without `sampling_params`, prompts use `get_default_sampling_params()`: the model's recommended
+    sampling fields (its generation_config.json) unless `generation_config="vllm"`.
     """
 
     def __init__(
@@ -28,20 +32,28 @@ class LLM:
         lora_modules: dict[str, str] | None = None,
         **engine_args,
     ):
+        config = EngineConfig(model=model, **engine_args)
         self.engine = LLMEngine(
-            EngineConfig(model=model, **engine_args),
+            config,
             tokenizer=tokenizer,
             skip_tokenizer_init=skip_tokenizer_init,
         )
         for name, path in (lora_modules or {}).items():
             self.engine.register_adapter(name, path)
         self._next_id = 0
+        self._generation_defaults = load_generation_defaults(
+            resolve_model_path(model), config.generation_config
+        )
 
     def register_adapter(self, name: str, path: str) -> None:
         self.engine.register_adapter(name, path)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's recommended defaults (as vLLM's `LLM.get_default_sampling_params`)."""
+        return apply_generation_defaults(self._generation_defaults)
 
     def generate(
         self,
@@ -50,7 +62,9 @@ class LLM:
         adapters: str | None | Sequence[str | None] = None,
     ) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
-        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        params = _per_prompt(
+            sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params"
+        )
         adapter_list = _per_prompt(adapters, len(prompts), "adapters")
         ids = []
         for prompt, p, adapter in zip(prompts, params, adapter_list):

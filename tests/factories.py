@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-# Workload C1 of DESIGN.md: hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 512.
+# Workload C1 (docs/ARCHITECTURE.md, Reference workloads): hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 512.
 C1_SIZES = dict(
     hidden_size=64,
     intermediate_size=128,

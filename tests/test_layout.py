@@ -1,4 +1,4 @@
-"""The repo layout must never shadow Python's stdlib `platform` module (see DESIGN.md, Layout)."""
+"""The repo layout must never shadow Python's stdlib `platform` module (see docs/ARCHITECTURE.md, Layout rules)."""
 
 import pathlib
 import platform

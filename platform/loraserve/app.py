@@ -7,6 +7,7 @@ it drains (ops/shutdown.py), so in-flight streams end cleanly whoever stops the 
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -19,6 +20,7 @@ from loraserve.bootstrap import open_services, store_config
 from loraserve.dependencies import DEPENDENCIES, METRICS_ACCESS_KEY, READINESS_KEY, SERVICES_KEY
 from loraserve.errors import EXCEPTION_HANDLERS
 from loraserve.inference.controller import InferenceController, invocations
+from loraserve.openapi import openapi_config
 from loraserve.ops.controller import OpsController
 from loraserve.ops.metrics_access import MetricsAccess
 from loraserve.ops.readiness import Readiness
@@ -65,7 +67,7 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
         state=State({SHUTDOWN_KEY: shutdown, READINESS_KEY: Readiness(), METRICS_ACCESS_KEY: metrics_access}),
         before_request=metrics_access.check_path,
         request_max_body_size=MAX_REQUEST_BODY_BYTES,
-        openapi_config=None,
+        openapi_config=openapi_config(_version()),
     )
 
 
@@ -84,6 +86,13 @@ async def _serving(app: Litestar, services: Services, shutdown: Shutdown) -> Asy
         unsubscribe()
         services.adapter_lookup.close()
         app.state[READINESS_KEY].close()
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("loraserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing it
+        return "0+unknown"
 
 
 def shutdown_of(app: Litestar) -> Shutdown:

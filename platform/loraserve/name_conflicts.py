@@ -7,16 +7,14 @@ share an adapter's name on purpose (it takes over the name; `name@version` still
 
 from __future__ import annotations
 
-from loraserve.errors import APIError
+from loraserve.errors import Conflict
 
 
-class NameConflict(APIError):
-    status_code = 409
+class NameConflict(Conflict):
     code = "name_conflict"
 
 
-class AdapterInUse(APIError):
-    status_code = 409
+class AdapterInUse(Conflict):
     code = "adapter_in_use"
 
 

@@ -9,12 +9,14 @@ part of the id, so two tenants' adapters of the same name never share a GPU slot
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from adapters_store import AdapterStore, DiskCache
 from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import ConfigStore
+from loraserve.ops.shutdown import Shutdown
 from loraserve.routing import Router
 from loraserve.tenancy import Authenticator, ConcurrencyLimiter, TokenRateLimiter
 
@@ -56,6 +58,41 @@ class EngineClient(Protocol):
         """The latest engine.EngineStats (`resident_adapters` tells resolution which need no store call)."""
 
 
+class Tokenizer(Protocol):
+    """The part of the base model's tokenizer the handlers use (transformers' tokenizers fit)."""
+
+    chat_template: str | None
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> Any: ...  # `.input_ids`: list[int]
+
+    def __len__(self) -> int: ...
+
+    def decode(self, token_ids: list[int], **kwargs: Any) -> str: ...
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
+
+
+class RequestMetrics(Protocol):
+    """What the handlers record and export (loraserve.ops.metrics.Metrics fits)."""
+
+    def observe_request(
+        self,
+        *,
+        ttft: float,
+        tpot: float | None,
+        e2e: float,
+        inter_token: list[float] = (),
+        num_prompt_tokens: int = 0,
+        num_generation_tokens: int = 0,
+        finish_reasons: list[str] = (),
+    ) -> None: ...
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+
+
+# Services' annotations stay resolvable at run time (Litestar's msgspec checks the dependency's type),
+# hence Protocols here rather than imports of Metrics (which imports this module) or of transformers.
 @dataclass
 class Services:
     base_model_id: str  # the `model` name of the base model in requests and /v1/models
@@ -66,16 +103,19 @@ class Services:
     authenticator: Authenticator
     router: Router
     limiter: ConcurrencyLimiter
-    metrics: Any = None  # loraserve.ops metrics registry; None in tests that do not need it
+    metrics: RequestMetrics | None = None  # the Prometheus registry; None in tests that do not need it
     # Per-tenant tokens per minute (keys' max_tokens_per_minute); one per replica, like `limiter`.
     token_limiter: TokenRateLimiter = field(default_factory=TokenRateLimiter)
     # Adapter-name lookups for model resolution, cached (see adapter_lookup.py); adapter events invalidate.
     adapter_lookup: AdapterLookup = field(default_factory=AdapterLookup)
-    tokenizer: Any = None  # the base model's Hugging Face tokenizer (prompts, chat templates, logprob tokens)
+    # The base model's Hugging Face tokenizer (prompts, chat templates, logprob tokens); None: token ids only.
+    tokenizer: Tokenizer | None = None
     max_model_len: int | None = None  # prompt plus output tokens per sequence; None: not checked here
+    # The model's recommended sampling fields for those a request leaves unset (its generation_config.json).
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     # Folders POST /v1/load_lora_adapter may read from (--allowed-lora-paths); empty: runtime loading off.
     allowed_lora_paths: tuple[str, ...] = ()
     # Built on the first structured-output request (loraserve.inference.structured): checks specs for 400s.
     grammar_compiler: Any = None
-    # Set by the app: SIGTERM's drain state (loraserve.ops.shutdown.Shutdown); None means never draining.
-    shutdown: Any = None
+    # Set by the app: SIGTERM's drain state; None means never draining.
+    shutdown: Shutdown | None = None

@@ -20,6 +20,7 @@ DEFAULT_STATE_DIR = Path(".loraserve")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 = fp8_e4m3: float8 e4m3 K/V
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch elsewhere
 ADAPTER_LOADERS = ("auto", "thread", "process")  # auto: loader processes on CUDA, threads elsewhere
+GENERATION_CONFIGS = ("auto", "vllm")  # auto: the model's generation_config.json; vllm: ignore it
 QUANTIZATIONS = (None, "fp8")  # None: the checkpoint as is; fp8: float8 e4m3 linear projections
 METRICS_OFF = 0  # --metrics-port off
 SCHEDULING_POLICIES = ("fair", "fcfs")  # fair: virtual token counters by tenant; fcfs: arrival order
@@ -51,6 +52,7 @@ class ServerSettings:
     max_loras: int = 4
     max_cpu_loras: int | None = None
     adapter_loader: str = "auto"  # engine.config.ADAPTER_LOADERS
+    generation_config: str = "auto"  # where unset sampling fields come from (GENERATION_CONFIGS)
     max_lora_rank: int = 16
     # (name, local PEFT folder) pairs put into the default tenant's store at start.
     lora_modules: tuple[tuple[str, str], ...] = ()
@@ -113,6 +115,11 @@ class ServerSettings:
         if self.adapter_loader not in ADAPTER_LOADERS:
             raise ValueError(
                 f"--adapter-loader {self.adapter_loader!r} is not supported; use one of {', '.join(ADAPTER_LOADERS)}"
+            )
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(
+                f"--generation-config {self.generation_config!r} is not supported; use one of "
+                f"{', '.join(GENERATION_CONFIGS)}"
             )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""Workload C1 (DESIGN.md): greedy tokens identical to transformers + PEFT, with several adapters and
+"""Workload C1 (docs/ARCHITECTURE.md): greedy tokens identical to transformers + PEFT, with several adapters and
 no adapter mixed in one batch, for Llama, Mistral and Qwen2; also through chunked prefill and
 through preemption."""
 

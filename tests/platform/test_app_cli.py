@@ -14,6 +14,7 @@ from loraserve.name_conflicts import NameConflict
 from loraserve.settings import (
     ADAPTER_LOADERS,
     ATTENTION_BACKENDS,
+    GENERATION_CONFIGS,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
@@ -135,6 +136,7 @@ def test_server_choices_are_the_engines():
     assert KV_CACHE_DTYPES == engine_config_module.KV_CACHE_DTYPES
     assert ATTENTION_BACKENDS == engine_config_module.ATTENTION_BACKENDS
     assert ADAPTER_LOADERS == engine_config_module.ADAPTER_LOADERS
+    assert GENERATION_CONFIGS == engine_config_module.GENERATION_CONFIGS
     assert SCHEDULING_POLICIES == engine_config_module.SCHEDULING_POLICIES
     assert QUANTIZATIONS == engine_config_module.QUANTIZATIONS
 

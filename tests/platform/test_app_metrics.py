@@ -87,6 +87,13 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
     assert value(found, "vllm:time_to_first_token_seconds_count", **model) == 4
     assert value(found, "vllm:e2e_request_latency_seconds_count", **model) == 4
     assert value(found, "vllm:time_per_output_token_seconds_count", **model) == 4
+    # vLLM's per-request series: 4 requests of 5 tokens, 3-token prompts, every one ending at its length
+    assert value(found, "vllm:request_success_total", finished_reason="length", **model) == 4
+    assert value(found, "vllm:request_prompt_tokens_sum", **model) == 12
+    assert value(found, "vllm:request_generation_tokens_sum", **model) == 20
+    assert value(found, "vllm:request_generation_tokens_count", **model) == 4
+    inter_token = value(found, "vllm:inter_token_latency_seconds_count", **model)
+    assert 4 <= inter_token <= 16  # at most 4 gaps per request of 5 tokens (deltas may carry several)
     assert value(found, "vllm:generation_tokens_total", **model) == 20
     assert value(found, "vllm:prompt_tokens_total", **model) == 12
     assert value(found, "vllm:num_requests_running", **model) == 0

@@ -170,6 +170,25 @@ def test_stream_concatenates_to_the_whole_response_and_ends_with_done(tmp_path, 
         assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
 
 
+def test_unset_sampling_fields_take_the_models_defaults(tmp_path, model_dir):
+    """As vLLM with --generation-config auto: the model's generation_config.json fills what a request omits
+    (here greedy, so the output must be transformers' greedy tokens); a field the request sets wins."""
+    prompt_ids = [5, 17, 42, 99, 7]
+    reference = reference_greedy(load_peft_reference(model_dir, {}), prompt_ids, None, 8)
+
+    async def scenario(client, services):
+        services.sampling_defaults = {"temperature": 0.0}  # what bootstrap reads from the model folder
+        body = {"model": "tiny", "prompt": prompt_ids, "max_tokens": 8, "ignore_eos": True, "n": 4}
+        unset = await client.post("/v1/completions", json=body)
+        sampled = await client.post("/v1/completions", json={**body, "temperature": 1.0, "seed": 1})
+        return unset, sampled, services.tokenizer
+
+    unset, sampled, tokenizer = run(tmp_path, model_dir, scenario)
+    assert unset.status_code == 200, unset.text
+    assert [c["text"] for c in unset.json()["choices"]] == [tokenizer.decode(reference)] * 4
+    assert len({c["text"] for c in sampled.json()["choices"]}) > 1
+
+
 def test_stream_sends_one_choice_per_chunk_cached_tokens_and_continuous_usage(tmp_path, model_dir):
     """With n > 1 each chunk carries one choice (as OpenAI and vLLM send them), no chunk but the usage chunk
     has an empty `choices`, usage reports the prefix-cache hits of a repeated prompt, and

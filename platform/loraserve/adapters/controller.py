@@ -1,4 +1,4 @@
-"""HTTP endpoints of the adapter store: upload, list, get, delete (DESIGN.md's adapter API)."""
+"""HTTP endpoints of the adapter store: upload, list, get, delete (docs/API_ADMIN.md)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from adapters_store import StoreConfig
 from adapters_store.config import MAX_CONFIG_BYTES, MiB
 from loraserve.adapters import service
 from loraserve.adapters.schemas import Adapter, AdapterDeleted, AdapterDetail, AdapterList
+from loraserve.openapi import BEARER_SECURITY
 from loraserve.services import Services
 from loraserve.tenancy import Principal
 
@@ -28,6 +29,7 @@ def upload_limit_bytes(config: StoreConfig) -> int:
 class AdaptersController(Controller):
     path = "/v1/adapters"
     tags = ["adapters"]
+    security = BEARER_SECURITY
     request_max_body_size = upload_limit_bytes(StoreConfig())  # see adapters_controller() for others
 
     @post(status_code=HTTP_201_CREATED, summary="Upload an adapter (multipart: name, files or archive)")

@@ -19,8 +19,9 @@ from litestar.params import JSONBody
 
 from adapters_store import AdapterNotFound
 from loraserve.adapters import service
-from loraserve.errors import APIError, BadRequest, NotFound
+from loraserve.errors import BadRequest, NotFound, PermissionDenied
 from loraserve.json_guard import require_json_body
+from loraserve.openapi import BEARER_SECURITY
 from loraserve.services import Services
 from loraserve.tenancy import Principal, require_admin
 
@@ -36,14 +37,14 @@ class UnloadLoRAAdapterRequest(msgspec.Struct, frozen=True, kw_only=True):
     lora_int_id: int | None = None  # vLLM sends it; names are what identify adapters here
 
 
-class RuntimeLoadingDisabled(APIError):
-    status_code = 403
+class RuntimeLoadingDisabled(PermissionDenied):
     code = "runtime_lora_loading_disabled"
 
 
 class RuntimeLoRAController(Controller):
     path = "/v1"
     tags = ["adapters"]
+    security = BEARER_SECURITY
     guards = [require_json_body]
 
     @post("/load_lora_adapter", status_code=200, summary="vLLM's: load a PEFT folder as the next version")

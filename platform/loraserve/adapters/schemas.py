@@ -10,7 +10,7 @@ from adapters_store import AdapterRecord
 
 
 class Adapter(msgspec.Struct, frozen=True, kw_only=True):
-    """One stored adapter version, as DESIGN.md lists its fields."""
+    """One stored adapter version, as docs/API_ADMIN.md lists its fields."""
 
     name: str
     version: int

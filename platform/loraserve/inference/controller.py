@@ -11,6 +11,7 @@ from litestar.params import JSONBody
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.service import create_chat_completion, create_completion, create_invocation
 from loraserve.json_guard import require_json_body
+from loraserve.openapi import BEARER_SECURITY
 from loraserve.resolution import list_models
 from loraserve.services import Services
 from loraserve.tenancy import Principal
@@ -20,8 +21,9 @@ class InferenceController(Controller):
     guards = [require_json_body]
     path = "/v1"
     tags = ["inference"]
+    security = BEARER_SECURITY
 
-    @post("/completions", status_code=200)
+    @post("/completions", status_code=200, summary="Complete prompts (OpenAI's completions; SSE with stream)")
     async def completions(
         self,
         data: JSONBody[CompletionRequest],
@@ -31,7 +33,11 @@ class InferenceController(Controller):
     ) -> Any:
         return await create_completion(services, principal, data, request)
 
-    @post("/chat/completions", status_code=200)
+    @post(
+        "/chat/completions",
+        status_code=200,
+        summary="Answer a chat (OpenAI's chat completions; SSE with stream)",
+    )
     async def chat_completions(
         self,
         data: JSONBody[ChatCompletionRequest],
@@ -41,7 +47,7 @@ class InferenceController(Controller):
     ) -> Any:
         return await create_chat_completion(services, principal, data, request)
 
-    @get("/models")
+    @get("/models", summary="The base model, the tenant's adapters and routes")
     async def models(self, services: NamedDependency[Services], principal: NamedDependency[Principal]) -> Any:
         return await list_models(services, principal)
 
@@ -50,6 +56,7 @@ class InferenceController(Controller):
     "/invocations",
     status_code=200,
     tags=["inference"],
+    security=BEARER_SECURITY,
     guards=[require_json_body],
     summary="SageMaker's entry: chat or completion",
 )

@@ -1,8 +1,16 @@
-"""OpenAI request fields -> engine.SamplingParams, refusing what the engine cannot honour."""
+"""OpenAI request fields -> engine.SamplingParams, refusing what the engine cannot honour.
+
+Sampling fields the request leaves unset take the model's defaults (`Services.sampling_defaults`, from
+its generation_config.json), by the engine's own rule (engine.generation_config), as vLLM does.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from engine import SamplingParams
+from engine.generation_config import apply_generation_defaults
 from loraserve.errors import BadRequest
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.structured import structured_params
@@ -11,7 +19,7 @@ MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def completion_params(body: CompletionRequest) -> SamplingParams:
+def completion_params(body: CompletionRequest, defaults: Mapping[str, Any]) -> SamplingParams:
     if body.echo and body.logprobs is not None:
         raise BadRequest(
             "echo with logprobs needs the prompt's logprobs, which this server does not return; "
@@ -19,10 +27,10 @@ def completion_params(body: CompletionRequest) -> SamplingParams:
             param="echo",
         )
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-    return _params(body, max_tokens, body.logprobs)
+    return _params(body, max_tokens, body.logprobs, defaults)
 
 
-def chat_params(body: ChatCompletionRequest) -> SamplingParams:
+def chat_params(body: ChatCompletionRequest, defaults: Mapping[str, Any]) -> SamplingParams:
     if body.echo and body.logprobs:
         raise BadRequest("echo with logprobs is not supported; drop one of them", param="echo")
     if body.top_logprobs is not None and not body.logprobs:
@@ -30,11 +38,14 @@ def chat_params(body: ChatCompletionRequest) -> SamplingParams:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     # None: generate until the end of the sequence or the context is full.
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _params(body, max_tokens, logprobs)
+    return _params(body, max_tokens, logprobs, defaults)
 
 
 def _params(
-    body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    defaults: Mapping[str, Any],
 ) -> SamplingParams:
     if body.prompt_logprobs is not None:
         raise BadRequest(
@@ -47,12 +58,13 @@ def _params(
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
         raise BadRequest(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
     try:
-        return SamplingParams(
+        return apply_generation_defaults(
+            defaults,
             n=body.n,
             max_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
-            top_k=body.top_k if body.top_k is not None else 0,
+            top_k=body.top_k,
             seed=body.seed,
             stop=stop,
             logprobs=logprobs,

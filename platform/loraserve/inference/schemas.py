@@ -62,8 +62,9 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
 
     model: str
     max_tokens: PositiveInt | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
+    # Unset (None): the model's default from its generation_config.json, else 1.0, 1.0 and off.
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     top_k: TopK | None = None  # vLLM's extension; -1 or 0: off
     n: NumChoices = 1
     stream: bool = False
@@ -76,8 +77,9 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     return_tokens_as_token_ids: bool = False
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=100.0)] = 1.0  # vLLM's extension
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0  # vLLM's extension
+    # vLLM's extensions; unset (None): the model's generation_config.json, else 1.0 (off) and 0.0 (off).
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=100.0)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     # OpenAI's: token id (as a string key) -> bias added to its logit
     logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     allowed_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(min_length=1)] | None = None  # vLLM's

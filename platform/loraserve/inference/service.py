@@ -19,7 +19,7 @@ from litestar import Request, Response
 from litestar.response import Stream
 
 from engine import RequestOutput, SamplingParams
-from loraserve.errors import APIError, BadRequest, ServiceUnavailable, error_event
+from loraserve.errors import APIError, BadRequest, ServiceUnavailable, error_event, status_and_code
 from loraserve.inference.generation import Generation
 from loraserve.inference.logprobs import TokenText
 from loraserve.inference.prompts import (
@@ -48,7 +48,7 @@ async def create_completion(
     services: Services, principal: Principal, body: CompletionRequest, request: Request
 ) -> Any:
     check_serving(services)
-    params = completion_params(body)
+    params = completion_params(body, services.sampling_defaults)
     prompts = completion_prompts(
         body.prompt, services.tokenizer, services.max_model_len, body.truncate_prompt_tokens
     )
@@ -64,7 +64,7 @@ async def create_chat_completion(
     services: Services, principal: Principal, body: ChatCompletionRequest, request: Request
 ) -> Any:
     check_serving(services)
-    params = chat_params(body)
+    params = chat_params(body, services.sampling_defaults)
     prompt = chat_prompt(
         body.messages,
         services.tokenizer,
@@ -225,7 +225,8 @@ async def _sse(
         if include_usage:
             yield _event(fmt.usage_chunk(choices.usage(generation.num_prompt_tokens)))
     except APIError as exc:
-        yield error_event(exc.status_code, str(exc), exc.code)
+        status, code = status_and_code(exc) or (503, "generation_failed")  # ERROR_TABLE has every APIError
+        yield error_event(status, str(exc), code)
     except Exception as exc:  # the engine died mid-stream: tell the client rather than cut the connection
         log.warning("stream %s failed: %s", generation.request_id, exc)
         yield error_event(503, "the request failed on the server; retry it", "generation_failed")

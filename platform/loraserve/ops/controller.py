@@ -23,7 +23,7 @@ class Health(msgspec.Struct, frozen=True, kw_only=True):
 class OpsController(Controller):
     tags = ["ops"]
 
-    @get("/health")
+    @get("/health", summary="The process answers; 503 once the engine has stopped")
     async def health(self, services: NamedDependency[Services]) -> Response[Health]:
         """200 while the process can serve; 503 once the engine has stopped, so a liveness probe restarts it."""
         dead = services.engine is not None and getattr(services.engine, "dead_error", None) is not None
@@ -31,14 +31,14 @@ class OpsController(Controller):
             return Response(Health(status="engine stopped"), status_code=503)
         return Response(Health())
 
-    @get("/ready")
+    @get("/ready", summary="Able to serve: model loaded, stores answering, not draining (else 503)")
     async def ready(
         self, services: NamedDependency[Services], readiness: NamedDependency[Readiness]
     ) -> Response[ReadyStatus]:
         status = await readiness.check(services)
         return Response(status, status_code=200 if status.ready else 503)
 
-    @get("/metrics")
+    @get("/metrics", summary="Prometheus metrics (vLLM's names where they overlap)")
     async def metrics(
         self,
         request: Request,

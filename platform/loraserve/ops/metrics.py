@@ -43,6 +43,7 @@ _LATENCY_BUCKETS = (
     80.0,
 )
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 _LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -80,6 +81,33 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         ).labels(model_name)
+        self.inter_token = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between consecutive token deliveries of a request.",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Prompt tokens per request.",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Tokens generated per request (all its completions).",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Completions that finished, by finish reason (stop, length, abort, error).",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         self.cache_hits = Counter(
             "loraserve_adapter_cache_hits",
             "Adapter lookups served by a tier.",
@@ -116,11 +144,27 @@ class Metrics:
         )
         self.registry.register(_StateCollector(model_name, engine_stats, config_store_up, adapter_store_up))
 
-    def observe_request(self, *, ttft: float, tpot: float | None, e2e: float) -> None:
+    def observe_request(
+        self,
+        *,
+        ttft: float,
+        tpot: float | None,
+        e2e: float,
+        inter_token: Iterable[float] = (),
+        num_prompt_tokens: int = 0,
+        num_generation_tokens: int = 0,
+        finish_reasons: Iterable[str] = (),
+    ) -> None:
         self.ttft.observe(ttft)
         if tpot is not None:
             self.tpot.observe(tpot)
         self.e2e.observe(e2e)
+        for gap in inter_token:
+            self.inter_token.observe(gap)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generation_tokens)
+        for reason in finish_reasons:
+            self.request_success.labels(self.model_name, reason).inc()
 
     def adapter_event(self, event: str, tier: str, seconds: float = 0.0) -> None:
         """The engine's adapter observer (called from its threads; prometheus-client is thread-safe)."""

@@ -7,6 +7,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath
 from litestar.status_codes import HTTP_200_OK
 
+from loraserve.openapi import BEARER_SECURITY
 from loraserve.routes import service
 from loraserve.routes.schemas import RouteDeleted, RouteList
 from loraserve.routing import Route
@@ -22,6 +23,7 @@ MAX_ROUTE_BODY_BYTES = 64 * 1024
 class RoutesController(Controller):
     path = "/v1/routes"
     tags = ["routes"]
+    security = BEARER_SECURITY
     request_max_body_size = MAX_ROUTE_BODY_BYTES
 
     @put("/{name:str}", summary="Create or replace an A/B route")

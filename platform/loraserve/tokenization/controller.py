@@ -7,6 +7,7 @@ from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
 from loraserve.json_guard import require_json_body
+from loraserve.openapi import BEARER_SECURITY
 from loraserve.services import Services
 from loraserve.tenancy import Principal
 from loraserve.tokenization.schemas import (
@@ -22,6 +23,7 @@ from loraserve.tokenization.service import detokenize, tokenize, tokenizer_info
 class TokenizationController(Controller):
     guards = [require_json_body]
     tags = ["tokenizer"]
+    security = BEARER_SECURITY
 
     @post("/tokenize", status_code=200, summary="Tokenize a prompt or chat messages as the server does")
     async def tokenize(

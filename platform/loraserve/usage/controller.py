@@ -6,6 +6,7 @@ from litestar import Controller, Request, get
 from litestar.di import NamedDependency
 
 from loraserve.errors import BadRequest
+from loraserve.openapi import BEARER_SECURITY
 from loraserve.services import Services
 from loraserve.tenancy import Principal
 from loraserve.usage.service import TenantUsage, tenant_usage
@@ -14,6 +15,7 @@ from loraserve.usage.service import TenantUsage, tenant_usage
 class UsageController(Controller):
     path = "/v1/usage"
     tags = ["usage"]
+    security = BEARER_SECURITY
 
     @get(summary="The caller's tenant usage on this replica")
     async def usage(

@@ -34,6 +34,9 @@ class EngineStats:
     gpu_adapters: tuple[str, ...] = ()
     cpu_adapters: tuple[str, ...] = ()
     tenants: tuple[TenantStats, ...] = ()  # by tenant name; see TenantStats
+    # Triton kernel variants compiled since the engine was marked ready (LLMEngine.mark_ready); should stay
+    # 0: loraserve_kernel_compiles_after_ready_total.
+    num_kernel_compiles_after_ready: int = 0
 
 
 def distinct_adapters(requests: Iterable[Request]) -> tuple[str, ...]:

@@ -104,6 +104,7 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
     assert value(found, "loraserve_config_store_up") == 1
     assert value(found, "loraserve_adapter_store_up") == 1
     assert value(found, "loraserve_lora_slots_in_use") == 0
+    assert value(found, "loraserve_kernel_compiles_after_ready_total", **model) == 0
     # residency for the gateway: adapter a@1 ran, so it holds a GPU slot and sits in the CPU tier
     for tier in ("gpu", "cpu", "disk"):
         assert (

@@ -235,6 +235,12 @@ class _StateCollector(Collector):
         )
         slots.add_metric([], stats.num_lora_slots_in_use)
         yield slots
+        yield _counter(
+            "loraserve_kernel_compiles_after_ready",
+            "Triton kernels compiled after the engine was ready (stays 0: every variant is warmed up at start).",
+            stats.num_kernel_compiles_after_ready,
+            model,
+        )
         capacity = GaugeMetricFamily("loraserve_lora_slots", "GPU adapter slots (max_loras).")
         capacity.add_metric([], stats.max_loras)
         yield capacity

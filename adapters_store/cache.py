@@ -88,6 +88,13 @@ class DiskCache:
     def __len__(self) -> int:
         return len(self._scan())
 
+    def cached_versions(self) -> list[tuple[str, str, int]]:
+        """(tenant, name, version) of every complete version on disk, for residency metrics."""
+        return sorted(
+            (entry.path.parent.parent.name, entry.path.parent.name, int(entry.path.name.split("-")[0]))
+            for entry in self._scan()
+        )
+
     def fetch(self, tenant: str, name: str, version: int | None = None) -> CachedAdapter:
         """Resolve with the store (one manifest read), then serve from disk or download."""
         return self.fetch_record(tenant, self.store.get(tenant, name, version))

@@ -7,6 +7,8 @@ transformers (+ PEFT) static batches, all in one run on the same random-weight m
     python3 benchmarks/throughput.py --kv-cache-dtype fp8 --skip-transformers   # the engine, fp8 KV cache
     python3 benchmarks/throughput.py --quantization fp8 --skip-transformers     # bf16 and FP8 weights
     python3 benchmarks/throughput.py --smoke         # tiny shapes on the CPU (checks that it runs)
+    python3 benchmarks/throughput.py --no-warmup-run --skip-transformers   # the first run after start-up
+    python3 benchmarks/throughput.py --async-scheduling --skip-transformers --profile
 
 Requests: prompts of uniform [128, 512] random tokens, exactly 128 output tokens, adapters assigned round
 robin, all arriving at once (offline: TTFT includes queueing). transformers + PEFT with `adapter_names`
@@ -104,6 +106,7 @@ def make_engine(
         max_lora_rank=args.rank,
         enforce_eager=args.enforce_eager,
         kv_cache_dtype=args.kv_cache_dtype,
+        async_scheduling=args.async_scheduling,
         quantization=quantization,
         fp8_gemm=args.fp8_gemm,
     )
@@ -131,26 +134,28 @@ def run_engine(
 ):
     device = torch.device(args.device)
     w1.free_memory(device)
+    started = time.perf_counter()
     engine = make_engine(args, model_dir, adapters, max_len, quantization)
+    startup = time.perf_counter() - started  # weights, KV cache, graph capture, the engine's warm-up
     names = [f"a{i % len(adapters)}" if adapters else None for i in range(len(prompts))]
-    # Warm-up: the measured requests themselves, once, unmeasured. The same schedule gives the same batch
-    # shapes, so every adapter is resident and every kernel variant the run needs is compiled before the
-    # clock starts (Triton compiles a variant on first use: specialised on sizes divisible by 16, on 1,
-    # and per block shape, which otherwise lands in the first LoRA run's mixed prefill/decode steps).
-    warm = SamplingParams(
-        temperature=0.0, max_tokens=args.output_tokens, min_tokens=args.output_tokens, ignore_eos=True
-    )
-    for i, (prompt, adapter) in enumerate(zip(prompts, names)):
-        engine.add_request(f"warm{i}", prompt, warm, adapter)
-    drain(engine)
+    # Warm-up run: the measured requests themselves, once, unmeasured, so every adapter is resident before
+    # the clock starts. Kernel variants are the engine's own start-up warm-up's job: the note column
+    # counts those compiled after it (--no-warmup-run measures a first run straight after start-up).
+    if not args.no_warmup_run:
+        warm = SamplingParams(
+            temperature=0.0, max_tokens=args.output_tokens, min_tokens=args.output_tokens, ignore_eos=True
+        )
+        for i, (prompt, adapter) in enumerate(zip(prompts, names)):
+            engine.add_request(f"warm{i}", prompt, warm, adapter)
+        drain(engine)
 
     steps: list[StepRecord] = []
     execute = engine.runner.execute
     last_batch: list = []
 
-    def recorded_execute(scheduled):
+    def recorded_execute(scheduled, in_flight=None):
         last_batch[:] = scheduled
-        return execute(scheduled)
+        return execute(scheduled, in_flight)
 
     engine.runner.execute = recorded_execute
     params = SamplingParams(
@@ -190,8 +195,13 @@ def run_engine(
         decode_steps=steps,
         fp8_weights=quantization is not None,
     )
+    notes = [
+        f"start-up {startup:.1f} s",
+        f"{engine.stats().num_kernel_compiles_after_ready} compiles after ready",
+    ]
     if engine.runner.graphs is not None:
-        result.note = f"{engine.runner.graphs.num_replays} graph replays"
+        notes.append(f"{engine.runner.graphs.num_replays} graph replays")
+    result.note = "; ".join(notes)
     profile = None
     if args.profile and adapters and len(adapters) == max(args.adapters):
         profile = profile_decode_steps(engine, prompts, names, args.output_tokens, device)
@@ -281,7 +291,9 @@ def report(args, config, results: list[RunResult], bandwidth: float, element: in
     lines = [
         f"W1, shape {args.shape}, {args.dtype}, {args.num_requests} requests, prompts [{args.min_prompt}, "
         f"{args.max_prompt}] tokens, {args.output_tokens} output tokens, rank {args.rank} over all 7 projections, "
-        f"KV cache {args.kv_cache_dtype}, FP8 GEMM {args.fp8_gemm}, {torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}; "
+        f"KV cache {args.kv_cache_dtype}, FP8 GEMM {args.fp8_gemm}, "
+        f"{'async' if args.async_scheduling else 'sync'} scheduling, "
+        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}; "
         f"copy bandwidth "
         f"{bandwidth / 1e9:.0f} GB/s",
         "",
@@ -354,6 +366,16 @@ def parse_args(argv=None):
         "--fp8-gemm", choices=["auto", "scaled_mm", "dequant"], default="auto", help="the FP8 weights' GEMM"
     )
     p.add_argument("--profile", action="store_true", help="break a decode step of the largest N down")
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule and launch each step before reading the previous step's tokens",
+    )
+    p.add_argument(
+        "--no-warmup-run",
+        action="store_true",
+        help="measure the first run after start-up (adapters load and anything compiled counts)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few requests")
     args = p.parse_args(argv)
     args.device, args.dtype = "cuda", "bfloat16"

@@ -67,6 +67,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # CPU only: bytes of KV cache when num_kv_blocks is not given (vLLM's VLLM_CPU_KVCACHE_SPACE).
     cpu_kv_cache_bytes: int = 1 << 30
+    # True: schedule and launch each step before reading the previous step's sampled tokens (they reach
+    # the next step's inputs on the device), so host bookkeeping overlaps the GPU; step() then returns
+    # one step late. A request that ends on a stop token costs one wasted row in the next step.
+    async_scheduling: bool = False
     # Where unset sampling fields come from (see GENERATION_CONFIGS); read by LLM and the server.
     generation_config: str = "auto"
     scheduling_policy: str = "fair"  # see SCHEDULING_POLICIES
@@ -146,8 +150,9 @@ class EngineConfig:
             )
         if self.fp8_gemm not in FP8_GEMMS:
             raise ValueError(f"fp8_gemm must be one of {', '.join(FP8_GEMMS)} (got {self.fp8_gemm!r})")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool (got {self.enforce_eager!r})")
+        for name in ("enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool (got {getattr(self, name)!r})")
         if self.device != "auto":
             try:
                 torch.device(self.device)

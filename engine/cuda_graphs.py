@@ -2,8 +2,9 @@
 
 At start-up the runner captures one graph per batch-size bucket (1, 2, 4, ..., up to max_num_seqs) and
 per LoRA use (with the LoRA kernels, and without them for steps where no token has an adapter). Every
-input lives in a static buffer the graphs read: a step copies its inputs in, pads its batch up to the
-bucket, replays, and reads the logits rows it needs. Mixed prefill/decode steps stay eager.
+input lives in a static buffer the graphs read: a step copies its inputs in with padding rows up to the
+bucket (InputBatch.prepare_decode, one copy per buffer), replays, and reads the logits rows it needs.
+Mixed prefill/decode steps stay eager.
 
 Padding rows must not disturb real ones: each writes its K/V into a scratch block that the KV cache
 manager never hands out (the cache has one block more than the scheduler knows of), attends only to
@@ -21,13 +22,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from engine.lora.context import LoRAContext
 from engine.model.attention import AttentionMetadata
 from engine.request import NO_LORA
+from engine.step_buffers import DecodeTwins
 
 logger = logging.getLogger(__name__)
 
@@ -42,28 +43,16 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return [*sizes, max_num_seqs]
 
 
-@dataclass
-class DecodeInputs:
-    """One decode step's inputs on the host, one entry per sequence (every sequence adds one token)."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    seq_lens: list[int]
-    token_slots: list[int]  # NO_LORA for sequences without an adapter
-    block_tables: list[list[int]]  # each sequence's block ids
-
-
 class DecodeCudaGraphs:
-    """Static input buffers and the captured graphs that read them."""
+    """The captured graphs and the static input buffers they read (filled by InputBatch.prepare_decode)."""
 
     def __init__(
         self,
         model,
         kv_caches,
         lora_slots,
+        inputs: DecodeTwins,
         max_num_seqs: int,
-        max_blocks_per_seq: int,
         pad_block: int,
         block_size: int,
         device: torch.device,
@@ -71,24 +60,11 @@ class DecodeCudaGraphs:
         self.model = model
         self.kv_caches = kv_caches
         self.lora_slots = lora_slots
+        self.inputs = inputs
         self.buckets = batch_buckets(max_num_seqs)
-        self.max_blocks_per_seq = max_blocks_per_seq
         self.pad_block = pad_block
         self.pad_slot = pad_block * block_size
         self.device = device
-        n = max_num_seqs
-
-        def buffer(*shape, dtype=torch.long):
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.input_ids = buffer(n)  # [max_num_seqs]
-        self.positions = buffer(n)  # [max_num_seqs]
-        self.slot_mapping = buffer(n)  # [max_num_seqs]
-        self.block_tables = buffer(n, max_blocks_per_seq)  # [max_num_seqs, max_blocks_per_seq]
-        self.seq_lens = buffer(n, dtype=torch.int32)  # [max_num_seqs]
-        # One new token per sequence, so the start offsets never change: [0, 1, ..., max_num_seqs].
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.token_slots = buffer(n, dtype=torch.int32)  # [max_num_seqs]
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.num_replays = 0  # steps served by a replay (tests and the benchmark read it)
@@ -126,59 +102,37 @@ class DecodeCudaGraphs:
                     self.pool = graph.pool()
                 self.graphs[(size, use_lora)] = (graph, logits)
 
-    def run(
-        self, inputs: DecodeInputs
-    ) -> torch.Tensor:  # [num_seqs, vocab] float32, valid until the next run
-        num_seqs = len(inputs.input_ids)
-        if not 0 < num_seqs <= self.max_batch_size:
-            raise ValueError(
-                f"a decode graph batch holds 1 to {self.max_batch_size} sequences, got {num_seqs}"
-            )
-        size = self.bucket(num_seqs)
-        use_lora = any(slot != NO_LORA for slot in inputs.token_slots)
-        self._copy_inputs(inputs)
-        self._fill_padding(num_seqs, size)
+    def replay(self, num_seqs: int, size: int, use_lora: bool) -> torch.Tensor:
+        """Run the graph of bucket `size` on the inputs already in the static buffers (rows [num_seqs, size)
+        padding); returns [num_seqs, vocab] float32 logits, valid until the next replay."""
+        if not 0 < num_seqs <= size or size not in self.buckets:
+            raise ValueError(f"no decode graph for {num_seqs} sequences in a bucket of {size}")
         graph, logits = self.graphs[(size, use_lora)]
         graph.replay()
         self.num_replays += 1
         return logits[:num_seqs]
 
-    def _copy_inputs(self, inputs: DecodeInputs) -> None:
-        n = len(inputs.input_ids)
-        width = max(len(t) for t in inputs.block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in inputs.block_tables], dtype=torch.long)
-        # Columns past `width` keep stale ids: the kernel never reads past a sequence's length.
-        self.block_tables[:n, :width].copy_(tables, non_blocking=True)
-        for buffer, values in (
-            (self.input_ids, inputs.input_ids),
-            (self.positions, inputs.positions),
-            (self.slot_mapping, inputs.slot_mapping),
-            (self.seq_lens, inputs.seq_lens),
-            (self.token_slots, inputs.token_slots),
-        ):
-            buffer[:n].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
-
     def _fill_padding(self, start: int, end: int) -> None:
-        """Rows [start, end) become padding: one token in the scratch block, no adapter."""
-        if start >= end:
-            return
-        self.input_ids[start:end] = 0
-        self.positions[start:end] = 0
-        self.slot_mapping[start:end] = self.pad_slot
-        self.block_tables[start:end, 0] = self.pad_block
-        self.seq_lens[start:end] = 1
-        self.token_slots[start:end] = NO_LORA
+        """Rows [start, end) become padding: one token in the scratch block, no adapter (capture only)."""
+        inputs = self.inputs
+        inputs.input_ids[start:end] = 0
+        inputs.positions[start:end] = 0
+        inputs.slot_mapping[start:end] = self.pad_slot
+        inputs.block_tables.device[start:end, 0] = self.pad_block
+        inputs.seq_lens[start:end] = 1
+        inputs.token_slots[start:end] = NO_LORA
 
     def _forward(self, size: int, use_lora: bool) -> torch.Tensor:  # [size, vocab] float32
+        inputs = self.inputs
         meta = AttentionMetadata(
-            positions=self.positions[:size],
-            slot_mapping=self.slot_mapping[:size],
-            block_tables=self.block_tables[:size],
+            positions=inputs.positions[:size],
+            slot_mapping=inputs.slot_mapping[:size],
+            block_tables=inputs.block_tables.device[:size],
             query_start_loc=list(range(size + 1)),
             seq_lens=[1] * size,  # host copy unused by the Triton path; only its length counts
-            seq_lens_tensor=self.seq_lens[:size],
-            query_start_loc_tensor=self.query_start_loc[: size + 1],
+            seq_lens_tensor=inputs.seq_lens[:size],
+            query_start_loc_tensor=inputs.query_start_loc[: size + 1],
         )
-        lora = LoRAContext(self.lora_slots, self.token_slots[:size]) if use_lora else None
-        hidden = self.model.forward(self.input_ids[:size], meta, self.kv_caches, lora)
+        lora = LoRAContext(self.lora_slots, inputs.token_slots[:size]) if use_lora else None
+        hidden = self.model.forward(inputs.input_ids[:size], meta, self.kv_caches, lora)
         return self.model.compute_logits(hidden)

@@ -11,11 +11,14 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 
+import torch
+
+from engine import kernel_compiles
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.fairness import DEFAULT_TENANT
 from engine.kv_cache import KVCacheManager
-from engine.logits_processors import apply_logits_processors
+from engine.logits_processors import apply_logits_processors, uses_processors
 from engine.lora.manager import AdapterManager, AdapterSource, Observer
 from engine.lora.model_shape import ModelShape
 from engine.lora.peft_checkpoint import AdapterError, PeftAdapter
@@ -25,16 +28,19 @@ from engine.model_runner import ModelRunner
 from engine.output_processor import ParentRequest, RequestState
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import NO_LORA, Request, RequestStatus
-from engine.sampler import Sampler
+from engine.sampler import SampledStep, Sampler, on_device
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats, distinct_adapters
 from engine.structured_output.matchers import StructuredOutputs
 from engine.tokenizer import eos_token_ids, load_tokenizer
+from engine.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+# A step's sampling: queued on the device, plus its rows if they were already resolved one by one.
+Sampled = tuple[SampledStep, list | None]
 # Builds the adapter source once the model (and so its shape) is known: (shape, max_lora_rank) -> source.
 AdapterSourceFactory = Callable[[ModelShape, int], AdapterSource]
 
@@ -67,6 +73,8 @@ class LLMEngine:
             tokenizer if tokenizer is not None or skip_tokenizer_init else load_tokenizer(model_path)
         )
         self.eos_token_ids = eos_token_ids(model_path, hf_config, self.tokenizer)
+        self._compiles = kernel_compiles.install()  # before the runner, so start-up compiles are counted
+        self._compiles_at_ready = 0
         self.runner = ModelRunner(config, model_path, hf_config, self.max_model_len)
         capacity = self.runner.num_kv_blocks * config.block_size
         if capacity < self.max_model_len:
@@ -95,11 +103,15 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         vocab_size = self.runner.model.weights.embed.shape[0]
         self.structured = StructuredOutputs(self.tokenizer, vocab_size, self.eos_token_ids)
+        self._in_flight: Sampled | None = None  # async scheduling: the launched step not yet read back
+        if self.runner.device.type == "cuda":  # elsewhere nothing is compiled
+            warm_up(self.runner, self.sampler)
         self._states: dict[str, RequestState] = {}  # child request id -> state
         self._parents: dict[str, list[str]] = {}  # user request id -> child ids
         self._pending: list[RequestOutput] = []  # refused or aborted requests, reported at the next step
         self._num_prompt_tokens = 0  # cumulative, for stats()
         self._num_generation_tokens = 0
+        self.mark_ready()
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -193,11 +205,17 @@ class LLMEngine:
                 self._forget(child_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_unfinished_requests()
+        return bool(self._pending) or self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     # -- one step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; returns what changed for each request.
+
+        With `async_scheduling` the step's sampled tokens stay in flight: the host schedules and launches
+        the next step (reading those tokens on the device) before it waits for them, so the GPU is not
+        idle while the host does its bookkeeping; each call then returns the previous step's results.
+        """
         outputs, self._pending = self._pending, []
         for adapter_id, reason in self.lora.poll().items():
             outputs.extend(self._fail_waiting(adapter_id, reason, include_preempted=True))
@@ -207,22 +225,45 @@ class LLMEngine:
             self._unpin(request)
         for request in scheduled.newly_admitted:
             self._pin(request)
-        if not scheduled.scheduled:
+        launched = None
+        if scheduled.scheduled:
+            logits = self.runner.execute(scheduled.scheduled, self._in_flight_step())
+            self.lora.start_copies()  # while the GPU runs the step: issuing copies must not delay its launch
+            sampling = [s.request for s in scheduled.scheduled if s.samples]
+            if sampling:
+                if self._in_flight is not None and any(_needs_last_token(r) for r in sampling):
+                    outputs.extend(self._update(self._in_flight))  # penalties, grammars read the tokens
+                    self._in_flight = None
+                # Grammar masks are filled on the host while the GPU still computes the logits; they go
+                # last, so no bias can bring back a token the grammar forbids.
+                prepared = self.structured.prepare(sampling)
+                logits = self.structured.apply(apply_logits_processors(logits, sampling), prepared)
+                launched = self._launch_sampling(logits, sampling)
+        else:
             self.lora.start_copies()
-            if self.lora.num_loading:
+            if self.lora.num_loading and self._in_flight is None:
                 self.lora.wait_for_loads(timeout=0.05)  # nothing runnable until an adapter arrives
-            return outputs
-        logits = self.runner.execute(scheduled.scheduled)
-        self.lora.start_copies()  # while the GPU runs the step: issuing copies must not delay its launch
-        sampling = [s.request for s in scheduled.scheduled if s.samples]
-        if not sampling:
-            return outputs
-        # Grammar masks are filled on the host while the GPU still computes the logits; they go last, so no
-        # bias can bring back a token the grammar forbids.
-        prepared = self.structured.prepare(sampling)
-        logits = self.structured.apply(apply_logits_processors(logits, sampling), prepared)
-        for request, token_id, logprobs in self._sample_isolated(logits, sampling):
-            state = self._states[request.request_id]
+        if self.config.async_scheduling:
+            finished, self._in_flight = self._in_flight, launched
+            for request in launched[0].requests if launched else ():
+                request.num_in_flight += 1
+        else:
+            finished = launched
+        if finished is not None:
+            outputs.extend(self._update(finished))
+        return _latest_per_request(outputs)
+
+    def _in_flight_step(self) -> SampledStep | None:
+        return self._in_flight[0] if self._in_flight is not None else None
+
+    def _update(self, sampled: Sampled) -> list[RequestOutput]:
+        """Append a step's sampled tokens to their requests: stop checks, finishes, outputs."""
+        outputs = []
+        for request, token_id, logprobs in _rows(sampled):
+            request.num_in_flight = max(0, request.num_in_flight - 1)
+            state = self._states.get(request.request_id)
+            if state is None or state.request is not request or request.is_finished:
+                continue  # finished (aborted, failed) while its token was in flight
             try:
                 if token_id is None:  # its own sampling raised: logprobs holds the reason
                     raise logprobs
@@ -240,17 +281,14 @@ class LLMEngine:
             outputs.append(state.publish())
             if status is not None:
                 self._forget(request.request_id)
-        return _latest_per_request(outputs)
+        return outputs
 
-    def _sample_isolated(self, logits, requests: list[Request]) -> list[tuple[Request, int | None, object]]:
-        """(request, token id, logprobs) per row; a row whose sampling raises gets (request, None, error).
-
-        The batch is sampled at once; only if that raises is it sampled again row by row, so one request's
-        data (a seed torch refuses, say) fails that request alone while the others keep their tokens.
-        """
+    def _launch_sampling(self, logits, requests: list[Request]) -> Sampled:
+        """The step's sampling, queued on the device. If sampling the batch raises, each row is sampled
+        alone at once, so one request's data (a seed torch refuses, say) fails that request alone while
+        the others keep their tokens; the rows then come back resolved, failed ones with the error."""
         try:
-            sampled = self.sampler(logits, requests)
-            return list(zip(requests, sampled.token_ids, sampled.logprobs))
+            return self.sampler.launch(logits, requests), None
         except Exception:
             logger.exception("sampling a batch of %d failed; sampling its rows one by one", len(requests))
         rows = []
@@ -260,7 +298,9 @@ class LLMEngine:
                 rows.append((request, one.token_ids[0], one.logprobs[0]))
             except Exception as exc:
                 rows.append((request, None, exc))
-        return rows
+        tokens = [0 if token_id is None else token_id for _, token_id, _ in rows]
+        resolved = SampledStep(requests, on_device(tokens, logits.device), [], [torch.tensor(tokens)], None)
+        return resolved, rows
 
     # -- adapters ---------------------------------------------------------------------------------
 
@@ -289,6 +329,13 @@ class LLMEngine:
         """Stop the adapter loaders (threads and processes); the engine serves no adapter loads after it."""
         self.lora.shutdown()
 
+    def mark_ready(self) -> None:
+        """From now on every Triton compile is unexpected: counted in stats() and logged as a warning.
+        The engine marks itself ready once built (after its warm-up); a server that warms up more may
+        call this again."""
+        self._compiles_at_ready = self._compiles.num_compiles
+        self._compiles.warn = True
+
     def stats(self) -> EngineStats:
         """The engine's load right now (engine thread only; AsyncLLM publishes copies for others)."""
         return EngineStats(
@@ -305,6 +352,9 @@ class LLMEngine:
             num_adapters_loading=self.lora.num_loading,
             tenants=self.scheduler.tenant_stats(),
             resident_adapters=self.lora.resident_ids(),
+            gpu_adapters=self.lora.gpu_ids(),
+            cpu_adapters=self.lora.cpu_ids(),
+            num_kernel_compiles_after_ready=self._compiles.num_compiles - self._compiles_at_ready,
         )
 
     def _resolve_adapter(self, adapter: str | None) -> str | None:
@@ -437,3 +487,19 @@ def _latest_per_request(outputs: list[RequestOutput]) -> list[RequestOutput]:
     for output in outputs:
         latest[output.request_id] = output
     return list(latest.values())
+
+
+def _rows(sampled: Sampled) -> list[tuple[Request, int | None, object]]:
+    """(request, token id, logprobs) per row; (request, None, error) for a row whose sampling raised."""
+    step, rows = sampled
+    if rows is not None:
+        return rows
+    result = step.result()
+    return list(zip(step.requests, result.token_ids, result.logprobs))
+
+
+def _needs_last_token(request: Request) -> bool:
+    """Whether sampling the request's next token reads its previous one on the host (penalties, grammars):
+    with async scheduling, a token still in flight is read back first."""
+    params = request.sampling_params
+    return bool(request.num_in_flight) and (params.structured_outputs is not None or uses_processors(params))

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeCudaGraphs, DecodeInputs
+from engine.cuda_graphs import DecodeCudaGraphs
+from engine.input_batch import InputBatch
 from engine.lora.context import LoRAContext
 from engine.lora.model_shape import ModelShape
 from engine.lora.slots import LoRASlots
@@ -18,7 +19,7 @@ from engine.model.kv_quant import FP8_DTYPE
 from engine.model.llama import LlamaModel
 from engine.model.loader import checkpoint_dtype, load_weights
 from engine.model.paged_attention_triton import interpreting
-from engine.request import NO_LORA
+from engine.sampler import SampledStep
 from engine.scheduler import ScheduledRequest
 
 logger = logging.getLogger(__name__)
@@ -55,14 +56,22 @@ class ModelRunner:
         # One block more than the scheduler knows of: CUDA-graph padding rows write their K/V there.
         self.pad_block = self.num_kv_blocks
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks + 1)
+        self.inputs = InputBatch(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            -(-max_model_len // self.block_size),
+            self.block_size,
+            self.pad_block,
+            self.device,
+        )
         self.graphs: DecodeCudaGraphs | None = None
         if config.use_cuda_graphs:
             self.graphs = DecodeCudaGraphs(
                 self.model,
                 self.kv_caches,
                 self.lora_slots,
+                self.inputs.decode,
                 config.max_num_seqs,
-                -(-max_model_len // self.block_size),
                 self.pad_block,
                 self.block_size,
                 self.device,
@@ -94,71 +103,31 @@ class ModelRunner:
         return f"dtype {self.kv_cache_dtype} (fp8, per-tensor scales {source})"
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+    def execute(
+        self, scheduled: list[ScheduledRequest], in_flight: SampledStep | None = None
+    ) -> torch.Tensor:
         """Run one step; returns float32 logits [num_sampling_rows, vocab], rows in `scheduled` order
-        of the requests whose `samples` is true."""
+        of the requests whose `samples` is true. Input tokens the host does not know yet (async
+        scheduling) are read from `in_flight`, the previous step's sampling, on the device."""
+        self.inputs.update(scheduled)
         if self.graphs is not None and _is_decode_only(scheduled, self.graphs.max_batch_size):
-            logits = self.graphs.run(self._decode_inputs(scheduled))
+            size = self.graphs.bucket(len(scheduled))
+            use_lora = self.inputs.prepare_decode(scheduled, size, in_flight)
+            logits = self.graphs.replay(len(scheduled), size, use_lora)
             if all(s.samples for s in scheduled):
                 return logits
             rows = [i for i, s in enumerate(scheduled) if s.samples]
             return logits[torch.tensor(rows, device=logits.device)]
-        input_ids, meta, token_slots, logits_rows = self._prepare(scheduled)
+        input_ids, meta, token_slots, logits_rows = self.inputs.prepare_eager(scheduled, in_flight)
         lora = None
         if token_slots is not None:
             lora = LoRAContext(self.lora_slots, token_slots)
         hidden = self.model.forward(input_ids, meta, self.kv_caches, lora)
         return self.model.compute_logits(hidden[logits_rows])
 
-    def _decode_inputs(self, scheduled: list[ScheduledRequest]) -> DecodeInputs:
-        bs = self.block_size
-        positions = [s.start for s in scheduled]
-        return DecodeInputs(
-            input_ids=[s.request.all_token_ids[s.start] for s in scheduled],
-            positions=positions,
-            slot_mapping=[s.block_ids[p // bs] * bs + p % bs for s, p in zip(scheduled, positions)],
-            seq_lens=[p + 1 for p in positions],
-            token_slots=[s.request.lora_slot for s in scheduled],
-            block_tables=[s.block_ids for s in scheduled],
-        )
-
-    def _prepare(self, scheduled: list[ScheduledRequest]):
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        lora_slots: list[int] = []
-        logits_rows: list[int] = []
-        max_blocks = max(len(s.block_ids) for s in scheduled)
-        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in scheduled]
-        block_tables = torch.tensor(tables, dtype=torch.long)  # [num_seqs, max_blocks], padded with 0
-        for s in scheduled:
-            end = s.start + s.num_new_tokens
-            input_ids.extend(s.request.all_token_ids[s.start : end])
-            table = s.block_ids
-            positions.extend(range(s.start, end))
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(s.start, end))
-            query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
-            seq_lens.append(end)
-            lora_slots.extend([s.request.lora_slot] * s.num_new_tokens)
-            if s.samples:
-                logits_rows.append(query_start_loc[-1] - 1)
-        device = self.device
-        meta = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long).to(device, non_blocking=True),
-            block_tables=block_tables.to(device, non_blocking=True),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-        )
-        token_slots = None
-        if any(slot != NO_LORA for slot in lora_slots):
-            token_slots = torch.tensor(lora_slots, dtype=torch.int32).to(device, non_blocking=True)
-        ids = torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True)
-        rows = torch.tensor(logits_rows, dtype=torch.long).to(device, non_blocking=True)
-        return ids, meta, token_slots, rows
+    def reset_inputs(self) -> None:
+        """Drop the input rows of earlier steps (the warm-up's synthetic requests)."""
+        self.inputs.reset()
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         m = self.model

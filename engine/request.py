@@ -71,6 +71,9 @@ class Request:
     error: str | None = None
     # Set by the engine when the request is scheduled: the GPU slot holding its adapter, or NO_LORA.
     lora_slot: int = NO_LORA
+    # Tokens sampled on the device whose ids the host has not read yet (async scheduling: at most 1).
+    # The scheduler counts them as known tokens; the runner reads their ids on the device.
+    num_in_flight: int = 0
 
     # prompt + output, kept as one list so the runner slices it without copying both (set here).
     all_token_ids: list[int] = field(init=False)
@@ -91,6 +94,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens the scheduler can plan with: the known ones and those still in flight."""
+        return len(self.all_token_ids) + self.num_in_flight
 
     @property
     def is_finished(self) -> bool:

@@ -30,6 +30,28 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # None where the request did not ask for logprobs
 
 
+@dataclass
+class SampledStep:
+    """One step's sampling, queued: token ids on the device now, on the host once `result()` waited."""
+
+    requests: list[Request]
+    token_ids: torch.Tensor  # [num_rows] int64 on the device (async scheduling feeds the next step with it)
+    wanted: list[int]  # rows that asked for logprobs
+    host: list[torch.Tensor]  # token ids, then (if wanted) chosen logprobs, top values, top ids
+    copied: torch.cuda.Event | None  # recorded after the copies to `host`; None on the CPU
+
+    def row_of(self) -> dict[Request, int]:
+        """Request -> its row in `token_ids`."""
+        return {request: row for row, request in enumerate(self.requests)}
+
+    def result(self) -> SamplerOutput:
+        """Wait for the copies (if not done yet) and return the tokens and logprobs as Python values."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        token_ids = self.host[0].tolist()
+        return SamplerOutput(token_ids, _logprob_lists(self.requests, self.wanted, token_ids, self.host[1:]))
+
+
 class Sampler:
     """Picks one token per row of logits.
 
@@ -48,23 +70,34 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [num_rows, vocab], row i belongs to requests[i]."""
+        return self.launch(logits, requests).result()
+
+    def launch(self, logits: torch.Tensor, requests: list[Request]) -> SampledStep:
+        """Queue the sampling of `logits` on the device, and the copy of its results to the host; the
+        host waits only in `result()`."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [num_rows={len(requests)}, vocab], got {tuple(logits.shape)}")
         raw = logits.to(SAMPLING_DTYPE)  # [num_rows, vocab]
         scores = _mask_stop_tokens_before_min(raw, requests)  # [num_rows, vocab]
 
-        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)  # [num_rows]
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
         sampled_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
-        if greedy_rows:
-            rows = torch.tensor(greedy_rows, device=logits.device)
-            token_ids[rows] = scores[rows].argmax(dim=-1)
-        if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=logits.device)
+        if not sampled_rows:
+            token_ids = scores.argmax(dim=-1)  # [num_rows]
+        else:
+            token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)  # [num_rows]
+            if greedy_rows:
+                rows = on_device(greedy_rows, logits.device)
+                token_ids[rows] = scores[rows].argmax(dim=-1)
+            rows = on_device(sampled_rows, logits.device)
             token_ids[rows] = self._sample(scores[rows], [requests[i] for i in sampled_rows])
 
-        token_id_list = token_ids.tolist()
-        return SamplerOutput(token_id_list, _logprobs(raw, requests, token_id_list))
+        wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        results = [token_ids]
+        if wanted:
+            results += _logprob_tensors(raw, requests, wanted, token_ids)
+        host, copied = start_copy_to_host(results)
+        return SampledStep(requests, token_ids, wanted, host, copied)
 
     def free(self, request_id: str) -> None:
         """Forget a finished request's generator."""
@@ -74,14 +107,12 @@ class Sampler:
         """scores: [num_rows, vocab] -> [num_rows] sampled token ids."""
         device = scores.device
         params = [r.sampling_params for r in requests]
-        temperature = torch.tensor([p.temperature for p in params], dtype=SAMPLING_DTYPE, device=device)
+        temperature = on_device([p.temperature for p in params], device, SAMPLING_DTYPE)
         scores = scores / temperature.unsqueeze(1)
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             vocab = scores.shape[1]
-            top_k = torch.tensor(
-                [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device
-            )
-            top_p = torch.tensor([p.top_p for p in params], dtype=SAMPLING_DTYPE, device=device)
+            top_k = on_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device)
+            top_p = on_device([p.top_p for p in params], device, SAMPLING_DTYPE)
             scores = apply_top_k_top_p(scores, top_k, top_p)
         probs = scores.softmax(dim=-1)  # [num_rows, vocab]
         noise = self._exponential_noise(probs, requests)  # [num_rows, vocab]
@@ -101,7 +132,7 @@ class Sampler:
         if unseeded:
             shared_noise = torch.empty(len(unseeded), probs.shape[1], dtype=probs.dtype, device=probs.device)
             shared_noise.exponential_(generator=self._shared_generator(probs.device))
-            noise[torch.tensor(unseeded, device=probs.device)] = shared_noise
+            noise[on_device(unseeded, probs.device)] = shared_noise
         for i, generator in seeded.items():
             noise[i].exponential_(generator=generator)
         return noise.clamp_(min=MIN_EXPONENTIAL_NOISE)
@@ -117,6 +148,16 @@ class Sampler:
             generator = torch.Generator(device=device).manual_seed(request.sampling_params.seed)
             self._per_request[request.request_id] = generator
         return generator
+
+
+def on_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A short host list as a tensor on `device`, without waiting for the GPU: a copy from pageable memory
+    first waits for everything queued before it (the step's forward), one from page-locked memory is
+    queued like a kernel, so the sampler's launches overlap the forward instead of following it."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def apply_top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -148,7 +189,7 @@ def _mask_stop_tokens_before_min(scores: torch.Tensor, requests: list[Request]) 
     vocab = scores.shape[1]
     for i, request in enumerate(requests):
         params = request.sampling_params
-        if may_stop_at(request.num_output_tokens + 1, params):
+        if may_stop_at(request.num_output_tokens + request.num_in_flight + 1, params):
             continue
         stop_ids = set(params.stop_token_ids)
         if request.eos_token_id is not None:
@@ -160,25 +201,45 @@ def _mask_stop_tokens_before_min(scores: torch.Tensor, requests: list[Request]) 
     if not rows:
         return scores
     scores = scores.clone()
-    scores[torch.tensor(rows, device=scores.device), torch.tensor(cols, device=scores.device)] = float("-inf")
+    scores[on_device(rows, scores.device), on_device(cols, scores.device)] = float("-inf")
     return scores
 
 
-def _logprobs(raw: torch.Tensor, requests: list[Request], token_ids: list[int]) -> list[TokenLogprobs | None]:
-    """Sampled-token and top-n logprobs, from one log_softmax over the rows that ask for them."""
-    wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+def _logprob_tensors(
+    raw: torch.Tensor, requests: list[Request], wanted: list[int], token_ids: torch.Tensor
+) -> list[torch.Tensor]:
+    """[chosen [num_wanted], top values [num_wanted, max_n], top ids [num_wanted, max_n]] on the device,
+    from one log_softmax over the rows that ask for logprobs (the raw distribution)."""
+    rows = on_device(wanted, raw.device)
+    logprobs = raw[rows].log_softmax(dim=-1)  # [num_wanted, vocab]
+    chosen = logprobs.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1)  # [num_wanted]
+    max_n = max(requests[i].sampling_params.logprobs for i in wanted)
+    top_values, top_ids = logprobs.topk(max_n, dim=-1)  # [num_wanted, max_n] each
+    return [chosen, top_values, top_ids]
+
+
+def _logprob_lists(
+    requests: list[Request], wanted: list[int], token_ids: list[int], host: list[torch.Tensor]
+) -> list[TokenLogprobs | None]:
     result: list[TokenLogprobs | None] = [None] * len(requests)
     if not wanted:
         return result
-    device = raw.device
-    logprobs = raw[torch.tensor(wanted, device=device)].log_softmax(dim=-1)  # [num_wanted, vocab]
-    chosen = torch.tensor([token_ids[i] for i in wanted], device=device)
-    chosen_logprobs = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()  # [num_wanted]
-    max_n = max(requests[i].sampling_params.logprobs for i in wanted)
-    top_values, top_ids = logprobs.topk(max_n, dim=-1)  # [num_wanted, max_n] each
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    chosen, top_values, top_ids = (t.tolist() for t in host)
     for j, i in enumerate(wanted):
         n = requests[i].sampling_params.logprobs
         top = dict(zip(top_ids[j][:n], top_values[j][:n]))
-        result[i] = TokenLogprobs(token_ids[i], chosen_logprobs[j], top)
+        result[i] = TokenLogprobs(token_ids[i], chosen[j], top)
     return result
+
+
+def start_copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """CUDA tensors copied into page-locked host memory, queued together, and an event recorded after the
+    copies: one wait for all of them instead of one blocking copy each. CPU tensors are returned as is."""
+    if tensors[0].device.type != "cuda":
+        return tensors, None
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for h, t in zip(host, tensors):
+        h.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(tensors[0].device))
+    return host, copied

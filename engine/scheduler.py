@@ -22,13 +22,13 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens computed this step, starting at `start`
     start: int  # request.num_computed_tokens before this step (KV already in cache up to here)
     block_ids: list[int]  # [num_blocks_needed(start + num_new_tokens)] the whole block table
-    # request.num_tokens when scheduled (filled in if not given): `samples` must not change when the
-    # engine appends this step's token to the request.
+    # request.num_scheduled_tokens when scheduled (filled in if not given): `samples` must not change
+    # when the engine appends this step's token to the request.
     num_tokens: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_tokens is None:
-            object.__setattr__(self, "num_tokens", self.request.num_tokens)
+            object.__setattr__(self, "num_tokens", self.request.num_scheduled_tokens)
 
     @property
     def samples(self) -> bool:
@@ -194,10 +194,14 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
-            # Nothing to compute (the engine has not appended its sampled token yet), or a
-            # split that chunked prefill forbids: leave it for a later step.
-            if num_new_tokens == 0 or (num_new_tokens > budget and not self.config.enable_chunked_prefill):
+            num_new_tokens = request.num_scheduled_tokens - request.num_computed_tokens
+            # Nothing to compute (the engine has not appended its sampled token yet), a request its
+            # token in flight finishes anyway, or a split that chunked prefill forbids: not this step.
+            if (
+                num_new_tokens == 0
+                or self._finishes_in_flight(request)
+                or (num_new_tokens > budget and not self.config.enable_chunked_prefill)
+            ):
                 index += 1
                 continue
             num_new_tokens = min(num_new_tokens, budget)
@@ -289,6 +293,17 @@ class Scheduler:
                 adapters.add(request.adapter_id)
             scheduled.append(self._scheduled(request, num_new_tokens, request.num_computed_tokens))
             budget -= num_new_tokens
+
+    def _finishes_in_flight(self, request: Request) -> bool:
+        """Whether the token in flight ends the request by length (max_tokens or max_model_len): then
+        computing one more would be wasted (a stop token cannot be foreseen; that step is wasted)."""
+        if not request.num_in_flight:
+            return False
+        max_tokens = request.sampling_params.max_tokens
+        num_outputs = request.num_output_tokens + request.num_in_flight
+        if max_tokens is not None and num_outputs >= max_tokens:
+            return True
+        return request.num_scheduled_tokens >= self.max_model_len
 
     def _may_bypass(self, request: Request) -> bool:
         """Whether admission may go past `request`, which lacks room or an adapter slot; counts the steps."""

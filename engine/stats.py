@@ -30,7 +30,13 @@ class EngineStats:
     # In a GPU slot or the CPU tier: a request for one of these needs no store call (the server's adapter
     # lookups serve them from their cache while the store is down).
     resident_adapters: frozenset[str] = frozenset()
+    # The same by tier, sorted: holding a GPU slot, and in the pinned CPU tier (an adapter may be in both).
+    gpu_adapters: tuple[str, ...] = ()
+    cpu_adapters: tuple[str, ...] = ()
     tenants: tuple[TenantStats, ...] = ()  # by tenant name; see TenantStats
+    # Triton kernel variants compiled since the engine was marked ready (LLMEngine.mark_ready); should stay
+    # 0: loraserve_kernel_compiles_after_ready_total.
+    num_kernel_compiles_after_ready: int = 0
 
 
 def distinct_adapters(requests: Iterable[Request]) -> tuple[str, ...]:

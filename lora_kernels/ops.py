@@ -102,12 +102,15 @@ def add_lora_multi(
     if x.shape[0] == 0:
         return y
     meta = _meta_for(meta, token_slots, num_slots) if path == "segmented" else meta
-    rows, block_m = (x.shape[0], 0) if path == "gathered" else (meta.num_tiles, meta.block_m)
-    sconf = tiles.shrink_config(path, rows, len(lora_as), x.shape[1], max_rank, x.dtype, x.device, block_m)
-    h = torch.empty((sconf.split_k, len(lora_as), x.shape[0], max_rank), dtype=torch.float32, device=x.device)
-    launch_shrink(h, x, lora_as, token_slots, slot_ranks, meta, path, sconf)
-    econf = tiles.expand_config(path, max_rank, x.dtype, x.device, block_m)
-    launch_expand(y, h, lora_bs, scales, token_slots, slot_ranks, output_slices, meta, path, econf)
+    num_tokens, num_slices = x.shape[0], len(lora_as)
+    conf = tiles.launch_configs(
+        path, num_tokens, num_slots, num_slices, x.shape[1], max_rank, x.dtype, x.device
+    )
+    # Padded tokens keep h's strides divisible by 16 for every batch size (one compiled variant).
+    shape = (conf.shrink.split_k, num_slices, tiles.padded_tokens(num_tokens), max_rank)
+    h = torch.empty(shape, dtype=torch.float32, device=x.device)[:, :, :num_tokens]
+    launch_shrink(h, x, lora_as, token_slots, slot_ranks, meta, path, conf.shrink)
+    launch_expand(y, h, lora_bs, scales, token_slots, slot_ranks, output_slices, meta, path, conf.expand)
     return y
 
 

@@ -30,7 +30,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from lora_kernels.meta import choose_block_m, max_num_tiles
+
 GATHER_MAX_TOKENS = 128
+# h's token dimension is padded to a multiple of this, so its strides are divisible by 16 whatever the
+# batch: Triton specialises int arguments on divisibility by 16 and would compile variants per batch size.
+H_TOKEN_ALIGN = 16
 MAX_GRID_TOKENS = 65535  # the gathered grids put tokens on a CUDA grid axis limited to 65535
 MAX_SPLIT_K = 16
 TILE_ELEMENTS = 8192  # elements of the weight block one gathered program loads per step
@@ -126,3 +131,47 @@ def expand_config(
         num_warps = 4 if area <= 1024 else 8
     dot_fp32 = dtype == torch.float32 or interpreting()
     return ExpandConfig(br, block_n, num_warps, dot_fp32, use_pdl(device))
+
+
+@dataclass(frozen=True)
+class LaunchConfigs:
+    """Everything of one `add_lora_multi` call that Triton compiles into its kernels, beside the weights'
+    fixed shapes: two calls with equal configs (and the same weights) share their compiled variants."""
+
+    path: str
+    block_m: int  # segmented tile height (LoRABatchMeta.block_m); 0 on the gathered path
+    shrink: ShrinkConfig
+    expand: ExpandConfig
+
+
+def launch_configs(
+    path: str,
+    num_tokens: int,
+    num_slots: int,
+    num_slices: int,
+    in_features: int,
+    max_rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LaunchConfigs:
+    """The shrink and expand configs of a batch of `num_tokens` (the segmented path's tiles follow
+    LoRABatchMeta: `choose_block_m` rows each, at most `max_num_tiles` of them)."""
+    rows, block_m = num_tokens, 0
+    if path == "segmented":
+        block_m = choose_block_m(num_tokens, num_slots)
+        rows = max_num_tiles(num_tokens, num_slots, block_m)
+    # What the configs read from the device and the environment is part of the cache key.
+    context = (num_sms(device), use_pdl(device), interpreting())
+    return _launch_configs(path, rows, block_m, num_slices, in_features, max_rank, dtype, device, context)
+
+
+@functools.lru_cache(maxsize=4096)  # a few entries per model; saves host time in every layer's call
+def _launch_configs(
+    path, rows, block_m, num_slices, in_features, max_rank, dtype, device, context
+) -> LaunchConfigs:
+    shrink = shrink_config(path, rows, num_slices, in_features, max_rank, dtype, device, block_m)
+    return LaunchConfigs(path, block_m, shrink, expand_config(path, max_rank, dtype, device, block_m))
+
+
+def padded_tokens(num_tokens: int) -> int:
+    return -(-num_tokens // H_TOKEN_ALIGN) * H_TOKEN_ALIGN

@@ -26,6 +26,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self._block_tables: dict[str, list[KVBlock]] = {}  # request_id -> blocks, token order
+        # request_id -> the same tables as block ids, kept beside them: the scheduler asks every request's
+        # table every step, and copying a list of ints is far cheaper than reading each block's id.
+        self._block_ids: dict[str, list[int]] = {}
         # request_id -> hashes of the request's full blocks so far (prefix caching only).
         self._block_hashes: dict[str, list[bytes]] = {}
         # request_id -> how many leading blocks of its table are registered in the prefix cache.
@@ -47,7 +50,7 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The block table: block ids in token order (a fresh list; empty for an unknown request)."""
-        return [block.block_id for block in self._block_tables.get(request_id, ())]
+        return list(self._block_ids.get(request_id, ()))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest run of leading full blocks already cached, and the tokens they hold.
@@ -106,8 +109,10 @@ class KVCacheManager:
         # Touch hits before taking new blocks, so a free hit cannot be evicted by this very call.
         self.block_pool.touch(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        table = table + list(new_computed_blocks) + new_blocks
+        added = [*new_computed_blocks, *new_blocks]
+        table = table + added
         self._block_tables[request.request_id] = table
+        self._block_ids.setdefault(request.request_id, []).extend(block.block_id for block in added)
         if self.enable_caching:
             self._cache_full_blocks(
                 request, table, min(total_tokens, request.num_tokens), len(new_computed_blocks)
@@ -117,6 +122,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its last blocks are evicted first."""
         table = self._block_tables.pop(request.request_id, [])
+        self._block_ids.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(table))
         self._block_hashes.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)

@@ -282,6 +282,12 @@ class AdapterManager:
     def num_loading(self) -> int:
         return len(self._loading)
 
+    def gpu_ids(self) -> tuple[str, ...]:
+        return tuple(sorted(self.allocator.adapter_ids()))
+
+    def cpu_ids(self) -> tuple[str, ...]:
+        return tuple(sorted(self._cpu))
+
     def resident_ids(self) -> frozenset[str]:
         """Adapters in the CPU tier or a GPU slot (a slot's adapter may have left the CPU tier's LRU)."""
         return frozenset(self._cpu).union(self.allocator.adapter_ids())

@@ -19,7 +19,9 @@ from engine.model.kv_quant import FP8_DTYPE, FP8_MAX
 _MIN_AMAX = 1e-12
 
 
-@triton.jit
+# scale_stride_g is the step's token count (block-scaled weights): specialising on it (== 1, divisible
+# by 16) would compile new variants mid-serving.
+@triton.jit(do_not_specialize=["scale_stride_g"])
 def _quantize_rows_kernel(
     x_ptr,  # [tokens, in], the compute dtype, row stride `stride_x`
     out_ptr,  # [tokens, in] float8_e4m3fn, contiguous

@@ -110,7 +110,8 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Per-step values: specialising on them (== 1, divisible by 16) would compile new variants mid-serving.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim], written when NUM_SPLITS == 1
     part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_P] float32, written when NUM_SPLITS > 1

@@ -74,8 +74,13 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
     """Everything `Services` holds, built from `settings`; closed in reverse order on exit."""
     model = settings.model or str(await asyncio.to_thread(_demo_model, settings))
     model_id = base_model_id(settings, model)
-    for name, _ in settings.lora_modules:
-        check_not_base_model(name, model_id, "--lora-modules adapter")
+    for module in settings.lora_modules:
+        check_not_base_model(module[0], model_id, "--lora-modules adapter")
+        base = getattr(module, "base_model_name", None)
+        if base is not None and base not in (model_id, settings.model, model):
+            raise ValueError(
+                f"--lora-modules {module[0]}: base_model_name {base!r} is not the served model {model_id!r}"
+            )
     model_path = resolve_model_path(model)
     shape = ModelShape.from_hf_config(load_config(model_path))
     sampling_defaults = load_generation_defaults(model_path, settings.generation_config)
@@ -98,6 +103,7 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             lambda: engine.stats() if engine is not None else None,
             lambda: config_store.healthy,
             lambda: adapter_lookup.store_up,
+            disk_cache.cached_versions,
         )
         log.info("loading model %s (%s) in the engine core process", model_id, model)
         # The source pickles into the core (a recipe: store, disk cache folder, shape); what it and the

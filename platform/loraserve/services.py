@@ -75,7 +75,17 @@ class Tokenizer(Protocol):
 class RequestMetrics(Protocol):
     """What the handlers record and export (loraserve.ops.metrics.Metrics fits)."""
 
-    def observe_request(self, *, ttft: float, tpot: float | None, e2e: float) -> None: ...
+    def observe_request(
+        self,
+        *,
+        ttft: float,
+        tpot: float | None,
+        e2e: float,
+        inter_token: list[float] = (),
+        num_prompt_tokens: int = 0,
+        num_generation_tokens: int = 0,
+        finish_reasons: list[str] = (),
+    ) -> None: ...
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

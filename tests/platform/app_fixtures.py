@@ -108,6 +108,7 @@ async def open_test_services(
         lambda: engine.stats() if engine is not None else None,
         lambda: config_store.healthy,
         lambda: built[0].adapter_lookup.store_up if built else True,
+        cache.cached_versions,
     )
     config = EngineConfig(
         model=str(model_dir),

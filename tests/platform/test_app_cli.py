@@ -4,6 +4,7 @@ idempotent `--lora-modules` preload."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from app_fixtures import make_text_model
@@ -191,3 +192,32 @@ def test_the_start_sweep_is_best_effort(tmp_path, caplog):
 
     sweep_quietly(StoreDown())
     assert "could not sweep the adapter store" in caplog.text
+
+
+def test_lora_modules_take_vllms_json_form(tmp_path):
+    folder = tmp_path / "sql"
+    folder.mkdir()
+    spec = json.dumps({"name": "sql", "path": str(folder), "base_model_name": "tiny"})
+    parsed = settings(["--served-model-name", "tiny", "--lora-modules", spec, f"chat={folder}"]).lora_modules
+    assert parsed == (("sql", str(folder)), ("chat", str(folder)))
+    assert parsed[0].base_model_name == "tiny" and parsed[1].base_model_name is None
+    for bad in (
+        '{"name": "x"}',
+        '{"name": "x", "path": "p", "extra": 1}',
+        "{not json",
+        '{"name": "", "path": "p"}',
+    ):
+        with pytest.raises(SystemExit):
+            settings(["--lora-modules", bad])
+
+
+def test_a_lora_module_for_another_base_model_stops_the_start(tmp_path):
+    spec = json.dumps({"name": "sql", "path": str(tmp_path), "base_model_name": "other-model"})
+    argv = ["--model", str(tmp_path), "--served-model-name", "tiny", "--lora-modules", spec]
+
+    async def start():
+        async with open_services(settings(argv)):
+            pass
+
+    with pytest.raises(ValueError, match="base_model_name 'other-model' is not the served model 'tiny'"):
+        asyncio.run(start())

@@ -87,6 +87,13 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
     assert value(found, "vllm:time_to_first_token_seconds_count", **model) == 4
     assert value(found, "vllm:e2e_request_latency_seconds_count", **model) == 4
     assert value(found, "vllm:time_per_output_token_seconds_count", **model) == 4
+    # vLLM's per-request series: 4 requests of 5 tokens, 3-token prompts, every one ending at its length
+    assert value(found, "vllm:request_success_total", finished_reason="length", **model) == 4
+    assert value(found, "vllm:request_prompt_tokens_sum", **model) == 12
+    assert value(found, "vllm:request_generation_tokens_sum", **model) == 20
+    assert value(found, "vllm:request_generation_tokens_count", **model) == 4
+    inter_token = value(found, "vllm:inter_token_latency_seconds_count", **model)
+    assert 4 <= inter_token <= 16  # at most 4 gaps per request of 5 tokens (deltas may carry several)
     assert value(found, "vllm:generation_tokens_total", **model) == 20
     assert value(found, "vllm:prompt_tokens_total", **model) == 12
     assert value(found, "vllm:num_requests_running", **model) == 0
@@ -97,6 +104,13 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
     assert value(found, "loraserve_config_store_up") == 1
     assert value(found, "loraserve_adapter_store_up") == 1
     assert value(found, "loraserve_lora_slots_in_use") == 0
+    assert value(found, "loraserve_kernel_compiles_after_ready_total", **model) == 0
+    # residency for the gateway: adapter a@1 ran, so it holds a GPU slot and sits in the CPU tier
+    for tier in ("gpu", "cpu", "disk"):
+        assert (
+            value(found, "loraserve_adapter_resident", tenant="default", adapter="a", version="1", tier=tier)
+            == 1
+        )
     assert lora_info(found) == {"max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
     # The first request for the adapter missed every tier; the later ones hit the GPU slot.
     assert sum(v for (n, _), v in found.items() if n == "loraserve_adapter_cache_misses_total") >= 1

@@ -31,11 +31,14 @@ class GenerationFailed(ServiceUnavailable):
 
 @dataclass
 class _Timing:
-    """Per engine request, for the TTFT / TPOT / end-to-end histograms."""
+    """Per engine request, for the latency and size histograms and the finish-reason counter."""
 
     start: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
+    last_token: float | None = None
     num_tokens: int = 0
+    gaps: list[float] = field(default_factory=list)  # between consecutive deltas that carried tokens
+    finish_reasons: list[str] = field(default_factory=list)  # one per completion of the request
 
 
 class Generation:
@@ -125,12 +128,9 @@ class Generation:
                 tenant_weight=principal.weight if principal is not None else 1.0,
             )
             async for delta in stream:
-                new_tokens = sum(len(c.token_ids) for c in delta.outputs)
-                if new_tokens and timing.first_token is None:
-                    timing.first_token = time.perf_counter()
-                timing.num_tokens += new_tokens
+                _record(timing, delta)
                 self._queue.put_nowait((index, delta))
-            self._observe(timing)
+            self._observe(index)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # EngineDeadError and the like: the consumer raises it
@@ -152,10 +152,34 @@ class Generation:
         if delta.error is not None:
             raise GenerationFailed(f"the request failed: {delta.error}")
 
-    def _observe(self, timing: _Timing) -> None:
+    def _observe(self, index: int) -> None:
+        timing = self._timings[index]
         metrics = self.services.metrics
         if metrics is None or timing.first_token is None:
             return
         end = time.perf_counter()
         tpot = (end - timing.first_token) / (timing.num_tokens - 1) if timing.num_tokens > 1 else None
-        metrics.observe_request(ttft=timing.first_token - timing.start, tpot=tpot, e2e=end - timing.start)
+        metrics.observe_request(
+            ttft=timing.first_token - timing.start,
+            tpot=tpot,
+            e2e=end - timing.start,
+            inter_token=timing.gaps,
+            num_prompt_tokens=len(self.prompts[index]),
+            num_generation_tokens=timing.num_tokens,
+            finish_reasons=timing.finish_reasons,
+        )
+
+
+def _record(timing: _Timing, delta: RequestOutput) -> None:
+    """Token arrival times and finish reasons of one delta."""
+    new_tokens = sum(len(c.token_ids) for c in delta.outputs)
+    timing.finish_reasons.extend(c.finish_reason for c in delta.outputs if c.finish_reason is not None)
+    if not new_tokens:
+        return
+    now = time.perf_counter()
+    if timing.first_token is None:
+        timing.first_token = now
+    elif timing.last_token is not None:
+        timing.gaps.append(now - timing.last_token)
+    timing.last_token = now
+    timing.num_tokens += new_tokens

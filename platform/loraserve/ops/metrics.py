@@ -43,6 +43,7 @@ _LATENCY_BUCKETS = (
     80.0,
 )
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 _LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -55,6 +56,7 @@ class Metrics:
         engine_stats: Callable[[], EngineStats | None] = lambda: None,
         config_store_up: Callable[[], bool] = lambda: True,
         adapter_store_up: Callable[[], bool] = lambda: True,
+        disk_adapters: Callable[[], Iterable[tuple[str, str, int]]] = lambda: (),
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -80,6 +82,33 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         ).labels(model_name)
+        self.inter_token = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between consecutive token deliveries of a request.",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Prompt tokens per request.",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Tokens generated per request (all its completions).",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Completions that finished, by finish reason (stop, length, abort, error).",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         self.cache_hits = Counter(
             "loraserve_adapter_cache_hits",
             "Adapter lookups served by a tier.",
@@ -114,13 +143,31 @@ class Metrics:
             ["tenant", "limit"],
             registry=self.registry,
         )
-        self.registry.register(_StateCollector(model_name, engine_stats, config_store_up, adapter_store_up))
+        self.registry.register(
+            _StateCollector(model_name, engine_stats, config_store_up, adapter_store_up, disk_adapters)
+        )
 
-    def observe_request(self, *, ttft: float, tpot: float | None, e2e: float) -> None:
+    def observe_request(
+        self,
+        *,
+        ttft: float,
+        tpot: float | None,
+        e2e: float,
+        inter_token: Iterable[float] = (),
+        num_prompt_tokens: int = 0,
+        num_generation_tokens: int = 0,
+        finish_reasons: Iterable[str] = (),
+    ) -> None:
         self.ttft.observe(ttft)
         if tpot is not None:
             self.tpot.observe(tpot)
         self.e2e.observe(e2e)
+        for gap in inter_token:
+            self.inter_token.observe(gap)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generation_tokens)
+        for reason in finish_reasons:
+            self.request_success.labels(self.model_name, reason).inc()
 
     def adapter_event(self, event: str, tier: str, seconds: float = 0.0) -> None:
         """The engine's adapter observer (called from its threads; prometheus-client is thread-safe)."""
@@ -151,11 +198,13 @@ class _StateCollector(Collector):
         engine_stats: Callable[[], EngineStats | None],
         config_store_up: Callable[[], bool],
         adapter_store_up: Callable[[], bool],
+        disk_adapters: Callable[[], Iterable[tuple[str, str, int]]],
     ) -> None:
         self._model = model_name
         self._engine_stats = engine_stats
         self._config_store_up = config_store_up
         self._adapter_store_up = adapter_store_up
+        self._disk_adapters = disk_adapters
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("loraserve_config_store_up", "1 while the config store answers, else 0.")
@@ -169,6 +218,7 @@ class _StateCollector(Collector):
         store_up.add_metric([], 1.0 if self._adapter_store_up() else 0.0)
         yield store_up
         stats = self._engine_stats()
+        yield self._residency(stats)
         if stats is None:
             return
         model = [self._model]
@@ -185,6 +235,15 @@ class _StateCollector(Collector):
         )
         slots.add_metric([], stats.num_lora_slots_in_use)
         yield slots
+        yield _counter(
+            "loraserve_kernel_compiles_after_ready",
+            "Triton kernels compiled after the engine was ready (stays 0: every variant is warmed up at start).",
+            stats.num_kernel_compiles_after_ready,
+            model,
+        )
+        capacity = GaugeMetricFamily("loraserve_lora_slots", "GPU adapter slots (max_loras).")
+        capacity.add_metric([], stats.max_loras)
+        yield capacity
         # vLLM's labels, in vLLM's order; the value is the time of this snapshot (vLLM: set_to_current_time).
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",
@@ -201,6 +260,25 @@ class _StateCollector(Collector):
         )
         yield info
         yield from _tenant_families(stats)
+
+    def _residency(self, stats: EngineStats | None) -> Metric:
+        """One series per adapter version and tier holding it, for an Inference Gateway scorer that prefers
+        replicas with the adapter close (llm-d's proposal: GPU 1.0, CPU 0.7, a free slot 0.6)."""
+        family = GaugeMetricFamily(
+            "loraserve_adapter_resident",
+            "1 for each adapter version a tier of this replica holds (gpu slot, cpu tier, disk cache); "
+            "`adapter` is the name clients send.",
+            labels=["tenant", "adapter", "version", "tier"],
+        )
+        tiers = (("gpu", stats.gpu_adapters), ("cpu", stats.cpu_adapters)) if stats is not None else ()
+        for tier, adapter_ids in tiers:
+            for adapter_id in adapter_ids:
+                parts = split_engine_adapter_id(adapter_id)
+                tenant, name, version = parts if parts is not None else ("", adapter_id, 0)
+                family.add_metric([tenant, name, str(version), tier], 1.0)
+        for tenant, name, version in self._disk_adapters():
+            family.add_metric([tenant, name, str(version), "disk"], 1.0)
+        return family
 
 
 # Per-tenant series from the engine's accounting (engine.stats.TenantStats). The labels name tenants, so

@@ -85,7 +85,15 @@ def run_offline(args, model_dir: Path, adapters: list[Path], prompts: list[list[
 def _offline(arg_values: dict, model_dir: Path, adapters: list[Path], prompts, max_len: int) -> dict:
     from benchmarks.throughput import run_engine, step_floor
 
-    args = argparse.Namespace(**arg_values, profile=False)
+    # throughput.py's engine options this benchmark does not vary: its defaults (sync scheduling, bf16
+    # weights, a warm-up run before the measured one).
+    engine_defaults = {
+        "profile": False,
+        "async_scheduling": False,
+        "fp8_gemm": "auto",
+        "no_warmup_run": False,
+    }
+    args = argparse.Namespace(**{**engine_defaults, **arg_values})
     config = w1.llama_config(args.shape)
     element = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
     device = torch.device(args.device)
@@ -98,7 +106,7 @@ def _offline(arg_values: dict, model_dir: Path, adapters: list[Path], prompts, m
         if steps:
             kv_element = 1 if args.kv_cache_dtype.startswith("fp8") else element
             row["step"] = statistics.median(s.seconds for s in steps)
-            row["floor"] = step_floor(config, steps, args.rank, element, bandwidth, kv_element)
+            row["floor"] = step_floor(config, steps, args.rank, element, bandwidth, kv_element, fp8=False)
             row["batch"] = steps[0].num_seqs
         rows[workload_name(n)] = row
         print(f"offline {workload_name(n)}: {result.tokens_per_second:.0f} output tok/s", flush=True)

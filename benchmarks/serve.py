@@ -76,10 +76,34 @@ def make_tokenizer(model_dir: Path, vocab_size: int) -> None:
 
 
 def run_offline(args, model_dir: Path, adapters: list[Path], prompts: list[list[int]], max_len: int) -> dict:
-    """benchmarks/throughput.py's engine runs, in a spawned process (its GPU memory is freed on exit)."""
+    """benchmarks/throughput.py's engine runs, in a spawned process (its GPU memory is freed on exit).
+
+    A plain (non-daemonic) process, not a Pool worker: the engine starts adapter loader processes of its own.
+    """
     context = multiprocessing.get_context("spawn")
-    with context.Pool(1) as pool:
-        return pool.apply(_offline, (vars(args), model_dir, adapters, prompts, max_len))
+    results = context.Queue()
+    process = context.Process(
+        target=_offline_into, args=(results, vars(args), model_dir, adapters, prompts, max_len)
+    )
+    process.start()
+    try:
+        ok, value = results.get(timeout=args.startup_timeout * 10)
+    finally:
+        process.join(timeout=60)
+        if process.is_alive():
+            process.kill()
+    if not ok:
+        raise RuntimeError(f"the offline engine failed: {value}")
+    return value
+
+
+def _offline_into(results, *args) -> None:
+    try:
+        results.put((True, _offline(*args)))
+    except BaseException as exc:  # report, then exit: the parent waits on the queue
+        import traceback
+
+        results.put((False, "".join(traceback.format_exception(exc))))
 
 
 def _offline(arg_values: dict, model_dir: Path, adapters: list[Path], prompts, max_len: int) -> dict:

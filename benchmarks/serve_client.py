@@ -45,7 +45,9 @@ class Server:
             self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         environment = {**os.environ, **(env or {})}
-        environment["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "platform")])
+        # The checkout first, then whatever the caller had (e.g. a folder of wheels installed with --target).
+        inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        environment["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "platform"), *inherited])
         environment.pop("TRITON_CACHE_DIR", None)  # the server keeps its kernels under --state-dir
         self.log_path = log_path
         self._log = log_path.open("wb")
@@ -78,7 +80,8 @@ class Server:
         raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, num_chars: int = 4000) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
     def stop(self) -> int | None:

@@ -101,6 +101,12 @@ class LLMEngine:
             config, self.kv_cache, self.max_model_len, adapter_ready=self.lora.is_ready
         )
         self.sampler = Sampler(config.seed)
+        self._cache_config = (
+            ("block_size", str(config.block_size)),
+            ("cache_dtype", config.kv_cache_dtype),
+            ("enable_prefix_caching", str(config.enable_prefix_caching)),
+            ("num_gpu_blocks", str(self.runner.num_kv_blocks)),
+        )
         vocab_size = self.runner.model.weights.embed.shape[0]
         self.structured = StructuredOutputs(self.tokenizer, vocab_size, self.eos_token_ids)
         self._in_flight: Sampled | None = None  # async scheduling: the launched step not yet read back
@@ -352,6 +358,9 @@ class LLMEngine:
             num_adapters_loading=self.lora.num_loading,
             tenants=self.scheduler.tenant_stats(),
             resident_adapters=self.lora.resident_ids(),
+            num_prefix_cache_queries=self.kv_cache.num_queries_tokens,
+            num_prefix_cache_hits=self.kv_cache.num_hit_tokens,
+            cache_config=self._cache_config,
             gpu_adapters=self.lora.gpu_ids(),
             cpu_adapters=self.lora.cpu_ids(),
             num_kernel_compiles_after_ready=self._compiles.num_compiles - self._compiles_at_ready,

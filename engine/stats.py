@@ -37,6 +37,11 @@ class EngineStats:
     # Triton kernel variants compiled since the engine was marked ready (LLMEngine.mark_ready); should stay
     # 0: loraserve_kernel_compiles_after_ready_total.
     num_kernel_compiles_after_ready: int = 0
+    # vllm:prefix_cache_queries / hits: prompt tokens looked up in the prefix cache at admission, and found
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
+    # vllm:cache_config_info's labels, as (name, value) pairs (fixed once the engine is built)
+    cache_config: tuple[tuple[str, str], ...] = ()
 
 
 def distinct_adapters(requests: Iterable[Request]) -> tuple[str, ...]:

@@ -105,6 +105,10 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
     assert value(found, "loraserve_adapter_store_up") == 1
     assert value(found, "loraserve_lora_slots_in_use") == 0
     assert value(found, "loraserve_kernel_compiles_after_ready_total", **model) == 0
+    assert value(found, "vllm:prefix_cache_queries_total", **model) == 12  # four 3-token prompts
+    assert value(found, "vllm:prefix_cache_hits_total", **model) == 0  # shorter than a block: nothing to hit
+    (config,) = [dict(labels) for name, labels in found if name == "vllm:cache_config_info"]
+    assert config["block_size"] == "4" and config["enable_prefix_caching"] == "True"
     # residency for the gateway: adapter a@1 ran, so it holds a GPU slot and sits in the CPU tier
     for tier in ("gpu", "cpu", "disk"):
         assert (

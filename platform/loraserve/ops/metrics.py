@@ -230,6 +230,25 @@ class _StateCollector(Collector):
         yield _counter("vllm:num_preemptions", "Preemptions since start.", stats.num_preemptions, model)
         yield _counter("vllm:prompt_tokens", "Prompt tokens processed.", stats.num_prompt_tokens, model)
         yield _counter("vllm:generation_tokens", "Tokens generated.", stats.num_generation_tokens, model)
+        yield _counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.num_prefix_cache_queries,
+            model,
+        )
+        yield _counter(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            stats.num_prefix_cache_hits,
+            model,
+        )
+        if stats.cache_config:
+            names = [name for name, _ in stats.cache_config]
+            config = GaugeMetricFamily(
+                "vllm:cache_config_info", "KV cache configuration (value 1).", labels=names
+            )
+            config.add_metric([value for _, value in stats.cache_config], 1.0)
+            yield config
         slots = GaugeMetricFamily(
             "loraserve_lora_slots_in_use", "GPU adapter slots pinned by running requests."
         )

@@ -38,3 +38,19 @@ def text_adapters(text_model_dir, tmp_path_factory):
             target_modules=["k_proj", "o_proj", "up_proj"],
         ),
     }
+
+
+@pytest.fixture(scope="module")
+def mixed_llm(text_model_dir, text_adapters):
+    """An offline engine with both adapters registered, small enough for CPU tests (one per module)."""
+    from engine import LLM
+
+    return LLM(
+        model=str(text_model_dir),
+        lora_modules={k: str(v) for k, v in text_adapters.items()},
+        max_loras=2,
+        max_lora_rank=8,
+        max_model_len=96,
+        block_size=4,
+        max_num_seqs=8,
+    )

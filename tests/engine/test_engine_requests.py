@@ -5,21 +5,7 @@ from __future__ import annotations
 import pytest
 from factories import make_adapter, make_model
 
-from engine import LLM, SamplingParams
-
-
-@pytest.fixture(scope="module")
-def llm(text_model_dir, text_adapters):
-    return LLM(
-        model=str(text_model_dir),
-        lora_modules={k: str(v) for k, v in text_adapters.items()},
-        max_loras=2,
-        max_lora_rank=8,
-        max_model_len=96,
-        block_size=4,
-        max_num_seqs=8,
-    )
-
+from engine import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -200,3 +186,8 @@ def test_tenant_and_weight_reach_the_scheduler_and_its_accounting(llm):
     for weight in (0, -1.0, float("nan"), True):
         with pytest.raises(ValueError, match="tenant_weight"):
             engine.add_request("bad-weight", [5], GREEDY, tenant="acme", tenant_weight=weight)
+
+
+@pytest.fixture(scope="module")
+def llm(mixed_llm):
+    return mixed_llm

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.structured_output import StructuredOutputsParams
 
 SCHEMA = {
@@ -18,19 +18,6 @@ SCHEMA = {
     "required": ["color", "ok"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def llm(text_model_dir, text_adapters):
-    return LLM(
-        model=str(text_model_dir),
-        lora_modules={k: str(v) for k, v in text_adapters.items()},
-        max_loras=2,
-        max_lora_rank=8,
-        max_model_len=96,
-        block_size=4,
-        max_num_seqs=8,
-    )
 
 
 def constrained(temperature: float = 0.0, **spec) -> SamplingParams:
@@ -113,3 +100,8 @@ def test_params_take_exactly_one_valid_kind(fields, words):
         StructuredOutputsParams(**fields)
     for word in words:
         assert word in str(error.value)
+
+
+@pytest.fixture(scope="module")
+def llm(mixed_llm):
+    return mixed_llm

@@ -204,7 +204,9 @@ def test_forget_adapter_refuses_new_requests_and_frees_the_slot_after_running_on
 
 def test_stats_reflect_running_waiting_and_adapters(case):
     engine = make_engine(case, max_num_seqs=2, max_loras=2)
-    assert engine.stats() == EngineStats(0, 0, 0.0, 0, 0, 0, (), (), 2, 0, 0)
+    idle = EngineStats(0, 0, 0.0, 0, 0, 0, (), (), 2, 0, 0, cache_config=engine.stats().cache_config)
+    assert engine.stats() == idle
+    assert dict(idle.cache_config)["block_size"] == str(engine.config.block_size)
     plan = [("a", "ad5"), ("b", None), ("c", "ad6"), ("d", "ad5")]
     all_prompts = prompts(8, len(plan))
     for (request_id, adapter), prompt in zip(plan, all_prompts):

@@ -175,3 +175,8 @@ def upload_files(folder: Path) -> list[tuple[str, tuple[str, bytes]]]:
         ("files", (filename, (folder / filename).read_bytes()))
         for filename in ("adapter_config.json", "adapter_model.safetensors")
     ]
+
+
+def upload(client, name: str, folder: Path, key: str = ADMIN_A):
+    """POST /v1/adapters of a PEFT folder through a sync TestClient."""
+    return client.post("/v1/adapters", data={"name": name}, files=upload_files(folder), headers=bearer(key))

@@ -7,7 +7,7 @@ import asyncio
 import json
 
 import pytest
-from api_env import ADMIN_A, ADMIN_B, BASE_MODEL, USER_A, bearer, upload_files
+from api_env import ADMIN_A, ADMIN_B, BASE_MODEL, USER_A, bearer, upload
 from litestar.testing import TestClient
 from loraserve.resolution import resolve_model
 from loraserve.routing import Route, Variant
@@ -23,10 +23,6 @@ def env(api_env):
 def client(env):
     with TestClient(env.app) as client:
         yield client
-
-
-def upload(client, name, folder, key=ADMIN_A):
-    return client.post("/v1/adapters", data={"name": name}, files=upload_files(folder), headers=bearer(key))
 
 
 def put_route(client, name, variants, key=ADMIN_A):

@@ -7,7 +7,7 @@ import tarfile
 import zipfile
 
 import pytest
-from api_env import ADMIN_A, ADMIN_B, USER_A, bearer, upload_files
+from api_env import ADMIN_A, ADMIN_B, USER_A, bearer, upload, upload_files
 from litestar.testing import TestClient
 from loraserve.adapters import upload_limit_bytes
 
@@ -33,10 +33,6 @@ def env(api_env):
 def client(env):
     with TestClient(env.app) as client:
         yield client
-
-
-def upload(client, name, folder, key=ADMIN_A):
-    return client.post("/v1/adapters", data={"name": name}, files=upload_files(folder), headers=bearer(key))
 
 
 def upload_archive(client, name, filename, data, key=ADMIN_A):

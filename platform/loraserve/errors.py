@@ -13,6 +13,7 @@ internals. Litestar's own HTTP exceptions (bad JSON, unknown path, wrong method)
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -234,9 +235,18 @@ def _domain_error(request: Request, exc: Exception) -> Response[ErrorBody]:
 
 
 def _too_deep(request: Request, exc: RecursionError) -> Response[ErrorBody]:
-    """msgspec decodes a body nested past the interpreter's recursion limit by raising RecursionError."""
+    """msgspec decodes a body nested past the interpreter's recursion limit by raising RecursionError; one
+    raised anywhere else is a server bug and gets the generic 500."""
+    if not _raised_decoding_the_body(exc):
+        return _domain_error(request, exc)
     log.warning("%s %s: body nested too deeply (%s)", request.method, request.url.path, exc)
     return error_response(400, "the request body is nested too deeply to be a valid request", "invalid_json")
+
+
+def _raised_decoding_the_body(exc: BaseException) -> bool:
+    """Whether the innermost frames are the request body's JSON decoding (Litestar's msgspec hooks)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and any(f.name == "decode_json" for f in frames[-3:])
 
 
 def _validation_message(exc: ValidationException) -> str:

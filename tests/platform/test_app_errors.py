@@ -274,3 +274,23 @@ def test_a_body_that_is_not_declared_json_is_refused(tmp_path, model_dir):
         error = response.json()["error"]
         assert error["code"] == "unsupported_media_type" and "application/json" in error["message"]
     assert ok.status_code == 200
+
+
+def test_a_recursion_error_outside_body_decoding_is_a_500_not_a_400():
+    from types import SimpleNamespace
+
+    from litestar.serialization.msgspec_hooks import decode_json
+    from loraserve.errors import _too_deep
+
+    request = SimpleNamespace(method="POST", url=SimpleNamespace(path="/v1/completions"))
+
+    def recurse(n):
+        return recurse(n + 1)
+
+    answers = []
+    for raise_it in (lambda: decode_json(b"[" * 100_000 + b"]" * 100_000), lambda: recurse(0)):
+        try:
+            raise_it()
+        except RecursionError as exc:
+            answers.append(_too_deep(request, exc).status_code)
+    assert answers == [400, 500]

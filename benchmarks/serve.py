@@ -87,7 +87,7 @@ def run_offline(args, model_dir: Path, adapters: list[Path], prompts: list[list[
     )
     process.start()
     try:
-        ok, value = results.get(timeout=args.startup_timeout * 10)
+        ok, value = results.get(timeout=args.startup_timeout)  # every offline run together
     finally:
         process.join(timeout=60)
         if process.is_alive():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -31,7 +32,7 @@ from engine.request import NO_LORA, Request, RequestStatus
 from engine.sampler import SampledStep, Sampler, on_device
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.stats import EngineStats, distinct_adapters
+from engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, Histogram, distinct_adapters
 from engine.structured_output.matchers import StructuredOutputs
 from engine.tokenizer import eos_token_ids, load_tokenizer
 from engine.warmup import warm_up
@@ -117,6 +118,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # refused or aborted requests, reported at the next step
         self._num_prompt_tokens = 0  # cumulative, for stats()
         self._num_generation_tokens = 0
+        self._iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)  # tokens per step, for stats()
         self.mark_ready()
 
     # -- requests -------------------------------------------------------------------------------
@@ -229,11 +231,17 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         for request in scheduled.preempted:
             self._unpin(request)
+        now = time.monotonic()
         for request in scheduled.newly_admitted:
             self._pin(request)
+            if request.scheduled_time is None:
+                request.scheduled_time = now
         launched = None
         if scheduled.scheduled:
+            self._iteration_tokens.observe(scheduled.num_batched_tokens)
             logits = self.runner.execute(scheduled.scheduled, self._in_flight_step())
+            for request, entries in self.runner.prompt_logprobs.items():
+                request.prompt_logprobs.extend(entries)
             self.lora.start_copies()  # while the GPU runs the step: issuing copies must not delay its launch
             sampling = [s.request for s in scheduled.scheduled if s.samples]
             if sampling:
@@ -274,6 +282,8 @@ class LLMEngine:
                 if token_id is None:  # its own sampling raised: logprobs holds the reason
                     raise logprobs
                 request.append_output_token(token_id)
+                if request.first_token_time is None:
+                    request.first_token_time = time.monotonic()
                 self._count_tokens(state)
                 status = state.append(token_id, logprobs, self.max_model_len)
                 if self.structured.accept(request, token_id) and status is None:
@@ -364,6 +374,7 @@ class LLMEngine:
             gpu_adapters=self.lora.gpu_ids(),
             cpu_adapters=self.lora.cpu_ids(),
             num_kernel_compiles_after_ready=self._compiles.num_compiles - self._compiles_at_ready,
+            iteration_tokens=self._iteration_tokens.snapshot(),
         )
 
     def _resolve_adapter(self, adapter: str | None) -> str | None:
@@ -466,9 +477,11 @@ class LLMEngine:
 
 def child_params(params: SamplingParams, index: int, eos_token_ids: list[int]) -> SamplingParams:
     """The params of child `index` of a request: each child of an n > 1 request samples independently
-    (seed + index, as vLLM does); extra end-of-sequence ids of the checkpoint stop generation like eos
+    (seed + index, as vLLM does), and only the first computes prompt logprobs; extra end-of-sequence ids of the checkpoint stop generation like eos
     itself. Applying it again to a child (index 0) changes nothing."""
     changes: dict = {"n": 1}
+    if index > 0:  # the children share the prompt: the first one computes its logprobs
+        changes["prompt_logprobs"] = None
     if params.seed is not None:
         changes["seed"] = params.seed + index
     extra_eos = [t for t in eos_token_ids[1:] if t not in params.stop_token_ids]

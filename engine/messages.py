@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.outputs import RequestTimes
+from engine.prompt_logprobs import PromptTokenLogprobs
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -65,6 +67,9 @@ class RequestDelta(msgspec.Struct, frozen=True, array_like=True):
     stop_reason: int | None = None  # the stop token id that ended it; None for eos and length
     error: str | None = None  # why it failed (finish_reason "error"), naming the problem
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With params.prompt_logprobs: one entry per prompt token (None for the first), in a request's first delta
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
+    times: RequestTimes | None = None  # in the first and last deltas: the request's time in the core so far
 
 
 class CoreReady(msgspec.Struct, frozen=True, tag="ready"):

@@ -19,6 +19,8 @@ from engine.model.kv_quant import FP8_DTYPE
 from engine.model.llama import LlamaModel
 from engine.model.loader import checkpoint_dtype, load_weights
 from engine.model.paged_attention_triton import interpreting
+from engine.prompt_logprobs import PromptTokenLogprobs, compute_prompt_logprobs, wants_prompt_logprobs
+from engine.request import Request
 from engine.sampler import SampledStep
 from engine.scheduler import ScheduledRequest
 
@@ -64,6 +66,8 @@ class ModelRunner:
             self.pad_block,
             self.device,
         )
+        # The last step's new prompt logprob entries, per request that asked (engine/prompt_logprobs.py).
+        self.prompt_logprobs: dict[Request, list[PromptTokenLogprobs]] = {}
         self.graphs: DecodeCudaGraphs | None = None
         if config.use_cuda_graphs:
             self.graphs = DecodeCudaGraphs(
@@ -108,9 +112,16 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run one step; returns float32 logits [num_sampling_rows, vocab], rows in `scheduled` order
         of the requests whose `samples` is true. Input tokens the host does not know yet (async
-        scheduling) are read from `in_flight`, the previous step's sampling, on the device."""
+        scheduling) are read from `in_flight`, the previous step's sampling, on the device. Prompt logprob
+        entries the step computed are left in `self.prompt_logprobs`."""
         self.inputs.update(scheduled)
-        if self.graphs is not None and _is_decode_only(scheduled, self.graphs.max_batch_size):
+        self.prompt_logprobs = {}
+        wants_prompt = wants_prompt_logprobs(scheduled)  # needs every row's hidden state: eager
+        if (
+            self.graphs is not None
+            and not wants_prompt
+            and _is_decode_only(scheduled, self.graphs.max_batch_size)
+        ):
             size = self.graphs.bucket(len(scheduled))
             use_lora = self.inputs.prepare_decode(scheduled, size, in_flight)
             logits = self.graphs.replay(len(scheduled), size, use_lora)
@@ -123,6 +134,11 @@ class ModelRunner:
         if token_slots is not None:
             lora = LoRAContext(self.lora_slots, token_slots)
         hidden = self.model.forward(input_ids, meta, self.kv_caches, lora)
+        if wants_prompt:
+            vocab_size = self.model.weights.lm_head.shape[0]
+            self.prompt_logprobs = compute_prompt_logprobs(
+                hidden, self.model.compute_logits, vocab_size, scheduled
+            )
         return self.model.compute_logits(hidden[logits_rows])
 
     def reset_inputs(self) -> None:

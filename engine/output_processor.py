@@ -6,10 +6,12 @@ updates its slot in the parent, and the parent is what callers see as one `Reque
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput, RequestTimes
+from engine.prompt_logprobs import PromptTokenLogprobs
 from engine.request import Request, RequestStatus
 from engine.sampler import TokenLogprobs
 from engine.stop_checker import check_stop
@@ -24,6 +26,7 @@ class ParentRequest:
     completions: list[CompletionOutput | None]
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -39,6 +42,7 @@ class ParentRequest:
             adapter=self.adapter,
             error=self.error,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -87,9 +91,26 @@ class RequestState:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             finish_reason=request.status.finish_reason,
             stop_reason=self.stop_reason,
+            # at the first token too: the front end extends them when a stop string ends the request there
+            times=request_times(request) if finished or request.num_output_tokens == 1 else None,
         )
         if request.error and self.parent.error is None:
             self.parent.error = request.error
         if self.index == 0:  # the prompt is counted once, as the first completion's (vLLM's usage does so)
             self.parent.num_cached_tokens = request.num_cached_tokens
+            if request.prompt_logprobs is not None and not request.needs_prompt_logprobs:
+                self.parent.prompt_logprobs = list(request.prompt_logprobs)
         return self.parent.output()
+
+
+def request_times(request: Request) -> RequestTimes | None:
+    """A request's queue, prefill, decode and inference seconds so far; None before its first token."""
+    if request.scheduled_time is None or request.first_token_time is None:
+        return None
+    end = time.monotonic()
+    return RequestTimes(
+        queue=request.scheduled_time - request.arrival_time,
+        prefill=request.first_token_time - request.scheduled_time,
+        decode=end - request.first_token_time,
+        inference=end - request.scheduled_time,
+    )

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.prompt_logprobs import PromptTokenLogprobs
 from engine.sampler import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """Where one engine request's time went, in seconds, as vLLM's request_*_time_seconds histograms
+    measure it: arrival -> first scheduled (queue) -> first token (prefill) -> last token (decode);
+    inference is first scheduled -> last token."""
+
+    queue: float
+    prefill: float
+    decode: float
+    inference: float
 
 
 @dataclass
@@ -22,6 +35,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None  # one per generated token, when the request asked for logprobs
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"; None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it; None for eos
+    times: RequestTimes | None = None  # when finished (and with its first token), if it got a token
 
     @property
     def finished(self) -> bool:
@@ -40,3 +54,6 @@ class RequestOutput:
     adapter: str | None = None  # the adapter that served it (e.g. "name@3"); None: the base model
     error: str | None = None  # why the request failed (finish_reason "error"), naming the problem
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With params.prompt_logprobs: one entry per prompt token, None for the first (vLLM's). A delta
+    # stream carries it once, in the first delta.
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None

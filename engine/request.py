@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.fairness import DEFAULT_TENANT
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.prompt_logprobs import PromptTokenLogprobs
 
 # Token slot of a request that uses no adapter (see lora_kernels.add_lora).
 NO_LORA = -1
@@ -74,14 +78,27 @@ class Request:
     # Tokens sampled on the device whose ids the host has not read yet (async scheduling: at most 1).
     # The scheduler counts them as known tokens; the runner reads their ids on the device.
     num_in_flight: int = 0
+    # Set by the engine (time.monotonic): first admitted to the batch, first token read back. With
+    # arrival_time they give vLLM's queue, prefill, decode and inference times.
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
 
     # prompt + output, kept as one list so the runner slices it without copying both (set here).
     all_token_ids: list[int] = field(init=False)
+    # With params.prompt_logprobs: one entry per prompt token so far, None for token 0 (set here, filled
+    # by the engine from the runner's prefill steps, engine/prompt_logprobs.py); else None.
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: the prompt has no tokens")
         self.all_token_ids = list(self.prompt_token_ids)
+        self.prompt_logprobs = [None] if self.sampling_params.prompt_logprobs is not None else None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprob entries are still missing (prefill must compute every position)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,6 +12,8 @@ GREEDY_EPSILON = 1e-5
 # A seed is a 64-bit signed integer, as in vLLM; n > 1 adds the child's index, which torch's generators
 # (seeds up to 2**64 - 1) still take.
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+# Top log-probabilities a request may ask for per token (vLLM's default --max-logprobs).
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -20,7 +22,9 @@ class SamplingParams:
 
     `seed` makes a sampled request reproducible: the same seed gives the same tokens whatever else
     shares the batch. `logprobs=n` returns the top-n log-probabilities of the model's distribution
-    (before temperature and truncation) plus the sampled token's at every step.
+    (before temperature and truncation) plus the sampled token's at every step. `prompt_logprobs=k`
+    returns each prompt token's log-probability, rank and the top-k of its position
+    (RequestOutput.prompt_logprobs, engine/prompt_logprobs.py).
     """
 
     n: int = 1
@@ -34,6 +38,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     min_tokens: int = 0
     # Constrain the output to a JSON schema, JSON, a regex, a choice or a grammar (vLLM's name and type;
@@ -75,8 +80,12 @@ class SamplingParams:
             raise ValueError(f"seed must be a 64-bit integer in [{MIN_SEED}, {MAX_SEED}] (got {self.seed!r})")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer (got {self.top_k!r})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be between 0 and 20 (got {self.logprobs})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS} (got {value!r})")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(

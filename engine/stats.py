@@ -2,10 +2,39 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.request import Request
+
+# vLLM's buckets for vllm:iteration_tokens_total (tokens per engine step).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class HistogramCounts:
+    """A histogram's state: observations per bucket (not cumulative), the last one above every bound."""
+
+    bounds: tuple[float, ...] = ()  # upper bounds, ascending
+    counts: tuple[int, ...] = ()  # len(bounds) + 1
+    total: float = 0.0  # the sum of the observations
+
+
+class Histogram:
+    """Counts observations into fixed buckets; `snapshot()` is what EngineStats carries (immutable)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = tuple(bounds)
+        self._counts = [0] * (len(bounds) + 1)
+        self._total = 0.0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect.bisect_left(self._bounds, value)] += 1
+        self._total += value
+
+    def snapshot(self) -> HistogramCounts:
+        return HistogramCounts(self._bounds, tuple(self._counts), self._total)
 
 
 @dataclass(frozen=True)
@@ -42,6 +71,8 @@ class EngineStats:
     num_prefix_cache_hits: int = 0
     # vllm:cache_config_info's labels, as (name, value) pairs (fixed once the engine is built)
     cache_config: tuple[tuple[str, str], ...] = ()
+    # vllm:iteration_tokens_total: tokens computed per step, since the engine started
+    iteration_tokens: HistogramCounts = HistogramCounts()
 
 
 def distinct_adapters(requests: Iterable[Request]) -> tuple[str, ...]:

@@ -130,6 +130,7 @@ class EngineCoreLoop:
         """The tokens of `output` (one sequence: the core never sees n > 1) not sent before."""
         completion = output.outputs[0]
         request_id = output.request_id
+        first = request_id not in self._num_sent
         num_sent = self._num_sent.get(request_id, 0)
         finish_reason = completion.finish_reason
         if finish_reason is None:
@@ -145,6 +146,8 @@ class EngineCoreLoop:
             stop_reason=completion.stop_reason if stopped_by_token else None,
             error=output.error,
             num_cached_tokens=output.num_cached_tokens,
+            prompt_logprobs=output.prompt_logprobs if first else None,
+            times=completion.times,
         )
 
     def _send(self, deltas: list[RequestDelta]) -> None:

@@ -13,12 +13,14 @@ tokens from the child's params (engine.llm_engine.child_params, the rule the cor
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import child_params
 from engine.messages import AddRequest, RequestDelta
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput, RequestTimes
+from engine.prompt_logprobs import PromptTokenLogprobs
 from engine.request import Request, RequestStatus
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -37,6 +39,9 @@ class _Child:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    times: RequestTimes | None = None  # once finished
+    _first_times: RequestTimes | None = None  # the core's, at the first token, and when they arrived
+    _first_seen: float = 0.0
     # News since the last delta.
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -48,6 +53,8 @@ class _Child:
     def apply(self, delta: RequestDelta) -> bool:
         """Take one core delta; True when a stop string ended the child here (the core must abort it)."""
         self.published = True
+        if delta.times is not None and self._first_times is None:
+            self._first_times, self._first_seen = delta.times, time.monotonic()
         ids = delta.new_token_ids
         self.new_token_ids.extend(ids)
         self.num_tokens += len(ids)
@@ -57,10 +64,21 @@ class _Child:
         stop_string = self.detokenizer.update(ids) if self.detokenizer is not None else None
         if stop_string is not None:
             self.finish_reason, self.stop_reason = _STOP, stop_string
+            self.times = delta.times if delta.finish_reason is not None else self._times_so_far()
             return delta.finish_reason is None
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+            self.times = delta.times
         return False
+
+    def _times_so_far(self) -> RequestTimes | None:
+        """The core's times at the first token, extended to now by this clock (a stop string ends the
+        request here, before the core knows)."""
+        first = self._first_times
+        if first is None:
+            return None
+        decode = first.decode + time.monotonic() - self._first_seen
+        return dataclasses.replace(first, decode=decode, inference=first.prefill + decode)
 
     def take(self) -> CompletionOutput:
         """This child's completion with only the news since the last call."""
@@ -74,6 +92,7 @@ class _Child:
             logprobs=self.new_logprobs if self.logprobs else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            times=self.times if finished else None,
         )
         self.new_token_ids, self.new_logprobs = [], []
         self.done = finished
@@ -99,6 +118,8 @@ class RequestProcessor:
         self.adapter = adapter
         self.error: str | None = None
         self.num_cached_tokens = 0
+        # The first child's prompt logprobs, until the delta that carries them out (once).
+        self._prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
         self.child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         # The core applies the same rule (child_params is idempotent on a child), so both sides agree on
         # which ids are stop tokens (their text is never added).
@@ -144,6 +165,8 @@ class RequestProcessor:
                 self.error = delta.error
             if child.index == 0:  # the prompt is counted once, as the first completion's (as vLLM's usage)
                 self.num_cached_tokens = delta.num_cached_tokens
+                if delta.prompt_logprobs is not None:
+                    self._prompt_logprobs = delta.prompt_logprobs
             if child.apply(delta):
                 to_abort.append(delta.request_id)
         published = [child for child in self._children.values() if child.published and not child.done]
@@ -168,4 +191,9 @@ class RequestProcessor:
             adapter=self.adapter,
             error=self.error,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self._take_prompt_logprobs(),
         )
+
+    def _take_prompt_logprobs(self) -> list[PromptTokenLogprobs | None] | None:
+        taken, self._prompt_logprobs = self._prompt_logprobs, None
+        return taken

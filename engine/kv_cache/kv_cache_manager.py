@@ -56,9 +56,10 @@ class KVCacheManager:
         """The longest run of leading full blocks already cached, and the tokens they hold.
 
         Capped below the whole sequence: the step must compute at least the last token to get
-        logits to sample from. Does not take references; `allocate_slots` does.
+        logits to sample from. Does not take references; `allocate_slots` does. A request still missing
+        prompt logprobs reads nothing: it needs the logits of every prompt position (as vLLM does).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.needs_prompt_logprobs:
             return [], 0
         hashes = self._hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

@@ -21,6 +21,8 @@ from engine.messages import (
     decode_output,
     encode,
 )
+from engine.outputs import RequestTimes
+from engine.prompt_logprobs import PromptTokenLogprobs
 from engine.sampler import TokenLogprobs
 
 STATS = EngineStats(
@@ -40,7 +42,7 @@ PARAMS = SamplingParams(
     max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, seed=-(2**63), stop_token_ids=[4], ignore_eos=True,
     logprobs=2, min_tokens=1, structured_outputs={"json": {"type": "object"}}, repetition_penalty=1.1,
     presence_penalty=-0.5, frequency_penalty=0.25, logit_bias={7: -100.0, 8: 2.5}, allowed_token_ids=[1, 2, 7],
-    min_p=0.05, skip_special_tokens=False,
+    min_p=0.05, skip_special_tokens=False, prompt_logprobs=3,
 )  # fmt: skip
 
 
@@ -67,6 +69,12 @@ def test_inputs_round_trip(message):
                 RequestDelta("r1", [5], [TokenLogprobs(5, -0.25, {5: -0.25, 9: -1.5})]),
                 RequestDelta("r2", [0], finish_reason="stop", stop_reason=None, num_cached_tokens=8),
                 RequestDelta("r3", [], finish_reason="error", error="unknown adapter 'x'"),
+                RequestDelta(
+                    "r4",
+                    [6],
+                    prompt_logprobs=[None, PromptTokenLogprobs(3, -1.5, 2, {4: -0.5, 3: -1.5})],
+                    times=RequestTimes(queue=0.01, prefill=0.2, decode=0.0, inference=0.2),
+                ),
             ],
             stats=STATS,
             adapter_events=[("miss", "cpu", 0.0), ("load", "gpu", 0.01)],

@@ -1,0 +1,99 @@
+"""prompt_logprobs: every prompt token's log-probability, rank and top-k equal a float64 transformers (+
+PEFT) reference, however the prompt is chunked, whatever the prefix cache holds, with adapters mixed in
+the batch and n > 1; the engine's RequestTimes and iteration histogram count what ran."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from factories import load_peft_reference
+
+from engine import LLM, SamplingParams
+
+PROMPTS = [
+    [5, 17, 42, 99, 7, 250, 3, 3, 8, 61, 120, 77, 2, 300, 14, 9, 45, 46, 47, 48, 11],
+    [5, 17, 42, 99, 7, 250, 3, 3, 8, 61, 120, 77, 2, 310, 15],  # shares 13 tokens with the first
+    [33],  # one token: only the leading None
+    [200, 201, 5, 6, 7, 8, 9],
+]
+TOP_K = 3
+
+
+@pytest.fixture(scope="module")
+def reference(text_model_dir, text_adapters):
+    model = load_peft_reference(text_model_dir, text_adapters).double()
+
+    @torch.inference_mode()
+    def logprobs(prompt: list[int], adapter: str | None) -> torch.Tensor:
+        """[len(prompt) - 1, vocab] float64: row i is the distribution of token i + 1."""
+        ids = torch.tensor([prompt])
+        out = model(input_ids=ids, adapter_names=[adapter or "__base__"])
+        return torch.log_softmax(out.logits[0, :-1].double(), dim=-1)
+
+    return logprobs
+
+
+def check_entries(entries, prompt: list[int], expected: torch.Tensor, k: int) -> None:
+    assert entries[0] is None and len(entries) == len(prompt)
+    for i, entry in enumerate(entries[1:]):
+        row = expected[i]
+        token = prompt[i + 1]
+        assert entry.token_id == token
+        assert entry.logprob == pytest.approx(row[token].item(), abs=1e-4)
+        assert entry.rank == int((row >= row[token]).sum())
+        top = row.topk(k)
+        assert list(entry.top) == top.indices.tolist()
+        assert list(entry.top.values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [8, 256])
+def test_prompt_logprobs_equal_the_reference(text_model_dir, text_adapters, reference, chunk):
+    """Chunked prefill (8 tokens a step) and whole prompts; prefix caching on, so the second prompt's
+    13 shared tokens would be a cache hit if the engine read it; adapters and the base model mixed."""
+    llm = LLM(
+        model=str(text_model_dir),
+        lora_modules={k: str(v) for k, v in text_adapters.items()},
+        max_loras=2,
+        max_lora_rank=8,
+        max_model_len=96,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=chunk,
+        enable_prefix_caching=True,
+    )
+    adapters = [None, "alpha", "beta", None]
+    warm = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1), adapters=[None])  # fills the cache
+    assert warm[0].prompt_logprobs is None
+    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=TOP_K, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params, adapters=adapters)
+    for prompt, adapter, output in zip(PROMPTS, adapters, outputs):
+        check_entries(output.prompt_logprobs, prompt, reference(prompt, adapter), TOP_K)
+    # vLLM's rule: a request asking for prompt logprobs reads no prefix-cache hit
+    assert outputs[0].num_cached_tokens == 0
+
+
+def test_zero_top_and_n_children_share_one_computation(mixed_llm, reference):
+    params = SamplingParams(n=3, max_tokens=2, temperature=1.0, seed=1, prompt_logprobs=0)
+    (output,) = mixed_llm.generate([PROMPTS[3]], params, adapters=["beta"])
+    assert len(output.outputs) == 3
+    check_entries(output.prompt_logprobs, PROMPTS[3], reference(PROMPTS[3], "beta"), 0)
+    assert all(entry.top == {} for entry in output.prompt_logprobs[1:])
+
+
+def test_request_times_and_iteration_tokens(mixed_llm):
+    before = mixed_llm.engine.stats().iteration_tokens
+    (output,) = mixed_llm.generate([PROMPTS[3]], SamplingParams(max_tokens=4, ignore_eos=True))
+    times = output.outputs[0].times
+    assert times is not None and min(times.queue, times.prefill, times.decode) >= 0
+    assert times.inference == pytest.approx(times.prefill + times.decode)
+    after = mixed_llm.engine.stats().iteration_tokens
+    assert after.bounds[:3] == (1, 8, 16)
+    # one 7-token prefill step (bucket le=8), then three 1-token decode steps (bucket le=1)
+    assert after.counts[0] - before.counts[0] == 3 and after.counts[1] - before.counts[1] == 1
+    assert after.total - before.total == 7 + 3
+
+
+@pytest.mark.parametrize("value", [-1, 21, True, 1.5])
+def test_prompt_logprobs_out_of_range_is_refused(value):
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=value)

@@ -130,8 +130,8 @@ class EngineCoreLoop:
         """The tokens of `output` (one sequence: the core never sees n > 1) not sent before."""
         completion = output.outputs[0]
         request_id = output.request_id
-        first = request_id not in self._num_sent
         num_sent = self._num_sent.get(request_id, 0)
+        first = num_sent == 0  # prompt logprobs go out once, with the first tokens
         finish_reason = completion.finish_reason
         if finish_reason is None:
             self._num_sent[request_id] = len(completion.token_ids)

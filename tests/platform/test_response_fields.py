@@ -1,6 +1,6 @@
 """vLLM's response-shaping fields through the official `openai` client against the real app: echo,
-return_token_ids, truncate_prompt_tokens, custom chat roles, continue_final_message; prompt_logprobs and
-echo with logprobs are 400s rather than ignored."""
+return_token_ids, truncate_prompt_tokens, custom chat roles, continue_final_message; values that cannot
+be honoured are 400s rather than ignored (prompt_logprobs: test_prompt_logprobs_api.py)."""
 
 from __future__ import annotations
 
@@ -94,10 +94,7 @@ def test_chat_roles_continuation_and_token_ids(tmp_path, model_dir):
 @pytest.mark.parametrize(
     "path, fields, param",
     [
-        ("completions", {"echo": True, "logprobs": 2}, "echo"),
-        ("completions", {"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
         ("completions", {"extra_body": {"truncate_prompt_tokens": -2}}, "truncate_prompt_tokens"),
-        ("chat", {"logprobs": True, "extra_body": {"echo": True}}, "echo"),
         (
             "chat",
             {"extra_body": {"continue_final_message": True, "add_generation_prompt": True}},

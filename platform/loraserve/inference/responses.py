@@ -12,7 +12,12 @@ from msgspec import UNSET, UnsetType
 
 from engine import CompletionOutput, RequestOutput
 from engine.sampler import TokenLogprobs
-from loraserve.inference.logprobs import TokenText, chat_logprobs, completion_logprobs
+from loraserve.inference.logprobs import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_body,
+)
 from loraserve.inference.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -22,6 +27,7 @@ from loraserve.inference.schemas import (
     ChatDelta,
     Completion,
     CompletionChoice,
+    PromptLogprobs,
     PromptTokensDetails,
     Usage,
 )
@@ -52,6 +58,8 @@ class ResponseOptions:
     return_token_ids: bool = False
     prompts: list[list[int]] = field(default_factory=list)  # prompt token ids, by prompt index
     echo: list[str] | None = None  # text repeated before each prompt's completions (echo)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs in the answer (completions: per choice)
+    echo_logprobs: bool = False  # completions' echo with logprobs: the prompt's tokens lead each choice's
 
 
 class Choices:
@@ -63,6 +71,7 @@ class Choices:
         self.keep_token_ids = keep_token_ids
         self.by_index: dict[int, Choice] = {}
         self.cached_tokens: dict[int, int] = {}  # prompt index -> prompt tokens served from the prefix cache
+        self.prompt_logprobs: dict[int, list] = {}  # prompt index -> its engine prompt logprob entries
 
     def add(self, prompt_index: int, delta: RequestOutput) -> list[tuple[int, CompletionOutput]]:
         """Record one delta; returns (choice index, completion delta) for the parts worth sending."""
@@ -70,6 +79,8 @@ class Choices:
         self.cached_tokens[prompt_index] = max(
             self.cached_tokens.get(prompt_index, 0), delta.num_cached_tokens
         )
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = delta.prompt_logprobs
         for completion in delta.outputs:
             index = prompt_index * self.n + completion.index
             choice = self.by_index.setdefault(index, Choice())
@@ -116,6 +127,18 @@ class _Format:
     def _ids(self, token_ids: list[int]) -> list[int] | UnsetType:
         return list(token_ids) if self.options.return_token_ids else UNSET
 
+    def _prompt_logprobs(self, choices: Choices, index: int) -> PromptLogprobs | UnsetType:
+        if not self.options.prompt_logprobs:
+            return UNSET
+        return prompt_logprobs_body(choices.prompt_logprobs.get(index // choices.n, []), self.text)
+
+    def _echoed(self, choices: Choices, index: int):
+        """The prompt's ids and logprob entries that lead a choice's logprobs (echo with logprobs)."""
+        if not self.options.echo_logprobs:
+            return None
+        prompt = index // choices.n
+        return self.options.prompts[prompt], choices.prompt_logprobs.get(prompt, [])
+
 
 class CompletionFormat(_Format):
     """`text_completion` objects, whole or as stream chunks."""
@@ -125,10 +148,15 @@ class CompletionFormat(_Format):
             CompletionChoice(
                 index=index,
                 text=self._echo(choices, index) + "".join(choice.text),
-                logprobs=completion_logprobs(choice.logprobs, self.text) if self.want_logprobs else None,
+                logprobs=(
+                    completion_logprobs(choice.logprobs, self.text, prompt=self._echoed(choices, index))
+                    if self.want_logprobs
+                    else None
+                ),
                 finish_reason=choice.finish_reason,
                 prompt_token_ids=self._prompt_ids(choices, index),
                 token_ids=self._ids(choice.token_ids),
+                prompt_logprobs=self._prompt_logprobs(choices, index),
             )
             for index, choice in choices.sorted()
         ]
@@ -145,7 +173,8 @@ class CompletionFormat(_Format):
             logprobs = None
             if self.want_logprobs:
                 offset = choice.num_chars
-                logprobs = completion_logprobs(completion.logprobs or [], self.text, offset)
+                echoed = self._echoed(choices, index) if first else None
+                logprobs = completion_logprobs(completion.logprobs or [], self.text, offset, echoed)
             text = (self._echo(choices, index) if first else "") + completion.text
             choice.num_chars += len(text)
             items.append(
@@ -185,6 +214,7 @@ class ChatFormat(_Format):
             choices=items,
             usage=usage,
             prompt_token_ids=self._prompt_ids(choices, 0),
+            prompt_logprobs=self._prompt_logprobs(choices, 0),
         )
 
     def chunk(

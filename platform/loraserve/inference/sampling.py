@@ -11,6 +11,7 @@ from typing import Any
 
 from engine import SamplingParams
 from engine.generation_config import apply_generation_defaults
+from engine.sampling_params import MAX_LOGPROBS
 from loraserve.errors import BadRequest
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.structured import structured_params
@@ -20,38 +21,57 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def completion_params(body: CompletionRequest, defaults: Mapping[str, Any]) -> SamplingParams:
-    if body.echo and body.logprobs is not None:
-        raise BadRequest(
-            "echo with logprobs needs the prompt's logprobs, which this server does not return; "
-            "drop one of them",
-            param="echo",
-        )
+    if body.logprobs is not None and body.logprobs < 0:
+        raise BadRequest("`logprobs` must be a positive value.", param="logprobs")
+    _check_cap("sample", body.logprobs, "logprobs")
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-    return _params(body, max_tokens, body.logprobs, defaults)
+    # vLLM's: echo with logprobs returns the prompt's logprobs too (prompt_logprobs defaults to logprobs)
+    prompt_logprobs = body.prompt_logprobs
+    if prompt_logprobs is None and body.echo:
+        prompt_logprobs = body.logprobs
+    return _params(body, max_tokens, body.logprobs, prompt_logprobs, defaults)
 
 
 def chat_params(body: ChatCompletionRequest, defaults: Mapping[str, Any]) -> SamplingParams:
-    if body.echo and body.logprobs:
-        raise BadRequest("echo with logprobs is not supported; drop one of them", param="echo")
-    if body.top_logprobs is not None and not body.logprobs:
-        raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    top = body.top_logprobs
+    if top is not None and top < -1:
+        raise BadRequest("`top_logprobs` must be a positive value or -1.", param="top_logprobs")
+    if top is not None and top != 0 and not body.logprobs:
+        raise BadRequest("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+    _check_cap("sample", top, "top_logprobs")
+    logprobs = (top or 0) if body.logprobs else None
     # None: generate until the end of the sequence or the context is full.
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _params(body, max_tokens, logprobs, defaults)
+    return _params(body, max_tokens, logprobs, body.prompt_logprobs, defaults)
+
+
+def _check_cap(kind: str, value: int | None, param: str) -> None:
+    """vLLM's cap on top log-probabilities (its default --max-logprobs 20; -1 asks for the whole
+    vocabulary, more than the cap, so vLLM refuses it as this does)."""
+    if value is None or 0 <= value <= MAX_LOGPROBS:
+        return
+    asked = "the whole vocabulary (-1)" if value == -1 else str(value)
+    raise BadRequest(
+        f"Requested {kind} logprobs of {asked}, which is greater than max allowed: {MAX_LOGPROBS}",
+        param=param,
+    )
 
 
 def _params(
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int | None,
     logprobs: int | None,
+    prompt_logprobs: int | None,
     defaults: Mapping[str, Any],
 ) -> SamplingParams:
     if body.prompt_logprobs is not None:
-        raise BadRequest(
-            "prompt_logprobs is not supported: this server returns logprobs of generated tokens only",
-            param="prompt_logprobs",
-        )
+        if body.prompt_logprobs < -1:
+            raise BadRequest("`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")
+        if body.stream and body.prompt_logprobs != 0:
+            raise BadRequest(
+                "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
+            )
+    _check_cap("prompt", prompt_logprobs, "prompt_logprobs")
     if body.stream_options is not None and not body.stream:
         raise BadRequest("stream_options can only be set when stream is true", param="stream_options")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -68,6 +88,7 @@ def _params(
             seed=body.seed,
             stop=stop,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             ignore_eos=body.ignore_eos,
             structured_outputs=structured_params(body),
             presence_penalty=body.presence_penalty,

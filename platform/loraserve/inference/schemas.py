@@ -12,14 +12,12 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 MAX_N = 16  # completions per prompt: each is a full sequence in the batch
-MAX_LOGPROBS = 20
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, Meta(ge=-1)]
 NumChoices = Annotated[int, Meta(ge=1, le=MAX_N)]
-NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 Stop = str | list[str] | None
 # A 64-bit signed integer, as vLLM takes it (torch's generators refuse anything wider).
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
@@ -94,14 +92,15 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     return_token_ids: bool = False
     # vLLM's: keep only the last k prompt tokens (-1: as many as the context allows)
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
-    prompt_logprobs: int | None = None  # vLLM's; refused (the engine returns no prompt logprobs yet)
+    # vLLM's: each prompt token's logprob, rank and top-k (checked against vLLM's rules in sampling.py)
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     # A string, a list of strings, a list of token ids, or a list of token id lists (checked in prompts.py;
     # msgspec cannot tell list[str] from list[int] inside one union).
     prompt: str | list[Any]
-    logprobs: NumLogprobs | None = None
+    logprobs: int | None = None  # 0..MAX_LOGPROBS, checked in sampling.py with vLLM's messages
     echo: bool = False
 
 
@@ -121,7 +120,7 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: NumLogprobs | None = None
+    top_logprobs: int | None = None  # 0..MAX_LOGPROBS (-1: the whole vocabulary), checked in sampling.py
     # vLLM's: render the last (assistant) message open so the model continues it; echo repeats it in the answer
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -144,9 +143,21 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
 
 class CompletionLogprobs(msgspec.Struct, frozen=True, kw_only=True):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: the prompt's first token (echo with logprobs)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    """vLLM's Logprob, as its prompt_logprobs lists them (keyed by token id)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# vLLM's prompt_logprobs: one entry per prompt token, None for the first; token id (string key) -> logprob
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True):
@@ -157,6 +168,7 @@ class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True):
     # with return_token_ids (vLLM's); left out of the body otherwise
     prompt_token_ids: list[int] | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # with prompt_logprobs (or echo with logprobs)
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):
@@ -206,6 +218,7 @@ class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # with prompt_logprobs (vLLM's, on the response)
 
 
 class ChatDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -150,6 +150,10 @@ async def _generate(
         return_token_ids=body.return_token_ids,
         prompts=prompts,
         echo=echo,
+        prompt_logprobs=params.prompt_logprobs is not None,
+        echo_logprobs=echo is not None
+        and isinstance(body, CompletionRequest)
+        and params.logprobs is not None,
     )
     text = TokenText(services.tokenizer, body.return_tokens_as_token_ids)
     fmt = format_type(response_id, resolved.served_model, text, options)

@@ -85,6 +85,7 @@ class RequestMetrics(Protocol):
         num_prompt_tokens: int = 0,
         num_generation_tokens: int = 0,
         finish_reasons: list[str] = (),
+        times: list[Any] = (),  # engine.outputs.RequestTimes, one per finished completion
     ) -> None: ...
 
     def render(self) -> bytes:

@@ -11,6 +11,7 @@ import yaml
 from loraserve.ops.metrics import Metrics
 from loraserve.routing import Variant
 
+from engine.outputs import RequestTimes
 from engine.stats import EngineStats, TenantStats
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
@@ -46,6 +47,7 @@ def exported_families() -> set[str]:
         num_prompt_tokens=3,
         num_generation_tokens=5,
         finish_reasons=["length"],
+        times=[RequestTimes(queue=0.01, prefill=0.1, decode=0.2, inference=0.3)],
     )
     for event in ("hit", "miss", "load", "evict"):
         metrics.adapter_event(event, "gpu", 0.01)
@@ -56,9 +58,14 @@ def exported_families() -> set[str]:
 
 
 def family(name: str) -> str:
-    for suffix in SUFFIXES:
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
+    """The name without sample suffixes, stripped again for a histogram named `..._total` (vLLM's
+    vllm:iteration_tokens_total: its buckets are `..._total_bucket`)."""
+    stripped = True
+    while stripped:
+        stripped = False
+        for suffix in SUFFIXES:
+            if name.endswith(suffix):
+                name, stripped = name[: -len(suffix)], True
     return name
 
 

@@ -106,6 +106,19 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
     assert value(found, "loraserve_lora_slots_in_use") == 0
     assert value(found, "loraserve_kernel_compiles_after_ready_total", **model) == 0
     assert value(found, "vllm:prefix_cache_queries_total", **model) == 12  # four 3-token prompts
+    # the engine core's phases of each request (vLLM's request_*_time_seconds), one observation each
+    phases = ("queue", "prefill", "decode", "inference")
+    for phase in phases:
+        assert value(found, f"vllm:request_{phase}_time_seconds_count", **model) == 4
+    seconds = {p: value(found, f"vllm:request_{p}_time_seconds_sum", **model) for p in phases}
+    assert min(seconds.values()) >= 0
+    assert seconds["inference"] == pytest.approx(seconds["prefill"] + seconds["decode"])
+    # tokens per engine step: each request computes its 3-token prompt and 4 of its 5 tokens (the last
+    # sampled one is never fed back), so 28 tokens over the steps, vLLM's buckets
+    assert value(found, "vllm:iteration_tokens_total_sum", **model) == 28
+    assert value(found, "vllm:iteration_tokens_total_bucket", le="16384.0", **model) == value(
+        found, "vllm:iteration_tokens_total_count", **model
+    )
     assert value(found, "vllm:prefix_cache_hits_total", **model) == 0  # shorter than a block: nothing to hit
     (config,) = [dict(labels) for name, labels in found if name == "vllm:cache_config_info"]
     assert config["block_size"] == "4" and config["enable_prefix_caching"] == "True"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import RequestOutput, SamplingParams
+from engine.outputs import RequestTimes
 from loraserve.errors import ServiceUnavailable
 from loraserve.services import Services
 from loraserve.tenancy import Lease, Principal, TokenReservation
@@ -39,6 +40,7 @@ class _Timing:
     num_tokens: int = 0
     gaps: list[float] = field(default_factory=list)  # between consecutive deltas that carried tokens
     finish_reasons: list[str] = field(default_factory=list)  # one per completion of the request
+    times: list[RequestTimes] = field(default_factory=list)  # the engine's phases, per finished completion
 
 
 class Generation:
@@ -167,6 +169,7 @@ class Generation:
             num_prompt_tokens=len(self.prompts[index]),
             num_generation_tokens=timing.num_tokens,
             finish_reasons=timing.finish_reasons,
+            times=timing.times,
         )
 
 
@@ -174,6 +177,7 @@ def _record(timing: _Timing, delta: RequestOutput) -> None:
     """Token arrival times and finish reasons of one delta."""
     new_tokens = sum(len(c.token_ids) for c in delta.outputs)
     timing.finish_reasons.extend(c.finish_reason for c in delta.outputs if c.finish_reason is not None)
+    timing.times.extend(c.times for c in delta.outputs if c.times is not None)
     if not new_tokens:
         return
     now = time.perf_counter()

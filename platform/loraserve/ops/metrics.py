@@ -9,15 +9,18 @@ clients name them in `model` (see `affinity_names`).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine import EngineStats
+from engine.outputs import RequestTimes
+from engine.stats import HistogramCounts
 from loraserve.routing import Variant
 from loraserve.services import split_engine_adapter_id
 
@@ -45,6 +48,22 @@ _LATENCY_BUCKETS = (
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 _LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# vLLM's buckets for its request phase histograms (queue, prefill, decode, inference)
+_REQUEST_PHASE_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+    960.0, 1920.0, 7680.0,
+)  # fmt: skip
+# (metric, help, RequestTimes field): the engine request's phases, measured in the engine core
+_REQUEST_PHASES = (
+    ("vllm:request_queue_time_seconds", "Time from arrival to first scheduled (WAITING).", "queue"),
+    ("vllm:request_prefill_time_seconds", "Time from first scheduled to first token (PREFILL).", "prefill"),
+    ("vllm:request_decode_time_seconds", "Time from first token to last token (DECODE).", "decode"),
+    (
+        "vllm:request_inference_time_seconds",
+        "Time from first scheduled to last token (RUNNING).",
+        "inference",
+    ),
+)
 
 
 class Metrics:
@@ -103,6 +122,15 @@ class Metrics:
             buckets=_TOKEN_BUCKETS,
             registry=self.registry,
         ).labels(model_name)
+        self.request_phases = [
+            (
+                field,
+                Histogram(name, doc, labels, buckets=_REQUEST_PHASE_BUCKETS, registry=self.registry).labels(
+                    model_name
+                ),
+            )
+            for name, doc, field in _REQUEST_PHASES
+        ]
         self.request_success = Counter(
             "vllm:request_success",
             "Completions that finished, by finish reason (stop, length, abort, error).",
@@ -157,7 +185,9 @@ class Metrics:
         num_prompt_tokens: int = 0,
         num_generation_tokens: int = 0,
         finish_reasons: Iterable[str] = (),
+        times: Iterable[RequestTimes] = (),
     ) -> None:
+        """One engine request (a prompt with its n completions); `times`: each completion's phases."""
         self.ttft.observe(ttft)
         if tpot is not None:
             self.tpot.observe(tpot)
@@ -168,6 +198,9 @@ class Metrics:
         self.request_generation_tokens.observe(num_generation_tokens)
         for reason in finish_reasons:
             self.request_success.labels(self.model_name, reason).inc()
+        for item in times:
+            for field, histogram in self.request_phases:
+                histogram.observe(getattr(item, field))
 
     def adapter_event(self, event: str, tier: str, seconds: float = 0.0) -> None:
         """The engine's adapter observer (called from its threads; prometheus-client is thread-safe)."""
@@ -240,6 +273,12 @@ class _StateCollector(Collector):
             "vllm:prefix_cache_hits",
             "Prompt tokens found in the prefix cache.",
             stats.num_prefix_cache_hits,
+            model,
+        )
+        yield _histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine step.",
+            stats.iteration_tokens,
             model,
         )
         if stats.cache_config:
@@ -361,6 +400,16 @@ def affinity_names(adapter_ids: Iterable[str]) -> str:
         parts = split_engine_adapter_id(adapter_id)
         names[adapter_id if parts is None else parts[1]] = None
     return ",".join(names)
+
+
+def _histogram(name: str, doc: str, counts: HistogramCounts, labels: list[str]) -> HistogramMetricFamily:
+    """The engine's bucket counts (per bucket) as Prometheus' cumulative `le` buckets."""
+    family = HistogramMetricFamily(name, doc, labels=["model_name"])
+    per_bucket = counts.counts or (0,) * (len(counts.bounds) + 1)
+    cumulative = list(itertools.accumulate(per_bucket))
+    bounds = [str(float(b)) for b in counts.bounds] + ["+Inf"]
+    family.add_metric(labels, list(zip(bounds, cumulative)), counts.total)
+    return family
 
 
 def _gauge(name: str, doc: str, value: Any, labels: list[str]) -> GaugeMetricFamily:

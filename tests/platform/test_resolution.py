@@ -145,6 +145,8 @@ def test_list_models_lists_the_tenants_names(env):
     ]
     assert {m.root for m in listed.data if m.id == "a"} == {"a@2"}
     assert all(m.owned_by == "alpha" and m.parent == BASE_MODEL for m in listed.data[1:])
+    assert listed.data[0].max_model_len == env.services.max_model_len  # vLLM's, on the base model's card
+    assert all(m.max_model_len is None for m in listed.data[1:])
     beta = asyncio.run(list_models(env.services, env.principals[ADMIN_B]))
     assert [m.id for m in beta.data] == [BASE_MODEL, "secret", "secret@1"]
 

@@ -25,6 +25,7 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     root: str  # what serves it: the base model, `name@version`, or the route's name
     parent: str | None  # the base model for adapters and routes
     kind: Literal["base", "adapter", "route"]
+    max_model_len: int | None = None  # the context length, on the base model's card (as vLLM)
     object: Literal["model"] = "model"
 
 
@@ -41,7 +42,17 @@ async def list_models(services: Services, principal: Principal) -> ModelList:
         functools.partial(services.adapter_store.list, tenant, all_versions=True)
     )
     routes = await services.config_store.list_routes(tenant)
-    cards = [ModelCard(id=base, created=now, owned_by=OWNED_BY_SERVER, root=base, parent=None, kind="base")]
+    cards = [
+        ModelCard(
+            id=base,
+            created=now,
+            owned_by=OWNED_BY_SERVER,
+            root=base,
+            parent=None,
+            kind="base",
+            max_model_len=services.max_model_len,
+        )
+    ]
     latest: dict[str, AdapterRecord] = {}
     for record in records:  # sorted by (name, version): the last one of a name is its latest
         latest[record.name] = record

@@ -58,6 +58,7 @@ class RequestState:
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
     finish_reason: str | None = field(default=None)
+    timed: bool = False  # published the times at the first token
 
     def __post_init__(self) -> None:
         if self.request.sampling_params.logprobs is not None:
@@ -91,14 +92,16 @@ class RequestState:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             finish_reason=request.status.finish_reason,
             stop_reason=self.stop_reason,
-            # at the first token too: the front end extends them when a stop string ends the request there
-            times=request_times(request) if finished or request.num_output_tokens == 1 else None,
+            # with the first tokens too: the front end extends them when a stop string ends the request there
+            times=request_times(request) if finished or not self.timed else None,
         )
+        self.timed = self.timed or request.first_token_time is not None
         if request.error and self.parent.error is None:
             self.parent.error = request.error
         if self.index == 0:  # the prompt is counted once, as the first completion's (vLLM's usage does so)
             self.parent.num_cached_tokens = request.num_cached_tokens
-            if request.prompt_logprobs is not None and not request.needs_prompt_logprobs:
+            complete = request.prompt_logprobs is not None and not request.needs_prompt_logprobs
+            if complete and self.parent.prompt_logprobs is None:  # once: they never change after
                 self.parent.prompt_logprobs = list(request.prompt_logprobs)
         return self.parent.output()
 

@@ -72,6 +72,32 @@ def test_prompt_logprobs_equal_the_reference(text_model_dir, text_adapters, refe
     assert outputs[0].num_cached_tokens == 0
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_survive_preemption(text_model_dir, text_adapters, reference, async_scheduling):
+    """A KV cache too small for the batch: requests are preempted (mid-prefill too) and recomputed; each
+    keeps the entries it has, computes the missing ones, and none is doubled."""
+    llm = LLM(
+        model=str(text_model_dir),
+        lora_modules={k: str(v) for k, v in text_adapters.items()},
+        max_loras=2,
+        max_lora_rank=8,
+        max_model_len=48,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        num_kv_blocks=14,
+        async_scheduling=async_scheduling,
+    )
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[0][3:]]
+    adapters = ["alpha", None, "beta", None]
+    params = SamplingParams(max_tokens=24, temperature=0, prompt_logprobs=2, ignore_eos=True)
+    outputs = llm.generate(prompts, params, adapters=adapters)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, adapter, output in zip(prompts, adapters, outputs):
+        assert len(output.outputs[0].token_ids) == 24
+        check_entries(output.prompt_logprobs, prompt, reference(prompt, adapter), 2)
+
+
 def test_zero_top_and_n_children_share_one_computation(mixed_llm, reference):
     params = SamplingParams(n=3, max_tokens=2, temperature=1.0, seed=1, prompt_logprobs=0)
     (output,) = mixed_llm.generate([PROMPTS[3]], params, adapters=["beta"])

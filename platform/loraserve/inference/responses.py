@@ -127,9 +127,9 @@ class _Format:
     def _ids(self, token_ids: list[int]) -> list[int] | UnsetType:
         return list(token_ids) if self.options.return_token_ids else UNSET
 
-    def _prompt_logprobs(self, choices: Choices, index: int) -> PromptLogprobs | UnsetType:
+    def _prompt_logprobs(self, choices: Choices, index: int) -> PromptLogprobs | None:
         if not self.options.prompt_logprobs:
-            return UNSET
+            return None
         return prompt_logprobs_body(choices.prompt_logprobs.get(index // choices.n, []), self.text)
 
     def _echoed(self, choices: Choices, index: int):

@@ -168,7 +168,8 @@ class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True):
     # with return_token_ids (vLLM's); left out of the body otherwise
     prompt_token_ids: list[int] | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET
-    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # with prompt_logprobs (or echo with logprobs)
+    # vLLM's: null unless prompt_logprobs was asked for (or echo with logprobs); left out of stream chunks
+    prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):
@@ -218,7 +219,7 @@ class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
-    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # with prompt_logprobs (vLLM's, on the response)
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, on the response: null unless asked for
 
 
 class ChatDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

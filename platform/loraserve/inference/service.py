@@ -62,7 +62,7 @@ async def create_completion(
     )
     check_sampling_token_ids(params, services.tokenizer)
     await check_structured(services, params.structured_outputs)
-    echo = [_prompt_text(p, services.tokenizer) for p in prompts] if body.echo else None
+    echo = _echo_texts(body, prompts, services.tokenizer) if body.echo else None
     return await _generate(
         services, principal, body, prompts, params, CompletionFormat, "cmpl", request, echo
     )
@@ -253,9 +253,13 @@ async def _sse(
     yield DONE_EVENT
 
 
-def _prompt_text(prompt_ids: list[int], tokenizer: Any) -> str:
-    """The prompt as completions' echo repeats it (decoded from the ids the model saw)."""
-    return tokenizer.decode(prompt_ids) if tokenizer is not None else ""
+def _echo_texts(body: CompletionRequest, prompts: list[list[int]], tokenizer: Any) -> list[str]:
+    """The prompts as completions' echo repeats them: as sent when sent as text (vLLM's; decoding would
+    add the tokenizer's special tokens), else decoded from the ids the model saw."""
+    texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if body.truncate_prompt_tokens is None and all(isinstance(t, str) for t in texts):
+        return list(texts)
+    return [tokenizer.decode(p) if tokenizer is not None else "" for p in prompts]
 
 
 class EventStream(Stream):

@@ -51,6 +51,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_loras: int = 4
     max_lora_rank: int = 16
+    # vLLM's --max-logprobs: the most top log-probabilities (logprobs, prompt_logprobs) a request may ask
+    # for; -1: the whole vocabulary (then a request's -1 is allowed).
+    max_logprobs: int = 20
     # Adapters kept on the host, ready to copy into a GPU slot; None: as many as max_loras.
     max_cpu_loras: int | None = None
     adapter_loader: str = "auto"  # see ADAPTER_LOADERS
@@ -95,6 +98,14 @@ class EngineConfig:
         _positive("max_loras", self.max_loras)
         _positive("max_lora_rank", self.max_lora_rank)
         _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        if (
+            isinstance(self.max_logprobs, bool)
+            or not isinstance(self.max_logprobs, int)
+            or self.max_logprobs < -1
+        ):
+            raise ValueError(
+                f"max_logprobs must be -1 (no cap) or a non-negative integer (got {self.max_logprobs!r})"
+            )
         if self.max_cpu_loras is not None:
             _positive("max_cpu_loras", self.max_cpu_loras)
             if self.max_cpu_loras < self.max_loras:

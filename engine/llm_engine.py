@@ -30,7 +30,7 @@ from engine.output_processor import ParentRequest, RequestState
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import NO_LORA, Request, RequestStatus
 from engine.sampler import SampledStep, Sampler, on_device
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import WHOLE_VOCABULARY, SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, Histogram, distinct_adapters
 from engine.structured_output.matchers import StructuredOutputs
@@ -154,6 +154,7 @@ class LLMEngine:
             adapter_id = self._resolve_adapter(adapter)
             self._check_prompt(prompt_ids)
             self._check_token_ids(params)
+            params = self._capped_logprobs(params)
         except (AdapterError, RequestError) as exc:
             self._fail_unqueued(request_id, prompt_text, prompt_ids or [], adapter, str(exc))
             return
@@ -462,6 +463,22 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def _capped_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """vLLM's rule: -1 asks for the whole vocabulary; more than `max_logprobs` (-1: the vocabulary) is
+        refused with vLLM's message. Returns the params with -1 made the vocabulary size."""
+        vocab = self.runner.model.weights.embed.shape[0]
+        cap = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
+        changes = {}
+        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            value = getattr(params, name)
+            if value == WHOLE_VOCABULARY:
+                value = changes[name] = vocab
+            if value is not None and value > cap:
+                raise RequestError(
+                    f"Requested {kind} logprobs of {value}, which is greater than max allowed: {cap}"
+                )
+        return dataclasses.replace(params, **changes) if changes else params
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         """Token ids in logit_bias and allowed_token_ids must exist in this model's vocabulary."""

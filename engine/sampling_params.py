@@ -12,8 +12,9 @@ GREEDY_EPSILON = 1e-5
 # A seed is a 64-bit signed integer, as in vLLM; n > 1 adds the child's index, which torch's generators
 # (seeds up to 2**64 - 1) still take.
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
-# Top log-probabilities a request may ask for per token (vLLM's default --max-logprobs).
-MAX_LOGPROBS = 20
+# logprobs / prompt_logprobs asking for the whole vocabulary (vLLM's); the engine caps both at
+# EngineConfig.max_logprobs and turns this into the vocabulary size.
+WHOLE_VOCABULARY = -1
 
 
 @dataclass
@@ -83,9 +84,11 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS
+                not isinstance(value, int) or isinstance(value, bool) or value < WHOLE_VOCABULARY
             ):
-                raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS} (got {value!r})")
+                raise ValueError(
+                    f"{name} must be a non-negative integer or -1, the whole vocabulary (got {value!r})"
+                )
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(

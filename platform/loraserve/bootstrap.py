@@ -54,6 +54,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         max_loras=settings.max_loras,
         max_lora_rank=settings.max_lora_rank,
         max_cpu_loras=settings.max_cpu_loras,
+        max_logprobs=settings.max_logprobs,
         adapter_loader=settings.adapter_loader,
         dtype=settings.dtype,
         device=settings.device,
@@ -136,6 +137,7 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             allowed_lora_paths=settings.allowed_lora_paths,
             max_model_len=engine.max_model_len,
             sampling_defaults=sampling_defaults,
+            max_logprobs=settings.max_logprobs,
         )
     finally:
         if engine is not None:

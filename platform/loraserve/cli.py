@@ -61,6 +61,7 @@ _SERVE_FIELDS = (
     "adapter_loader",
     "generation_config",
     "max_lora_rank",
+    "max_logprobs",
     "allowed_lora_paths",
     "adapter_store",
     "config_store",
@@ -131,6 +132,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-loras", type=int, default=4, help="adapters resident on the GPU at once")
     add("--max-cpu-loras", type=int, help="adapters kept ready in host memory (default: --max-loras)")
     add("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
+    add(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="the most top logprobs (logprobs, top_logprobs, prompt_logprobs) a request may ask for; -1: no cap, "
+        "so -1 (the whole vocabulary) is allowed (vLLM's flag)",
+    )
     add(
         "--adapter-loader",
         default="auto",

@@ -114,6 +114,8 @@ class Services:
     max_model_len: int | None = None  # prompt plus output tokens per sequence; None: not checked here
     # The model's recommended sampling fields for those a request leaves unset (its generation_config.json).
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # vLLM's --max-logprobs: the most top logprobs a request may ask for; -1: the whole vocabulary.
+    max_logprobs: int = 20
     # Folders POST /v1/load_lora_adapter may read from (--allowed-lora-paths); empty: runtime loading off.
     allowed_lora_paths: tuple[str, ...] = ()
     # Built on the first structured-output request (loraserve.inference.structured): checks specs for 400s.

@@ -55,6 +55,7 @@ class ServerSettings:
     adapter_loader: str = "auto"  # engine.config.ADAPTER_LOADERS
     generation_config: str = "auto"  # where unset sampling fields come from (GENERATION_CONFIGS)
     max_lora_rank: int = 16
+    max_logprobs: int = 20  # vLLM's --max-logprobs (engine.EngineConfig.max_logprobs); -1: no cap
     # (name, local PEFT folder) pairs put into the default tenant's store at start.
     lora_modules: tuple[tuple[str, str], ...] = ()
     # Folders under which POST /v1/load_lora_adapter may read adapters; empty: runtime loading is off.
@@ -143,6 +144,10 @@ class ServerSettings:
             raise ValueError(f"--max-concurrent-requests-per-tenant must be a positive integer (got {limit})")
         if self.api_keys is not None and not Path(self.api_keys).is_file():
             raise ValueError(f"--api-keys {self.api_keys!r} is not a file; give a JSON or YAML keys file")
+        if self.max_logprobs < -1:
+            raise ValueError(
+                f"--max-logprobs must be -1 (no cap) or a non-negative integer (got {self.max_logprobs})"
+            )
         names = [name for name, _ in self.lora_modules]
         for name, path in self.lora_modules:
             if not _MODULE.fullmatch(name) or ".." in name:

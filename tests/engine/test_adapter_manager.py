@@ -21,6 +21,7 @@ from engine.lora.manager import AdapterManager
 from engine.lora.model_shape import TARGET_MODULES
 from engine.lora.registry import AdapterRegistry
 from engine.lora.slots import LoRASlots
+from engine.stats import ITERATION_TOKEN_BUCKETS, HistogramCounts
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -204,7 +205,22 @@ def test_forget_adapter_refuses_new_requests_and_frees_the_slot_after_running_on
 
 def test_stats_reflect_running_waiting_and_adapters(case):
     engine = make_engine(case, max_num_seqs=2, max_loras=2)
-    idle = EngineStats(0, 0, 0.0, 0, 0, 0, (), (), 2, 0, 0, cache_config=engine.stats().cache_config)
+    no_steps = HistogramCounts(ITERATION_TOKEN_BUCKETS, (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1), 0.0)
+    idle = EngineStats(
+        0,
+        0,
+        0.0,
+        0,
+        0,
+        0,
+        (),
+        (),
+        2,
+        0,
+        0,
+        cache_config=engine.stats().cache_config,
+        iteration_tokens=no_steps,
+    )
     assert engine.stats() == idle
     assert dict(idle.cache_config)["block_size"] == str(engine.config.block_size)
     plan = [("a", "ad5"), ("b", None), ("c", "ad6"), ("d", "ad5")]

@@ -119,7 +119,30 @@ def test_request_times_and_iteration_tokens(mixed_llm):
     assert after.total - before.total == 7 + 3
 
 
-@pytest.mark.parametrize("value", [-1, 21, True, 1.5])
-def test_prompt_logprobs_out_of_range_is_refused(value):
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=value)
+@pytest.mark.parametrize("value", [-2, True, 1.5])
+def test_malformed_logprob_counts_are_refused(value):
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: value})
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("prompt_logprobs", 21, "Requested prompt logprobs of 21, which is greater than max allowed: 20"),
+        ("prompt_logprobs", -1, "Requested prompt logprobs of 320, which is greater than max allowed: 20"),
+        ("logprobs", -1, "Requested sample logprobs of 320, which is greater than max allowed: 20"),
+    ],
+)
+def test_counts_over_max_logprobs_fail_their_request_as_vllm(mixed_llm, field, value, message):
+    (output,) = mixed_llm.generate([PROMPTS[3]], SamplingParams(max_tokens=2, **{field: value}))
+    assert output.error == message and output.outputs[0].finish_reason == "error"
+
+
+def test_minus_one_is_the_whole_vocabulary_without_a_cap(text_model_dir, reference):
+    llm = LLM(model=str(text_model_dir), max_model_len=64, block_size=4, max_logprobs=-1)
+    params = SamplingParams(max_tokens=2, temperature=0, logprobs=-1, prompt_logprobs=-1)
+    (output,) = llm.generate([PROMPTS[3]], params)
+    vocab = 320
+    check_entries(output.prompt_logprobs, PROMPTS[3], reference(PROMPTS[3], None), vocab)
+    assert all(len(step.top) == vocab for step in output.outputs[0].logprobs)

@@ -93,6 +93,7 @@ async def open_test_services(
     max_loras: int = 2,
     store_config: StoreConfig | None = None,
     config_store: CachedConfigStore | None = None,
+    max_logprobs: int = 20,
 ) -> AsyncIterator[Services]:
     """`store_config` (e.g. S3) replaces the local store under `root`; `config_store` the embedded one."""
     shape = ModelShape.from_hf_config(load_config(model_dir))
@@ -118,6 +119,7 @@ async def open_test_services(
         max_loras=max_loras,
         max_lora_rank=16,
         max_num_seqs=16,
+        max_logprobs=max_logprobs,
     )
     # The engine core runs in its own process, as in `loraserve serve`.
     engine = AsyncLLM.from_config(
@@ -140,6 +142,7 @@ async def open_test_services(
             metrics=metrics,
             tokenizer=engine.tokenizer,
             max_model_len=engine.max_model_len,
+            max_logprobs=max_logprobs,
         )
         built.append(services)
         yield services

@@ -154,7 +154,11 @@ REFUSED = [
     ("completions", {"extra_body": {"prompt_logprobs": 21}}, "prompt logprobs of 21, which is greater"),
     ("completions", {"logprobs": -1}, "`logprobs` must be a positive value"),
     ("completions", {"logprobs": 21}, "sample logprobs of 21, which is greater than max allowed: 20"),
-    ("chat", {"logprobs": True, "top_logprobs": -1}, "whole vocabulary (-1), which is greater than"),
+    (
+        "chat",
+        {"logprobs": True, "top_logprobs": -1},
+        "sample logprobs of 300, which is greater than max allowed: 20",
+    ),
     ("chat", {"logprobs": True, "top_logprobs": -2}, "must be a positive value or -1"),
     ("chat", {"top_logprobs": 2}, "`logprobs` must be set to true"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "greater than max allowed: 20"),
@@ -190,3 +194,31 @@ def test_what_vllm_refuses_is_a_400_and_what_asks_nothing_passes(tmp_path, model
         assert error.status_code == 400 and message in error.message, (path, fields, error.message)
     assert chat.choices[0].logprobs is None
     assert chunks and chunks[-1].choices[0].finish_reason is not None
+
+
+def test_minus_one_is_the_whole_vocabulary_under_max_logprobs_minus_one(tmp_path, model_dir, reference):
+    """`--max-logprobs -1` (vLLM's): -1 asks for every token's logprob, in chat's top_logprobs and in
+    prompt_logprobs; completions' `logprobs: -1` stays refused, as vLLM refuses it."""
+
+    async def scenario(client, services):
+        api = sdk(client)
+        chat = await api.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=1,
+            logprobs=True,
+            top_logprobs=-1,
+            extra_body={"prompt_logprobs": -1, "return_token_ids": True},
+        )
+        with pytest.raises(openai.BadRequestError) as refused:
+            await api.completions.create(model="tiny", prompt="x", max_tokens=1, logprobs=-1)
+        return chat, refused.value, services.tokenizer
+
+    chat, refused, tokenizer = run(tmp_path, model_dir, scenario, max_logprobs=-1)
+    vocab = len(tokenizer)
+    assert len(chat.choices[0].logprobs.content[0].top_logprobs) == vocab
+    prompt = chat.model_extra["prompt_token_ids"]
+    entries = chat.model_extra["prompt_logprobs"]
+    assert all(len(entry) == vocab for entry in entries[1:])
+    check_vllm_shape(entries, prompt, reference(prompt), vocab, tokenizer)
+    assert "`logprobs` must be a positive value" in refused.message

@@ -7,11 +7,12 @@ its generation_config.json), by the engine's own rule (engine.generation_config)
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from engine import SamplingParams
 from engine.generation_config import apply_generation_defaults
-from engine.sampling_params import MAX_LOGPROBS
+from engine.sampling_params import WHOLE_VOCABULARY
 from loraserve.errors import BadRequest
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.structured import structured_params
@@ -20,41 +21,60 @@ MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def completion_params(body: CompletionRequest, defaults: Mapping[str, Any]) -> SamplingParams:
+@dataclass(frozen=True)
+class LogprobsCap:
+    """vLLM's --max-logprobs (-1: the whole vocabulary) and the vocabulary size (None: unknown)."""
+
+    max_logprobs: int = 20
+    vocab_size: int | None = None
+
+    def check(self, kind: str, value: int | None, param: str) -> None:
+        """Refuse, with vLLM's message, a count above the cap; -1 asks for the whole vocabulary."""
+        if value is None:
+            return
+        whole = value == WHOLE_VOCABULARY
+        asked = self.vocab_size if whole else value
+        if self.max_logprobs == -1:
+            if asked is None or self.vocab_size is None or asked <= self.vocab_size:
+                return
+            cap = self.vocab_size
+        else:
+            cap = self.max_logprobs
+            if asked is not None and asked <= cap:
+                return
+        shown = "the whole vocabulary (-1)" if asked is None else str(asked)
+        raise BadRequest(
+            f"Requested {kind} logprobs of {shown}, which is greater than max allowed: {cap}", param=param
+        )
+
+
+def completion_params(
+    body: CompletionRequest, defaults: Mapping[str, Any], cap: LogprobsCap = LogprobsCap()
+) -> SamplingParams:
     if body.logprobs is not None and body.logprobs < 0:
         raise BadRequest("`logprobs` must be a positive value.", param="logprobs")
-    _check_cap("sample", body.logprobs, "logprobs")
+    cap.check("sample", body.logprobs, "logprobs")
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
     # vLLM's: echo with logprobs returns the prompt's logprobs too (prompt_logprobs defaults to logprobs)
     prompt_logprobs = body.prompt_logprobs
     if prompt_logprobs is None and body.echo:
         prompt_logprobs = body.logprobs
-    return _params(body, max_tokens, body.logprobs, prompt_logprobs, defaults)
+    return _params(body, max_tokens, body.logprobs, prompt_logprobs, defaults, cap)
 
 
-def chat_params(body: ChatCompletionRequest, defaults: Mapping[str, Any]) -> SamplingParams:
+def chat_params(
+    body: ChatCompletionRequest, defaults: Mapping[str, Any], cap: LogprobsCap = LogprobsCap()
+) -> SamplingParams:
     top = body.top_logprobs
-    if top is not None and top < -1:
+    if top is not None and top < WHOLE_VOCABULARY:
         raise BadRequest("`top_logprobs` must be a positive value or -1.", param="top_logprobs")
     if top is not None and top != 0 and not body.logprobs:
         raise BadRequest("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
-    _check_cap("sample", top, "top_logprobs")
+    cap.check("sample", top, "top_logprobs")
     logprobs = (top or 0) if body.logprobs else None
     # None: generate until the end of the sequence or the context is full.
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _params(body, max_tokens, logprobs, body.prompt_logprobs, defaults)
-
-
-def _check_cap(kind: str, value: int | None, param: str) -> None:
-    """vLLM's cap on top log-probabilities (its default --max-logprobs 20; -1 asks for the whole
-    vocabulary, more than the cap, so vLLM refuses it as this does)."""
-    if value is None or 0 <= value <= MAX_LOGPROBS:
-        return
-    asked = "the whole vocabulary (-1)" if value == -1 else str(value)
-    raise BadRequest(
-        f"Requested {kind} logprobs of {asked}, which is greater than max allowed: {MAX_LOGPROBS}",
-        param=param,
-    )
+    return _params(body, max_tokens, logprobs, body.prompt_logprobs, defaults, cap)
 
 
 def _params(
@@ -63,15 +83,16 @@ def _params(
     logprobs: int | None,
     prompt_logprobs: int | None,
     defaults: Mapping[str, Any],
+    cap: LogprobsCap,
 ) -> SamplingParams:
     if body.prompt_logprobs is not None:
-        if body.prompt_logprobs < -1:
+        if body.prompt_logprobs < WHOLE_VOCABULARY:
             raise BadRequest("`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")
         if body.stream and body.prompt_logprobs != 0:
             raise BadRequest(
                 "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
             )
-    _check_cap("prompt", prompt_logprobs, "prompt_logprobs")
+    cap.check("prompt", prompt_logprobs, "prompt_logprobs")
     if body.stream_options is not None and not body.stream:
         raise BadRequest("stream_options can only be set when stream is true", param="stream_options")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])

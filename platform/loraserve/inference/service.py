@@ -36,7 +36,7 @@ from loraserve.inference.prompts import (
     message_text,
 )
 from loraserve.inference.responses import ChatFormat, Choices, CompletionFormat, ResponseOptions
-from loraserve.inference.sampling import chat_params, completion_params
+from loraserve.inference.sampling import LogprobsCap, chat_params, completion_params
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.structured import check_structured
 from loraserve.ops.readiness import engine_dead_reason
@@ -56,7 +56,7 @@ async def create_completion(
     services: Services, principal: Principal, body: CompletionRequest, request: Request
 ) -> Any:
     check_serving(services)
-    params = completion_params(body, services.sampling_defaults)
+    params = completion_params(body, services.sampling_defaults, _logprobs_cap(services))
     prompts = completion_prompts(
         body.prompt, services.tokenizer, services.max_model_len, body.truncate_prompt_tokens
     )
@@ -72,7 +72,7 @@ async def create_chat_completion(
     services: Services, principal: Principal, body: ChatCompletionRequest, request: Request
 ) -> Any:
     check_serving(services)
-    params = chat_params(body, services.sampling_defaults)
+    params = chat_params(body, services.sampling_defaults, _logprobs_cap(services))
     prompt = chat_prompt(
         body.messages,
         services.tokenizer,
@@ -103,6 +103,11 @@ async def create_invocation(
     if isinstance(parsed, ChatCompletionRequest):
         return await create_chat_completion(services, principal, parsed, request)
     return await create_completion(services, principal, parsed, request)
+
+
+def _logprobs_cap(services: Services) -> LogprobsCap:
+    vocab = len(services.tokenizer) if services.tokenizer is not None else None
+    return LogprobsCap(services.max_logprobs, vocab)
 
 
 def check_serving(services: Services) -> None:

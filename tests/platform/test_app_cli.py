@@ -55,6 +55,8 @@ def test_defaults_flags_and_environment(tmp_path):
     flags_win = settings(["--max-loras", "2", "--enable-prefix-caching", "--model", "m"], env)
     assert flags_win.max_loras == 2 and flags_win.enable_prefix_caching and flags_win.model == "m"
     assert default.root_path == "" and settings(["--root-path", "/llm"]).root_path == "/llm"
+    assert default.max_logprobs == 20 and settings(["--max-logprobs", "-1"]).max_logprobs == -1
+    assert settings([], {"LORASERVE_MAX_LOGPROBS": "50"}).max_logprobs == 50
 
 
 @pytest.mark.parametrize(
@@ -78,6 +80,7 @@ def test_defaults_flags_and_environment(tmp_path):
         (["--lora-modules", "x=/no/such/dir"], {}, ["PEFT adapter folder"]),
         (["--adapter-store", "ftp://x"], {}, ["--adapter-store"]),
         (["--shutdown-timeout", "-1"], {}, ["--shutdown-timeout"]),
+        (["--max-logprobs", "-2"], {}, ["--max-logprobs", "-2"]),
         (["--root-path", "llm"], {}, ["--root-path", "start with /"]),
         (["--root-path", "/llm/"], {}, ["--root-path"]),
     ],
@@ -130,6 +133,7 @@ def test_engine_gpu_options_from_flags_and_environment():
         True,
         "triton",
     )
+    assert engine_config(settings(["--max-logprobs", "-1"]), "some/model").max_logprobs == -1
 
 
 def test_server_choices_are_the_engines():

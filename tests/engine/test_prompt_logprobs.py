@@ -33,6 +33,30 @@ def reference(text_model_dir, text_adapters):
     return logprobs
 
 
+def make(text_model_dir, text_adapters, **overrides) -> LLM:
+    """float32 on any device, so values compare with the float64 reference to 1e-4 (on CUDA too)."""
+    args = dict(
+        model=str(text_model_dir),
+        lora_modules={k: str(v) for k, v in text_adapters.items()},
+        max_loras=2,
+        max_lora_rank=8,
+        max_model_len=96,
+        block_size=4,
+        max_num_seqs=8,
+        dtype="float32",
+    )
+    return LLM(**{**args, **overrides})
+
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
+
+
 def check_entries(entries, prompt: list[int], expected: torch.Tensor, k: int) -> None:
     assert entries[0] is None and len(entries) == len(prompt)
     for i, entry in enumerate(entries[1:]):
@@ -46,25 +70,25 @@ def check_entries(entries, prompt: list[int], expected: torch.Tensor, k: int) ->
         assert list(entry.top.values()) == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
-@pytest.mark.parametrize("chunk", [8, 256])
-def test_prompt_logprobs_equal_the_reference(text_model_dir, text_adapters, reference, chunk):
-    """Chunked prefill (8 tokens a step) and whole prompts; prefix caching on, so the second prompt's
-    13 shared tokens would be a cache hit if the engine read it; adapters and the base model mixed."""
-    llm = LLM(
-        model=str(text_model_dir),
-        lora_modules={k: str(v) for k, v in text_adapters.items()},
-        max_loras=2,
-        max_lora_rank=8,
-        max_model_len=96,
-        block_size=4,
-        max_num_seqs=8,
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunk", [4, 256])
+def test_prompt_logprobs_equal_the_reference(text_model_dir, text_adapters, reference, chunk, device):
+    """Chunked prefill (4 tokens a step: with three requests decoding, some chunks are 1 token, a
+    step a CUDA graph would take without its prompt positions) and whole prompts; prefix caching on, so
+    the second prompt's 13 shared tokens would be a cache hit if the engine read it; adapters and the
+    base model mixed."""
+    llm = make(
+        text_model_dir,
+        text_adapters,
         max_num_batched_tokens=chunk,
+        max_num_seqs=4,
         enable_prefix_caching=True,
+        device=device,
     )
     adapters = [None, "alpha", "beta", None]
     warm = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1), adapters=[None])  # fills the cache
     assert warm[0].prompt_logprobs is None
-    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=TOP_K, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, temperature=0, prompt_logprobs=TOP_K, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params, adapters=adapters)
     for prompt, adapter, output in zip(PROMPTS, adapters, outputs):
         check_entries(output.prompt_logprobs, prompt, reference(prompt, adapter), TOP_K)
@@ -76,13 +100,10 @@ def test_prompt_logprobs_equal_the_reference(text_model_dir, text_adapters, refe
 def test_prompt_logprobs_survive_preemption(text_model_dir, text_adapters, reference, async_scheduling):
     """A KV cache too small for the batch: requests are preempted (mid-prefill too) and recomputed; each
     keeps the entries it has, computes the missing ones, and none is doubled."""
-    llm = LLM(
-        model=str(text_model_dir),
-        lora_modules={k: str(v) for k, v in text_adapters.items()},
-        max_loras=2,
-        max_lora_rank=8,
+    llm = make(
+        text_model_dir,
+        text_adapters,
         max_model_len=48,
-        block_size=4,
         max_num_seqs=4,
         max_num_batched_tokens=8,
         num_kv_blocks=14,
@@ -98,9 +119,9 @@ def test_prompt_logprobs_survive_preemption(text_model_dir, text_adapters, refer
         check_entries(output.prompt_logprobs, prompt, reference(prompt, adapter), 2)
 
 
-def test_zero_top_and_n_children_share_one_computation(mixed_llm, reference):
+def test_zero_top_and_n_children_share_one_computation(text_model_dir, text_adapters, reference):
     params = SamplingParams(n=3, max_tokens=2, temperature=1.0, seed=1, prompt_logprobs=0)
-    (output,) = mixed_llm.generate([PROMPTS[3]], params, adapters=["beta"])
+    (output,) = make(text_model_dir, text_adapters).generate([PROMPTS[3]], params, adapters=["beta"])
     assert len(output.outputs) == 3
     check_entries(output.prompt_logprobs, PROMPTS[3], reference(PROMPTS[3], "beta"), 0)
     assert all(entry.top == {} for entry in output.prompt_logprobs[1:])
@@ -140,7 +161,7 @@ def test_counts_over_max_logprobs_fail_their_request_as_vllm(mixed_llm, field, v
 
 
 def test_minus_one_is_the_whole_vocabulary_without_a_cap(text_model_dir, reference):
-    llm = LLM(model=str(text_model_dir), max_model_len=64, block_size=4, max_logprobs=-1)
+    llm = LLM(model=str(text_model_dir), max_model_len=64, block_size=4, max_logprobs=-1, dtype="float32")
     params = SamplingParams(max_tokens=2, temperature=0, logprobs=-1, prompt_logprobs=-1)
     (output,) = llm.generate([PROMPTS[3]], params)
     vocab = 320

@@ -100,7 +100,7 @@ class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     # A string, a list of strings, a list of token ids, or a list of token id lists (checked in prompts.py;
     # msgspec cannot tell list[str] from list[int] inside one union).
     prompt: str | list[Any]
-    logprobs: int | None = None  # 0..MAX_LOGPROBS, checked in sampling.py with vLLM's messages
+    logprobs: int | None = None  # 0..--max-logprobs, checked in sampling.py with vLLM's messages
     echo: bool = False
 
 
@@ -120,7 +120,7 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None  # 0..MAX_LOGPROBS (-1: the whole vocabulary), checked in sampling.py
+    top_logprobs: int | None = None  # 0..--max-logprobs (-1: the whole vocabulary), checked in sampling.py
     # vLLM's: render the last (assistant) message open so the model continues it; echo repeats it in the answer
     add_generation_prompt: bool = True
     continue_final_message: bool = False

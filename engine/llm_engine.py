@@ -494,8 +494,9 @@ class LLMEngine:
 
 def child_params(params: SamplingParams, index: int, eos_token_ids: list[int]) -> SamplingParams:
     """The params of child `index` of a request: each child of an n > 1 request samples independently
-    (seed + index, as vLLM does), and only the first computes prompt logprobs; extra end-of-sequence ids of the checkpoint stop generation like eos
-    itself. Applying it again to a child (index 0) changes nothing."""
+    (seed + index, as vLLM does), and only the first computes prompt logprobs; extra end-of-sequence ids
+    of the checkpoint stop generation like eos itself. Applying it again to a child (index 0) changes
+    nothing."""
     changes: dict = {"n": 1}
     if index > 0:  # the children share the prompt: the first one computes its logprobs
         changes["prompt_logprobs"] = None

@@ -112,6 +112,7 @@ class _Format:
     def __init__(self, response_id: str, model: str, text: TokenText, options: ResponseOptions) -> None:
         self.id, self.model, self.text, self.options = response_id, model, text, options
         self.created = int(time.time())
+        self._prompt_bodies: dict[int, PromptLogprobs] = {}  # by prompt: its choices share one
 
     @property
     def want_logprobs(self) -> bool:
@@ -130,7 +131,12 @@ class _Format:
     def _prompt_logprobs(self, choices: Choices, index: int) -> PromptLogprobs | None:
         if not self.options.prompt_logprobs:
             return None
-        return prompt_logprobs_body(choices.prompt_logprobs.get(index // choices.n, []), self.text)
+        prompt = index // choices.n
+        if prompt not in self._prompt_bodies:
+            self._prompt_bodies[prompt] = prompt_logprobs_body(
+                choices.prompt_logprobs.get(prompt, []), self.text
+            )
+        return self._prompt_bodies[prompt]
 
     def _echoed(self, choices: Choices, index: int):
         """The prompt's ids and logprob entries that lead a choice's logprobs (echo with logprobs)."""

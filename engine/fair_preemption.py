@@ -68,8 +68,8 @@ def pick_victims(
     rows = Counter(r.tenant for r in running)
     # T's rows per weight once admitted; a victim's tenant must keep ROW_RATIO times that after the move.
     taker = ROW_RATIO * (rows[tenant] + 1) / counters.weight(tenant)
-    newest_first = {id(r): position for position, r in enumerate(running)}
-    candidates.sort(key=lambda r: (-counters.counter(r.tenant), r.num_computed_tokens, -newest_first[id(r)]))
+    position_of = {id(r): position for position, r in enumerate(running)}
+    candidates.sort(key=lambda r: (-counters.counter(r.tenant), r.num_computed_tokens, -position_of[id(r)]))
     victims: list[Request] = []
     num_freed = 0
     while (need_row and not victims) or num_freed < num_missing_blocks:

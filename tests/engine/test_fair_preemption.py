@@ -57,7 +57,7 @@ CASES = {
         [0],
         [2],
     ),
-    # Only a token's worth of budget is left after A's decodes and prefill: B's prefill goes first.
+    # A's decode and the next chunk of A's long prompt would take the whole budget: B's prefill goes first.
     "token budget taken by A's prefill": (
         FullBatch(
             dict(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=64),
@@ -260,6 +260,7 @@ def test_random_floods_with_shared_prefixes_keep_the_kv_cache_consistent(seed):
         if step >= 60 and not scheduler.has_unfinished_requests():
             break
         output = scheduler.schedule()
+        assert output.scheduled or not scheduler.num_waiting, f"step {step}: empty while requests wait"
         for item in output.scheduled:
             r, end = item.request, item.start + item.num_new_tokens
             for pos in range(end):
@@ -279,8 +280,12 @@ def test_random_floods_with_shared_prefixes_keep_the_kv_cache_consistent(seed):
 # -- engine level: the victim's recomputed tokens ------------------------------------------------------
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_a_preempted_victim_resumes_with_the_same_greedy_tokens(text_model_dir, async_scheduling):
+@pytest.mark.parametrize(
+    ("async_scheduling", "caching"),
+    [(False, True), (True, True), (False, False)],
+    ids=["sync", "async", "no-cache"],
+)
+def test_a_preempted_victim_resumes_with_the_same_greedy_tokens(text_model_dir, async_scheduling, caching):
     from engine import LLMEngine
 
     greedy = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
@@ -303,7 +308,7 @@ def test_a_preempted_victim_resumes_with_the_same_greedy_tokens(text_model_dir, 
         alone.add_request(request_id, prompt, greedy, tenant=request_id[0])
     drain(alone, expected)
 
-    crowded = engine(max_num_seqs=3, async_scheduling=async_scheduling)
+    crowded = engine(max_num_seqs=3, async_scheduling=async_scheduling, enable_prefix_caching=caching)
     got: dict[str, list[int]] = {}
     for request_id in ("a0", "a1", "a2", "a3"):
         crowded.add_request(request_id, prompts[request_id], greedy, tenant="a")

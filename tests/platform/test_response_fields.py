@@ -115,3 +115,34 @@ def test_fields_that_cannot_be_honoured_are_400s(tmp_path, model_dir, path, fiel
 
     error = run(tmp_path, model_dir, scenario)
     assert error.status_code == 400 and param in error.message
+
+
+def test_stream_options_as_vllm_reads_them(tmp_path, model_dir):
+    """Given at all, stream_options include the usage chunk unless include_usage is false or null (vLLM's
+    default); `{}` without a stream asks for nothing and passes, a set field without a stream is a 400."""
+
+    async def scenario(client, services):
+        api = sdk(client)
+        base = {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+        results = {}
+        for name, options in (
+            ("empty", {}),
+            ("null", {"include_usage": None}),
+            ("off", {"include_usage": False}),
+            ("continuous", {"continuous_usage_stats": True}),
+        ):
+            stream = await api.completions.create(**base, stream=True, stream_options=options)
+            results[name] = [chunk async for chunk in stream]
+        plain = await api.completions.create(**base, stream=False, extra_body={"stream_options": {}})
+        with pytest.raises(openai.BadRequestError) as refused:
+            await api.completions.create(**base, stream=False, stream_options={"include_usage": None})
+        return results, plain, refused.value
+
+    results, plain, refused = run(tmp_path, model_dir, scenario)
+    assert results["empty"][-1].choices == [] and results["empty"][-1].usage.completion_tokens == 3
+    assert all(chunk.usage is None for chunk in results["empty"][:-1])
+    for name in ("null", "off"):
+        assert all(chunk.choices and chunk.usage is None for chunk in results[name])
+    assert all(chunk.usage is not None for chunk in results["continuous"])
+    assert plain.usage.completion_tokens == 3
+    assert refused.status_code == 400 and "stream_options" in refused.message

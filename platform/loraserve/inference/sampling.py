@@ -93,7 +93,8 @@ def _params(
                 "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
             )
     cap.check("prompt", prompt_logprobs, "prompt_logprobs")
-    if body.stream_options is not None and not body.stream:
+    # vLLM's rule: `{}` asks for nothing, so only a set field needs a stream
+    if body.stream_options is not None and not body.stream_options.is_empty and not body.stream:
         raise BadRequest("stream_options can only be set when stream is true", param="stream_options")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):

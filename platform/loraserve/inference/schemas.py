@@ -51,8 +51,23 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
+    """OpenAI's, with vLLM's defaults: given at all, it includes the usage chunk unless include_usage is
+    false or null. Unset fields stay UNSET, so `{}` (nothing asked) can be told from a set field."""
+
+    include_usage: bool | None | UnsetType = UNSET  # unset: true, as in vLLM
+    continuous_usage_stats: bool | None | UnsetType = UNSET  # vLLM's: usage so far in every chunk
+
+    @property
+    def is_empty(self) -> bool:
+        return self.include_usage is UNSET and self.continuous_usage_stats is UNSET
+
+    @property
+    def usage(self) -> bool:
+        return self.include_usage is UNSET or bool(self.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.usage and self.continuous_usage_stats is not UNSET and bool(self.continuous_usage_stats)
 
 
 class _Sampling(msgspec.Struct, frozen=True, kw_only=True):

@@ -168,8 +168,8 @@ async def _generate(
         await _until_done_or_disconnected(_collect(generation, choices), request, generation)
         return Response(fmt.whole(choices, choices.usage(generation.num_prompt_tokens)), headers=headers)
     options = body.stream_options
-    include_usage = bool(options and options.include_usage)
-    continuous_usage = bool(options and options.include_usage and options.continuous_usage_stats)
+    include_usage = options is not None and options.usage
+    continuous_usage = options is not None and options.continuous_usage
     events = generation.events()
     try:
         first = await anext(events)

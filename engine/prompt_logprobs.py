@@ -23,9 +23,10 @@ if TYPE_CHECKING:
     from engine.request import Request
     from engine.scheduler import ScheduledRequest
 
-# Logits are computed for at most this many floats at once (rows x vocab): a long prefill chunk of a
-# large-vocabulary model would otherwise need gigabytes for one log-softmax.
-MAX_LOGIT_ELEMENTS = 2**25
+# Logits are computed for at most this many floats at once (rows x vocab, 64 MiB in float32, twice that
+# with the log-softmax): a long prefill chunk of a large-vocabulary model would otherwise need gigabytes
+# the KV-cache profile never reserved.
+MAX_LOGIT_ELEMENTS = 2**24
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,9 @@ class PromptTokenLogprobs:
 
 
 def wants_prompt_logprobs(scheduled: list[ScheduledRequest]) -> bool:
-    """Whether some request of the step still needs entries from the positions it computes."""
-    return any(len(_pending_positions(s)) for s in scheduled)
+    """Whether some request of the step still needs entries from the positions it computes (cheap for the
+    usual step, where no request asked: one attribute read each)."""
+    return any(s.request.prompt_logprobs is not None and len(_pending_positions(s)) for s in scheduled)
 
 
 def compute_prompt_logprobs(

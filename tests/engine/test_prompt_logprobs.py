@@ -8,7 +8,7 @@ import pytest
 import torch
 from factories import load_peft_reference
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, prompt_logprobs
 
 PROMPTS = [
     [5, 17, 42, 99, 7, 250, 3, 3, 8, 61, 120, 77, 2, 300, 14, 9, 45, 46, 47, 48, 11],
@@ -167,3 +167,11 @@ def test_minus_one_is_the_whole_vocabulary_without_a_cap(text_model_dir, referen
     vocab = 320
     check_entries(output.prompt_logprobs, PROMPTS[3], reference(PROMPTS[3], None), vocab)
     assert all(len(step.top) == vocab for step in output.outputs[0].logprobs)
+
+
+def test_long_chunks_are_computed_in_bounded_slices(text_model_dir, text_adapters, reference, monkeypatch):
+    """Logits of at most 3 rows at a time (a 20-row chunk: 7 slices) give the same entries."""
+    monkeypatch.setattr(prompt_logprobs, "MAX_LOGIT_ELEMENTS", 3 * 320)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=2)
+    (output,) = make(text_model_dir, text_adapters).generate([PROMPTS[0]], params, adapters=["alpha"])
+    check_entries(output.prompt_logprobs, PROMPTS[0], reference(PROMPTS[0], "alpha"), 2)

@@ -72,6 +72,9 @@ def test_fields_change_the_output_as_defined(tmp_path, model_dir):
         ({"extra_body": {"min_p": 1.5}}, "min_p"),
         ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
         ({"extra_body": {"allowed_token_ids": [10**7]}}, "allowed_token_ids"),
+        ({"extra_body": {"stop_token_ids": [10**7]}}, "stop_token_ids"),
+        ({"extra_body": {"min_tokens": 3}}, "min_tokens must be less than or equal to max_tokens=2, got 3."),
+        ({"extra_body": {"min_tokens": -1}}, "min_tokens"),
     ],
 )
 def test_bad_values_are_400s_naming_the_field(tmp_path, model_dir, fields, param):
@@ -82,3 +85,42 @@ def test_bad_values_are_400s_naming_the_field(tmp_path, model_dir, fields, param
 
     error = run(tmp_path, model_dir, scenario)
     assert error.status_code == 400 and param in error.message
+
+
+def test_vllm_stop_fields_and_stop_reason(tmp_path, model_dir):
+    """vLLM's stop_token_ids, min_tokens and include_stop_str_in_output work, and each choice says what
+    stopped it in vLLM's `stop_reason` (the token id or the string; null for length)."""
+
+    async def scenario(client, services):
+        api = sdk(client)
+        base = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        plain = await api.completions.create(
+            **base, extra_body={"ignore_eos": True, "return_token_ids": True}
+        )
+        ids = plain.choices[0].model_extra["token_ids"]
+        by_token = await api.completions.create(**base, extra_body={"stop_token_ids": [ids[0]]})
+        held = await api.completions.create(
+            **base, extra_body={"stop_token_ids": [ids[0]], "min_tokens": 8, "ignore_eos": True}
+        )
+        stop = services.tokenizer.decode(ids[2:4])
+        cut = await api.completions.create(**base, stop=[stop], extra_body={"ignore_eos": True})
+        kept = await api.completions.create(
+            **base, stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True}
+        )
+        chat = await api.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0
+        )
+        return plain, ids, by_token, held, stop, cut, kept, chat
+
+    plain, ids, by_token, held, stop, cut, kept, chat = run(tmp_path, model_dir, scenario)
+    first = by_token.choices[0]
+    assert first.finish_reason == "stop" and first.model_extra["stop_reason"] == ids[0]
+    assert by_token.usage.completion_tokens == 1
+    assert held.usage.completion_tokens == 8  # min_tokens keeps the stop token from ending it
+    assert plain.choices[0].model_extra["stop_reason"] is None  # length
+    text = plain.choices[0].text
+    assert (
+        cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].model_extra["stop_reason"] == stop
+    )
+    assert kept.choices[0].text == text[: text.index(stop) + len(stop)]
+    assert "stop_reason" in chat.choices[0].model_extra

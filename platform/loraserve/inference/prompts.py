@@ -165,13 +165,15 @@ def _is_token_id(value: object) -> bool:
 
 
 def check_sampling_token_ids(params: Any, tokenizer: Any) -> None:
-    """logit_bias and allowed_token_ids must name tokens of the vocabulary (a 400, before queueing)."""
+    """logit_bias, allowed_token_ids and stop_token_ids must name tokens of the vocabulary (a 400, before
+    queueing)."""
     if tokenizer is None:
         return
     vocab = len(tokenizer)
     for name, ids in (
         ("logit_bias", params.logit_bias or {}),
         ("allowed_token_ids", params.allowed_token_ids or []),
+        ("stop_token_ids", params.stop_token_ids),
     ):
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:

@@ -46,6 +46,7 @@ class Choice:
     num_tokens: int = 0
     num_chars: int = 0  # streamed so far, for completions' text_offset
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     started: bool = False  # a choice's first chunk carries the role (chat), the echo and the prompt's ids
     token_ids: list[int] = field(default_factory=list)  # kept only with return_token_ids
 
@@ -90,6 +91,7 @@ class Choices:
             if self.keep_token_ids:
                 choice.token_ids.extend(completion.token_ids)
             choice.finish_reason = finish_reason(completion.finish_reason)
+            choice.stop_reason = completion.stop_reason
             has_logprobs = self.want_logprobs and completion.token_ids
             if completion.text or has_logprobs or completion.finish_reason:
                 changed.append((index, completion))
@@ -160,6 +162,7 @@ class CompletionFormat(_Format):
                     else None
                 ),
                 finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason,
                 prompt_token_ids=self._prompt_ids(choices, index),
                 token_ids=self._ids(choice.token_ids),
                 prompt_logprobs=self._prompt_logprobs(choices, index),
@@ -189,6 +192,7 @@ class CompletionFormat(_Format):
                     text=text,
                     logprobs=logprobs,
                     finish_reason=finish_reason(completion.finish_reason),
+                    stop_reason=completion.stop_reason,
                     prompt_token_ids=self._prompt_ids(choices, index) if first else UNSET,
                     token_ids=self._ids(completion.token_ids),
                 )
@@ -209,6 +213,7 @@ class ChatFormat(_Format):
                 message=AssistantMessage(content=self._echo(choices, index) + "".join(choice.text)),
                 logprobs=chat_logprobs(choice.logprobs, self.text) if self.want_logprobs else None,
                 finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason,
                 token_ids=self._ids(choice.token_ids),
             )
             for index, choice in choices.sorted()
@@ -244,6 +249,7 @@ class ChatFormat(_Format):
                     delta=delta,
                     logprobs=logprobs,
                     finish_reason=finish_reason(completion.finish_reason),
+                    stop_reason=completion.stop_reason,
                     token_ids=self._ids(completion.token_ids),
                 )
             )

@@ -96,6 +96,11 @@ def _params(
     # vLLM's rule: `{}` asks for nothing, so only a set field needs a stream
     if body.stream_options is not None and not body.stream_options.is_empty and not body.stream:
         raise BadRequest("stream_options can only be set when stream is true", param="stream_options")
+    if max_tokens is not None and body.min_tokens > max_tokens:
+        raise BadRequest(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {body.min_tokens}.",
+            param="min_tokens",
+        )
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
         raise BadRequest(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
@@ -112,6 +117,10 @@ def _params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+            stop_token_ids=list(body.stop_token_ids or []),
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
             structured_outputs=structured_params(body),
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,

@@ -86,6 +86,12 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     seed: Seed | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
+    # vLLM's extensions: no stop before min_tokens; token ids that stop like eos; the stop string kept in
+    # the text; special tokens' text kept
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # vLLM's extension: logprobs name tokens as "token_id:123", exact where text is ambiguous
     return_tokens_as_token_ids: bool = False
     presence_penalty: Penalty = 0.0
@@ -180,6 +186,7 @@ class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     # with return_token_ids (vLLM's); left out of the body otherwise
     prompt_token_ids: list[int] | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET
@@ -223,6 +230,7 @@ class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
 
 
@@ -247,6 +255,7 @@ class ChatChunkChoice(msgspec.Struct, frozen=True, kw_only=True):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     token_ids: list[int] | UnsetType = UNSET  # with return_token_ids: this chunk's new tokens
 
 

@@ -11,7 +11,7 @@ A slot is pinned while any running request uses it; eviction is least-recently-u
 never touches an adapter that an earlier waiting request is about to use. A load that fails fails only
 the requests for that adapter, with the reason.
 
-Each adapter has one record (engine/lora/adapter_record.py): its status (STORED, LOADING, CPU, COPYING,
+Each adapter has one record (engine/lora/residency.py): its status (STORED, LOADING, CPU, COPYING,
 RESIDENT, PINNED, FAILED, DELETED), moved only along the transition table there, and what that status
 needs. Pins (running requests; `acquire`/`release`) keep its GPU slot, holds (queued or running requests;
 `hold`/`unhold`) keep its record. `retire` (replaced by a new version) and `forget` (deleted; new
@@ -37,9 +37,9 @@ import torch
 
 from adapter_format.errors import AdapterError
 from adapter_format.events import Observer, emit
-from engine.lora.adapter_record import AdapterRecord, AdapterStatus
 from engine.lora.background_loads import make_loads
 from engine.lora.host_tier import HostTier
+from engine.lora.residency import AdapterStatus, ResidencyRecord
 from engine.lora.slot_allocator import SlotAllocator
 from engine.lora.slots import LoRASlots
 
@@ -104,10 +104,10 @@ class AdapterManager:
             "processes" if in_processes else "threads",
         )
         self._copy_stream = torch.cuda.Stream(slots.device) if self._cuda else None
-        self._records: dict[str, AdapterRecord] = {}  # every adapter known: held, local, failed or deleted
+        self._records: dict[str, ResidencyRecord] = {}  # every adapter known: held, local, failed or deleted
         self._free_rows = list(range(max_cpu_loras))  # rows of the tier no adapter occupies
         self._row_reads: dict[int, torch.cuda.Event | _Pending] = {}  # row -> the last copy out of it
-        self._to_copy: list[tuple[AdapterRecord, int, int, _Pending]] = []  # (record, slot, row, ticket)
+        self._to_copy: list[tuple[ResidencyRecord, int, int, _Pending]] = []  # (record, slot, row, ticket)
         self._tick = 0  # counts uses of CPU-tier rows: their LRU order
 
     # -- called when a request arrives ------------------------------------------------------------
@@ -329,22 +329,22 @@ class AdapterManager:
 
     # -- internals ----------------------------------------------------------------------------------
 
-    def _record(self, adapter_id: str) -> AdapterRecord:
+    def _record(self, adapter_id: str) -> ResidencyRecord:
         record = self._records.get(adapter_id)
         if record is None:
-            record = self._records[adapter_id] = AdapterRecord(adapter_id)
+            record = self._records[adapter_id] = ResidencyRecord(adapter_id)
         return record
 
-    def _forget_if_idle(self, record: AdapterRecord) -> None:
+    def _forget_if_idle(self, record: ResidencyRecord) -> None:
         """Nothing local and nobody waiting: the record carries nothing worth keeping."""
         if record.idle and self._records.get(record.adapter_id) is record:
             del self._records[record.adapter_id]
 
-    def _touch(self, record: AdapterRecord) -> None:
+    def _touch(self, record: ResidencyRecord) -> None:
         self._tick += 1
         record.cpu_used = self._tick
 
-    def _start_load(self, record: AdapterRecord) -> None:
+    def _start_load(self, record: ResidencyRecord) -> None:
         if record.status is AdapterStatus.LOADING:
             record.abandoned = False  # wanted again: the load still running serves it
             return
@@ -381,18 +381,18 @@ class AdapterManager:
         self._row_reads.pop(row, None)
         return True
 
-    def _free_row(self, record: AdapterRecord) -> None:
+    def _free_row(self, record: ResidencyRecord) -> None:
         if record.row is not None:
             self._free_rows.append(record.row)
             record.row = None
 
-    def _lose_slot(self, record: AdapterRecord) -> None:
+    def _lose_slot(self, record: ResidencyRecord) -> None:
         """Its slot went to another adapter (the allocator already took it)."""
         record.copy = None
         record.move(AdapterStatus.CPU if record.row is not None else AdapterStatus.STORED)
         self._forget_if_idle(record)
 
-    def _drop(self, record: AdapterRecord) -> None:
+    def _drop(self, record: ResidencyRecord) -> None:
         """No request holds it any more: free everything it occupies (its slot is unpinned by now)."""
         record.retiring, record.failure = False, None
         if record.status is AdapterStatus.LOADING:

@@ -1,4 +1,4 @@
-"""One record per adapter the manager knows, with an explicit status and every legal transition in one table.
+"""One residency record per adapter the manager knows: an explicit status, every legal transition in one table.
 
 The status says how close to the GPU the adapter is; the other fields hold what that status needs (the
 CPU-tier row, the GPU slot's copy) and the request counts that keep it known.
@@ -57,7 +57,7 @@ class IllegalTransition(RuntimeError):
 
 
 @dataclass(eq=False)
-class AdapterRecord:
+class ResidencyRecord:
     adapter_id: str
     status: AdapterStatus = AdapterStatus.STORED
     row: int | None = None  # its CPU-tier row (being written while LOADING), or None

@@ -250,11 +250,12 @@ def report(args, rows: dict) -> str:
             f"{len(row['errors'])} |"
         )
     uniform, zipf = rows.values()
-    lines += [
-        "",
-        f"- Zipf / uniform: output tok/s {zipf['tok_s'] / uniform['tok_s']:.2f}x, TTFT p99 "
-        f"{percentile(zipf['ttft'], 99) / percentile(uniform['ttft'], 99):.2f}x",
-    ]
+    if uniform["tok_s"] and uniform["ttft"]:  # else every uniform request failed: no ratio to give
+        lines += [
+            "",
+            f"- Zipf / uniform: output tok/s {zipf['tok_s'] / uniform['tok_s']:.2f}x, TTFT p99 "
+            f"{percentile(zipf['ttft'], 99) / percentile(uniform['ttft'], 99):.2f}x",
+        ]
     return "\n".join(lines)
 
 

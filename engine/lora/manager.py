@@ -194,18 +194,18 @@ class AdapterManager:
         waited = self._copy_stream is None
         slots_left = True
         for adapter_id in dict.fromkeys(wanted):
+            if self.error(adapter_id) is not None:
+                continue
             record = self._record(adapter_id)
             if record.on_gpu:
                 protected.add(adapter_id)
                 continue
-            if self.error(adapter_id) is not None:
-                continue
-            if record.status is AdapterStatus.STORED:
+            if record.status in (AdapterStatus.STORED, AdapterStatus.LOADING):
                 self._start_load(record)  # never loaded, or dropped by the CPU tier's LRU while it waited
                 self._forget_if_idle(record)
                 continue
             if record.status is not AdapterStatus.CPU or not slots_left:
-                continue  # loading; or no slot is left this step, but the loads further back still start
+                continue  # failed or deleted; or no slot is left this step, but loads further back still start
             if not self.allocator.can_acquire(adapter_id, frozenset(protected)):
                 slots_left = False  # every slot is in use; later adapters wait their turn too
                 continue

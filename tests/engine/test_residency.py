@@ -167,3 +167,23 @@ def test_an_adapter_dropped_while_loading_ends_deleted_once_its_load_ends(folder
     _settle(manager, "good")
     assert manager.status("good") is S.DELETED and manager.cpu_ids() == ()
     manager.shutdown()
+
+
+def test_stage_retries_an_expired_failure_of_an_adapter_nobody_holds(folders, tmp_path, monkeypatch):
+    """The expired failure forgets the record (nobody holds it); the retry `stage` starts must belong to
+    a record the manager still knows, so that `poll` can collect it."""
+    manager = _manager(folders)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("[]")
+    adapter_id = manager.resolve(str(broken))
+    manager.prefetch(adapter_id)
+    _settle(manager, adapter_id)
+    assert manager.status(adapter_id) is S.FAILED
+    monkeypatch.setattr("engine.lora.manager.FAILURE_TTL_S", 0.0)
+    time.sleep(0.01)
+    manager.stage([adapter_id])
+    assert manager.status(adapter_id) is S.LOADING
+    _settle(manager, adapter_id)
+    assert manager.status(adapter_id) is S.FAILED
+    manager.shutdown()

@@ -188,7 +188,7 @@ def server_args(args, model_dir: Path, store_root: Path, state_dir: Path, metric
     ]  # fmt: skip
     if args.device == "cpu":
         values += ["--cpu-kv-cache-space", "0.1"]
-    return values
+    return values + args.server_arg
 
 
 def run(args, model_dir: Path, store_root: Path, state_dir: Path, workloads: list[Workload], prompts) -> dict:
@@ -277,6 +277,13 @@ def parse_args(argv=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--warmup-requests", type=int, default=256, help="unmeasured, on the uniform adapters")
     p.add_argument("--client-processes", type=int, default=8)
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="one more argument for `loraserve serve` (repeatable), e.g. --server-arg=--adapter-loader=thread "
+        "where /dev/shm cannot hold the CPU tier",
+    )
     p.add_argument("--state-dir", type=Path, help="the server's --state-dir (default: a temporary folder)")
     p.add_argument("--startup-timeout", type=float, default=1800.0)
     p.add_argument("--quick", action="store_true", help="tiny model on the CPU, few requests")

@@ -3,10 +3,9 @@
 The status says how close to the GPU the adapter is; the other fields hold what that status needs (the
 CPU-tier row, the GPU slot's copy) and the request counts that keep it known.
 
-    STORED --start load--> LOADING --loaded--> CPU --slot given--> COPYING --copy done--> RESIDENT <--> PINNED
-                              |                 ^                     |                      |
-                              +--load failed--> FAILED                +--slot taken back-----+--slot evicted--> CPU
-                                                                                                        or STORED
+The way in, one step at a time (TRANSITIONS below lists every move, evictions, failures and drops too):
+
+    STORED --load--> LOADING --loaded--> CPU --given a slot--> COPYING --copied--> RESIDENT <--> PINNED
 
 An adapter's CPU-tier row may outlive the move to the GPU (`row` stays set while the row is not reused),
 so `status` is the closest tier and `row` says whether the CPU tier also holds it. DELETED is final: a

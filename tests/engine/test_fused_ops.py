@@ -1,5 +1,5 @@
 """The Triton path's fused element-wise kernels against a float64 reference (interpreted on the CPU, in
-float32) and, on a GPU, against the torch ops they replace in bfloat16 (RoPE bit for bit)."""
+float32) and, on a GPU, against the torch ops they replace in bfloat16 (within one rounding step)."""
 
 from __future__ import annotations
 
@@ -104,8 +104,12 @@ def test_bf16_matches_the_torch_ops_they_replace_on_the_gpu():
     q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
     ref_q, ref_k = rope(positions, q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim))
     fused_ops.apply_rope_(qkv, positions, rope.cos, rope.sin, heads, kv_heads, head_dim)
-    assert torch.equal(qkv[:, :q_size], ref_q.reshape(tokens, -1))  # same roundings: bit for bit
-    assert torch.equal(qkv[:, q_size : q_size + kv_size], ref_k.reshape(tokens, -1))
+    # The same roundings as torch's, but the compiler may contract a product into the sum (FMA): at most
+    # one bf16 rounding step apart, and rarely.
+    for out, ref in ((qkv[:, :q_size], ref_q), (qkv[:, q_size : q_size + kv_size], ref_k)):
+        ref = ref.reshape(tokens, -1)
+        torch.testing.assert_close(out, ref, rtol=8e-3, atol=1e-6)
+        assert (out != ref).float().mean() < 0.05
 
     hidden = 2048
     x = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)

@@ -13,15 +13,17 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from adapter_format.checkpoint import PeftAdapter
+from adapter_format.errors import AdapterError
+from adapter_format.events import Observer
+from adapter_format.model_shape import ModelShape
 from engine import kernel_compiles
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.fairness import DEFAULT_TENANT
 from engine.kv_cache import KVCacheManager
 from engine.logits_processors import apply_logits_processors, uses_processors
-from engine.lora.manager import AdapterManager, AdapterSource, Observer
-from engine.lora.model_shape import ModelShape
-from engine.lora.peft_checkpoint import AdapterError, PeftAdapter
+from engine.lora.manager import AdapterManager, AdapterSource
 from engine.lora.registry import AdapterRegistry
 from engine.model.loader import load_config, resolve_model_path
 from engine.model_runner import ModelRunner

@@ -33,7 +33,7 @@ from engine.lora.background_loads import make_loads
 from engine.lora.host_tier import HostTier
 from engine.lora.peft_checkpoint import AdapterError
 from engine.lora.slot_allocator import SlotAllocator
-from engine.lora.slots import LoRASlots
+from engine.lora.pool import LoRAPool
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class AdapterManager:
     def __init__(
         self,
         source: AdapterSource,
-        slots: LoRASlots,
+        slots: LoRAPool,
         max_cpu_loras: int,
         observer: Observer | None = None,
         in_processes: bool = False,
@@ -94,7 +94,7 @@ class AdapterManager:
         self.source = source
         self.slots = slots
         self.max_cpu_loras = max_cpu_loras
-        self.allocator = SlotAllocator(slots.max_loras)
+        self.allocator = SlotAllocator(slots.max_loras, slots.num_pages)
         self._observer = observer
         self._cuda = slots.device.type == "cuda"
         self.tier = HostTier(slots.layout, slots.dtype, max_cpu_loras, shared=in_processes, pinned=self._cuda)
@@ -198,11 +198,12 @@ class AdapterManager:
                 if self.error(adapter_id) is None:
                     self._start_load(adapter_id)  # e.g. dropped by the CPU tier's LRU while it waited
                 continue
-            if not self.allocator.can_acquire(adapter_id, frozenset(protected)):
-                break  # every slot is in use; later adapters wait their turn too
+            num_pages = self.tier.image(row).num_pages  # what its rank takes in the GPU pool
+            if not self.allocator.can_acquire(adapter_id, frozenset(protected), num_pages):
+                break  # every slot or page is in use; later adapters wait their turn too
             self._cpu.move_to_end(adapter_id)
             before = set(self.allocator.resident)
-            slot, _ = self.allocator.acquire(adapter_id, frozenset(protected))
+            slot, _ = self.allocator.acquire(adapter_id, frozenset(protected), num_pages)
             self.allocator.release(adapter_id)  # resident but unpinned until a request runs with it
             for victim in before - set(self.allocator.resident):
                 self._copies.pop(victim, None)
@@ -354,13 +355,13 @@ class AdapterManager:
         image = self.tier.image(row)
         if self._copy_stream is None:
             started = time.perf_counter()
-            self.slots.load(slot, image)
+            self.slots.load(slot, image, self.allocator.slot_pages(slot))
             self._emit("load", "cpu", time.perf_counter() - started)
             return None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._copy_stream):
             start.record(self._copy_stream)
-            self.slots.load(slot, image)
+            self.slots.load(slot, image, self.allocator.slot_pages(slot))
             end.record(self._copy_stream)
         return start, end
 

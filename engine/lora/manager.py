@@ -32,8 +32,8 @@ import torch
 from engine.lora.background_loads import make_loads
 from engine.lora.host_tier import HostTier
 from engine.lora.peft_checkpoint import AdapterError
-from engine.lora.slot_allocator import SlotAllocator
 from engine.lora.pool import LoRAPool
+from engine.lora.slot_allocator import SlotAllocator
 
 logger = logging.getLogger(__name__)
 

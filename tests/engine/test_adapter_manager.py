@@ -19,8 +19,8 @@ from transformers import AutoConfig
 from engine import AsyncLLM, EngineConfig, EngineStats, LLMEngine, ModelShape, SamplingParams
 from engine.lora.manager import AdapterManager
 from engine.lora.model_shape import TARGET_MODULES
-from engine.lora.registry import AdapterRegistry
 from engine.lora.pool import LoRAPool
+from engine.lora.registry import AdapterRegistry
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -95,6 +95,7 @@ def test_loaded_images_land_in_their_pages_and_slots_only() -> None:
     assert not pool.table[:, :, 1].any(), "slot 1 was never loaded"
 
 
+@pytest.mark.interpreted
 def test_the_kernel_views_read_the_pool_as_the_dense_layout_would() -> None:
     """add_lora_paged over the pool's views equals add_lora_multi over the adapters' dense copies."""
     pool = LoRAPool(SHAPE, max_loras=3, max_rank=MAX_RANK, dtype=torch.float32, device=torch.device("cpu"))

@@ -50,6 +50,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         kv_cache_dtype=settings.kv_cache_dtype,
         quantization=settings.quantization,
         enforce_eager=settings.enforce_eager,
+        async_scheduling=settings.async_scheduling,
         attention_backend=settings.attention_backend,
         max_loras=settings.max_loras,
         max_lora_rank=settings.max_lora_rank,

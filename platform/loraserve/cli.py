@@ -55,6 +55,7 @@ _SERVE_FIELDS = (
     "quantization",
     "enable_prefix_caching",
     "enforce_eager",
+    "async_scheduling",
     "attention_backend",
     "max_loras",
     "max_cpu_loras",
@@ -122,6 +123,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="run every step eagerly: no CUDA graphs for decode steps",
+    )
+    add(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule and launch each step before reading the previous step's tokens, so the host's "
+        "bookkeeping overlaps the GPU (--no-async-scheduling: one step at a time)",
     )
     add(
         "--attention-backend",

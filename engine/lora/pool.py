@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lora.model_shape import TARGET_MODULES, ModelShape
+from adapter_format.checkpoint import PeftAdapter
+from adapter_format.model_shape import TARGET_MODULES, ModelShape
 from engine.lora.pages import pages_for_rank, runs
-from engine.lora.peft_checkpoint import PeftAdapter
 from engine.lora.slots import (
     BOUND_COLUMN,
     PAGE_RANK,

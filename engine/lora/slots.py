@@ -24,9 +24,9 @@ from functools import cached_property
 
 import torch
 
-from engine.lora.model_shape import TARGET_MODULES, ModelShape
+from adapter_format.checkpoint import PeftAdapter
+from adapter_format.model_shape import TARGET_MODULES, ModelShape
 from engine.lora.pages import pages_for_rank
-from engine.lora.peft_checkpoint import PeftAdapter
 
 # Rank rows per page: ranks 8, 16 and 64 fill whole pages; rank 4 wastes half of one.
 PAGE_RANK = 8

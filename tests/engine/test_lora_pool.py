@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import lora_kernels
-from engine.lora.model_shape import TARGET_MODULES, ModelShape
-from engine.lora.peft_checkpoint import ModuleLoRA, PeftAdapter
+from adapter_format.checkpoint import ModuleLoRA, PeftAdapter
+from adapter_format.model_shape import TARGET_MODULES, ModelShape
 from engine.lora.pool import LoRAPool
 from engine.lora.slot_allocator import SlotAllocator
 from engine.lora.slots import FUSED_PROJECTIONS, PAGE_RANK, SlotLayout

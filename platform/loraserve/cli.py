@@ -62,6 +62,7 @@ _SERVE_FIELDS = (
     "adapter_loader",
     "generation_config",
     "max_lora_rank",
+    "lora_pool_rank_budget",
     "allowed_lora_paths",
     "adapter_store",
     "config_store",
@@ -139,6 +140,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-loras", type=int, default=4, help="adapters resident on the GPU at once")
     add("--max-cpu-loras", type=int, help="adapters kept ready in host memory (default: --max-loras)")
     add("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
+    add(
+        "--lora-pool-rank-budget",
+        type=int,
+        help="rank rows of the GPU adapter pool, summed over resident adapters (pages of 8): each adapter "
+        "takes what its rank needs (default: max-loras x max-lora-rank, so max-loras adapters of any rank "
+        "fit); smaller leaves the rest to the KV cache",
+    )
     add(
         "--adapter-loader",
         default="auto",

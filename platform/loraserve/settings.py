@@ -56,6 +56,7 @@ class ServerSettings:
     adapter_loader: str = "auto"  # engine.config.ADAPTER_LOADERS
     generation_config: str = "auto"  # where unset sampling fields come from (GENERATION_CONFIGS)
     max_lora_rank: int = 16
+    lora_pool_rank_budget: int | None = None  # engine.EngineConfig.lora_pool_rank_budget
     # (name, local PEFT folder) pairs put into the default tenant's store at start.
     lora_modules: tuple[tuple[str, str], ...] = ()
     # Folders under which POST /v1/load_lora_adapter may read adapters; empty: runtime loading is off.

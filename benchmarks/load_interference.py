@@ -7,7 +7,7 @@ The same decode batch as `adapter_loading.py` (a Llama-3.2-1B-shaped model with 
 running requests over 8 adapters) steps while one background thread repeats one piece of the adapter
 manager's loading work without pause, a piece per condition:
 - `read`: `load_peft_adapter` (safetensors read, validation, float32 tensors)
-- `image`: `LoRASlots.image` of an adapter already read (pinned when CUDA is present)
+- `image`: `LoRAPool.image` of an adapter already read (pinned when CUDA is present)
 - `image-unpinned`: the same into pageable memory
 - `read+image`: both, what a manager worker does per adapter
 - `python`: a pure-Python loop, the GIL pressure of any busy thread
@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapter_loading import LLAMA_1B, RANK, SMOKE_MODEL, make_model_dir, write_peft_folder  # noqa: E402
 
+from adapter_format.checkpoint import load_peft_adapter  # noqa: E402
+from adapter_format.model_shape import ModelShape  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from engine.lora.model_shape import ModelShape  # noqa: E402
-from engine.lora.peft_checkpoint import load_peft_adapter  # noqa: E402
 
 
 def _read_tensors(folder: str, shape: ModelShape) -> dict:
@@ -70,7 +70,7 @@ def background_work(kind: str, engine: LLMEngine, folders: list[Path], shape: Mo
     if kind == "python":
         return lambda: sum(i * i for i in range(20000))
     if kind == "read-in-process":
-        from engine.lora.peft_checkpoint import ModuleLoRA, PeftAdapter
+        from adapter_format.checkpoint import ModuleLoRA, PeftAdapter
 
         def work():
             modules = pool.submit(_read_tensors, next(cycle), shape).result()

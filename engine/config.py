@@ -54,6 +54,11 @@ class EngineConfig:
     # vLLM's --max-logprobs: the most top log-probabilities (logprobs, prompt_logprobs) a request may ask
     # for; -1: the whole vocabulary (then a request's -1 is allowed).
     max_logprobs: int = 20
+    # Rank rows the GPU adapter pool holds, summed over resident adapters (each rounded up to pages of 8
+    # rows; engine/lora/pool.py). None: max_loras * max_lora_rank, so max_loras adapters of any rank fit.
+    # Smaller: small adapters fill it and fewer large ones fit (at least one of max_lora_rank always does);
+    # the rest of the memory goes to the KV cache.
+    lora_pool_rank_budget: int | None = None
     # Adapters kept on the host, ready to copy into a GPU slot; None: as many as max_loras.
     max_cpu_loras: int | None = None
     adapter_loader: str = "auto"  # see ADAPTER_LOADERS
@@ -107,6 +112,13 @@ class EngineConfig:
             raise ValueError(
                 f"max_logprobs must be -1 (no cap) or a non-negative integer (got {self.max_logprobs!r})"
             )
+        if self.lora_pool_rank_budget is not None:
+            _positive("lora_pool_rank_budget", self.lora_pool_rank_budget)
+            if self.lora_pool_rank_budget < self.max_lora_rank:
+                raise ValueError(
+                    f"lora_pool_rank_budget ({self.lora_pool_rank_budget}) must be at least max_lora_rank "
+                    f"({self.max_lora_rank}): the pool must hold one adapter of the largest rank"
+                )
         if self.max_cpu_loras is not None:
             _positive("max_cpu_loras", self.max_cpu_loras)
             if self.max_cpu_loras < self.max_loras:

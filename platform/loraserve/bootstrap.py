@@ -54,6 +54,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         attention_backend=settings.attention_backend,
         max_loras=settings.max_loras,
         max_lora_rank=settings.max_lora_rank,
+        lora_pool_rank_budget=settings.lora_pool_rank_budget,
         max_cpu_loras=settings.max_cpu_loras,
         max_logprobs=settings.max_logprobs,
         adapter_loader=settings.adapter_loader,

@@ -63,6 +63,7 @@ _SERVE_FIELDS = (
     "generation_config",
     "max_lora_rank",
     "max_logprobs",
+    "lora_pool_rank_budget",
     "allowed_lora_paths",
     "adapter_store",
     "config_store",
@@ -146,6 +147,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=20,
         help="the most top logprobs (logprobs, top_logprobs, prompt_logprobs) a request may ask for; -1: no cap, "
         "so -1 (the whole vocabulary) is allowed (vLLM's flag)",
+    )
+    add(
+        "--lora-pool-rank-budget",
+        type=int,
+        help="rank rows of the GPU adapter pool, summed over resident adapters (pages of 8): each adapter "
+        "takes what its rank needs (default: max-loras x max-lora-rank, so max-loras adapters of any rank "
+        "fit); smaller leaves the rest to the KV cache",
     )
     add(
         "--adapter-loader",

@@ -57,6 +57,7 @@ class ServerSettings:
     generation_config: str = "auto"  # where unset sampling fields come from (GENERATION_CONFIGS)
     max_lora_rank: int = 16
     max_logprobs: int = 20  # vLLM's --max-logprobs (engine.EngineConfig.max_logprobs); -1: no cap
+    lora_pool_rank_budget: int | None = None  # engine.EngineConfig.lora_pool_rank_budget
     # (name, local PEFT folder) pairs put into the default tenant's store at start.
     lora_modules: tuple[tuple[str, str], ...] = ()
     # Folders under which POST /v1/load_lora_adapter may read adapters; empty: runtime loading is off.

@@ -16,11 +16,11 @@ import torch
 from factories import C1_ADAPTERS, load_peft_reference, make_adapter, make_model, reference_greedy
 from transformers import AutoConfig
 
+from adapter_format.model_shape import TARGET_MODULES
 from engine import AsyncLLM, EngineConfig, EngineStats, LLMEngine, ModelShape, SamplingParams
 from engine.lora.manager import AdapterManager
-from engine.lora.model_shape import TARGET_MODULES
+from engine.lora.pool import LoRAPool
 from engine.lora.registry import AdapterRegistry
-from engine.lora.slots import LoRASlots
 from engine.stats import ITERATION_TOKEN_BUCKETS, HistogramCounts
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -173,7 +173,7 @@ def test_version_swap_leaves_running_and_queued_requests_on_the_old_version(case
     for i, prompt in enumerate(new_prompts):
         assert finals[f"new{i}"].outputs[0].token_ids == case["expected"](prompt, "ad2")
     # The old version is gone once its last request finished; the new one stays cached.
-    assert engine.lora.allocator.lookup("bot") is None and "bot" not in engine.lora._cpu
+    assert engine.lora.allocator.lookup("bot") is None and "bot" not in engine.lora.cpu_ids()
     assert engine.lora.allocator.lookup("bot~2") is not None
 
 
@@ -198,7 +198,7 @@ def test_forget_adapter_refuses_new_requests_and_frees_the_slot_after_running_on
     assert "was deleted before this request started" in finals["queued"].error
     assert "'ad3' was deleted" in finals["late"].error
     assert finals["other"].outputs[0].token_ids == case["expected"](queued, "ad4")
-    assert engine.lora.allocator.lookup("ad3") is None and "ad3" not in engine.lora._cpu
+    assert engine.lora.allocator.lookup("ad3") is None and "ad3" not in engine.lora.cpu_ids()
     assert engine.lora.num_slots_in_use == 0
     engine.forget_adapter("never-seen")  # harmless
 
@@ -290,7 +290,7 @@ def test_a_staged_copy_lands_in_its_slot_and_is_timed(case, device):
     """The copy is issued by start_copies (after the step's launch), on CUDA on a side stream; is_ready
     turns true only once it completed."""
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(case["model_dir"]))
-    slots = LoRASlots(shape, max_loras=2, max_rank=16, dtype=torch.bfloat16, device=torch.device(device))
+    slots = LoRAPool(shape, max_loras=2, max_rank=16, dtype=torch.bfloat16, device=torch.device(device))
     registry = AdapterRegistry(shape, 16)
     registry.register("x", case["adapters"]["ad3"])
     events = []
@@ -307,10 +307,10 @@ def test_a_staged_copy_lands_in_its_slot_and_is_timed(case, device):
     while not manager.is_ready("x"):
         assert time.monotonic() < deadline
     slot = manager.acquire("x")
-    image = slots.image(registry.load("x"))
+    image, held = slots.image(registry.load("x")), slots.snapshot(slot)
     for module in TARGET_MODULES:
-        assert torch.equal(slots.lora_a[module][:, slot].cpu(), image.lora_a[module])
-        assert torch.equal(slots.lora_b[module][:, slot].cpu(), image.lora_b[module])
+        assert torch.equal(held.lora_a[module], image.lora_a[module])
+        assert torch.equal(held.lora_b[module], image.lora_b[module])
         assert torch.equal(slots.scales[module][:, slot].cpu(), image.scales[module])
     kinds = [(event, tier) for event, tier, _ in events]
     assert kinds == [("miss", "gpu"), ("miss", "cpu"), ("load", "source"), ("load", "cpu")]
@@ -325,7 +325,7 @@ def test_a_row_of_the_cpu_tier_is_not_reused_while_a_dropped_load_still_writes_i
     """One row: an adapter deleted mid-load keeps its row until the load ends; only then does the next
     adapter load into it, and what lands in the slot is the next adapter's."""
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(case["model_dir"]))
-    slots = LoRASlots(shape, max_loras=1, max_rank=16, dtype=torch.float32, device=torch.device("cpu"))
+    slots = LoRAPool(shape, max_loras=1, max_rank=16, dtype=torch.float32, device=torch.device("cpu"))
     gate = threading.Event()
 
     class GatedRegistry(AdapterRegistry):
@@ -352,11 +352,11 @@ def test_a_row_of_the_cpu_tier_is_not_reused_while_a_dropped_load_still_writes_i
         manager.stage(["next"])
         manager.start_copies()
     slot = manager.acquire("next")
-    expected = slots.image(registry.load("next"))
+    expected, held = slots.image(registry.load("next")), slots.snapshot(slot)
     for module in TARGET_MODULES:
-        assert torch.equal(slots.lora_a[module][:, slot], expected.lora_a[module])
-        assert torch.equal(slots.lora_b[module][:, slot], expected.lora_b[module])
-    assert not manager.is_ready("slow") and "slow" not in manager._cpu
+        assert torch.equal(held.lora_a[module], expected.lora_a[module])
+        assert torch.equal(held.lora_b[module], expected.lora_b[module])
+    assert not manager.is_ready("slow") and "slow" not in manager.cpu_ids()
     manager.shutdown()
 
 
@@ -381,7 +381,7 @@ def test_a_copy_is_decided_by_stage_and_issued_by_start_copies_in_order(case, mo
     ready, its row may not be rewritten); `start_copies` issues the copies in the order they were staged,
     and an adapter evicted before its copy was issued never reads as ready."""
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(case["model_dir"]))
-    slots = LoRASlots(shape, max_loras=1, max_rank=16, dtype=torch.float32, device=torch.device("cpu"))
+    slots = LoRAPool(shape, max_loras=1, max_rank=16, dtype=torch.float32, device=torch.device("cpu"))
     registry = AdapterRegistry(shape, 16)
     registry.register("a", case["adapters"]["ad1"])
     registry.register("b", case["adapters"]["ad2"])
@@ -400,7 +400,7 @@ def test_a_copy_is_decided_by_stage_and_issued_by_start_copies_in_order(case, mo
     monkeypatch.setattr(manager, "_copy_stream", _FakeStream())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     monkeypatch.setattr(manager, "_copy_into", copy_into)
-    row_a, row_b = manager._cpu["a"], manager._cpu["b"]
+    row_a, row_b = manager._records["a"].row, manager._records["b"].row
 
     manager.stage(["a"])
     assert issued == [] and not manager.is_ready("a") and not manager._row_writable(row_a)

@@ -25,6 +25,9 @@ class ScheduledRequest:
     # request.num_scheduled_tokens when scheduled (filled in if not given): `samples` must not change
     # when the engine appends this step's token to the request.
     num_tokens: int | None = field(default=None, compare=False)
+    # Speculative decoding: the last num_spec_tokens of the step's tokens are request.spec_token_ids,
+    # proposals that follow the known tokens; the runner returns logits for each to verify them.
+    num_spec_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.num_tokens is None:
@@ -33,7 +36,7 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """True when this step computes the last known token, so the runner must sample one."""
-        return self.start + self.num_new_tokens == self.num_tokens
+        return self.start + self.num_new_tokens - self.num_spec_tokens == self.num_tokens
 
 
 @dataclass
@@ -195,6 +198,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new_tokens = request.num_scheduled_tokens - request.num_computed_tokens
+            num_spec_tokens = len(request.spec_token_ids) if num_new_tokens == 1 else 0
             # Nothing to compute (the engine has not appended its sampled token yet), a request its
             # token in flight finishes anyway, or a split that chunked prefill forbids: not this step.
             if (
@@ -204,9 +208,16 @@ class Scheduler:
             ):
                 index += 1
                 continue
-            num_new_tokens = min(num_new_tokens, budget)
+            num_new_tokens = min(num_new_tokens + num_spec_tokens, budget)
+            num_spec_tokens = max(0, num_new_tokens - 1) if num_spec_tokens else 0  # proposals the budget cut
+            del request.spec_token_ids[num_spec_tokens:]
             preempted_self = False
             while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+                if num_spec_tokens:  # proposals never preempt anyone: drop them first
+                    num_new_tokens -= num_spec_tokens
+                    num_spec_tokens = 0
+                    request.spec_token_ids.clear()
+                    continue
                 victim = self._pick_victim()
                 position = self.running.index(victim)
                 del self.running[position]
@@ -222,7 +233,9 @@ class Scheduler:
                     break
             if preempted_self:
                 continue  # the next request now sits at `index`
-            scheduled.append(self._scheduled(request, num_new_tokens, request.num_computed_tokens))
+            scheduled.append(
+                self._scheduled(request, num_new_tokens, request.num_computed_tokens, num_spec_tokens)
+            )
             budget -= num_new_tokens
             index += 1
         return budget
@@ -322,14 +335,18 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids.clear()
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._queues.push(request, front=True)
 
-    def _scheduled(self, request: Request, num_new_tokens: int, start: int) -> ScheduledRequest:
+    def _scheduled(
+        self, request: Request, num_new_tokens: int, start: int, num_spec_tokens: int = 0
+    ) -> ScheduledRequest:
         return ScheduledRequest(
             request=request,
             num_new_tokens=num_new_tokens,
             start=start,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_spec_tokens=num_spec_tokens,
         )

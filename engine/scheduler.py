@@ -210,14 +210,12 @@ class Scheduler:
                 continue
             num_new_tokens = min(num_new_tokens + num_spec_tokens, budget)
             num_spec_tokens = max(0, num_new_tokens - 1) if num_spec_tokens else 0  # proposals the budget cut
+            if num_spec_tokens and not self._proposals_fit(request, num_new_tokens, num_spec_tokens, index):
+                num_new_tokens -= num_spec_tokens
+                num_spec_tokens = 0
             del request.spec_token_ids[num_spec_tokens:]
             preempted_self = False
             while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
-                if num_spec_tokens:  # proposals never preempt anyone: drop them first
-                    num_new_tokens -= num_spec_tokens
-                    num_spec_tokens = 0
-                    request.spec_token_ids.clear()
-                    continue
                 victim = self._pick_victim()
                 position = self.running.index(victim)
                 del self.running[position]
@@ -239,6 +237,17 @@ class Scheduler:
             budget -= num_new_tokens
             index += 1
         return budget
+
+    def _proposals_fit(self, request: Request, num_new_tokens: int, num_spec_tokens: int, index: int) -> bool:
+        """Whether the blocks the proposals need beyond the request's own next token are free, keeping one
+        for each running request after it: speculation never preempts anyone."""
+        kv = self.kv_cache_manager
+        total = request.num_computed_tokens + num_new_tokens
+        have = len(kv.get_block_ids(request.request_id))
+        if kv.num_blocks_needed(total) <= max(have, kv.num_blocks_needed(total - num_spec_tokens)):
+            return True  # no block beyond what its known tokens need
+        reserve = len(self.running) - index - 1
+        return kv.num_blocks_needed(total) - have <= kv.block_pool.num_free_blocks - reserve
 
     def _pick_victim(self) -> Request:
         """The newest running request of the tenant with the highest counter ("fcfs": the newest)."""

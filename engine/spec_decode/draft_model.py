@@ -54,6 +54,9 @@ class DraftModelProposer:
         ]
         # request id -> (tokens whose draft KV is in the cache, the request's preemption count then)
         self._computed: dict[str, tuple[int, int]] = {}
+        self._pad_block = runner.num_kv_blocks  # the target's scratch block: warm-up writes go there
+        if self.device.type == "cuda":
+            self._warm_up(runner.config.max_num_seqs)
 
     @torch.inference_mode()
     def propose(self, scheduled) -> None:
@@ -92,6 +95,7 @@ class DraftModelProposer:
                 s.request.num_preemptions,
             )
 
+    @torch.inference_mode()
     def _forward(self, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """One pass over (tokens, first position, block ids) per sequence; float32 logits of each
         sequence's last token [num_seqs, vocab]."""
@@ -121,6 +125,20 @@ class DraftModelProposer:
         hidden = self.model.forward(torch.tensor(ids, device=device), meta, self.kv_caches, None)
         last = torch.tensor(starts[1:], device=device) - 1
         return self.model.compute_logits(hidden[last])
+
+    def _warm_up(self, max_num_seqs: int) -> None:
+        """Compile the draft's attention variants before the engine is marked ready: one prefill pass, and
+        a decode pass at each batch size whose key splits differ (see engine/warmup.py)."""
+        from engine.model.paged_attention_triton import decode_num_splits
+
+        sizes: dict[int, int] = {}
+        for size in range(1, max_num_seqs + 1):
+            sizes.setdefault(decode_num_splits(size, self.model.num_kv_heads, self.device), size)
+        pad = [self._pad_block]  # one block: positions stay below block_size
+        self._forward([([0] * min(2, self.block_size), 0, pad)])
+        for size in sizes.values():
+            self._forward([([0], min(1, self.block_size - 1), pad)] * size)
+        torch.cuda.synchronize(self.device)
 
     def free(self, request_id: str) -> None:
         self._computed.pop(request_id, None)

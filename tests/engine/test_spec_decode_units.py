@@ -158,3 +158,24 @@ def test_proposals_are_dropped_before_anyone_is_preempted():
     item = next(s for s in out.scheduled if s.request is a)
     assert (item.num_new_tokens, item.num_spec_tokens) == (1, 0) and a.spec_token_ids == []
     assert b.num_computed_tokens == b.num_tokens
+
+
+def test_front_end_drops_tokens_after_a_stop_string_in_a_multi_token_delta():
+    """A speculative step delivers several tokens at once; those after the one completing a stop string
+    are not output (as when tokens come one per step)."""
+    from tokenizer_fixtures import byte_level_bpe_tokenizer
+
+    from engine.frontend.output_processor import RequestProcessor
+    from engine.messages import RequestDelta
+
+    tokenizer = byte_level_bpe_tokenizer()
+    words = [tokenizer.encode(w, add_special_tokens=False) for w in ("ab", "cd", "ef", "gh")]
+    ids = [t for w in words for t in w]
+    stop_after = len(words[0]) + len(words[1])  # the tokens of "abcd"
+    params = SamplingParams(max_tokens=16, stop=["cd"], logprobs=None)
+    processor = RequestProcessor("r", None, [5, 6], params, None, tokenizer, [0])
+    output, to_abort = processor.process([RequestDelta("r", ids)])
+    completion = output.outputs[0]
+    assert completion.text == "ab" and completion.finish_reason == "stop"
+    assert completion.token_ids == ids[:stop_after]
+    assert to_abort == ["r"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+def propose_ngram(token_ids: list[int] | np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to `k` tokens: for the longest n in [min_n, max_n] whose last n tokens occur earlier in
     `token_ids`, the tokens after the latest such occurrence. Example, n = 2, k = 3:
 
@@ -16,7 +16,7 @@ def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[
     num_tokens = len(token_ids)
     if k <= 0 or num_tokens <= min_n:
         return []
-    tokens = np.asarray(token_ids, dtype=np.int64)
+    tokens = np.asarray(token_ids)
     # Candidate occurrences, by the position of their last token (the suffix itself excluded).
     ends = np.flatnonzero(tokens[:-1] == tokens[-1])
     if not len(ends):
@@ -33,4 +33,28 @@ def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[
     if best < min_n:
         return []
     start = int(ends[np.flatnonzero(lengths == best)[-1]]) + 1
-    return token_ids[start : start + k]
+    return tokens[start : start + k].tolist()
+
+
+class TokenHistory:
+    """Each request's tokens as a numpy array, extended by what was appended since the last call (a
+    fresh array from the whole list every step would cost O(length) of Python per request)."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, tokens in it)
+
+    def tokens(self, request) -> np.ndarray:
+        """request.all_token_ids as an int64 array (a view of the request's buffer)."""
+        buffer, count = self._arrays.get(request.request_id, (np.empty(0, np.int64), 0))
+        total = request.num_tokens
+        if total > len(buffer):
+            grown = np.empty(max(2 * total, 64), np.int64)
+            grown[:count] = buffer[:count]
+            buffer = grown
+        count = min(count, total)
+        buffer[count:total] = request.all_token_ids[count:total]
+        self._arrays[request.request_id] = (buffer, total)
+        return buffer[:total]
+
+    def free(self, request_id: str) -> None:
+        self._arrays.pop(request_id, None)

@@ -25,7 +25,7 @@ from engine.logits_processors import uses_processors
 from engine.request import Request, RequestStatus
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.fallback import AcceptanceFallback
-from engine.spec_decode.ngram import propose_ngram
+from engine.spec_decode.ngram import TokenHistory, propose_ngram
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.stop_checker import may_stop_at
 
@@ -49,6 +49,7 @@ class Speculator:
             config.fallback_acceptance_rate, config.fallback_window, config.fallback_cooldown
         )
         self._drafts: dict[Request, list[int]] = {}  # this step's proposals, per verifying request
+        self._history = TokenHistory()
         self._num_drafts = 0
         self._num_draft_tokens = 0
         self._num_accepted = 0
@@ -72,7 +73,7 @@ class Speculator:
             else:
                 config = self.config
                 request.spec_token_ids = propose_ngram(
-                    request.all_token_ids, config.prompt_lookup_min, config.prompt_lookup_max, k
+                    self._history.tokens(request), config.prompt_lookup_min, config.prompt_lookup_max, k
                 )
 
     def before_execute(self, scheduled) -> None:
@@ -159,6 +160,7 @@ class Speculator:
 
     def free(self, request_id: str) -> None:
         self.fallback.free(request_id)
+        self._history.free(request_id)
         if self.draft is not None:
             self.draft.free(request_id)
 

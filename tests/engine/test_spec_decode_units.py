@@ -179,3 +179,16 @@ def test_front_end_drops_tokens_after_a_stop_string_in_a_multi_token_delta():
     assert completion.text == "ab" and completion.finish_reason == "stop"
     assert completion.token_ids == ids[:stop_after]
     assert to_abort == ["r"]
+
+
+def test_token_history_follows_the_request():
+    from engine.spec_decode.ngram import TokenHistory
+
+    history = TokenHistory()
+    request = _request("h", range(1, 40))
+    assert history.tokens(request).tolist() == list(range(1, 40))
+    for token in range(200):  # grows past its buffer several times
+        request.append_output_token(token)
+        assert history.tokens(request).tolist() == request.all_token_ids
+    history.free("h")
+    assert history.tokens(request).tolist() == request.all_token_ids

@@ -18,7 +18,8 @@ n-gram lookup proposes what followed in the prompt: proposals after an edit are 
 Each condition is one engine (start-up excluded); each batch size runs once unmeasured (warm), then
 measured. TPOT: (last token - first token) / (output tokens - 1) per request, the median over requests.
 Speculative steps run eagerly (decode CUDA graphs hold one token per request); decode steps without
-proposals still replay graphs.
+proposals still replay graphs. The baseline runs with the engine's defaults (async scheduling on);
+speculation runs steps one at a time (it turns async scheduling off).
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ class ServerSettings:
     speculative_config: str | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs
+    async_scheduling: bool = True  # False: read each step's tokens before scheduling the next
     attention_backend: str = "auto"
     max_loras: int = 4
     max_cpu_loras: int | None = None

@@ -75,13 +75,11 @@ def test_config_refuses_bad_values(value, message):
         SpeculativeConfig.parse(value)
 
 
-def test_config_refuses_async_scheduling():
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(
-            model="m",
-            async_scheduling=True,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-        )
+def test_speculation_runs_steps_one_at_a_time():
+    """A step's kept tokens decide the next step: speculative decoding turns async scheduling off."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    assert not EngineConfig(model="m", async_scheduling=True, speculative_config=spec).async_scheduling
+    assert EngineConfig(model="m", async_scheduling=True).async_scheduling
 
 
 def test_fallback_pauses_then_retries():

@@ -32,7 +32,12 @@ def case(tmp_path_factory):
     return make_echo_case(tmp_path_factory.mktemp("spec-sampling"))
 
 
-def test_seeded_requests_identical_with_and_without_speculation(case):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_seeded_requests_identical_with_and_without_speculation(case, method):
+    config = NGRAM
+    if method == "draft_model":
+        config = {"method": "draft_model", "model": str(case["other"]), "num_speculative_tokens": 3}
+        config["fallback_acceptance_rate"] = 0.0
     prompts = echo_prompts(6)
     names = [*case["adapters"], None]
     adapters = [names[i % 3] for i in range(len(prompts))]
@@ -48,11 +53,11 @@ def test_seeded_requests_identical_with_and_without_speculation(case):
         for i in range(len(prompts))
     ]
     runs = []
-    for config in (None, NGRAM):
+    for speculative_config in (None, config):
         llm = LLM(
             str(case["model"]),
             lora_modules={k: str(v) for k, v in case["adapters"].items()},
-            speculative_config=config,
+            speculative_config=speculative_config,
             **BASE,
             max_num_seqs=8,
         )

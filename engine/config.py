@@ -9,6 +9,7 @@ import torch
 from engine.model.fp8_checkpoint import QUANTIZATIONS
 from engine.model.fp8_linear import FP8_GEMMS
 from engine.model.kv_quant import FP8_DTYPE
+from engine.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -96,8 +97,17 @@ class EngineConfig:
     # How FP8 projections multiply (FP8_GEMMS): "auto" picks torch._scaled_mm where the GPU can, else
     # "dequant" (the weight dequantized to the model dtype for each GEMM; the CPU and the reference).
     fp8_gemm: str = "auto"
+    # vLLM's speculative_config: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
+    # as a dict, JSON text or SpeculativeConfig (engine/spec_decode/config.py); None: no speculation.
+    # With it, async_scheduling is turned off: each step's kept tokens decide the next step.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.speculative_config is not None and self.async_scheduling is True:
+            # A step's kept tokens (1 to k + 1) must be known before the next step is scheduled, so
+            # speculative decoding runs steps one at a time (vLLM v1 started so too).
+            object.__setattr__(self, "async_scheduling", False)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("block_size", self.block_size)

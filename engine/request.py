@@ -85,6 +85,9 @@ class Request:
     # arrival_time they give vLLM's queue, prefill, decode and inference times.
     scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Speculative decoding: tokens proposed to follow all_token_ids, verified in the next step that
+    # schedules this request (engine/spec_decode/); the scheduler trims them to what it schedules.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     # prompt + output, kept as one list so the runner slices it without copying both (set here).
     all_token_ids: list[int] = field(init=False)

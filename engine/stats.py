@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.request import Request
+from engine.spec_decode.stats import SpecDecodeStats
 
 # vLLM's buckets for vllm:iteration_tokens_total (tokens per engine step).
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -73,6 +74,8 @@ class EngineStats:
     cache_config: tuple[tuple[str, str], ...] = ()
     # vllm:iteration_tokens_total: tokens computed per step, since the engine started
     iteration_tokens: HistogramCounts = HistogramCounts()
+    # vllm:spec_decode_* counters; None when the engine does not speculate
+    spec_decode: SpecDecodeStats | None = None
 
 
 def distinct_adapters(requests: Iterable[Request]) -> tuple[str, ...]:

@@ -53,6 +53,7 @@ _SERVE_FIELDS = (
     "gpu_memory_utilization",
     "kv_cache_dtype",
     "quantization",
+    "speculative_config",
     "enable_prefix_caching",
     "enforce_eager",
     "async_scheduling",
@@ -117,6 +118,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[q for q in QUANTIZATIONS if q],
         help="fp8: the linear projections as float8 e4m3 with per-channel scales, quantized at load "
         "(FP8 checkpoints are detected from config.json and served as FP8 without it)",
+    )
+    add(
+        "--speculative-config",
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4} (docs/OPERATIONS.md, "Speculative decoding")',
     )
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     add(

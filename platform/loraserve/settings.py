@@ -14,6 +14,7 @@ from pathlib import Path
 
 from adapters_store.config import DEFAULT_URL as DEFAULT_ADAPTER_STORE
 from adapters_store.config import parse_store_url
+from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_STATE_DIR = Path(".loraserve")
 # The engine's own choices (engine/config.py; a test keeps them equal), repeated so that `loraserve` client
@@ -47,6 +48,8 @@ class ServerSettings:
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
     quantization: str | None = None  # engine.EngineConfig.quantization
+    # vLLM's --speculative-config: JSON text of engine.spec_decode.config.SpeculativeConfig; None: off
+    speculative_config: str | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs
     async_scheduling: bool = True  # False: read each step's tokens before scheduling the next
@@ -116,6 +119,10 @@ class ServerSettings:
                 f"--quantization {self.quantization!r} is not supported; use fp8 (float8 e4m3 weights with "
                 "per-channel scales) or leave it out"
             )
+        try:
+            SpeculativeConfig.parse(self.speculative_config)
+        except ValueError as exc:
+            raise ValueError(f"--speculative-config: {exc}") from None
         if self.adapter_loader not in ADAPTER_LOADERS:
             raise ValueError(
                 f"--adapter-loader {self.adapter_loader!r} is not supported; use one of {', '.join(ADAPTER_LOADERS)}"

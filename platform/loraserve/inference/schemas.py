@@ -115,6 +115,8 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
     # vLLM's: each prompt token's logprob, rank and top-k (checked against vLLM's rules in sampling.py)
     prompt_logprobs: int | None = None
+    # loraserve's: false keeps this request out of speculative decoding (a no-op when the server has none)
+    speculative: bool = True
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):

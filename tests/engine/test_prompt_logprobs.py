@@ -175,3 +175,18 @@ def test_long_chunks_are_computed_in_bounded_slices(text_model_dir, text_adapter
     params = SamplingParams(max_tokens=1, prompt_logprobs=2)
     (output,) = make(text_model_dir, text_adapters).generate([PROMPTS[0]], params, adapters=["alpha"])
     check_entries(output.prompt_logprobs, PROMPTS[0], reference(PROMPTS[0], "alpha"), 2)
+
+
+def test_prompt_logprobs_beside_speculative_decoding(text_model_dir, text_adapters, reference):
+    """Proposals (n-gram, from the prompt) verified in the same steps as other requests' prefill chunks:
+    entries unchanged, and the tokens those of the engine without speculation."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    prompts = [PROMPTS[0], [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], PROMPTS[1]]
+    params = SamplingParams(max_tokens=12, temperature=0, prompt_logprobs=2, ignore_eos=True)
+    plain = make(text_model_dir, text_adapters, max_num_batched_tokens=8).generate(prompts, params)
+    llm = make(text_model_dir, text_adapters, max_num_batched_tokens=8, speculative_config=spec)
+    outputs = llm.generate(prompts, params)
+    assert llm.engine.stats().spec_decode.num_drafts > 0  # proposals were verified
+    for prompt, output, expected in zip(prompts, outputs, plain):
+        assert output.outputs[0].token_ids == expected.outputs[0].token_ids
+        check_entries(output.prompt_logprobs, prompt, reference(prompt, None), 2)

@@ -87,6 +87,9 @@ class EngineConfig:
     # How FP8 projections multiply (FP8_GEMMS): "auto" picks torch._scaled_mm where the GPU can, else
     # "dequant" (the weight dequantized to the model dtype for each GEMM; the CPU and the reference).
     fp8_gemm: str = "auto"
+    # GPUs one model is split over (Megatron-style, engine/parallel/): one worker process per rank beyond
+    # the first; NCCL on CUDA, gloo on the CPU. 1: no worker, no collective.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -95,6 +98,7 @@ class EngineConfig:
         _positive("max_loras", self.max_loras)
         _positive("max_lora_rank", self.max_lora_rank)
         _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.max_cpu_loras is not None:
             _positive("max_cpu_loras", self.max_cpu_loras)
             if self.max_cpu_loras < self.max_loras:

@@ -74,6 +74,10 @@ class LlamaModel:
     def num_layers(self) -> int:
         return len(self.weights.layers)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.weights.embed.shape[0]
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
@@ -81,7 +85,7 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: key, value caches
         lora: LoRAContext | None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = F.embedding(input_ids, self.weights.embed)
+        hidden = self.embed(input_ids)
         for i, layer in enumerate(self.weights.layers):
             residual = hidden
             x = _rms_norm(hidden, layer.input_norm, self.eps)
@@ -90,6 +94,9 @@ class LlamaModel:
             x = _rms_norm(hidden, layer.post_norm, self.eps)
             hidden = residual + self._mlp(i, layer, x, lora)
         return _rms_norm(hidden, self.weights.norm, self.eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        return F.embedding(input_ids, self.weights.embed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
         return F.linear(hidden, self.weights.lm_head).float()

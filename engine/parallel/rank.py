@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from engine.lora.model_shape import ModelShape
 from engine.lora.slots import LoRASlots, SlotImage
@@ -54,6 +55,10 @@ class TensorParallelRank:
                 )
         else:  # the ranks share the cores: idle OpenMP threads of one would starve the others
             torch.set_num_threads(cpu_threads_per_rank(plan.world_size))
+        if dist.is_initialized():
+            raise RuntimeError(
+                "this process already runs a tensor-parallel engine: shut it down (LLMEngine.shutdown) first"
+            )
         port = free_port()
         workers = Workers(config, str(model_path), max_model_len, port)
         try:
@@ -127,8 +132,10 @@ class TensorParallelRank:
         ]
 
     def shutdown(self) -> None:
+        """Rank 0: stop the workers, then leave the group (so another engine may form one here)."""
         if self.workers is not None:
             self.workers.stop()
+            self.group.close()
 
     # -- workers --------------------------------------------------------------------------------------
 

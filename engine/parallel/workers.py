@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import time
 import weakref
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
@@ -121,14 +122,14 @@ def _stop(processes, conns) -> None:
             conn.send_bytes(encode(Stop()))
         except (OSError, ValueError):
             pass
-    for process in processes:
-        process.join(STOP_GRACE_S)
-        if process.is_alive():
-            logger.warning("tensor-parallel worker %s did not stop; terminating it", process.name)
-            process.terminate()
-            process.join(STOP_GRACE_S)
-        if process.is_alive():
-            process.kill()
-            process.join(STOP_GRACE_S)
+    for signal in (None, "terminate", "kill"):  # each round bounded by one grace period for all
+        alive = [p for p in processes if p.is_alive()]
+        if signal is not None:
+            for process in alive:
+                logger.warning("tensor-parallel worker %s did not stop: %s", process.name, signal)
+                getattr(process, signal)()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for process in alive:
+            process.join(max(0.0, deadline - time.monotonic()))
     for conn in conns:
         conn.close()

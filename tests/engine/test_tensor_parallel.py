@@ -1,0 +1,126 @@
+"""Tensor parallelism on the CPU (gloo): workload C1 over 2 and 4 ranks gives the greedy tokens of one rank
+and of transformers + PEFT, for Llama, Mistral and Qwen2, through chunked prefill, preemption and adapter
+slot evictions; workers are stopped with the engine, and a dead worker stops it with an error."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import time
+from contextlib import contextmanager
+
+import pytest
+from factories import C1_ADAPTERS, load_peft_reference, make_adapter, make_model, reference_greedy
+
+from engine import LLM, SamplingParams
+from engine.parallel.workers import TensorParallelError
+
+NUM_NEW_TOKENS = 16
+ARCH_OVERRIDES = {
+    "llama": {},
+    "mistral": {"sliding_window": 12},  # prompts longer than the window exercise sliding attention
+    "qwen2": {"tie_word_embeddings": True},  # q/k/v biases, tied (vocabulary-parallel) LM head
+}
+# Chunked prefill (8 tokens a step) and preemption (16 blocks of 4 tokens for 10 sequences of up to 56).
+ENGINE_ARGS = dict(
+    max_lora_rank=16,
+    dtype="float32",
+    max_num_seqs=16,
+    max_num_batched_tokens=8,
+    num_kv_blocks=16,
+    block_size=4,
+    max_model_len=64,
+)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
+
+
+@pytest.fixture(scope="module", params=sorted(ARCH_OVERRIDES))
+def c1_case(request, tmp_path_factory):
+    arch = request.param
+    root = tmp_path_factory.mktemp(f"tp-{arch}")
+    model_dir = make_model(root / "model", arch=arch, seed=1, **ARCH_OVERRIDES[arch])
+    adapters = {
+        name: make_adapter(model_dir, root / name, seed=10 + i, **kwargs)
+        for i, (name, kwargs) in enumerate(C1_ADAPTERS.items())
+    }
+    rng = random.Random(arch)
+    names = [*adapters, None]
+    # 10 prompts of 3..40 tokens: each adapter twice and the base model twice, mixed in every batch.
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(3, 41))] for _ in range(10)]
+    assigned = [names[i % len(names)] for i in range(len(prompts))]
+    reference_model = load_peft_reference(model_dir, adapters)
+    expected = [reference_greedy(reference_model, p, a, NUM_NEW_TOKENS) for p, a in zip(prompts, assigned)]
+    return dict(model_dir=model_dir, adapters=adapters, prompts=prompts, assigned=assigned, expected=expected)
+
+
+@contextmanager
+def engine(model_dir, **args):
+    """An LLM whose workers are stopped however the test ends (and checked gone)."""
+    llm = LLM(model=str(model_dir), **args)
+    workers = [] if llm.engine.runner.parallel is None else llm.engine.runner.parallel.workers.processes
+    try:
+        yield llm
+    finally:
+        llm.engine.shutdown()
+        assert not [p for p in workers if p.is_alive()], "a worker outlived the engine"
+
+
+def tp_workers() -> list:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("tp-worker")]
+
+
+def generate(llm, case):
+    prompts = [{"prompt_token_ids": p} for p in case["prompts"]]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, adapters=case["assigned"])]
+
+
+# max_loras 2 with 4 adapters: slots are evicted and refilled, and the workers must follow rank 0's choice.
+@pytest.mark.parametrize("tp, max_loras", [(1, 4), (2, 2), (4, 4)])
+def test_c1_greedy_matches_one_rank_and_peft(c1_case, tp, max_loras):
+    adapters = {k: str(v) for k, v in c1_case["adapters"].items()}
+    with engine(
+        c1_case["model_dir"],
+        lora_modules=adapters,
+        tensor_parallel_size=tp,
+        max_loras=max_loras,
+        **ENGINE_ARGS,
+    ) as llm:
+        assert generate(llm, c1_case) == c1_case["expected"]
+        assert llm.engine.scheduler.num_preemptions > 0, "the tiny KV cache was meant to force preemption"
+        if max_loras < len(adapters):
+            assert llm.engine.lora.allocator.num_evictions > 0
+        if tp > 1:
+            runner = llm.engine.runner
+            assert runner.model.num_heads == 4 // tp  # this rank computes its heads only
+            assert runner.kv_caches[0][0].shape[2] == max(1, 2 // tp)  # and caches its KV heads only
+
+
+def test_one_rank_runs_no_worker_and_no_collective(c1_case):
+    with engine(c1_case["model_dir"], **ENGINE_ARGS) as llm:
+        assert llm.engine.runner.parallel is None
+        assert type(llm.engine.runner.model).__name__ == "LlamaModel"
+        assert tp_workers() == []
+
+
+def test_heads_not_divisible_are_refused_before_any_worker_starts(c1_case):
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size 3 does not divide the model's 4 attention heads"
+    ):
+        LLM(model=str(c1_case["model_dir"]), tensor_parallel_size=3, **ENGINE_ARGS)
+    assert tp_workers() == []
+
+
+@pytest.mark.parametrize("arch", ["llama"])
+def test_a_dead_worker_stops_the_engine_with_an_error(tmp_path, arch):
+    model_dir = make_model(tmp_path / "model", arch=arch, seed=2)
+    with engine(model_dir, tensor_parallel_size=2, **ENGINE_ARGS) as llm:
+        (worker,) = llm.engine.runner.parallel.workers.processes
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match="worker 1 failed"):
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY)
+        assert time.monotonic() - started < 30
+    assert tp_workers() == []

@@ -12,6 +12,7 @@ step runs, so a slot holds the same adapter on every rank whenever a step reads 
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from engine.lora.model_shape import ModelShape
 from engine.lora.slots import LoRASlots, SlotImage
 from engine.model.attention import AttentionMetadata
+from engine.model.fp8_checkpoint import fp8_scheme
 from engine.parallel.group import ParallelGroup, free_port
 from engine.parallel.lora_shards import RankZeroLoRASlots
 from engine.parallel.messages import EagerStep, GraphStep, SlotLoad, bytes_tensor, encode, tensor_bytes
@@ -30,6 +32,11 @@ from engine.parallel.workers import Workers
 from engine.step_buffers import DecodeTwins
 
 
+def _leave(workers: Workers, group: ParallelGroup) -> None:
+    workers.stop()
+    group.close()
+
+
 def cpu_threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
@@ -37,7 +44,9 @@ def cpu_threads_per_rank(world_size: int) -> int:
 class TensorParallelRank:
     def __init__(self, plan: ShardPlan, group: ParallelGroup, workers: Workers | None = None):
         self.plan, self.group, self.workers = plan, group, workers
-        self.lora_slots: LoRASlots | None = None
+        self.lora_slots: LoRASlots | None = None  # set by `build`
+        # Rank 0: also when the runner is dropped without shutdown() (its start-up failed, say).
+        self._leave = weakref.finalize(self, _leave, workers, group) if workers is not None else None
 
     @classmethod
     def start(cls, config, model_path: Path, hf_config, max_model_len: int) -> TensorParallelRank:
@@ -55,6 +64,12 @@ class TensorParallelRank:
                 )
         else:  # the ranks share the cores: idle OpenMP threads of one would starve the others
             torch.set_num_threads(cpu_threads_per_rank(plan.world_size))
+        scheme = fp8_scheme(hf_config, config.quantization)
+        if scheme is not None:
+            raise ValueError(
+                f"FP8 weights ({scheme}) are not supported with tensor_parallel_size > 1 yet; "
+                "serve the checkpoint in bf16/fp16, or with tensor_parallel_size 1"
+            )
         if dist.is_initialized():
             raise RuntimeError(
                 "this process already runs a tensor-parallel engine: shut it down (LLMEngine.shutdown) first"
@@ -133,9 +148,8 @@ class TensorParallelRank:
 
     def shutdown(self) -> None:
         """Rank 0: stop the workers, then leave the group (so another engine may form one here)."""
-        if self.workers is not None:
-            self.workers.stop()
-            self.group.close()
+        if self._leave is not None:
+            self._leave()
 
     # -- workers --------------------------------------------------------------------------------------
 

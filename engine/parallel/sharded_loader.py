@@ -31,12 +31,8 @@ def load_shard(
     quantization: str | None = None,
 ) -> ModelWeights:
     """This rank's weights: q/k/v and gate/up fused by output, o and down by input, the vocabulary split."""
-    scheme = fp8_scheme(config, quantization)
-    if scheme is not None:
-        raise ValueError(
-            f"FP8 weights ({scheme}) are not supported with tensor_parallel_size > 1 yet; "
-            "serve the checkpoint in bf16/fp16, or with tensor_parallel_size 1"
-        )
+    if fp8_scheme(config, quantization) is not None:
+        raise ValueError("FP8 weights are not supported with tensor_parallel_size > 1 yet")
     raw: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:

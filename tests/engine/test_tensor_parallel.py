@@ -15,6 +15,7 @@ import pytest
 from factories import C1_ADAPTERS, load_peft_reference, make_adapter, make_model, reference_greedy
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from engine.parallel.workers import TensorParallelError
 
 NUM_NEW_TOKENS = 16
@@ -52,7 +53,14 @@ def c1_case(request, tmp_path_factory):
     assigned = [names[i % len(names)] for i in range(len(prompts))]
     reference_model = load_peft_reference(model_dir, adapters)
     expected = [reference_greedy(reference_model, p, a, NUM_NEW_TOKENS) for p, a in zip(prompts, assigned)]
-    return dict(model_dir=model_dir, adapters=adapters, prompts=prompts, assigned=assigned, expected=expected)
+    return dict(
+        arch=arch,
+        model_dir=model_dir,
+        adapters=adapters,
+        prompts=prompts,
+        assigned=assigned,
+        expected=expected,
+    )
 
 
 @contextmanager
@@ -95,6 +103,23 @@ def test_c1_greedy_matches_one_rank_and_peft(c1_case, tp, max_loras):
             runner = llm.engine.runner
             assert runner.model.num_heads == 4 // tp  # this rank computes its heads only
             assert runner.kv_caches[0][0].shape[2] == max(1, 2 // tp)  # and caches its KV heads only
+
+
+def test_async_scheduling_sends_the_tokens_in_flight_to_the_workers(c1_case):
+    """With async scheduling a step's input tokens are still on rank 0's device when it is sent."""
+    if c1_case["arch"] != "llama":
+        pytest.skip("one architecture is enough for the step exchange")
+    adapters = {k: str(v) for k, v in c1_case["adapters"].items()}
+    args = {**ENGINE_ARGS, "async_scheduling": True}
+    with engine(
+        c1_case["model_dir"], lora_modules=adapters, tensor_parallel_size=2, max_loras=4, **args
+    ) as llm:
+        assert generate(llm, c1_case) == c1_case["expected"]
+
+
+def test_tensor_parallel_size_is_checked():
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineConfig(model="m", tensor_parallel_size=0)
 
 
 def test_one_rank_runs_no_worker_and_no_collective(c1_case):

@@ -44,6 +44,8 @@ class ParallelGroup:
         """Rendezvous with the other ranks on 127.0.0.1:`port` (blocks until all have joined)."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
+            if device.index is None:  # "cuda": the current device, as the rest of the runner reads it
+                device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
         dist.init_process_group(
             backend,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -82,6 +83,8 @@ class TensorParallelRank:
             workers.stop()
             raise
         group.on_failure = workers.failure
+        if device.type == "cuda":  # fail rank 0's kernels that wait on the dead peer now, not at the timeout
+            workers.on_death.append(partial(dist.distributed_c10d._abort_process_group, group.group))
         return cls(plan, group, workers)
 
     @property
@@ -91,7 +94,13 @@ class TensorParallelRank:
     def build(self, config, model_path: Path, hf_config, dtype, max_model_len: int, backend: str):
         """(model, adapter slots) of this rank: its shard of the weights, its shard of every slot."""
         device = self.group.device
-        weights = load_shard(model_path, hf_config, self.plan, self.rank, dtype, device, config.quantization)
+        try:
+            weights = load_shard(
+                model_path, hf_config, self.plan, self.rank, dtype, device, config.quantization
+            )
+        except BaseException:
+            self.shutdown()  # rank 0: no worker outlives a start-up that failed, and the group is left
+            raise
         model = ShardedLlamaModel(hf_config, weights, max_model_len, backend, self.plan, self.group)
         if self.rank == 0:
             slots = RankZeroLoRASlots(self.plan, config.max_loras, config.max_lora_rank, dtype, device)

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import threading
 import time
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
 
@@ -39,7 +42,10 @@ class Workers:
         world_size = config.tensor_parallel_size
         self.processes: list[multiprocessing.process.BaseProcess] = []
         self.conns: list[Connection] = []
-        self._finalizer = weakref.finalize(self, _stop, self.processes, self.conns)
+        # Called on the watchdog thread when a worker dies unasked (TensorParallelRank adds NCCL's abort).
+        self.on_death: list[Callable[[], None]] = []
+        self._quiet_read, quiet_write = os.pipe()  # written when stopping: the watchdog then leaves
+        self._finalizer = weakref.finalize(self, _stop, self.processes, self.conns, quiet_write)
         for rank in range(1, world_size):
             conn, child_end = context.Pipe()
             process = context.Process(
@@ -56,7 +62,14 @@ class Workers:
             self._wait_for_hello()
         except BaseException:
             self.stop()
+            os.close(self._quiet_read)
             raise
+        threading.Thread(
+            target=_watch,
+            args=([p.sentinel for p in self.processes], self._quiet_read, self.on_death),
+            name="tp-watchdog",
+            daemon=True,
+        ).start()
 
     def _wait_for_hello(self) -> None:
         waiting = dict(zip(self.conns, range(1, len(self.conns) + 1)))
@@ -115,8 +128,26 @@ def _receive(conn: Connection) -> object:
     return None
 
 
-def _stop(processes, conns) -> None:
+def _watch(sentinels: list[int], quiet: int, on_death: list[Callable[[], None]]) -> None:
+    """Wait for a worker to die or for `quiet` (the workers are being stopped); on a death, call `on_death`."""
+    ready = wait_for([quiet, *sentinels])
+    if quiet not in ready:
+        logger.error("a tensor-parallel worker died; the engine cannot run another step")
+        for callback in on_death:
+            try:
+                callback()
+            except Exception:
+                logger.exception("reacting to a dead tensor-parallel worker failed")
+    os.close(quiet)
+
+
+def _stop(processes, conns, quiet: int) -> None:
     """Ask every worker to stop, then terminate and kill whatever is left; close the pipes."""
+    try:
+        os.write(quiet, b"x")  # first: the watchdog must not take these exits for deaths
+    except OSError:  # the watchdog already left (a worker died)
+        pass
+    os.close(quiet)
     for conn in conns:
         try:
             conn.send_bytes(encode(Stop()))

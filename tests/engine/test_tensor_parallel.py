@@ -12,7 +12,9 @@ import time
 from contextlib import contextmanager
 
 import pytest
+import torch
 from factories import C1_ADAPTERS, load_peft_reference, make_adapter, make_model, reference_greedy
+from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
@@ -135,6 +137,18 @@ def test_heads_not_divisible_are_refused_before_any_worker_starts(c1_case):
     ):
         LLM(model=str(c1_case["model_dir"]), tensor_parallel_size=3, **ENGINE_ARGS)
     assert tp_workers() == []
+
+
+def test_a_failed_start_leaves_no_worker_and_no_group(tmp_path):
+    model_dir = make_model(tmp_path / "model", seed=2)
+    (weights,) = model_dir.glob("*.safetensors")
+    tensors = load_file(weights)
+    del tensors["model.norm.weight"]
+    save_file(tensors, weights)
+    with pytest.raises(ValueError, match="lacks tensor 'model.norm.weight'"):
+        LLM(model=str(model_dir), tensor_parallel_size=2, **ENGINE_ARGS)
+    assert tp_workers() == []
+    assert not torch.distributed.is_initialized()  # another engine may form a group in this process
 
 
 @pytest.mark.parametrize("arch", ["llama"])

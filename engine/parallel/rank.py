@@ -33,9 +33,10 @@ from engine.parallel.workers import Workers
 from engine.step_buffers import DecodeTwins
 
 
-def _leave(workers: Workers, group: ParallelGroup) -> None:
+def _leave(workers: Workers, group: ParallelGroup, threads: int) -> None:
     workers.stop()
     group.close()
+    torch.set_num_threads(threads)
 
 
 def cpu_threads_per_rank(world_size: int) -> int:
@@ -43,11 +44,14 @@ def cpu_threads_per_rank(world_size: int) -> int:
 
 
 class TensorParallelRank:
-    def __init__(self, plan: ShardPlan, group: ParallelGroup, workers: Workers | None = None):
+    def __init__(
+        self, plan: ShardPlan, group: ParallelGroup, workers: Workers | None = None, threads: int = 0
+    ):
+        """`workers` and `threads` (torch's CPU threads before the start) on rank 0 only."""
         self.plan, self.group, self.workers = plan, group, workers
         self.lora_slots: LoRASlots | None = None  # set by `build`
         # Rank 0: also when the runner is dropped without shutdown() (its start-up failed, say).
-        self._leave = weakref.finalize(self, _leave, workers, group) if workers is not None else None
+        self._leave = weakref.finalize(self, _leave, workers, group, threads) if workers is not None else None
 
     @classmethod
     def start(cls, config, model_path: Path, hf_config, max_model_len: int) -> TensorParallelRank:
@@ -63,8 +67,6 @@ class TensorParallelRank:
                     f"tensor_parallel_size {plan.world_size} from {device} needs {needed} GPUs; "
                     f"{torch.cuda.device_count()} are visible"
                 )
-        else:  # the ranks share the cores: idle OpenMP threads of one would starve the others
-            torch.set_num_threads(cpu_threads_per_rank(plan.world_size))
         scheme = fp8_scheme(hf_config, config.quantization)
         if scheme is not None:
             raise ValueError(
@@ -75,17 +77,24 @@ class TensorParallelRank:
             raise RuntimeError(
                 "this process already runs a tensor-parallel engine: shut it down (LLMEngine.shutdown) first"
             )
+        threads = torch.get_num_threads()
+        if device.type == "cpu":  # the ranks share the cores: idle OpenMP threads of one starve the others
+            torch.set_num_threads(cpu_threads_per_rank(plan.world_size))
         port = free_port()
-        workers = Workers(config, str(model_path), max_model_len, port)
         try:
-            group = ParallelGroup.join(0, plan.world_size, port, device)
+            workers = Workers(config, str(model_path), max_model_len, port)
+            try:
+                group = ParallelGroup.join(0, plan.world_size, port, device)
+            except BaseException:
+                workers.stop()
+                raise
         except BaseException:
-            workers.stop()
+            torch.set_num_threads(threads)
             raise
         group.on_failure = workers.failure
         if device.type == "cuda":  # fail rank 0's kernels that wait on the dead peer now, not at the timeout
             workers.on_death.append(partial(dist.distributed_c10d._abort_process_group, group.group))
-        return cls(plan, group, workers)
+        return cls(plan, group, workers, threads)
 
     @property
     def rank(self) -> int:

@@ -145,9 +145,11 @@ def test_a_failed_start_leaves_no_worker_and_no_group(tmp_path):
     tensors = load_file(weights)
     del tensors["model.norm.weight"]
     save_file(tensors, weights)
+    threads = torch.get_num_threads()
     with pytest.raises(ValueError, match="lacks tensor 'model.norm.weight'"):
         LLM(model=str(model_dir), tensor_parallel_size=2, **ENGINE_ARGS)
     assert tp_workers() == []
+    assert torch.get_num_threads() == threads  # the CPU ranks' share of the cores was given back
     assert not torch.distributed.is_initialized()  # another engine may form a group in this process
 
 

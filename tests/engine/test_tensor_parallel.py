@@ -4,19 +4,22 @@ slot evictions; workers are stopped with the engine, and a dead worker stops it 
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import random
 import signal
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 from factories import C1_ADAPTERS, load_peft_reference, make_adapter, make_model, reference_greedy
+from processes import child_pids, kill_quietly, wait_gone
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
+from engine import LLM, AsyncLLM, SamplingParams
 from engine.config import EngineConfig
 from engine.parallel.workers import TensorParallelError
 
@@ -165,3 +168,48 @@ def test_a_dead_worker_stops_the_engine_with_an_error(tmp_path, arch):
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY)
         assert time.monotonic() - started < 30
     assert tp_workers() == []
+
+
+def _worker_pids(core_pid: int) -> list[int]:
+    """The core's tensor-parallel workers (its other children: multiprocessing's resource tracker)."""
+    pids = []
+    for pid in child_pids(core_pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"resource_tracker" not in cmdline:
+            pids.append(pid)
+    return pids
+
+
+def test_served_core_runs_its_workers_and_none_outlives_it(text_model_dir):
+    """`loraserve serve --tensor-parallel-size 2` runs the engine core in its own process: the workers are
+    its children, the streams match one rank's, and killing the core (kill -9) takes the workers down."""
+    args = dict(max_loras=2, max_lora_rank=8, max_model_len=96, block_size=4, max_num_seqs=8)
+    prompts = ["Hello world", "The quick brown fox"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with engine(text_model_dir, **args) as offline:
+        expected = [o.outputs[0].token_ids for o in offline.generate(prompts, greedy)]
+    config = EngineConfig(model=str(text_model_dir), tensor_parallel_size=2, **args)
+    llm = AsyncLLM.from_config(config, startup_timeout_s=120)
+    core_pid, workers = llm.core_pid, []
+    try:
+        workers = _worker_pids(core_pid)
+        assert len(workers) == 1
+
+        async def run():
+            async def tokens(i, prompt):
+                deltas = [d async for d in llm.generate(prompt, greedy, f"r{i}")]
+                return [t for d in deltas for c in d.outputs for t in c.token_ids]
+
+            return await asyncio.gather(*(tokens(i, p) for i, p in enumerate(prompts)))
+
+        assert asyncio.run(run()) == expected
+        os.kill(core_pid, signal.SIGKILL)
+        assert wait_gone(core_pid, 10)
+        assert all(wait_gone(pid, 15) for pid in workers), "a worker outlived its engine core"
+    finally:
+        llm.shutdown()
+        for pid in [core_pid, *workers]:
+            kill_quietly(pid)

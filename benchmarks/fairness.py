@@ -14,8 +14,9 @@ an unmeasured warm-up of the same shapes (Triton compiles, CUDA graphs):
     flood, fair      A + B, virtual token counters by tenant (weights 1:1)
 
 Reported: B's TTFT (its arrival to its first token, on the wall clock) p50/p99 per run, the ratio of
-B's p99 under the flood to B alone, and total throughput (prompt + output tokens over the makespan) of
-fair vs fcfs. A TTFT under the flood also includes the longer steps a fuller batch takes, which no
+B's p99 under the flood to B alone, total throughput (prompt + output tokens over the makespan) of
+fair vs fcfs, and the preemptions of each run (in brackets those that made room for a tenant below its
+share; each costs recomputing the victim's tokens, here without prefix caching). A TTFT under the flood also includes the longer steps a fuller batch takes, which no
 scheduling order removes: `--max-num-batched-tokens` trades that step time against throughput.
 Imports: torch, transformers, safetensors and this repo only.
 """
@@ -55,6 +56,8 @@ class RunResult:
     num_tokens: int = 0  # prompt + output
     num_output_tokens: int = 0
     makespan_s: float = 0.0
+    num_preemptions: int = 0  # all of them: KV blocks ran out, or room made for a tenant below its share
+    num_fairness_preemptions: int = 0  # the second kind (fair only)
 
     @property
     def tokens_per_second(self) -> float:
@@ -149,7 +152,11 @@ def run(args, model_dir: Path, policy: str, arrivals: list[Arrival], name: str, 
         for a in arrivals[: args.warmup_requests]
     ]
     play(engine, warm, "warm-up")
+    scheduler = engine.scheduler
+    before = (scheduler.num_preemptions, scheduler.num_fairness_preemptions)
     result = play(engine, arrivals, name)
+    result.num_preemptions = scheduler.num_preemptions - before[0]
+    result.num_fairness_preemptions = scheduler.num_fairness_preemptions - before[1]
     engine.shutdown()
     del engine
     return result
@@ -164,15 +171,16 @@ def report(args, results: list[RunResult]) -> str:
         f"{args.b_output_tokens} output tokens; max_num_seqs {args.max_num_seqs}, max_num_batched_tokens "
         f"{args.max_num_batched_tokens}",
         "",
-        "| run | B TTFT p50 (ms) | B TTFT p99 (ms) | A TTFT p50 (s) | tokens/s (prompt + output) | makespan (s) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| run | B TTFT p50 (ms) | B TTFT p99 (ms) | A TTFT p50 (s) | tokens/s (prompt + output) | makespan (s) "
+        "| preemptions (for fairness) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         b, a = r.ttft.get("B", []), r.ttft.get("A", [])
         a_p50 = f"{percentile(a, 50):.2f}" if a else "-"
         lines.append(
             f"| {r.name} | {percentile(b, 50) * 1e3:.1f} | {percentile(b, 99) * 1e3:.1f} | {a_p50} | "
-            f"{r.tokens_per_second:.0f} | {r.makespan_s:.2f} |"
+            f"{r.tokens_per_second:.0f} | {r.makespan_s:.2f} | {r.num_preemptions} ({r.num_fairness_preemptions}) |"
         )
     b_alone = percentile(alone.ttft["B"], 99)
     lines += [

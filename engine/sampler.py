@@ -201,7 +201,10 @@ def _mask_stop_tokens_before_min(scores: torch.Tensor, requests: list[Request]) 
     if not rows:
         return scores
     scores = scores.clone()
-    scores[on_device(rows, scores.device), on_device(cols, scores.device)] = float("-inf")
+    # The -inf values are made on the device: a Python scalar assigned through an index would be copied
+    # from pageable memory, which waits for the step's forward and undoes async scheduling.
+    minus_inf = torch.full((len(rows),), float("-inf"), dtype=scores.dtype, device=scores.device)
+    scores.index_put_((on_device(rows, scores.device), on_device(cols, scores.device)), minus_inf)
     return scores
 
 

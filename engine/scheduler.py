@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine import fair_preemption
 from engine.config import EngineConfig
 from engine.fairness import VirtualTokenCounters
 from engine.kv_cache import KVCacheManager
@@ -40,7 +41,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     """What the runner computes in one step, and what changed in the scheduler's queues."""
 
-    scheduled: list[ScheduledRequest]  # batch order: running (oldest first), then newly admitted
+    # Batch order: running (oldest first), then newly admitted. A request registers its blocks in the
+    # prefix cache before those that come after it in the batch may hit them (KVCacheManager).
+    scheduled: list[ScheduledRequest]
     preempted: list[Request]  # preempted this step; their blocks are already freed
     newly_admitted: list[Request]  # waiting or preempted requests that (re)entered running this step
     num_batched_tokens: int  # sum of num_new_tokens, at most max_num_batched_tokens
@@ -65,7 +68,10 @@ class Scheduler:
     Under "fcfs" so is one that would be one adapter too many, and a head that lacks room (blocks, or
     the budget without chunked prefill) stops admission. Under "fair" both are passed over, but only
     for `fairness_max_bypass_steps` steps each, after which admission waits for them, so that neither
-    a stream of short prompts nor of other adapters can starve them.
+    a stream of short prompts nor of other adapters can starve them. Also under "fair" (rules in
+    engine/fair_preemption.py): a request that finds the batch full (rows or blocks) preempts running
+    requests of a tenant more over its share, and running prefills leave the token budget first to
+    waiting requests of tenants whose counters are not above theirs.
     """
 
     def __init__(
@@ -99,6 +105,7 @@ class Scheduler:
         self._bypassed: dict[str, int] = {}  # request id -> steps admission went past it (fair only)
         self._requests: dict[str, Request] = {}  # request_id -> every unfinished request
         self.num_preemptions = 0  # cumulative, for metrics
+        self.num_fairness_preemptions = 0  # the part of them that made room for a tenant below its share
 
     @property
     def num_running(self) -> int:
@@ -165,11 +172,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-        budget = self._schedule_running(budget, scheduled, preempted)
+        capped: list[Request] = []  # running prefills that left budget to admissions (fair only)
+        budget = self._schedule_running(budget, scheduled, preempted, capped)
         newly_admitted: list[Request] = []
         # After a preemption the cache is full: admitting now would only preempt again.
         if not preempted:
-            self._schedule_waiting(budget, scheduled, newly_admitted)
+            budget = self._schedule_waiting(budget, scheduled, newly_admitted, preempted)
+        self._extend_capped(capped, budget, scheduled)
         for item in scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
             item.request.status = RequestStatus.RUNNING
@@ -184,13 +193,20 @@ class Scheduler:
         )
 
     def _schedule_running(
-        self, budget: int, scheduled: list[ScheduledRequest], preempted: list[Request]
+        self,
+        budget: int,
+        scheduled: list[ScheduledRequest],
+        preempted: list[Request],
+        capped: list[Request],
     ) -> int:
         """Give each running request, oldest first, its next tokens; returns the budget left.
 
         A victim scheduled earlier in this step (only "fair" picks those) gives back its tokens: nothing
-        of the step has run yet, so freeing its blocks loses no work.
+        of the step has run yet, so freeing its blocks loses no work. Under "fair" a prefill leaves the
+        budget that waiting requests of tenants not above its own need (at least one token for itself),
+        and goes into `capped`, to get what admission leaves of it.
         """
+        heads = self._queues.heads() if self.fair and self.config.enable_chunked_prefill else []
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -204,17 +220,23 @@ class Scheduler:
             ):
                 index += 1
                 continue
-            num_new_tokens = min(num_new_tokens, budget)
+            limit = budget
+            if heads and request.num_tokens - request.num_computed_tokens > 1:  # a prefill, or a recompute
+                limit = max(1, budget - fair_preemption.reserved_budget(request.tenant, heads, self.counters))
+                if limit < min(num_new_tokens, budget):
+                    capped.append(request)
+            num_new_tokens = min(num_new_tokens, limit)
             preempted_self = False
             while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
                 victim = self._pick_victim()
                 position = self.running.index(victim)
                 del self.running[position]
                 if position < index:
-                    item = next(s for s in scheduled if s.request is victim)
-                    scheduled.remove(item)
-                    budget += item.num_new_tokens
                     index -= 1
+                    item = next((s for s in scheduled if s.request is victim), None)
+                    if item is not None:  # else it was passed over this step
+                        scheduled.remove(item)
+                        budget += item.num_new_tokens
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -239,21 +261,30 @@ class Scheduler:
         return victim
 
     def _schedule_waiting(
-        self, budget: int, scheduled: list[ScheduledRequest], newly_admitted: list[Request]
-    ) -> None:
-        """Admit heads of the lowest-counter queues; skipped requests keep their place."""
+        self,
+        budget: int,
+        scheduled: list[ScheduledRequest],
+        newly_admitted: list[Request],
+        preempted: list[Request],
+    ) -> int:
+        """Admit heads of the lowest-counter queues; skipped requests keep their place. Returns the
+        budget left. Under "fair" a head that lacks a row or blocks may preempt others for them."""
         kv = self.kv_cache_manager
         adapters = {r.adapter_id for r in self.running if r.adapter_id is not None}
         queues = self._queues
         cursors = dict.fromkeys(queues.keys(), 0)  # per queue: its next candidate; earlier ones are skipped
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while budget > 0 and (self.fair or len(self.running) < self.config.max_num_seqs):
             key = min(
                 (k for k, i in cursors.items() if i < len(queues.queue(k))), key=queues.priority, default=None
             )
             if key is None:
                 break
             request = queues.queue(key)[cursors[key]]
+            need_row = len(self.running) >= self.config.max_num_seqs  # only under fair here
             if self._one_adapter_too_many(request.adapter_id, adapters):
+                if need_row:  # not admitted this step anyway: no bypass to count
+                    del cursors[key]
+                    continue
                 # Under fair, a request kept out by other adapters holds the line after a while, so that
                 # their requests drain and free a slot for its adapter.
                 if self.fair and not self._may_bypass(request):
@@ -263,16 +294,31 @@ class Scheduler:
             if request.adapter_id is not None and not self.adapter_ready(request.adapter_id):
                 cursors[key] += 1  # still loading: it waits without holding up anything
                 continue
-            hits, num_hit_tokens = [], 0
-            if request.num_computed_tokens == 0:
-                hits, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new_tokens = request.num_tokens - request.num_computed_tokens - num_hit_tokens
-            fits = True
-            if num_new_tokens > budget:
-                if self.config.enable_chunked_prefill:
-                    num_new_tokens = budget
-                else:
-                    fits = False  # it waits for a step with room
+            hits, num_hit_tokens, num_new_tokens, fits = self._admission_plan(request, budget)
+            num_missing_blocks = kv.num_missing_blocks(request, num_new_tokens, hits) if fits else 0
+            if self.fair and fits and (need_row or num_missing_blocks):
+                victims = fair_preemption.pick_victims(
+                    request,
+                    self.running,
+                    newly_admitted,
+                    self.counters,
+                    kv,
+                    need_row=need_row,
+                    num_missing_blocks=num_missing_blocks,
+                )
+                if victims:
+                    planned_budget = budget
+                    budget = self._preempt_for_fairness(victims, scheduled, preempted, budget)
+                    for victim in victims:  # no victim comes back in the step that preempted it
+                        cursors.pop(queues.key(victim), None)
+                    adapters = {r.adapter_id for r in self.running if r.adapter_id is not None}
+                    # Freeing the victims may have uncached blocks: find the prefix hits afresh (with
+                    # the budget the victims were chosen for, so that the blocks they freed suffice).
+                    hits, num_hit_tokens, num_new_tokens, fits = self._admission_plan(request, planned_budget)
+                    need_row = False
+            if need_row:
+                del cursors[key]  # only a preemption admits anyone now; another tenant may be owed one
+                continue
             if not fits or kv.allocate_slots(request, num_new_tokens, hits) is None:
                 if not self.fair or not self._may_bypass(request):
                     break  # admission waits for this head, so it cannot starve
@@ -285,7 +331,7 @@ class Scheduler:
             queues.pop(key, cursors[key])
             self._bypassed.pop(request.request_id, None)
             if not queues.has(key):
-                del cursors[key]
+                cursors.pop(key, None)
             request.num_computed_tokens += num_hit_tokens
             self.running.append(request)
             newly_admitted.append(request)
@@ -293,6 +339,52 @@ class Scheduler:
                 adapters.add(request.adapter_id)
             scheduled.append(self._scheduled(request, num_new_tokens, request.num_computed_tokens))
             budget -= num_new_tokens
+        return budget
+
+    def _admission_plan(self, request: Request, budget: int) -> tuple[list, int, int, bool]:
+        """(prefix hits, their tokens, tokens to compute this step, whether that fits the budget)."""
+        hits, num_hit_tokens = [], 0
+        if request.num_computed_tokens == 0:
+            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        num_new_tokens = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+        if num_new_tokens <= budget:
+            return hits, num_hit_tokens, num_new_tokens, True
+        # Without chunked prefill it waits for a step with room.
+        return hits, num_hit_tokens, budget, self.config.enable_chunked_prefill
+
+    def _preempt_for_fairness(
+        self, victims: list[Request], scheduled: list[ScheduledRequest], preempted: list[Request], budget: int
+    ) -> int:
+        """Preempt `victims` during admission; those scheduled earlier in this step give back their
+        tokens (nothing has run yet). Returns the budget."""
+        for victim in victims:
+            self.running.remove(victim)
+            item = next((s for s in scheduled if s.request is victim), None)
+            if item is not None:
+                scheduled.remove(item)
+                budget += item.num_new_tokens
+            self._preempt(victim)
+            preempted.append(victim)
+            self.num_fairness_preemptions += 1
+        return budget
+
+    def _extend_capped(self, capped: list[Request], budget: int, scheduled: list[ScheduledRequest]) -> None:
+        """Give the prefills that left budget to admissions what admission did not use, in place in the
+        batch (blocks registered now come after every admission's hits were taken)."""
+        for request in capped:
+            if budget <= 0:
+                return
+            index = next((i for i, s in enumerate(scheduled) if s.request is request), None)
+            if index is None:  # preempted since
+                continue
+            item = scheduled[index]
+            num_new_tokens = min(request.num_scheduled_tokens - item.start, item.num_new_tokens + budget)
+            if num_new_tokens == item.num_new_tokens:
+                continue
+            if self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+                continue  # the blocks went to admissions: the rest waits for the next step
+            budget -= num_new_tokens - item.num_new_tokens
+            scheduled[index] = self._scheduled(request, num_new_tokens, item.start)
 
     def _finishes_in_flight(self, request: Request) -> bool:
         """Whether the token in flight ends the request by length (max_tokens or max_model_len): then

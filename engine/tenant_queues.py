@@ -41,6 +41,10 @@ class TenantQueues:
     def has(self, key: str) -> bool:
         return key in self._queues
 
+    def heads(self) -> list[Request]:
+        """The first request of each queue."""
+        return [queue[0] for queue in self._queues.values()]
+
     def priority(self, key: str) -> tuple[float, float]:
         """Sort key of a queue: the lowest counter first, then the older head (fcfs: arrival order)."""
         head = self._queues[key][0]
@@ -54,7 +58,7 @@ class TenantQueues:
 
     def push(self, request: Request, front: bool = False) -> None:
         """New requests join at the back; preempted ones at the front of their queue."""
-        queue = self._queues.setdefault(self._key(request), deque())
+        queue = self._queues.setdefault(self.key(request), deque())
         if front:
             queue.appendleft(request)
         else:
@@ -69,11 +73,12 @@ class TenantQueues:
         return request
 
     def remove(self, request: Request) -> None:
-        key = self._key(request)
+        key = self.key(request)
         self._queues[key].remove(request)
         self._left(key, request)
 
-    def _key(self, request: Request) -> str:
+    def key(self, request: Request) -> str:
+        """The queue `request` waits in (or would)."""
         return request.tenant if self.fair else _ALL
 
     def _left(self, key: str, request: Request) -> None:

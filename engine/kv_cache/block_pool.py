@@ -98,6 +98,12 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
 
+    def uncache(self, block: KVBlock) -> None:
+        """Forget a free block's hash (its K/V was never written); it stays in the free queue."""
+        if block.ref_cnt != 0:
+            raise RuntimeError(f"block {block.block_id} is in use; only a free block can be uncached")
+        self._evict(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every hash; refused (False) while any block is in use, since its owner may rely on it."""
         if self.num_free_blocks != self.num_blocks:

@@ -96,12 +96,13 @@ class KVCacheManager:
             raise ValueError(
                 f"request {request.request_id}: prefix hits can only be added before anything is computed"
             )
-        num_hit_tokens = len(new_computed_blocks) * self.block_size
-        total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
-        num_new_blocks = max(0, self.num_blocks_needed(total_tokens) - len(table) - len(new_computed_blocks))
-        num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        num_new_blocks, num_evictable_hits = self._blocks_to_take(
+            request, num_new_tokens, new_computed_blocks
+        )
         if num_new_blocks + num_evictable_hits > self.block_pool.num_free_blocks:
             return None
+        num_hit_tokens = len(new_computed_blocks) * self.block_size
+        total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
 
         if self.enable_caching and request.num_computed_tokens == 0 and not table:
             self.num_queries_tokens += request.num_tokens
@@ -119,16 +120,64 @@ class KVCacheManager:
             )
         return new_blocks
 
+    def num_missing_blocks(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
+    ) -> int:
+        """Free blocks that `allocate_slots` with these arguments lacks (0: it would succeed)."""
+        num_new_blocks, num_evictable_hits = self._blocks_to_take(
+            request, num_new_tokens, new_computed_blocks
+        )
+        return max(0, num_new_blocks + num_evictable_hits - self.block_pool.num_free_blocks)
+
+    def num_freeable_blocks(self, request: Request) -> int:
+        """Blocks that freeing `request` would return to the free queue: those no other request holds."""
+        return sum(1 for block in self._block_tables.get(request.request_id, ()) if block.ref_cnt == 1)
+
+    def shares_unwritten_blocks(self, request: Request) -> bool:
+        """Whether another request holds a block registered for tokens of `request` not computed yet.
+
+        Blocks are registered when allocated, so a request admitted later in the same step may hit a
+        block whose K/V this request's part of the step is still to write. Freeing `request` before the
+        step runs would leave the other one reading K/V that nobody writes; the scheduler avoids it.
+        """
+        return any(block.ref_cnt > 1 for block in self._unwritten_cached_blocks(request))
+
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first, so its last blocks are evicted first."""
+        """Release the request's blocks, tail first, so its last blocks are evicted first.
+
+        Blocks registered for tokens not computed yet (a request preempted in the step that allocated
+        them, before the step ran) lose their hash: their K/V is never written, so nobody may hit them.
+        """
+        unwritten = self._unwritten_cached_blocks(request)
         table = self._block_tables.pop(request.request_id, [])
         self._block_ids.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(table))
+        for block in unwritten:
+            if block.ref_cnt == 0:
+                self.block_pool.uncache(block)
         self._block_hashes.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def _blocks_to_take(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock]
+    ) -> tuple[int, int]:
+        """(new blocks, prefix hits now free) that allocating these slots takes from the free queue."""
+        table = self._block_tables.get(request.request_id, ())
+        total_tokens = (
+            request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
+        )
+        num_new_blocks = max(0, self.num_blocks_needed(total_tokens) - len(table) - len(new_computed_blocks))
+        return num_new_blocks, sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+
+    def _unwritten_cached_blocks(self, request: Request) -> list[KVBlock]:
+        """Blocks of the table past the computed tokens that carry a hash: this request registered them
+        in the step now being scheduled (hits lie below the computed tokens; new blocks come unhashed)."""
+        table = self._block_tables.get(request.request_id, ())
+        first = request.num_computed_tokens // self.block_size
+        return [block for block in table[first:] if block.block_hash is not None]
 
     def _hashes(self, request: Request) -> list[bytes]:
         hashes = self._block_hashes.setdefault(request.request_id, [])

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from engine.lora.context import LoRAContext
 from engine.lora.slots import FUSED_PROJECTIONS
+from engine.model import fused_ops
 from engine.model.attention import AttentionMetadata, attention, write_kv
 from engine.model.fp8_linear import Fp8Linear, linear
 from engine.model.rope import RotaryEmbedding
@@ -69,6 +70,8 @@ class LlamaModel:
         self.sliding_windows = _sliding_windows(config)
         embed = weights.embed
         self.rope = RotaryEmbedding(config, self.head_dim, max_positions, embed.device, embed.dtype)
+        # The Triton path runs norms, residual adds, RoPE and SiLU-and-mul as one kernel each (fused_ops).
+        self.fused = attention_backend == "triton" and fused_ops.supports_fused_rope(self.head_dim)
 
     @property
     def num_layers(self) -> int:
@@ -86,6 +89,8 @@ class LlamaModel:
         lora: LoRAContext | None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         hidden = self.embed(input_ids)
+        if self.fused:
+            return self._forward_fused(hidden, meta, kv_caches, lora)
         for i, layer in enumerate(self.weights.layers):
             residual = hidden
             x = _rms_norm(hidden, layer.input_norm, self.eps)
@@ -94,6 +99,18 @@ class LlamaModel:
             x = _rms_norm(hidden, layer.post_norm, self.eps)
             hidden = residual + self._mlp(i, layer, x, lora)
         return _rms_norm(hidden, self.weights.norm, self.eps)
+
+    def _forward_fused(self, residual, meta, kv_caches, lora) -> torch.Tensor:
+        """`forward` with each residual add folded into the norm after it (residual updated in place)."""
+        layers = self.weights.layers
+        x = fused_ops.rms_norm(residual, layers[0].input_norm, self.eps)
+        for i, layer in enumerate(layers):
+            out = self._attention(i, layer, x, meta, kv_caches[i], lora)
+            x = fused_ops.rms_norm(out, layer.post_norm, self.eps, residual)
+            out = self._mlp(i, layer, x, lora)
+            following = layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.norm
+            x = fused_ops.rms_norm(out, following, self.eps, residual)
+        return x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
         return F.embedding(input_ids, self.weights.embed)
@@ -105,11 +122,22 @@ class LlamaModel:
         qkv = linear(x, layer.qkv, layer.qkv_bias)
         if lora is not None:
             lora.apply(qkv, x, i, QKV)
+        if self.fused:
+            fused_ops.apply_rope_(
+                qkv,
+                meta.positions,
+                self.rope.cos,
+                self.rope.sin,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+            )
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(meta.positions, q, k)
+        if not self.fused:
+            q, k = self.rope(meta.positions, q, k)
         key_cache, value_cache = kv_cache
         write_kv(key_cache, value_cache, k, v, meta.slot_mapping, layer.k_scale, layer.v_scale)
         attn = attention(
@@ -133,8 +161,11 @@ class LlamaModel:
         gate_up = linear(x, layer.gate_up)
         if lora is not None:
             lora.apply(gate_up, x, i, GATE_UP)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        if self.fused:
+            act = fused_ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
         out = linear(act, layer.down)
         if lora is not None:
             lora.apply(out, act, i, ("down_proj",))

@@ -51,6 +51,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         quantization=settings.quantization,
         tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=settings.enforce_eager,
+        async_scheduling=settings.async_scheduling,
         attention_backend=settings.attention_backend,
         max_loras=settings.max_loras,
         max_lora_rank=settings.max_lora_rank,

@@ -56,6 +56,7 @@ _SERVE_FIELDS = (
     "tensor_parallel_size",
     "enable_prefix_caching",
     "enforce_eager",
+    "async_scheduling",
     "attention_backend",
     "max_loras",
     "max_cpu_loras",
@@ -129,6 +130,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="run every step eagerly: no CUDA graphs for decode steps",
+    )
+    add(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule and launch each step before reading the previous step's tokens, so the host's "
+        "bookkeeping overlaps the GPU (--no-async-scheduling: one step at a time)",
     )
     add(
         "--attention-backend",

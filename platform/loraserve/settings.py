@@ -50,6 +50,7 @@ class ServerSettings:
     tensor_parallel_size: int = 1  # engine.EngineConfig.tensor_parallel_size
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs
+    async_scheduling: bool = True  # False: read each step's tokens before scheduling the next
     attention_backend: str = "auto"
     max_loras: int = 4
     max_cpu_loras: int | None = None

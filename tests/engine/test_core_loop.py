@@ -108,7 +108,7 @@ def test_a_request_that_breaks_its_step_fails_alone_and_the_loop_serves_on(harne
     real = sampler._request_generator
 
     def faulty(request, device):
-        if request.sampling_params.seed == 666 and request.num_output_tokens == 2:
+        if request.sampling_params.seed == 666 and request.num_output_tokens + request.num_in_flight == 2:
             raise RuntimeError("Overflow when unpacking long long")
         return real(request, device)
 

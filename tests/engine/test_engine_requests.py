@@ -141,7 +141,7 @@ def test_a_request_whose_sampling_raises_fails_alone(llm, monkeypatch):
     real = sampler._request_generator
 
     def faulty(request, device):
-        if request.sampling_params.seed == 666 and request.num_output_tokens == 3:
+        if request.sampling_params.seed == 666 and request.num_output_tokens + request.num_in_flight == 3:
             raise RuntimeError("Overflow when unpacking long long")
         return real(request, device)
 

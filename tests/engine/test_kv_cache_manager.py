@@ -171,6 +171,37 @@ def test_shared_blocks_stay_until_their_last_reader_frees_them():
     assert manager.block_pool.num_free_blocks == 6
 
 
+def test_blocks_freed_before_their_step_ran_are_never_hit():
+    """A request preempted in the step that allocated its blocks (before the step ran) leaves them
+    unwritten: they must leave the prefix cache, while the blocks it did compute stay in it."""
+    manager = make_manager()
+    owner = make_request("owner", range(13))
+    compute(manager, owner, 6)  # block 0 written; block 1 half
+    assert manager.allocate_slots(owner, 7) is not None  # blocks 1, 2 registered for this step
+    assert not manager.shares_unwritten_blocks(owner)
+    manager.free(owner)  # preempted before the step ran
+    reader = make_request("reader", range(13))
+    hits, hit_tokens = manager.get_computed_blocks(reader)
+    assert hit_tokens == BLOCK_SIZE
+
+
+def test_missing_freeable_and_shared_unwritten_blocks():
+    manager = make_manager(num_blocks=6)
+    owner = make_request("owner", range(9))
+    assert manager.allocate_slots(owner, 9) is not None  # 3 blocks, 2 registered, nothing computed
+    reader = make_request("reader", range(9))
+    hits, _ = manager.get_computed_blocks(reader)
+    assert len(hits) == 2
+    # 1 new block for the reader; 3 free blocks; the big one lacks 2.
+    assert manager.num_missing_blocks(reader, 1, hits) == 0
+    assert manager.num_missing_blocks(make_request("big", range(20)), 20) == 2
+    compute(manager, reader, 1, hits)
+    assert manager.shares_unwritten_blocks(owner)  # the reader hit blocks the owner still has to write
+    assert (manager.num_freeable_blocks(owner), manager.num_freeable_blocks(reader)) == (1, 1)
+    owner.num_computed_tokens = 9  # the step ran
+    assert not manager.shares_unwritten_blocks(owner)
+
+
 def test_prefix_hits_only_before_anything_is_computed():
     manager = make_manager()
     owner = make_request("owner", range(10))

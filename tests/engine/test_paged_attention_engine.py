@@ -1,5 +1,5 @@
-"""The engine with the Triton attention backend (interpreted) gives the torch backend's greedy tokens,
-through prefill, chunked prefill mixed with decodes, and a sliding window."""
+"""The engine with the Triton attention backend (interpreted, with its fused norms, RoPE and SiLU) gives
+the torch backend's greedy tokens, through prefill, chunked prefill mixed with decodes, and a sliding window."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def greedy(model_dir, backend: str, prompts) -> list[list[int]]:
         max_model_len=64,
     )
     assert llm.engine.runner.model.attention_backend == backend
+    assert llm.engine.runner.model.fused == (backend == "triton")  # the Triton path's fused element-wise ops
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return [o.outputs[0].token_ids for o in outputs]

@@ -1,0 +1,120 @@
+"""The Triton path's fused element-wise kernels against a float64 reference (interpreted on the CPU, in
+float32) and, on a GPU, against the torch ops they replace in bfloat16 (RoPE bit for bit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+
+from engine.model import fused_ops
+from engine.model.llama import _rms_norm
+from engine.model.rope import RotaryEmbedding
+
+EPS = 1e-5
+
+
+def gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+
+def rms_norm_f64(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    x = x.double()
+    return weight.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+def rope_f64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [t, h, d]
+    x, cos, sin = x.double(), cos.double().unsqueeze(1), sin.double().unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@pytest.mark.parametrize("tokens, hidden", [(1, 64), (7, 96), (33, 256)])
+def test_rms_norm_with_and_without_residual(tokens, hidden):
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen)
+    weight = torch.randn(hidden, generator=gen)
+    residual = torch.randn(tokens, hidden, generator=gen)
+    torch.testing.assert_close(fused_ops.rms_norm(x, weight, EPS), rms_norm_f64(x, weight).float())
+    summed = residual.double() + x.double()
+    kept = residual.clone()
+    out = fused_ops.rms_norm(x, weight, EPS, residual=kept)
+    torch.testing.assert_close(kept, summed.float())  # the residual now holds residual + x
+    torch.testing.assert_close(out, rms_norm_f64(summed, weight).float())
+
+
+def test_rms_norm_reads_strided_rows():
+    """Input rows inside a wider buffer (a view), as a projection's output split would give."""
+    wide = torch.randn(5, 160, generator=torch.Generator().manual_seed(1))
+    x, weight = wide[:, :64], torch.ones(64)
+    torch.testing.assert_close(fused_ops.rms_norm(x, weight, EPS), rms_norm_f64(x, weight).float())
+
+
+@pytest.mark.parametrize("tokens, width", [(1, 32), (9, 200), (4, 2048 + 17)])
+def test_silu_and_mul(tokens, width):
+    gate_up = torch.randn(tokens, 2 * width, generator=torch.Generator().manual_seed(width)) * 4
+    g, u = gate_up.double().chunk(2, dim=-1)
+    expected = g * torch.sigmoid(g) * u
+    torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), expected.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (6, 6, 32), (5, 1, 8)])
+def test_rope_rotates_q_and_k_in_place_and_leaves_v(heads, kv_heads, head_dim):
+    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, rope_theta=10000.0)
+    rope = RotaryEmbedding(config, head_dim, 64, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(heads)
+    tokens, q_size, kv_size = 11, heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen)
+    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    q, k, v = (t.clone() for t in qkv.split([q_size, kv_size, kv_size], dim=-1))
+    cos, sin = rope.cos[positions], rope.sin[positions]
+    fused_ops.apply_rope_(qkv, positions, rope.cos, rope.sin, heads, kv_heads, head_dim)
+    out_q, out_k, out_v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    expected_q = rope_f64(q.view(tokens, heads, head_dim), cos, sin).reshape(tokens, -1)
+    expected_k = rope_f64(k.view(tokens, kv_heads, head_dim), cos, sin).reshape(tokens, -1)
+    torch.testing.assert_close(out_q, expected_q.float())
+    torch.testing.assert_close(out_k, expected_k.float())
+    assert torch.equal(out_v, v)
+
+
+def test_fused_rope_needs_a_power_of_two_half_head():
+    assert fused_ops.supports_fused_rope(128) and fused_ops.supports_fused_rope(64)
+    assert not fused_ops.supports_fused_rope(96) and not fused_ops.supports_fused_rope(80)
+
+
+@gpu
+def test_bf16_matches_the_torch_ops_they_replace_on_the_gpu():
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(0)
+    tokens, heads, kv_heads, head_dim = 37, 32, 8, 64
+    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, rope_theta=500000.0)
+    rope = RotaryEmbedding(config, head_dim, 2048, device, dtype)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen, device=device).to(dtype)
+    positions = torch.randint(0, 2048, (tokens,), generator=gen, device=device)
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    ref_q, ref_k = rope(positions, q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim))
+    fused_ops.apply_rope_(qkv, positions, rope.cos, rope.sin, heads, kv_heads, head_dim)
+    assert torch.equal(qkv[:, :q_size], ref_q.reshape(tokens, -1))  # same roundings: bit for bit
+    assert torch.equal(qkv[:, q_size : q_size + kv_size], ref_k.reshape(tokens, -1))
+
+    hidden = 2048
+    x = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
+    residual = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device=device)).to(dtype)
+    expected_residual = residual + x
+    expected = _rms_norm(expected_residual, weight, EPS)
+    out = fused_ops.rms_norm(x, weight, EPS, residual=residual)
+    assert torch.equal(residual, expected_residual)
+    # the sum of squares runs in another order: at most one bf16 rounding step apart
+    torch.testing.assert_close(out, expected, rtol=8e-3, atol=1e-6)
+    assert (out != expected).float().mean() < 0.01
+
+    gate_up = torch.randn(tokens, 2 * 8192, generator=gen, device=device).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    out = fused_ops.silu_and_mul(gate_up)
+    torch.testing.assert_close(out, expected, rtol=8e-3, atol=1e-6)
+    assert (out != expected).float().mean() < 0.01

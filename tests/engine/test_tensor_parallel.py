@@ -110,12 +110,13 @@ def test_c1_greedy_matches_one_rank_and_peft(c1_case, tp, max_loras):
             assert runner.kv_caches[0][0].shape[2] == max(1, 2 // tp)  # and caches its KV heads only
 
 
-def test_async_scheduling_sends_the_tokens_in_flight_to_the_workers(c1_case):
-    """With async scheduling a step's input tokens are still on rank 0's device when it is sent."""
+def test_synchronous_scheduling_over_ranks(c1_case):
+    """The C1 runs above schedule asynchronously (the default: a step's input tokens are still on rank 0's
+    device when it is sent); the synchronous loop sends them from the host."""
     if c1_case["arch"] != "llama":
         pytest.skip("one architecture is enough for the step exchange")
     adapters = {k: str(v) for k, v in c1_case["adapters"].items()}
-    args = {**ENGINE_ARGS, "async_scheduling": True}
+    args = {**ENGINE_ARGS, "async_scheduling": False}
     with engine(
         c1_case["model_dir"], lora_modules=adapters, tensor_parallel_size=2, max_loras=4, **args
     ) as llm:

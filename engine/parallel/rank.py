@@ -11,6 +11,7 @@ step runs, so a slot holds the same adapter on every rank whenever a step reads 
 
 from __future__ import annotations
 
+import gc
 import os
 import weakref
 from functools import partial
@@ -73,6 +74,8 @@ class TensorParallelRank:
                 f"FP8 weights ({scheme}) are not supported with tensor_parallel_size > 1 yet; "
                 "serve the checkpoint in bf16/fp16, or with tensor_parallel_size 1"
             )
+        if dist.is_initialized():
+            gc.collect()  # an engine dropped without shutdown() leaves the group when it is collected
         if dist.is_initialized():
             raise RuntimeError(
                 "this process already runs a tensor-parallel engine: shut it down (LLMEngine.shutdown) first"

@@ -5,6 +5,7 @@ slot evictions; workers are stopped with the engine, and a dead worker stops it 
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing
 import os
 import random
@@ -126,6 +127,23 @@ def test_synchronous_scheduling_over_ranks(c1_case):
 def test_tensor_parallel_size_is_checked():
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         EngineConfig(model="m", tensor_parallel_size=0)
+
+
+def test_an_engine_dropped_without_shutdown_makes_room_for_the_next(c1_case):
+    """One tensor-parallel engine per process at a time (one process group): a dropped one leaves its group."""
+    if c1_case["arch"] != "llama":
+        pytest.skip("one architecture is enough")
+    prompt = [{"prompt_token_ids": c1_case["prompts"][0]}]
+    gc.disable()  # the dropped engine sits in reference cycles: only the start of the next one collects it
+    try:
+        dropped = LLM(model=str(c1_case["model_dir"]), tensor_parallel_size=2, **ENGINE_ARGS)
+        expected = dropped.generate(prompt, GREEDY)[0].outputs[0].token_ids
+        del dropped
+        with engine(c1_case["model_dir"], tensor_parallel_size=2, **ENGINE_ARGS) as llm:
+            assert llm.generate(prompt, GREEDY)[0].outputs[0].token_ids == expected
+    finally:
+        gc.enable()
+    assert tp_workers() == []
 
 
 def test_one_rank_runs_no_worker_and_no_collective(c1_case):

@@ -134,10 +134,11 @@ def test_an_engine_dropped_without_shutdown_makes_room_for_the_next(c1_case):
     if c1_case["arch"] != "llama":
         pytest.skip("one architecture is enough")
     prompt = [{"prompt_token_ids": c1_case["prompts"][0]}]
-    gc.disable()  # the dropped engine sits in reference cycles: only the start of the next one collects it
+    gc.disable()  # no collection but the one the next engine's start runs
     try:
         dropped = LLM(model=str(c1_case["model_dir"]), tensor_parallel_size=2, **ENGINE_ARGS)
         expected = dropped.generate(prompt, GREEDY)[0].outputs[0].token_ids
+        dropped.itself = dropped  # a reference cycle: only the collector frees it
         del dropped
         with engine(c1_case["model_dir"], tensor_parallel_size=2, **ENGINE_ARGS) as llm:
             assert llm.generate(prompt, GREEDY)[0].outputs[0].token_ids == expected

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from adapters_store.config import MAX_CONFIG_BYTES, StoreConfig, format_bytes
+from adapter_format.peft_config import MAX_CONFIG_BYTES
+from adapters_store.config import StoreConfig, format_bytes
 from adapters_store.errors import InvalidAdapter, UploadTooLarge
 from adapters_store.filenames import CONFIG, IGNORED, classify, is_junk_folder
 from adapters_store.streams import copy_bounded

@@ -32,9 +32,12 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
-from adapters_store.config import MAX_CONFIG_BYTES, StoreConfig
+from adapter_format.files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE
+from adapter_format.model_shape import ModelShape
+from adapter_format.peft_config import MAX_CONFIG_BYTES
+from adapters_store.config import StoreConfig
 from adapters_store.errors import AdapterNotFound, ChecksumError, StoreError
-from adapters_store.filenames import ADAPTER_FILES, MANIFEST_FILE
+from adapters_store.filenames import MANIFEST_FILE
 from adapters_store.intake import UploadSource, stage_upload
 from adapters_store.metrics import StoreMetrics
 from adapters_store.names import (
@@ -48,8 +51,6 @@ from adapters_store.record import AdapterRecord, utc_now_iso
 from adapters_store.streams import CHUNK_BYTES
 from adapters_store.validate import CheckedAdapter, check_folder
 from adapters_store.versions import TOMBSTONE_FILE, scan_versions, sweepable
-from engine.lora.model_shape import ModelShape
-from engine.lora.peft_checkpoint import CONFIG_FILE, WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -150,7 +151,7 @@ class AdapterStore(ABC):
         return self.get(tenant, name, version)
 
     def fetch(self, tenant: str, name: str, version: int | None, dest_dir: str | os.PathLike) -> Path:
-        """Download one version into `dest_dir`, ready for engine.lora.peft_checkpoint.load_peft_adapter."""
+        """Download one version into `dest_dir`, ready for adapter_format.checkpoint.load_peft_adapter."""
         return self.fetch_record(tenant, self.get(tenant, name, version), dest_dir)
 
     def fetch_record(self, tenant: str, record: AdapterRecord, dest_dir: str | os.PathLike) -> Path:

@@ -34,8 +34,9 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from adapter_format.files import ADAPTER_FILES
 from adapters_store.base import AdapterStore
-from adapters_store.filenames import ADAPTER_FILES, MANIFEST_FILE
+from adapters_store.filenames import MANIFEST_FILE
 from adapters_store.metrics import StoreMetrics
 from adapters_store.names import is_valid_name
 from adapters_store.record import AdapterRecord
@@ -48,7 +49,7 @@ _TEMP_PREFIXES = (".tmp-", ".trash-")
 @dataclass(frozen=True)
 class CachedAdapter:
     record: AdapterRecord
-    path: Path  # a folder engine.lora.peft_checkpoint.load_peft_adapter reads
+    path: Path  # a folder adapter_format.checkpoint.load_peft_adapter reads
     hit: bool  # served from disk without a download
 
 

@@ -6,8 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from engine.lora.peft_config import MAX_CONFIG_BYTES  # noqa: F401 (the store's limit is the engine's)
-
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30

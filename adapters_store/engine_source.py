@@ -16,14 +16,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from adapter_format.checkpoint import load_peft_adapter
+from adapter_format.errors import AdapterError
+from adapter_format.events import Observer, emit
+from adapter_format.model_shape import ModelShape
 from adapters_store.base import AdapterStore
 from adapters_store.cache import DiskCache
 from adapters_store.errors import AdapterNotFound, ChecksumError, InvalidName, StoreError
 from adapters_store.metrics import RecordingMetrics, replay_metrics
 from adapters_store.names import check_name, check_tenant, check_version, format_ref, parse_ref
-from engine.lora.manager import Observer, emit
-from engine.lora.model_shape import ModelShape
-from engine.lora.peft_checkpoint import AdapterError, load_peft_adapter
 
 log = logging.getLogger(__name__)
 _ID_FORM = "tenant/name@version, e.g. acme/support-bot@3"

@@ -43,7 +43,7 @@ class InvalidAdapter(StoreError, ValueError):
 
     @classmethod
     def from_adapter_error(cls, error: ValueError) -> InvalidAdapter:
-        """Wrap engine.lora.peft_checkpoint.AdapterError, keeping its code, message and field."""
+        """Wrap adapter_format.errors.AdapterError, keeping its code, message and field."""
         return cls(str(error), getattr(error, "code", cls.code), getattr(error, "field", None))
 
 

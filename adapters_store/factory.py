@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from adapter_format.model_shape import ModelShape
 from adapters_store.base import AdapterStore
 from adapters_store.config import StoreConfig
 from adapters_store.local import LocalStore
 from adapters_store.metrics import StoreMetrics
-from engine.lora.model_shape import ModelShape
 
 
 def open_store(

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
+from adapter_format.files import CONFIG_FILE, WEIGHTS_FILE
 from adapters_store.errors import InvalidAdapter
-from engine.lora.peft_checkpoint import CONFIG_FILE, WEIGHTS_FILE
 
-ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 MANIFEST_FILE = "manifest.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib")
 _TEXT_SUFFIXES = (".md", ".txt", ".rst")

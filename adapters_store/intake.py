@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from adapter_format.files import CONFIG_FILE, WEIGHTS_FILE
+from adapter_format.peft_config import MAX_CONFIG_BYTES
 from adapters_store.archive import unpack_archive
-from adapters_store.config import MAX_CONFIG_BYTES, StoreConfig, format_bytes
+from adapters_store.config import StoreConfig, format_bytes
 from adapters_store.errors import InvalidAdapter, UploadTooLarge
 from adapters_store.filenames import CONFIG, IGNORED, WEIGHTS, classify
 from adapters_store.streams import Source, copy_bounded, open_source
-from engine.lora.peft_checkpoint import CONFIG_FILE, WEIGHTS_FILE
 
 _ARCHIVE_FILE = "upload.archive"
 

@@ -18,14 +18,15 @@ from contextlib import suppress
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
+from adapter_format.files import ADAPTER_FILES
+from adapter_format.model_shape import ModelShape
 from adapters_store.base import AdapterStore, MissingKey
 from adapters_store.config import StoreConfig
 from adapters_store.errors import StoreUnavailable
-from adapters_store.filenames import ADAPTER_FILES, MANIFEST_FILE
+from adapters_store.filenames import MANIFEST_FILE
 from adapters_store.metrics import StoreMetrics
 from adapters_store.record import AdapterRecord
 from adapters_store.streams import fsync_path
-from engine.lora.model_shape import ModelShape
 
 T = TypeVar("T")
 INCOMING_PREFIX = ".incoming-"

@@ -21,6 +21,8 @@ import boto3
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
+from adapter_format.files import CONFIG_FILE, WEIGHTS_FILE
+from adapter_format.model_shape import ModelShape
 from adapters_store.base import AdapterStore, MissingKey
 from adapters_store.config import StoreConfig
 from adapters_store.errors import StoreUnavailable
@@ -36,8 +38,6 @@ from adapters_store.s3_errors import (
     hint,
     is_retryable,
 )
-from engine.lora.model_shape import ModelShape
-from engine.lora.peft_checkpoint import CONFIG_FILE, WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,7 +1,7 @@
-"""Validate a staged adapter folder against the base model, reusing the engine's own checks.
+"""Validate a staged adapter folder against the base model, with the checks the engine runs on every load.
 
 The content rules (peft_type, rank, DoRA, bias, modules_to_save, target modules, tensor names,
-layer range, shapes) live in engine.lora.peft_checkpoint.check_adapter so the store and the engine
+layer range, shapes) live in adapter_format (checkpoint.check_adapter) so the store and the engine
 can never disagree; this module only feeds it a config and the tensor shapes from the header.
 """
 
@@ -10,17 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from adapter_format.checkpoint import PeftAdapter, check_adapter
+from adapter_format.errors import AdapterError
+from adapter_format.files import WEIGHTS_FILE
+from adapter_format.model_shape import ModelShape
+from adapter_format.peft_config import read_adapter_config
+from adapter_format.safetensors_header import read_tensor_shapes
 from adapters_store.errors import InvalidAdapter
-from adapters_store.safetensors_header import read_tensor_shapes
 from adapters_store.streams import sha256_file
-from engine.lora.model_shape import ModelShape
-from engine.lora.peft_checkpoint import (
-    WEIGHTS_FILE,
-    AdapterError,
-    PeftAdapter,
-    check_adapter,
-    read_adapter_config,
-)
 
 
 @dataclass(frozen=True)
@@ -45,9 +42,8 @@ def check_folder(folder: Path, shape: ModelShape, max_lora_rank: int) -> Checked
             f"{WEIGHTS_FILE} (save_pretrained writes both)",
             "missing_weights",
         )
-    shapes = read_tensor_shapes(weights)
     try:
-        adapter = check_adapter(config, shapes, shape, max_lora_rank)
+        adapter = check_adapter(config, read_tensor_shapes(weights), shape, max_lora_rank)
     except AdapterError as exc:
         raise InvalidAdapter.from_adapter_error(exc) from None
     return CheckedAdapter(adapter=adapter, sha256=sha256_file(weights), size_bytes=weights.stat().st_size)

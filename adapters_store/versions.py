@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from adapter_format.files import CONFIG_FILE
 from adapters_store.filenames import MANIFEST_FILE
 from adapters_store.names import parse_version
-from engine.lora.peft_checkpoint import CONFIG_FILE
 
 TOMBSTONE_FILE = "deleted.json"
 

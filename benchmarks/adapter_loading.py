@@ -51,10 +51,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from adapter_format.model_shape import TARGET_MODULES, ModelShape  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.lora.background_loads import ProcessLoads, ThreadLoads, read_into  # noqa: E402
 from engine.lora.host_tier import HostTier  # noqa: E402
-from engine.lora.model_shape import TARGET_MODULES, ModelShape  # noqa: E402
 from engine.lora.registry import AdapterRegistry  # noqa: E402
 from engine.lora.slots import LoRASlots  # noqa: E402
 

@@ -31,7 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import w1_setup as w1  # noqa: E402
+from benchmarks.step_profile import profile_decode_steps  # noqa: E402
 from benchmarks.throughput import make_engine  # noqa: E402
+from engine.model import fused_ops  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -64,10 +66,14 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--async-scheduling", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--cprofile", action="store_true", help="list the costliest Python functions")
     p.add_argument("--top", type=int, default=30, help="functions listed from the cProfile")
     p.add_argument("--sync-debug", action="store_true", help="list the lines that wait for the GPU")
+    p.add_argument("--kernel-profile", action="store_true", help="also the torch profiler's kernel times")
+    p.add_argument(
+        "--no-fused-ops", action="store_true", help="the torch element-wise ops instead of fused_ops (A/B)"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few requests")
     args = p.parse_args(argv)
     # make_engine reads these
@@ -95,6 +101,8 @@ def main(argv=None) -> None:
         temperature=0.0, max_tokens=args.output_tokens, min_tokens=args.output_tokens, ignore_eos=True
     )
     with tempfile.TemporaryDirectory() as tmp:
+        if args.no_fused_ops:
+            fused_ops.supports_fused_rope = lambda head_dim: False  # LlamaModel then keeps the torch ops
         model_dir = w1.make_model(Path(tmp) / "model", args.shape, dtype, device)
         adapters = w1.make_adapters(Path(tmp), model_dir, config, args.adapters, args.rank, dtype)
         engine = make_engine(args, model_dir, adapters, args.max_prompt + args.output_tokens, None)
@@ -131,7 +139,11 @@ def main(argv=None) -> None:
                     steps += 1
                     syncs.update(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
         timer.active = False
-        print(f"device {device}, shape {args.shape}, N={args.adapters}, batch {args.num_requests}")
+        fused = "fused element-wise ops" if engine.runner.model.fused else "torch element-wise ops"
+        scheduling = "async" if engine.config.async_scheduling else "sync"
+        print(
+            f"device {device}, shape {args.shape}, N={args.adapters}, batch {args.num_requests}, {fused}, {scheduling}"
+        )
         note = " (cProfile on: inflated)" if args.cprofile else ""
         print(f"{steps} steady decode steps, {seconds / max(steps, 1) * 1e3:.2f} ms per step{note}")
         print()
@@ -145,6 +157,9 @@ def main(argv=None) -> None:
             print("|---|---|")
             for line, count in syncs.most_common():
                 print(f"| {line} | {count} |")
+        if args.kernel_profile:
+            print()
+            print(profile_decode_steps(engine, prompts, names, args.output_tokens, device))
         if args.cprofile:
             out = io.StringIO()
             pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.top)

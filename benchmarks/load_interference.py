@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapter_loading import LLAMA_1B, RANK, SMOKE_MODEL, make_model_dir, write_peft_folder  # noqa: E402
 
+from adapter_format.checkpoint import load_peft_adapter  # noqa: E402
+from adapter_format.model_shape import ModelShape  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from engine.lora.model_shape import ModelShape  # noqa: E402
-from engine.lora.peft_checkpoint import load_peft_adapter  # noqa: E402
 
 
 def _read_tensors(folder: str, shape: ModelShape) -> dict:
@@ -70,7 +70,7 @@ def background_work(kind: str, engine: LLMEngine, folders: list[Path], shape: Mo
     if kind == "python":
         return lambda: sum(i * i for i in range(20000))
     if kind == "read-in-process":
-        from engine.lora.peft_checkpoint import ModuleLoRA, PeftAdapter
+        from adapter_format.checkpoint import ModuleLoRA, PeftAdapter
 
         def work():
             modules = pool.submit(_read_tensors, next(cycle), shape).result()

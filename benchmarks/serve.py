@@ -109,11 +109,11 @@ def _offline_into(results, *args) -> None:
 def _offline(arg_values: dict, model_dir: Path, adapters: list[Path], prompts, max_len: int) -> dict:
     from benchmarks.throughput import run_engine, step_floor
 
-    # throughput.py's engine options this benchmark does not vary: its defaults (sync scheduling, bf16
+    # throughput.py's engine options this benchmark does not vary: its defaults (async scheduling, bf16
     # weights, a warm-up run before the measured one).
     engine_defaults = {
         "profile": False,
-        "async_scheduling": False,
+        "async_scheduling": True,
         "fp8_gemm": "auto",
         "no_warmup_run": False,
     }

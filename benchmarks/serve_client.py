@@ -96,29 +96,49 @@ class Server:
         return self.process.returncode
 
 
-def drive(url: str, bodies: list[dict], num_processes: int) -> tuple[list[Sample], float, float]:
-    """Send every body at once as a streaming /v1/completions request, spread over `num_processes` client
-    processes; returns (samples, start, end) on the perf_counter clock."""
+def drive(
+    url: str, bodies: list[dict], num_processes: int, concurrency: int | None = None
+) -> tuple[list[Sample], float, float]:
+    """Send the bodies as streaming /v1/completions requests, spread over `num_processes` client
+    processes: every one at once, or at most `concurrency` in flight (each process keeps its share of
+    the streams busy, starting its next request as one ends). Returns (samples, start, end) on the
+    perf_counter clock."""
     start_at = time.perf_counter() + 2.0  # every process connected and waiting before the first send
+    num_processes = max(1, min(num_processes, len(bodies), concurrency or len(bodies)))
     shares = [bodies[i::num_processes] for i in range(num_processes)]
+    streams = [None] * num_processes
+    if concurrency is not None:  # split the streams over the processes: 128 over 8 is 16 each
+        streams = [
+            concurrency // num_processes + (i < concurrency % num_processes) for i in range(num_processes)
+        ]
     context = multiprocessing.get_context("spawn")
     with context.Pool(num_processes) as pool:
-        parts = pool.starmap(_client_process, [(url, share, start_at) for share in shares if share])
+        jobs = [(url, share, start_at, limit) for share, limit in zip(shares, streams) if share]
+        parts = pool.starmap(_client_process, jobs)
     samples = [s for part in parts for s in part]
     # From the first send (a slow process start may delay it past start_at) to the last chunk.
     return samples, min(s.sent for s in samples), max((s.last or s.sent) for s in samples)
 
 
-def _client_process(url: str, bodies: list[dict], start_at: float) -> list[Sample]:
-    return asyncio.run(_clients(url, bodies, start_at))
+def _client_process(
+    url: str, bodies: list[dict], start_at: float, streams: int | None = None
+) -> list[Sample]:
+    return asyncio.run(_clients(url, bodies, start_at, streams))
 
 
-async def _clients(url: str, bodies: list[dict], start_at: float) -> list[Sample]:
-    limits = httpx.Limits(max_connections=len(bodies) + 4, max_keepalive_connections=len(bodies) + 4)
+async def _clients(url: str, bodies: list[dict], start_at: float, streams: int | None) -> list[Sample]:
+    streams = len(bodies) if streams is None else streams
+    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(600.0)) as client:
         await client.get("/health")  # connection pool warm
         await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
-        return await asyncio.gather(*(_stream(client, body) for body in bodies))
+        gate = asyncio.Semaphore(streams)
+
+        async def one(body: dict) -> Sample:
+            async with gate:
+                return await _stream(client, body)
+
+        return await asyncio.gather(*(one(body) for body in bodies))
 
 
 async def _stream(client: httpx.AsyncClient, body: dict) -> Sample:

@@ -15,6 +15,7 @@ KINDS = [
     ("attention", ("paged_attention", "combine_splits", "index_copy", "flash", "attention")),
     ("LoRA", ("shrink", "expand")),
     ("GEMMs", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "matmul")),
+    ("fused norms, RoPE, SiLU", ("_rms_norm_kernel", "_rope_kernel", "_silu_and_mul_kernel")),
     ("sampling", ("argmax", "softmax", "sort", "topk", "exponential", "log_softmax", "max_kernel")),
 ]
 

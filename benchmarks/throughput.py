@@ -8,7 +8,7 @@ transformers (+ PEFT) static batches, all in one run on the same random-weight m
     python3 benchmarks/throughput.py --quantization fp8 --skip-transformers     # bf16 and FP8 weights
     python3 benchmarks/throughput.py --smoke         # tiny shapes on the CPU (checks that it runs)
     python3 benchmarks/throughput.py --no-warmup-run --skip-transformers   # the first run after start-up
-    python3 benchmarks/throughput.py --async-scheduling --skip-transformers --profile
+    python3 benchmarks/throughput.py --no-async-scheduling --skip-transformers --profile
 
 Requests: prompts of uniform [128, 512] random tokens, exactly 128 output tokens, adapters assigned round
 robin, all arriving at once (offline: TTFT includes queueing). transformers + PEFT with `adapter_names`
@@ -370,8 +370,10 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true", help="break a decode step of the largest N down")
     p.add_argument(
         "--async-scheduling",
-        action="store_true",
-        help="schedule and launch each step before reading the previous step's tokens",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule and launch each step before reading the previous step's tokens (the engine's "
+        "default; --no-async-scheduling: one step at a time)",
     )
     p.add_argument(
         "--no-warmup-run",

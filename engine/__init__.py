@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "LLM": "engine.llm",
-    "AdapterError": "engine.lora.peft_checkpoint",
+    "AdapterError": "adapter_format.errors",
     "AdapterSource": "engine.lora.manager",
     "AdapterSourceFactory": "engine.llm_engine",
     "AsyncLLM": "engine.frontend.async_llm",
@@ -21,8 +21,8 @@ _EXPORTS = {
     "EngineStartupError": "engine.frontend.core_client",
     "EngineStats": "engine.stats",
     "LLMEngine": "engine.llm_engine",
-    "ModelShape": "engine.lora.model_shape",
-    "Observer": "engine.lora.manager",
+    "ModelShape": "adapter_format.model_shape",
+    "Observer": "adapter_format.events",
     "RequestError": "engine.llm_engine",
     "RequestOutput": "engine.outputs",
     "SamplingParams": "engine.sampling_params",
@@ -61,14 +61,15 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from adapter_format.errors import AdapterError
+    from adapter_format.events import Observer
+    from adapter_format.model_shape import ModelShape
     from engine.config import EngineConfig
     from engine.frontend.async_llm import AsyncLLM
     from engine.frontend.core_client import EngineDeadError, EngineStartupError
     from engine.llm import LLM
     from engine.llm_engine import AdapterSourceFactory, LLMEngine, RequestError
-    from engine.lora.manager import AdapterSource, Observer
-    from engine.lora.model_shape import ModelShape
-    from engine.lora.peft_checkpoint import AdapterError
+    from engine.lora.manager import AdapterSource
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.sampling_params import SamplingParams
     from engine.stats import EngineStats

@@ -13,15 +13,17 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from adapter_format.checkpoint import PeftAdapter
+from adapter_format.errors import AdapterError
+from adapter_format.events import Observer
+from adapter_format.model_shape import ModelShape
 from engine import kernel_compiles
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.fairness import DEFAULT_TENANT
 from engine.kv_cache import KVCacheManager
 from engine.logits_processors import apply_logits_processors, uses_processors
-from engine.lora.manager import AdapterManager, AdapterSource, Observer
-from engine.lora.model_shape import ModelShape
-from engine.lora.peft_checkpoint import AdapterError, PeftAdapter
+from engine.lora.manager import AdapterManager, AdapterSource
 from engine.lora.registry import AdapterRegistry
 from engine.model.loader import load_config, resolve_model_path
 from engine.model_runner import ModelRunner
@@ -43,6 +45,8 @@ Prompt = str | list[int]
 Sampled = tuple[SampledStep, list | None]
 # Builds the adapter source once the model (and so its shape) is known: (shape, max_lora_rank) -> source.
 AdapterSourceFactory = Callable[[ModelShape, int], AdapterSource]
+# "cumulative": each output holds everything generated so far; "delta": only what is new since the last.
+OUTPUT_KINDS = ("cumulative", "delta")
 
 
 class RequestError(ValueError):
@@ -59,9 +63,18 @@ class LLMEngine:
         adapter_observer: Observer | None = None,
         adapter_source_factory: AdapterSourceFactory | None = None,
         detokenize: bool = True,
+        output_kind: str = "cumulative",
     ):
         """`detokenize=False`: outputs carry token ids only (no text, no stop strings); the tokenizer is
-        still loaded for structured outputs. The engine core process runs so: its front end makes text."""
+        still loaded for structured outputs. The engine core process runs so: its front end makes text.
+
+        `output_kind="delta"` (vLLM's RequestOutputKind.DELTA): each output carries only the tokens (and
+        logprobs) new since the request's previous output, so a step costs the same at every length. The
+        engine core runs so; it takes one completion per request (`n` is fanned out by its front end)."""
+        if output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)} (got {output_kind!r})")
+        self.output_kind = output_kind
+        self._delta_outputs = output_kind == "delta"
         if adapter_source is not None and adapter_source_factory is not None:
             raise ValueError("pass adapter_source or adapter_source_factory, not both")
         self.config = config
@@ -146,6 +159,8 @@ class LLMEngine:
             raise ValueError(f"tenant_weight must be a positive number (got {tenant_weight!r})")
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self._delta_outputs and params.n > 1:
+            raise ValueError("an engine with delta outputs takes n=1 requests: fan n out in front of it")
         prompt_text, prompt_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
         try:
             prompt_ids = self._tokenize(prompt_text) if prompt_ids is None else prompt_ids
@@ -196,7 +211,7 @@ class LLMEngine:
         if adapter_id is not None:
             self.lora.hold(adapter_id)
         detok = IncrementalDetokenizer(self.tokenizer, child) if self.tokenizer and self._detokenize else None
-        self._states[child_id] = RequestState(child, parent, index, detok)
+        self._states[child_id] = RequestState(child, parent, index, detok, delta=self._delta_outputs)
         return child
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -257,7 +272,7 @@ class LLMEngine:
             finished = launched
         if finished is not None:
             outputs.extend(self._update(finished))
-        return _latest_per_request(outputs)
+        return _merge_deltas(outputs) if self._delta_outputs else _latest_per_request(outputs)
 
     def _in_flight_step(self) -> SampledStep | None:
         return self._in_flight[0] if self._in_flight is not None else None
@@ -497,6 +512,20 @@ def _latest_per_request(outputs: list[RequestOutput]) -> list[RequestOutput]:
     for output in outputs:
         latest[output.request_id] = output
     return list(latest.values())
+
+
+def _merge_deltas(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per request per step, a request's deltas of the step joined in order."""
+    merged: dict[str, RequestOutput] = {}
+    for output in outputs:
+        earlier = merged.get(output.request_id)
+        if earlier is not None and earlier.outputs and output.outputs:
+            before, now = earlier.outputs[0], output.outputs[0]
+            now.token_ids = before.token_ids + now.token_ids
+            if before.logprobs is not None and now.logprobs is not None:
+                now.logprobs = before.logprobs + now.logprobs
+        merged[output.request_id] = output
+    return list(merged.values())
 
 
 def _rows(sampled: Sampled) -> list[tuple[Request, int | None, object]]:

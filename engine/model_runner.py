@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
+from adapter_format.model_shape import ModelShape
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs
 from engine.input_batch import InputBatch
 from engine.lora.context import LoRAContext
-from engine.lora.model_shape import ModelShape
 from engine.lora.slots import LoRASlots
 from engine.model.attention import AttentionMetadata
 from engine.model.kv_quant import FP8_DTYPE

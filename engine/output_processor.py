@@ -54,6 +54,8 @@ class RequestState:
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
     finish_reason: str | None = field(default=None)
+    delta: bool = False  # publish only the tokens and logprobs new since the last publish
+    num_published: int = 0  # tokens already published (delta)
 
     def __post_init__(self) -> None:
         if self.request.sampling_params.logprobs is not None:
@@ -78,13 +80,15 @@ class RequestState:
         """Update the parent with this child's current completion and return the parent's output."""
         request = self.request
         finished = request.status.finished
-        text = self.detokenizer.get_next_output_text(finished, delta=False) if self.detokenizer else ""
+        text = self.detokenizer.get_next_output_text(finished, delta=self.delta) if self.detokenizer else ""
+        first = self.num_published if self.delta else 0
+        self.num_published = len(request.output_token_ids)
         self.parent.completions[self.index] = CompletionOutput(
             index=self.index,
             text=text,
-            token_ids=list(request.output_token_ids),
+            token_ids=request.output_token_ids[first:],
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            logprobs=self.logprobs[first:] if self.logprobs is not None else None,
             finish_reason=request.status.finish_reason,
             stop_reason=self.stop_reason,
         )

@@ -24,7 +24,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return self._value_ in _FINISHED_VALUES  # by value: str hashes are cached, Enum.__hash__ is Python
 
     @property
     def finish_reason(self) -> str | None:
@@ -32,12 +32,15 @@ class RequestStatus(enum.Enum):
         return self.value if self.finished else None
 
 
-_FINISHED = {
-    RequestStatus.FINISHED_STOPPED,
-    RequestStatus.FINISHED_LENGTH,
-    RequestStatus.FINISHED_ABORTED,
-    RequestStatus.FINISHED_ERROR,
-}
+_FINISHED_VALUES = frozenset(
+    status.value
+    for status in (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    )
+)
 
 
 @dataclass(eq=False)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine import fair_preemption
 from engine.config import EngineConfig
@@ -15,26 +15,37 @@ from engine.tenant_queues import TenantQueues
 from engine.tenant_usage import TenantLedger
 
 
-@dataclass(frozen=True)
 class ScheduledRequest:
-    """One request's share of a step: tokens [start, start + num_new_tokens) of its all_token_ids."""
+    """One request's share of a step: tokens [start, start + num_new_tokens) of its all_token_ids.
 
-    request: Request
-    num_new_tokens: int  # tokens computed this step, starting at `start`
-    start: int  # request.num_computed_tokens before this step (KV already in cache up to here)
-    block_ids: list[int]  # [num_blocks_needed(start + num_new_tokens)] the whole block table
-    # request.num_scheduled_tokens when scheduled (filled in if not given): `samples` must not change
-    # when the engine appends this step's token to the request.
-    num_tokens: int | None = field(default=None, compare=False)
+    A plain slotted class, made once per request per step: a frozen dataclass costs several times more.
+    """
 
-    def __post_init__(self) -> None:
-        if self.num_tokens is None:
-            object.__setattr__(self, "num_tokens", self.request.num_scheduled_tokens)
+    __slots__ = ("request", "num_new_tokens", "start", "block_ids", "num_tokens", "samples")
 
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the last known token, so the runner must sample one."""
-        return self.start + self.num_new_tokens == self.num_tokens
+    def __init__(
+        self,
+        request: Request,
+        num_new_tokens: int,  # tokens computed this step, starting at `start`
+        start: int,  # request.num_computed_tokens before this step (KV already in cache up to here)
+        block_ids: list[int],  # [num_blocks_needed(start + num_new_tokens)] the whole block table
+        # request.num_scheduled_tokens when scheduled (filled in if not given): `samples` must not
+        # change when the engine appends this step's token to the request.
+        num_tokens: int | None = None,
+    ):
+        self.request = request
+        self.num_new_tokens = num_new_tokens
+        self.start = start
+        self.block_ids = block_ids
+        self.num_tokens = request.num_scheduled_tokens if num_tokens is None else num_tokens
+        # True when this step computes the last known token, so the runner must sample one.
+        self.samples = start + num_new_tokens == self.num_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"ScheduledRequest({self.request.request_id!r}, num_new_tokens={self.num_new_tokens}, "
+            f"start={self.start}, samples={self.samples})"
+        )
 
 
 @dataclass
@@ -179,12 +190,16 @@ class Scheduler:
         if not preempted:
             budget = self._schedule_waiting(budget, scheduled, newly_admitted, preempted)
         self._extend_capped(capped, budget, scheduled)
+        generated: dict[str, int] = {}  # tenant -> tokens this step samples for it
         for item in scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
-            item.request.status = RequestStatus.RUNNING
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            request.status = RequestStatus.RUNNING
             if item.samples:  # one generated token, whatever the step recomputes
-                cost = self.counters.charge(item.request.tenant, num_output_tokens=1)
-                self.ledger.generated(item.request.tenant, 1, cost)
+                generated[request.tenant] = generated.get(request.tenant, 0) + 1
+        for tenant, num_tokens in generated.items():  # once per tenant: a step's decodes are its bulk
+            cost = self.counters.charge(tenant, num_output_tokens=num_tokens)
+            self.ledger.generated(tenant, num_tokens, cost)
         return SchedulerOutput(
             scheduled=scheduled,
             preempted=preempted,

@@ -40,6 +40,10 @@ class EngineCoreLoop:
     def __init__(
         self, engine: LLMEngine, inputs: zmq.Socket, outputs: zmq.Socket, adapter_events: list[AdapterEvent]
     ):
+        if engine.output_kind != "delta":
+            raise ValueError(
+                "the engine core loop sends each step's new tokens: build the engine with output_kind='delta'"
+            )
         self.engine = engine
         self._inputs = inputs
         self._outputs = outputs
@@ -48,7 +52,6 @@ class EngineCoreLoop:
         # Appended to by the adapter manager's observer (engine and loader threads); drained per message.
         self._adapter_events = adapter_events
         self._drain_source = getattr(engine.lora.source, "drain", None)
-        self._num_sent: dict[str, int] = {}  # request id -> tokens already sent
         self._failed: list[RequestDelta] = []  # requests refused on arrival, sent with the next message
         self._last_stats = None
         self._stopping = False
@@ -108,7 +111,6 @@ class EngineCoreLoop:
             logger.exception("adding request %s failed", message.request_id)
             self._refuse(message.request_id, f"the request could not start: {exc}")
             return
-        self._num_sent[message.request_id] = 0
 
     def _refuse_undecodable(self, data: bytes, error: Exception) -> None:
         """A message that does not decode (e.g. params its __post_init__ refuses): fail its request if it
@@ -127,20 +129,14 @@ class EngineCoreLoop:
     # -- outputs ----------------------------------------------------------------------------------
 
     def _delta(self, output: RequestOutput) -> RequestDelta:
-        """The tokens of `output` (one sequence: the core never sees n > 1) not sent before."""
+        """`output` as a message (one sequence: the core never sees n > 1; the engine's outputs are deltas)."""
         completion = output.outputs[0]
-        request_id = output.request_id
-        num_sent = self._num_sent.get(request_id, 0)
         finish_reason = completion.finish_reason
-        if finish_reason is None:
-            self._num_sent[request_id] = len(completion.token_ids)
-        else:
-            self._num_sent.pop(request_id, None)
         stopped_by_token = finish_reason == RequestStatus.FINISHED_STOPPED.finish_reason
         return RequestDelta(
-            request_id=request_id,
-            new_token_ids=completion.token_ids[num_sent:],
-            logprobs=completion.logprobs[num_sent:] if completion.logprobs is not None else None,
+            request_id=output.request_id,
+            new_token_ids=completion.token_ids,
+            logprobs=completion.logprobs,
             finish_reason=finish_reason,
             stop_reason=completion.stop_reason if stopped_by_token else None,
             error=output.error,

@@ -95,6 +95,7 @@ def _build_engine(options: CoreProcessOptions, adapter_events: list):
         options.config,
         skip_tokenizer_init=options.skip_tokenizer_init,
         detokenize=False,  # text is the front end's job
+        output_kind="delta",  # each step's new tokens only: the messages carry nothing twice
         adapter_source=options.adapter_source,
         adapter_observer=lambda event, tier, seconds=0.0: adapter_events.append((event, tier, seconds)),
     )

@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from adapter_format.events import Observer, emit
 from engine.config import EngineConfig
 from engine.frontend.core_client import DEFAULT_STARTUP_TIMEOUT_S, CoreClient, EngineDeadError
 from engine.frontend.output_processor import RequestProcessor
-from engine.lora.manager import Observer, emit
 from engine.messages import AbortRequests, ForgetAdapter, RequestDelta, StepOutputs
 from engine.model.loader import resolve_model_path
 from engine.outputs import RequestOutput

@@ -92,6 +92,12 @@ class KVCacheManager:
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive (got {num_new_tokens})")
         table = self._block_tables.get(request.request_id, [])
+        if table and not new_computed_blocks:
+            total_tokens = request.num_computed_tokens + num_new_tokens
+            if -(-total_tokens // self.block_size) <= len(table):  # most decode steps: no new block
+                if self.enable_caching:
+                    self._cache_full_blocks(request, table, min(total_tokens, request.num_tokens), 0)
+                return []
         if new_computed_blocks and (table or request.num_computed_tokens):
             raise ValueError(
                 f"request {request.request_id}: prefix hits can only be added before anything is computed"

@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from adapter_format.checkpoint import load_peft_adapter
+from adapter_format.errors import AdapterError
 from engine.lora.host_tier import HostTier
-from engine.lora.peft_checkpoint import AdapterError, load_peft_adapter
 from engine.lora.slots import build_image
 
 if TYPE_CHECKING:

@@ -11,9 +11,16 @@ A slot is pinned while any running request uses it; eviction is least-recently-u
 never touches an adapter that an earlier waiting request is about to use. A load that fails fails only
 the requests for that adapter, with the reason.
 
-Two counts per adapter: pins (running requests; `acquire`/`release`) keep its GPU slot, holds (queued
-or running requests; `hold`/`unhold`) keep it known at all. `retire` (replaced by a new version) and
-`forget` (deleted; new requests are refused) drop its copies once the last holder finishes.
+Each adapter has one record (engine/lora/residency.py): its status (STORED, LOADING, CPU, COPYING,
+RESIDENT, PINNED, FAILED, DELETED), moved only along the transition table there, and what that status
+needs. Pins (running requests; `acquire`/`release`) keep its GPU slot, holds (queued or running requests;
+`hold`/`unhold`) keep its record. `retire` (replaced by a new version) and `forget` (deleted; new
+requests are refused) drop its copies once the last holder finishes.
+
+The waiting queue is prefetched ahead: `stage` starts the CPU-tier loads of every waiting request's
+adapter, in queue order, as far as the tier has rows that no waiting adapter needs, and gives GPU slots
+in the same order as far as slots free up. A row whose adapter waits for a GPU slot is never taken for a
+load further back in the queue, so a deep queue cannot evict what its head is about to use.
 
 Every method runs on the engine thread; `AdapterSource.load` runs in the background loads.
 """
@@ -22,16 +29,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol, TypeVar
 
 import torch
 
+from adapter_format.errors import AdapterError
+from adapter_format.events import Observer, emit
 from engine.lora.background_loads import make_loads
 from engine.lora.host_tier import HostTier
-from engine.lora.peft_checkpoint import AdapterError
+from engine.lora.residency import AdapterStatus, ResidencyRecord
 from engine.lora.slot_allocator import SlotAllocator
 from engine.lora.slots import LoRASlots
 
@@ -41,17 +49,6 @@ logger = logging.getLogger(__name__)
 # transient store outage is retried soon after.
 FAILURE_TTL_S = 10.0
 
-# observer(event, tier, seconds), called on the engine thread and, by sources, on worker threads (a loader
-# process's events are replayed on the engine thread):
-#   "hit"/"miss"  tier "gpu", "cpu": per request arrival, whether the adapter was already in that tier
-#                 (a request that misses the GPU looks in the CPU tier); tier "disk": per store load
-#                 (StoreAdapterSource), whether the local disk cache held it.
-#   "load"        seconds to bring an adapter from a tier: "source" (whole fetch + validation into the CPU
-#                 tier), "cpu" (CPU tier -> GPU slot copy), "disk" (cached folder -> CPU tensors),
-#                 "store" (download into the disk cache, checksum included).
-#   "evict"       tier "gpu" (a slot reused for another adapter), "cpu" (CPU tier LRU).
-#   "fail"        tier "source": a load failed (its requests fail with the reason).
-Observer = Callable[[str, str, float], None]
 
 # A GPU copy in flight: events recorded before and after it on the side stream.
 _Copy = tuple[torch.cuda.Event, torch.cuda.Event]
@@ -107,58 +104,59 @@ class AdapterManager:
             "processes" if in_processes else "threads",
         )
         self._copy_stream = torch.cuda.Stream(slots.device) if self._cuda else None
+        self._records: dict[str, ResidencyRecord] = {}  # every adapter known: held, local, failed or deleted
         self._free_rows = list(range(max_cpu_loras))  # rows of the tier no adapter occupies
-        self._cpu: OrderedDict[str, int] = OrderedDict()  # adapter id -> its row, LRU first
-        self._loading: dict[str, tuple[float, int]] = {}  # id -> (start time, row it fills)
-        self._abandoned: set[str] = set()  # dropped while loading: the row is freed when the load ends
         self._row_reads: dict[int, torch.cuda.Event | _Pending] = {}  # row -> the last copy out of it
-        self._copies: dict[str, tuple[int, _Copy | _Pending | None]] = {}  # id -> (slot, copy not done yet)
-        self._to_copy: list[tuple[str, int, int, _Pending]] = []  # (id, slot, row, ticket) for `start_copies`
-        self._failed: dict[str, tuple[str, float]] = {}  # id -> (reason, when)
-        self._holds: Counter[str] = Counter()  # id -> queued or running requests
-        self._retiring: set[str] = set()  # dropped once their last holder finishes
-        self._deleted: set[str] = set()  # never served again (ids are never reused)
+        self._to_copy: list[tuple[ResidencyRecord, int, int, _Pending]] = []  # (record, slot, row, ticket)
+        self._tick = 0  # counts uses of CPU-tier rows: their LRU order
 
     # -- called when a request arrives ------------------------------------------------------------
 
     def resolve(self, ref: str) -> str:
         adapter_id = self.source.resolve(ref)
-        if adapter_id in self._deleted:
+        record = self._records.get(adapter_id)
+        if record is not None and record.deleted:
             raise AdapterError("unknown_adapter", f"adapter {ref!r} was deleted; it can no longer be used")
         return adapter_id
 
     def prefetch(self, adapter_id: str) -> None:
         """Start bringing an adapter towards the GPU; returns at once. Counts one lookup per tier."""
-        if self._resident(adapter_id):
+        record = self._record(adapter_id)
+        if record.on_gpu:
             self._emit("hit", "gpu")
             return
         self._emit("miss", "gpu")
-        self._emit("hit" if adapter_id in self._cpu else "miss", "cpu")
-        self._start_load(adapter_id)
+        self._emit("hit" if record.in_cpu_tier else "miss", "cpu")
+        self._start_load(record)
+        self._forget_if_idle(record)
 
     def error(self, adapter_id: str) -> str | None:
-        entry = self._failed.get(adapter_id)
-        if entry is None:
+        record = self._records.get(adapter_id)
+        if record is None or record.status is not AdapterStatus.FAILED:
             return None
-        reason, when = entry
+        reason, when = record.failure
         if time.monotonic() - when > FAILURE_TTL_S:
-            del self._failed[adapter_id]
+            record.failure = None
+            record.move(AdapterStatus.STORED)  # the next request retries the load
+            self._forget_if_idle(record)
             return None
         return reason
 
     def hold(self, adapter_id: str) -> None:
         """A request for this adapter was queued; it keeps the adapter's copies until `unhold`."""
-        self._holds[adapter_id] += 1
+        self._record(adapter_id).holds += 1
 
     def unhold(self, adapter_id: str) -> None:
         """A request for this adapter finished (or failed, or was aborted)."""
-        if self._holds[adapter_id] <= 0:
+        record = self._records.get(adapter_id)
+        if record is None or record.holds <= 0:
             raise RuntimeError(f"adapter {adapter_id!r} unheld more often than held")
-        self._holds[adapter_id] -= 1
-        if self._holds[adapter_id] == 0:
-            del self._holds[adapter_id]
-            if adapter_id in self._retiring:
-                self._drop(adapter_id)
+        record.holds -= 1
+        if record.holds == 0:
+            if record.retiring:
+                self._drop(record)
+            else:
+                self._forget_if_idle(record)
 
     # -- called once per step, before scheduling -----------------------------------------------------
 
@@ -166,46 +164,57 @@ class AdapterManager:
         """Collect finished background loads; returns {adapter id: reason} for the ones that failed."""
         failures = {}
         for adapter_id, error in self.loads.finished():
-            started, row = self._loading.pop(adapter_id)
-            if adapter_id in self._abandoned:
-                self._abandoned.discard(adapter_id)
-                self._free_rows.append(row)
+            record = self._records[adapter_id]
+            if record.abandoned:
+                record.abandoned = False
+                self._free_row(record)
+                record.move(AdapterStatus.DELETED if record.deleted else AdapterStatus.STORED)
+                self._forget_if_idle(record)
             elif error is None:
-                self._emit("load", "source", time.perf_counter() - started)
-                self._cpu[adapter_id] = row
+                self._emit("load", "source", time.perf_counter() - record.load_started)
+                record.move(AdapterStatus.CPU)
+                self._touch(record)
             else:
-                self._free_rows.append(row)
+                self._free_row(record)
                 failures[adapter_id] = _reason(adapter_id, error)
-        for adapter_id, reason in failures.items():
+                record.failure = (failures[adapter_id], time.monotonic())
+                record.move(AdapterStatus.FAILED)
+        for reason in failures.values():
             logger.warning("adapter load failed: %s", reason)
             self._emit("fail", "source")
-            self._failed[adapter_id] = (reason, time.monotonic())
         return failures
 
     def stage(self, wanted: Iterable[str]) -> None:
-        """Give the adapters waiting requests need (in queue order) GPU slots; `start_copies` then copies
-        them in, without waiting.
+        """Bring the adapters that waiting requests need (in queue order) towards the GPU: start the
+        CPU-tier loads of all of them as far as rows allow, and give those in the CPU tier GPU slots as
+        far as slots allow; `start_copies` then copies them in, without waiting.
 
-        An adapter already resident is protected from eviction by the ones that come after it."""
+        An adapter already on the GPU is protected from eviction by the ones that come after it."""
         protected: set[str] = set()
         waited = self._copy_stream is None
+        slots_left = True
         for adapter_id in dict.fromkeys(wanted):
-            if self._resident(adapter_id):
+            if self.error(adapter_id) is not None:
+                continue
+            record = self._record(adapter_id)
+            if record.on_gpu:
                 protected.add(adapter_id)
                 continue
-            row = self._cpu.get(adapter_id)
-            if row is None:
-                if self.error(adapter_id) is None:
-                    self._start_load(adapter_id)  # e.g. dropped by the CPU tier's LRU while it waited
+            if record.status in (AdapterStatus.STORED, AdapterStatus.LOADING):
+                self._start_load(record)  # never loaded, or dropped by the CPU tier's LRU while it waited
+                self._forget_if_idle(record)
                 continue
+            if record.status is not AdapterStatus.CPU or not slots_left:
+                continue  # failed or deleted; or no slot is left this step, but loads further back still start
             if not self.allocator.can_acquire(adapter_id, frozenset(protected)):
-                break  # every slot is in use; later adapters wait their turn too
-            self._cpu.move_to_end(adapter_id)
+                slots_left = False  # every slot is in use; later adapters wait their turn too
+                continue
+            self._touch(record)
             before = set(self.allocator.resident)
             slot, _ = self.allocator.acquire(adapter_id, frozenset(protected))
             self.allocator.release(adapter_id)  # resident but unpinned until a request runs with it
-            for victim in before - set(self.allocator.resident):
-                self._copies.pop(victim, None)
+            for victim_id in before - set(self.allocator.resident):
+                self._lose_slot(self._records[victim_id])
                 self._emit("evict", "gpu")
             if not waited:
                 # The slot may have served an earlier step whose kernels are still in flight; this step's
@@ -213,8 +222,9 @@ class AdapterManager:
                 self._copy_stream.wait_stream(torch.cuda.current_stream(self.slots.device))
                 waited = True
             ticket = _Pending()
-            self._to_copy.append((adapter_id, slot, row, ticket))
-            self._copies[adapter_id], self._row_reads[row] = (slot, ticket), ticket
+            self._to_copy.append((record, slot, record.row, ticket))
+            record.copy, self._row_reads[record.row] = ticket, ticket
+            record.move(AdapterStatus.COPYING)
             protected.add(adapter_id)
         if self._copy_stream is None:
             self.start_copies()  # on the CPU a copy is synchronous: nothing to overlap it with
@@ -223,29 +233,31 @@ class AdapterManager:
         """Issue the slot copies that `stage` decided on. On CUDA the engine calls this right after
         launching the step's forward pass: issuing a copy costs the host a fraction of a millisecond, which
         then overlaps the GPU's work instead of delaying the launch (docs/BENCHMARKS.md, adapter loading)."""
-        for adapter_id, slot, row, ticket in self._to_copy:
+        for record, slot, row, ticket in self._to_copy:
             copy = self._copy_into(slot, row)
             if copy is None:  # done already (CPU)
                 self._row_reads.pop(row, None)
             else:
                 self._row_reads[row] = copy[1]
-            if self._copies.get(adapter_id) == (slot, ticket):  # not evicted, dropped or restaged since
-                self._copies[adapter_id] = (slot, copy)
+            if record.copy is ticket:  # not evicted, dropped or restaged since
+                record.copy = copy
         self._to_copy.clear()
 
     def is_ready(self, adapter_id: str) -> bool:
-        """Resident and fully copied: the scheduler may admit requests for it."""
-        if not self._resident(adapter_id):
+        """On the GPU and fully copied: the scheduler may admit requests for it."""
+        record = self._records.get(adapter_id)
+        if record is None or not record.on_gpu:
             return False
-        slot, copy = self._copies[adapter_id]
-        if isinstance(copy, _Pending):
-            return False
-        if copy is not None:
-            start, end = copy
-            if not end.query():
+        if record.status is AdapterStatus.COPYING:
+            if isinstance(record.copy, _Pending):
                 return False
-            self._emit("load", "cpu", start.elapsed_time(end) / 1000.0)
-            self._copies[adapter_id] = (slot, None)
+            if record.copy is not None:
+                start, end = record.copy
+                if not end.query():
+                    return False
+                self._emit("load", "cpu", start.elapsed_time(end) / 1000.0)
+            record.copy = None
+            record.move(AdapterStatus.RESIDENT)
         return True
 
     # -- called when requests start and end --------------------------------------------------------
@@ -256,23 +268,38 @@ class AdapterManager:
             raise RuntimeError(f"adapter {adapter_id!r} is not resident; the scheduler must wait for it")
         slot, needs_load = self.allocator.acquire(adapter_id)
         assert not needs_load  # is_ready guarantees residency
+        record = self._records[adapter_id]
+        if record.status is AdapterStatus.RESIDENT:
+            record.move(AdapterStatus.PINNED)
         return slot
 
     def release(self, adapter_id: str) -> None:
         self.allocator.release(adapter_id)
+        if self.allocator.num_pins(adapter_id) == 0:
+            self._records[adapter_id].move(AdapterStatus.RESIDENT)
 
     def retire(self, adapter_id: str) -> None:
         """A newer version replaced it: drop its copies, and free its slot, once no request holds it."""
-        self._retiring.add(adapter_id)
-        if self._holds.get(adapter_id, 0) == 0:
-            self._drop(adapter_id)
+        record = self._records.get(adapter_id)
+        if record is None:
+            return  # nothing of it is held here
+        record.retiring = True
+        if record.holds == 0:
+            self._drop(record)
 
     def forget(self, adapter_id: str) -> None:
         """It was deleted: refuse new requests for it (`resolve`), then retire it."""
-        self._deleted.add(adapter_id)
-        self.retire(adapter_id)
+        record = self._record(adapter_id)
+        record.deleted = record.retiring = True
+        if record.holds == 0:
+            self._drop(record)
 
-    # -- introspection for metrics ---------------------------------------------------------------
+    # -- introspection for metrics and tests --------------------------------------------------------
+
+    def status(self, adapter_id: str) -> AdapterStatus | None:
+        """The adapter's status, or None for one the manager does not know (nothing of it is held)."""
+        record = self._records.get(adapter_id)
+        return None if record is None else record.status
 
     @property
     def num_slots_in_use(self) -> int:
@@ -280,21 +307,21 @@ class AdapterManager:
 
     @property
     def num_loading(self) -> int:
-        return len(self._loading)
+        return sum(1 for r in self._records.values() if r.status is AdapterStatus.LOADING)
 
     def gpu_ids(self) -> tuple[str, ...]:
-        return tuple(sorted(self.allocator.adapter_ids()))
+        return tuple(sorted(r.adapter_id for r in self._records.values() if r.on_gpu))
 
     def cpu_ids(self) -> tuple[str, ...]:
-        return tuple(sorted(self._cpu))
+        return tuple(sorted(r.adapter_id for r in self._records.values() if r.in_cpu_tier))
 
     def resident_ids(self) -> frozenset[str]:
         """Adapters in the CPU tier or a GPU slot (a slot's adapter may have left the CPU tier's LRU)."""
-        return frozenset(self._cpu).union(self.allocator.adapter_ids())
+        return frozenset(r.adapter_id for r in self._records.values() if r.in_cpu_tier or r.on_gpu)
 
     def wait_for_loads(self, timeout: float) -> None:
         """Block briefly until some background load finishes (used when nothing else can run)."""
-        if self._loading:
+        if self.num_loading:
             self.loads.wait(timeout)
 
     def shutdown(self) -> None:
@@ -302,32 +329,48 @@ class AdapterManager:
 
     # -- internals ----------------------------------------------------------------------------------
 
-    def _resident(self, adapter_id: str) -> bool:
-        entry = self._copies.get(adapter_id)
-        return entry is not None and self.allocator.lookup(adapter_id) == entry[0]
+    def _record(self, adapter_id: str) -> ResidencyRecord:
+        record = self._records.get(adapter_id)
+        if record is None:
+            record = self._records[adapter_id] = ResidencyRecord(adapter_id)
+        return record
 
-    def _start_load(self, adapter_id: str) -> None:
-        if adapter_id in self._loading:
-            self._abandoned.discard(adapter_id)  # wanted again: the load still running serves it
+    def _forget_if_idle(self, record: ResidencyRecord) -> None:
+        """Nothing local and nobody waiting: the record carries nothing worth keeping."""
+        if record.idle and self._records.get(record.adapter_id) is record:
+            del self._records[record.adapter_id]
+
+    def _touch(self, record: ResidencyRecord) -> None:
+        self._tick += 1
+        record.cpu_used = self._tick
+
+    def _start_load(self, record: ResidencyRecord) -> None:
+        if record.status is AdapterStatus.LOADING:
+            record.abandoned = False  # wanted again: the load still running serves it
             return
-        if adapter_id in self._cpu or self._resident(adapter_id):
-            return
+        if record.status is not AdapterStatus.STORED:
+            return  # a copy is local already, or it failed, or it was deleted
         row = self._take_row()
         if row is None:
-            return  # every row is being filled or copied from; `stage` tries again next step
-        self._loading[adapter_id] = (time.perf_counter(), row)
-        self.loads.start(adapter_id, row)
+            return  # every row is being filled, copied from or waited for; `stage` tries again next step
+        record.row, record.load_started = row, time.perf_counter()
+        record.move(AdapterStatus.LOADING)
+        self.loads.start(record.adapter_id, row)
 
     def _take_row(self) -> int | None:
         """A row to load into: a free one, else the least recently used adapter's, never one that a GPU
-        copy still reads."""
+        copy still reads nor one whose adapter waits in the CPU tier for a GPU slot."""
         for i, row in enumerate(self._free_rows):
             if self._row_writable(row):
                 return self._free_rows.pop(i)
-        for adapter_id, row in self._cpu.items():
-            if self._row_writable(row):
-                del self._cpu[adapter_id]
+        candidates = [r for r in self._records.values() if r.in_cpu_tier and not r.waits_in_cpu_tier]
+        for victim in sorted(candidates, key=lambda r: r.cpu_used):
+            if self._row_writable(victim.row):
+                row, victim.row = victim.row, None
+                if victim.status is AdapterStatus.CPU:
+                    victim.move(AdapterStatus.STORED)
                 self._emit("evict", "cpu")
+                self._forget_if_idle(victim)
                 return row
         return None
 
@@ -338,17 +381,32 @@ class AdapterManager:
         self._row_reads.pop(row, None)
         return True
 
-    def _drop(self, adapter_id: str) -> None:
+    def _free_row(self, record: ResidencyRecord) -> None:
+        if record.row is not None:
+            self._free_rows.append(record.row)
+            record.row = None
+
+    def _lose_slot(self, record: ResidencyRecord) -> None:
+        """Its slot went to another adapter (the allocator already took it)."""
+        record.copy = None
+        record.move(AdapterStatus.CPU if record.row is not None else AdapterStatus.STORED)
+        self._forget_if_idle(record)
+
+    def _drop(self, record: ResidencyRecord) -> None:
         """No request holds it any more: free everything it occupies (its slot is unpinned by now)."""
-        self._retiring.discard(adapter_id)
-        row = self._cpu.pop(adapter_id, None)
-        if row is not None:
-            self._free_rows.append(row)
-        self._failed.pop(adapter_id, None)
-        if adapter_id in self._loading:
-            self._abandoned.add(adapter_id)  # it still writes its row; `poll` frees the row when it ends
-        if self.allocator.evict(adapter_id):
-            self._copies.pop(adapter_id, None)
+        record.retiring, record.failure = False, None
+        if record.status is AdapterStatus.LOADING:
+            record.abandoned = True  # it still writes its row; `poll` frees the row when it ends
+            return
+        if record.on_gpu:
+            evicted = self.allocator.evict(record.adapter_id)
+            assert evicted, "a dropped adapter has no running request, so its slot is unpinned"
+            record.copy = None
+        self._free_row(record)
+        final = AdapterStatus.DELETED if record.deleted else AdapterStatus.STORED
+        if record.status is not final:
+            record.move(final)
+        self._forget_if_idle(record)
 
     def _copy_into(self, slot: int, row: int) -> _Copy | None:
         image = self.tier.image(row)
@@ -375,13 +433,3 @@ def _reason(adapter_id: str, error: BaseException) -> str:
         return str(error)
     logger.error("adapter %s failed to load", adapter_id, exc_info=error)
     return f"adapter {adapter_id!r} could not be loaded: an internal error (the server log has the details)"
-
-
-def emit(observer: Observer | None, event: str, tier: str, seconds: float = 0.0) -> None:
-    """Call an observer; a broken metrics hook is logged, never allowed to stop serving."""
-    if observer is None:
-        return
-    try:
-        observer(event, tier, seconds)
-    except Exception:
-        logger.exception("adapter observer failed on (%s, %s)", event, tier)

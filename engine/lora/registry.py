@@ -11,8 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.lora.model_shape import ModelShape
-from engine.lora.peft_checkpoint import AdapterError, PeftAdapter, load_peft_adapter
+from adapter_format.checkpoint import PeftAdapter, load_peft_adapter
+from adapter_format.errors import AdapterError
+from adapter_format.model_shape import ModelShape
 
 
 class AdapterRegistry:

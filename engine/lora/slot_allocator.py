@@ -75,6 +75,10 @@ class SlotAllocator:
         del self._ref_cnt[adapter_id]
         return True
 
+    def num_pins(self, adapter_id: str) -> int:
+        """Running requests that pin the adapter's slot (0 for an unpinned or absent adapter)."""
+        return self._ref_cnt.get(adapter_id, 0)
+
     @property
     def num_pinned(self) -> int:
         return sum(1 for count in self._ref_cnt.values() if count > 0)

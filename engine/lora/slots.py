@@ -18,8 +18,8 @@ from functools import cached_property
 
 import torch
 
-from engine.lora.model_shape import TARGET_MODULES, ModelShape
-from engine.lora.peft_checkpoint import PeftAdapter
+from adapter_format.checkpoint import PeftAdapter
+from adapter_format.model_shape import TARGET_MODULES, ModelShape
 
 # Projections the model applies LoRA to in one launch (one fused base GEMM), in column order.
 FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

@@ -3,8 +3,8 @@
 In eager torch a layer's RMSNorm, residual add, RoPE and SiLU-and-mul are about forty tiny kernels; at a
 decode step of batch 128 on shape S they took more GPU time than the GEMMs (docs/BENCHMARKS.md). Each
 kernel here rounds where torch rounds (every intermediate the torch code keeps in the model dtype is
-rounded to it), so the results are those of the torch ops in `llama.py` and `rope.py` up to the order of
-the RMSNorm's sum and the libdevice exp of SiLU.
+rounded to it), so the results are those of the torch ops in `llama.py` and `rope.py` within one rounding
+step where the order of the RMSNorm's sum, the exp of SiLU or a contracted multiply-add differ (rare).
 
 Token counts vary per step: they are grid sizes, never kernel arguments, so nothing is specialised on
 them (nothing compiles after start-up).

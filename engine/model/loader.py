@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from engine.lora.model_shape import TARGET_MODULES
+from adapter_format.model_shape import TARGET_MODULES
 from engine.model.fp8_checkpoint import DROPPED_NAMES, SCALE_NAMES, build_fp8_linear, fp8_scheme
 from engine.model.fp8_linear import Fp8Linear
 from engine.model.kv_quant import FP8_DTYPE, default_scale

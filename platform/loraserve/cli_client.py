@@ -23,9 +23,10 @@ from typing import Any
 
 import httpx
 
+from adapter_format.files import ADAPTER_FILES
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 URL_ENV, KEY_ENV = "LORASERVE_URL", "LORASERVE_API_KEY"
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".zip")
 # Uploads of large adapters over slow links need long read/write windows; connecting should be quick.
 TIMEOUT = httpx.Timeout(600.0, connect=10.0)

@@ -22,9 +22,9 @@ from fixtures_s3 import *  # noqa: F403 (s3_endpoint, s3_admin, s3_bucket: share
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from adapter_format.model_shape import ModelShape
 from adapters_store import AdapterFiles, CountingMetrics, StoreConfig, open_store
 from adapters_store.s3 import S3Store, make_client
-from engine.lora.model_shape import ModelShape
 
 TINY_LLAMA = dict(
     hidden_size=64,

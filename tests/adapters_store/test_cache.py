@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
+from adapter_format.checkpoint import load_peft_adapter
 from adapters_store import ChecksumError, CountingMetrics, DiskCache, StoreConfig, open_store
-from engine.lora.peft_checkpoint import load_peft_adapter
 
 WEIGHTS = "adapter_model.safetensors"
 

@@ -18,8 +18,8 @@ from hostile_adapters import (
     with_config_value,
 )
 
+from adapter_format import safetensors_header
 from adapters_store import InvalidAdapter
-from engine.lora import safetensors_header
 
 
 def refused(store, keys_of, folder) -> InvalidAdapter:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from adapter_format.checkpoint import load_peft_adapter
 from adapters_store import AdapterNotFound, ChecksumError, InvalidName
-from engine.lora.peft_checkpoint import load_peft_adapter
 
 WEIGHTS = "adapter_model.safetensors"
 

@@ -16,9 +16,9 @@ import torch
 from factories import C1_ADAPTERS, load_peft_reference, make_adapter, make_model, reference_greedy
 from transformers import AutoConfig
 
+from adapter_format.model_shape import TARGET_MODULES
 from engine import AsyncLLM, EngineConfig, EngineStats, LLMEngine, ModelShape, SamplingParams
 from engine.lora.manager import AdapterManager
-from engine.lora.model_shape import TARGET_MODULES
 from engine.lora.registry import AdapterRegistry
 from engine.lora.slots import LoRASlots
 
@@ -172,7 +172,7 @@ def test_version_swap_leaves_running_and_queued_requests_on_the_old_version(case
     for i, prompt in enumerate(new_prompts):
         assert finals[f"new{i}"].outputs[0].token_ids == case["expected"](prompt, "ad2")
     # The old version is gone once its last request finished; the new one stays cached.
-    assert engine.lora.allocator.lookup("bot") is None and "bot" not in engine.lora._cpu
+    assert engine.lora.allocator.lookup("bot") is None and "bot" not in engine.lora.cpu_ids()
     assert engine.lora.allocator.lookup("bot~2") is not None
 
 
@@ -197,7 +197,7 @@ def test_forget_adapter_refuses_new_requests_and_frees_the_slot_after_running_on
     assert "was deleted before this request started" in finals["queued"].error
     assert "'ad3' was deleted" in finals["late"].error
     assert finals["other"].outputs[0].token_ids == case["expected"](queued, "ad4")
-    assert engine.lora.allocator.lookup("ad3") is None and "ad3" not in engine.lora._cpu
+    assert engine.lora.allocator.lookup("ad3") is None and "ad3" not in engine.lora.cpu_ids()
     assert engine.lora.num_slots_in_use == 0
     engine.forget_adapter("never-seen")  # harmless
 
@@ -340,7 +340,7 @@ def test_a_row_of_the_cpu_tier_is_not_reused_while_a_dropped_load_still_writes_i
     for module in TARGET_MODULES:
         assert torch.equal(slots.lora_a[module][:, slot], expected.lora_a[module])
         assert torch.equal(slots.lora_b[module][:, slot], expected.lora_b[module])
-    assert not manager.is_ready("slow") and "slow" not in manager._cpu
+    assert not manager.is_ready("slow") and "slow" not in manager.cpu_ids()
     manager.shutdown()
 
 
@@ -384,7 +384,7 @@ def test_a_copy_is_decided_by_stage_and_issued_by_start_copies_in_order(case, mo
     monkeypatch.setattr(manager, "_copy_stream", _FakeStream())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     monkeypatch.setattr(manager, "_copy_into", copy_into)
-    row_a, row_b = manager._cpu["a"], manager._cpu["b"]
+    row_a, row_b = manager._records["a"].row, manager._records["b"].row
 
     manager.stage(["a"])
     assert issued == [] and not manager.is_ready("a") and not manager._row_writable(row_a)

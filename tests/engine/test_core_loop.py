@@ -75,7 +75,9 @@ class LoopHarness:
 
 @pytest.fixture
 def harness(text_model_dir, text_adapters):
-    engine = LLMEngine(EngineConfig(model=str(text_model_dir), **ENGINE_ARGS), skip_tokenizer_init=True)
+    engine = LLMEngine(
+        EngineConfig(model=str(text_model_dir), **ENGINE_ARGS), skip_tokenizer_init=True, output_kind="delta"
+    )
     engine.register_adapter("alpha", str(text_adapters["alpha"]))
     harness = LoopHarness(engine)
     try:

@@ -1,5 +1,5 @@
 """The Triton path's fused element-wise kernels against a float64 reference (interpreted on the CPU, in
-float32) and, on a GPU, against the torch ops they replace in bfloat16 (RoPE bit for bit)."""
+float32) and, on a GPU, against the torch ops they replace in bfloat16 (within one rounding step)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from engine.model.llama import _rms_norm
 from engine.model.rope import RotaryEmbedding
 
 EPS = 1e-5
+# Triton needs CUDA tensors unless interpreted (TRITON_INTERPRET=1, as conftest sets on a CPU machine).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def gpu(test):
@@ -34,9 +36,14 @@ def rope_f64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 @pytest.mark.parametrize("tokens, hidden", [(1, 64), (7, 96), (33, 256)])
 def test_rms_norm_with_and_without_residual(tokens, hidden):
     gen = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, hidden, generator=gen)
-    weight = torch.randn(hidden, generator=gen)
-    residual = torch.randn(tokens, hidden, generator=gen)
+    x, weight, residual = (
+        t.to(DEVICE)
+        for t in (
+            torch.randn(tokens, hidden, generator=gen),
+            torch.randn(hidden, generator=gen),
+            torch.randn(tokens, hidden, generator=gen),
+        )
+    )
     torch.testing.assert_close(fused_ops.rms_norm(x, weight, EPS), rms_norm_f64(x, weight).float())
     summed = residual.double() + x.double()
     kept = residual.clone()
@@ -47,14 +54,14 @@ def test_rms_norm_with_and_without_residual(tokens, hidden):
 
 def test_rms_norm_reads_strided_rows():
     """Input rows inside a wider buffer (a view), as a projection's output split would give."""
-    wide = torch.randn(5, 160, generator=torch.Generator().manual_seed(1))
-    x, weight = wide[:, :64], torch.ones(64)
+    wide = torch.randn(5, 160, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    x, weight = wide[:, :64], torch.ones(64, device=DEVICE)
     torch.testing.assert_close(fused_ops.rms_norm(x, weight, EPS), rms_norm_f64(x, weight).float())
 
 
 @pytest.mark.parametrize("tokens, width", [(1, 32), (9, 200), (4, 2048 + 17)])
 def test_silu_and_mul(tokens, width):
-    gate_up = torch.randn(tokens, 2 * width, generator=torch.Generator().manual_seed(width)) * 4
+    gate_up = torch.randn(tokens, 2 * width, generator=torch.Generator().manual_seed(width)).to(DEVICE) * 4
     g, u = gate_up.double().chunk(2, dim=-1)
     expected = g * torch.sigmoid(g) * u
     torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), expected.float(), rtol=1e-5, atol=1e-5)
@@ -63,11 +70,11 @@ def test_silu_and_mul(tokens, width):
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (6, 6, 32), (5, 1, 8)])
 def test_rope_rotates_q_and_k_in_place_and_leaves_v(heads, kv_heads, head_dim):
     config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, rope_theta=10000.0)
-    rope = RotaryEmbedding(config, head_dim, 64, torch.device("cpu"), torch.float32)
+    rope = RotaryEmbedding(config, head_dim, 64, torch.device(DEVICE), torch.float32)
     gen = torch.Generator().manual_seed(heads)
     tokens, q_size, kv_size = 11, heads * head_dim, kv_heads * head_dim
-    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen)
-    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen).to(DEVICE)
+    positions = torch.randint(0, 64, (tokens,), generator=gen).to(DEVICE)
     q, k, v = (t.clone() for t in qkv.split([q_size, kv_size, kv_size], dim=-1))
     cos, sin = rope.cos[positions], rope.sin[positions]
     fused_ops.apply_rope_(qkv, positions, rope.cos, rope.sin, heads, kv_heads, head_dim)
@@ -97,8 +104,12 @@ def test_bf16_matches_the_torch_ops_they_replace_on_the_gpu():
     q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
     ref_q, ref_k = rope(positions, q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim))
     fused_ops.apply_rope_(qkv, positions, rope.cos, rope.sin, heads, kv_heads, head_dim)
-    assert torch.equal(qkv[:, :q_size], ref_q.reshape(tokens, -1))  # same roundings: bit for bit
-    assert torch.equal(qkv[:, q_size : q_size + kv_size], ref_k.reshape(tokens, -1))
+    # The same roundings as torch's, but the compiler may contract a product into the sum (FMA): at most
+    # one bf16 rounding step apart, and rarely.
+    for out, ref in ((qkv[:, :q_size], ref_q), (qkv[:, q_size : q_size + kv_size], ref_k)):
+        ref = ref.reshape(tokens, -1)
+        torch.testing.assert_close(out, ref, rtol=8e-3, atol=1e-6)
+        assert (out != ref).float().mean() < 0.05
 
     hidden = 2048
     x = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)

@@ -10,8 +10,8 @@ import torch
 from kernel_variants import record_variants
 
 import lora_kernels
+from adapter_format.model_shape import ModelShape
 from engine import warmup
-from engine.lora.model_shape import ModelShape
 from engine.model import fp8_quant_kernel
 from engine.model import paged_attention_triton as attention
 from lora_kernels import expand_kernels, shrink_kernels, tiles

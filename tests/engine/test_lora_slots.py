@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.lora.model_shape import TARGET_MODULES, ModelShape
-from engine.lora.peft_checkpoint import ModuleLoRA, PeftAdapter
+from adapter_format.checkpoint import ModuleLoRA, PeftAdapter
+from adapter_format.model_shape import TARGET_MODULES, ModelShape
 from engine.lora.slots import FUSED_PROJECTIONS, LoRASlots
 
 SHAPE = ModelShape(

@@ -1,4 +1,4 @@
-"""adapter_config.json rules (engine.lora.peft_config) and the bounded JSON reader, table-driven;
+"""adapter_config.json rules (adapter_format.peft_config) and the bounded JSON reader, table-driven;
 then the engine's own paths: a malformed folder given to `LLM(lora_modules=...)` or per request."""
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from hostile_adapters import (
     with_config_value,
 )
 
+from adapter_format import checkpoint as peft_checkpoint
+from adapter_format.bounded_json import LongNumber, loads_bounded, nesting_depth_exceeds
+from adapter_format.peft_config import check_adapter_config, parse_adapter_config
 from engine import LLM, AdapterError, SamplingParams
-from engine.lora import peft_checkpoint
-from engine.lora.bounded_json import LongNumber, loads_bounded, nesting_depth_exceeds
-from engine.lora.peft_config import check_adapter_config, parse_adapter_config
 
 GOOD = {
     "peft_type": "LORA",

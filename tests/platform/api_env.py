@@ -29,8 +29,8 @@ from loraserve.tenancy import ApiKey, Authenticator, ConcurrencyLimiter, Princip
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from adapter_format.model_shape import ModelShape
 from adapters_store import AdapterStore, DiskCache, LocalStore, StoreConfig
-from engine.lora.model_shape import ModelShape
 
 # The fixtures conftest.py star-imports (moto's S3 server comes from the shared tests/fixtures_s3.py).
 __all__ = ["api_env", "edit_adapter", "peft_adapters", "s3_admin", "s3_bucket", "s3_endpoint"]

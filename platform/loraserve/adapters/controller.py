@@ -7,8 +7,9 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
+from adapter_format.peft_config import MAX_CONFIG_BYTES
 from adapters_store import StoreConfig
-from adapters_store.config import MAX_CONFIG_BYTES, MiB
+from adapters_store.config import MiB
 from loraserve.adapters import service
 from loraserve.adapters.schemas import Adapter, AdapterDeleted, AdapterDetail, AdapterList
 from loraserve.openapi import BEARER_SECURITY

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import regex
 
-from engine.lora.adapter_error import AdapterError, show_value
-from engine.lora.bounded_json import loads_bounded
-from engine.lora.model_shape import TARGET_MODULES
+from adapter_format.bounded_json import loads_bounded
+from adapter_format.errors import AdapterError, show_value
+from adapter_format.files import CONFIG_FILE
+from adapter_format.model_shape import TARGET_MODULES
 
-CONFIG_FILE = "adapter_config.json"
 # A PEFT config is a few hundred bytes, nested three levels at most (layer_replication's lists).
 MAX_CONFIG_BYTES = 1 << 20
 MAX_CONFIG_DEPTH = 8

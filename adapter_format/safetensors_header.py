@@ -14,8 +14,8 @@ import struct
 from collections import Counter
 from pathlib import Path
 
-from engine.lora.adapter_error import AdapterError, show_value
-from engine.lora.bounded_json import loads_bounded
+from adapter_format.bounded_json import loads_bounded
+from adapter_format.errors import AdapterError, show_value
 
 # A LoRA adapter's header lists two tensors per projection and layer: tens of KiB, under 1 MiB for any
 # model (the safetensors library itself allows 100 MB). Parsing is bounded in size and depth before

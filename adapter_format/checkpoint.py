@@ -18,29 +18,16 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.lora.adapter_error import AdapterError, show_value
-from engine.lora.model_shape import ATTENTION_MODULES, TARGET_MODULES, ModelShape
-from engine.lora.peft_config import (
-    CONFIG_FILE,
+from adapter_format.errors import AdapterError, show_value
+from adapter_format.files import WEIGHTS_FILE
+from adapter_format.model_shape import ATTENTION_MODULES, TARGET_MODULES, ModelShape
+from adapter_format.peft_config import (
     PATTERN_MATCH_BUDGET_S,
     LoraSettings,
     check_adapter_config,
     read_adapter_config,
 )
-from engine.lora.safetensors_header import read_tensor_shapes
-
-__all__ = [  # the config's names are re-exported: callers import the checkpoint format from here
-    "CONFIG_FILE",
-    "WEIGHTS_FILE",
-    "AdapterError",
-    "ModuleLoRA",
-    "PeftAdapter",
-    "check_adapter",
-    "check_adapter_config",
-    "load_peft_adapter",
-    "read_adapter_config",
-]
-WEIGHTS_FILE = "adapter_model.safetensors"
+from adapter_format.safetensors_header import read_tensor_shapes
 
 # e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (any prefix before `layers.`).
 _TENSOR_NAME = re.compile(

@@ -1,0 +1,75 @@
+"""benchmarks/adapter_scale.py: --quick on the CPU (a real server over an adapter store of hard-linked
+names, both workloads, the report), so the W2 script cannot rot between GPU runs; and its Zipf draws and
+its rates from /metrics."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_the_w2_benchmark_runs_quick_on_the_cpu(tmp_path):
+    """The mixed-rank variant: the default one differs only in its single rank."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")])}
+    command = [
+        sys.executable,
+        "benchmarks/adapter_scale.py",
+        "--quick",
+        "--state-dir",
+        str(tmp_path),
+        "--mixed-ranks",
+    ]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("| 3 uniform", "| 24 Zipf"))]
+    assert len(rows) == 2, result.stdout
+    assert all(row.rstrip().endswith("| 0 |") for row in rows)  # no request failed
+    assert "Zipf / uniform: output tok/s" in result.stdout
+    assert "rank 2/4/8," in result.stdout
+
+
+def _adapter_scale():
+    sys.path.insert(0, str(REPO))
+    from benchmarks import adapter_scale
+
+    return adapter_scale
+
+
+def test_zipf_draws_follow_one_over_k():
+    names = [f"n{k}" for k in range(10)]
+    draws = _adapter_scale().zipf_names(names, 40_000, 1.0, random.Random(0))
+    counts = Counter(draws)
+    harmonic = sum(1 / (k + 1) for k in range(10))
+    for k, name in enumerate(names):
+        assert counts[name] / len(draws) == pytest.approx(1 / (k + 1) / harmonic, rel=0.1)
+
+
+def test_residency_rates_come_from_the_difference_of_two_scrapes():
+    hits, misses, loads = (
+        "loraserve_adapter_cache_hits_total",
+        "loraserve_adapter_cache_misses_total",
+        "loraserve_adapter_load_seconds_count",
+    )
+    before = {(hits, "gpu"): 10, (misses, "gpu"): 10, (hits, "cpu"): 5, (loads, "source"): 3}
+    after = {
+        (hits, "gpu"): 40,
+        (misses, "gpu"): 20,
+        (hits, "cpu"): 5,
+        (misses, "cpu"): 10,
+        (loads, "source"): 13,
+        (loads, "cpu"): 20,
+    }
+    row = _adapter_scale().residency(before, after, seconds=5.0)
+    assert row["gpu_hit"] == pytest.approx(0.75)  # 30 hits, 10 misses during the run
+    assert row["cpu_hit"] == 0.0
+    assert row["cpu_loads_s"] == pytest.approx(2.0) and row["gpu_loads_s"] == pytest.approx(4.0)
+    assert row["disk_hit"] != row["disk_hit"]  # no lookups: NaN, not a made-up rate

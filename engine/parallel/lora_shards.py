@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.lora.model_shape import TARGET_MODULES
+from adapter_format.model_shape import TARGET_MODULES
 from engine.lora.slots import LoRASlots, SlotImage, SlotLayout
 from engine.parallel.plan import COLUMN_PARALLEL, ShardPlan
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.lora.model_shape import ModelShape
+from adapter_format.model_shape import ModelShape
 
 # Projections split by output (their LoRA B too) and by input (their LoRA A too).
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.lora.model_shape import ModelShape
+from adapter_format.model_shape import ModelShape
 from engine.lora.slots import LoRASlots, SlotImage
 from engine.model.attention import AttentionMetadata
 from engine.model.fp8_checkpoint import fp8_scheme

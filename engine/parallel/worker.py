@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from adapter_format.model_shape import ModelShape
 from engine.lora.context import LoRAContext
-from engine.lora.model_shape import ModelShape
 from engine.parallel.messages import EagerStep, Failed, GraphStep, Hello, Stop, decode_to_worker, encode
 
 # How often an idle worker checks that rank 0's process still exists.

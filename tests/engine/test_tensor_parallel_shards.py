@@ -7,8 +7,8 @@ import pytest
 import torch
 from factories import C1_ADAPTERS, make_adapter, make_model
 
-from engine.lora.model_shape import ModelShape
-from engine.lora.peft_checkpoint import load_peft_adapter
+from adapter_format.checkpoint import load_peft_adapter
+from adapter_format.model_shape import ModelShape
 from engine.lora.slots import SlotLayout, build_image
 from engine.model.loader import load_config, load_weights
 from engine.parallel import sharded_loader

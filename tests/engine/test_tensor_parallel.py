@@ -124,6 +124,21 @@ def test_synchronous_scheduling_over_ranks(c1_case):
         assert generate(llm, c1_case) == c1_case["expected"]
 
 
+def test_a_vocabulary_the_ranks_do_not_divide(tmp_path):
+    """511 ids over 2 ranks: the second shard is zero-padded; its padding never becomes a logit."""
+    model_dir = make_model(tmp_path / "model", seed=3, vocab_size=511)
+    prompts = [{"prompt_token_ids": [510, 3, 255, 256, 7]}, {"prompt_token_ids": [1, 2, 509]}]
+    with engine(model_dir, **ENGINE_ARGS) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    with engine(model_dir, tensor_parallel_size=2, **ENGINE_ARGS) as llm:
+        outputs = llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, logprobs=3)
+        )
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert llm.engine.runner.model.weights.embed.shape[0] == 256
+        assert all(t < 511 for o in outputs for step in o.outputs[0].logprobs for t in step.top)
+
+
 def test_tensor_parallel_size_is_checked():
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         EngineConfig(model="m", tensor_parallel_size=0)

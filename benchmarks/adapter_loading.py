@@ -55,8 +55,8 @@ from adapter_format.model_shape import TARGET_MODULES, ModelShape  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.lora.background_loads import ProcessLoads, ThreadLoads, read_into  # noqa: E402
 from engine.lora.host_tier import HostTier  # noqa: E402
+from engine.lora.pool import LoRAPool  # noqa: E402
 from engine.lora.registry import AdapterRegistry  # noqa: E402
-from engine.lora.slots import LoRASlots  # noqa: E402
 
 RANK = 16
 LLAMA_8B = ModelShape(
@@ -179,7 +179,7 @@ def bench_tiers(
     cuda = device.type == "cuda"
     folder = write_peft_folder(root / "adapter", shape, seed=0)
     size_mb = (folder / "adapter_model.safetensors").stat().st_size / 1e6
-    slots = LoRASlots(shape, max_loras=4, max_rank=RANK, dtype=torch.bfloat16, device=device)
+    slots = LoRAPool(shape, max_loras=4, max_rank=RANK, dtype=torch.bfloat16, device=device)
 
     tier = HostTier(slots.layout, slots.dtype, 1, shared=False, pinned=cuda)
     registry = AdapterRegistry(shape, RANK)
@@ -208,6 +208,7 @@ def bench_tiers(
     ]
     processes.close()
     image = tier.image(0)
+    pages = list(range(image.num_pages, 2 * image.num_pages))  # slot 1's pages, one run
     if cuda:
         stream = torch.cuda.Stream(device)
         gpu_times = []
@@ -217,7 +218,7 @@ def bench_tiers(
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(stream):
                 start.record(stream)
-                slots.load(1, image)
+                slots.load(1, image, pages)
                 end.record(stream)
             end.synchronize()
             gpu_times.append(start.elapsed_time(end) / 1000.0)
@@ -232,7 +233,7 @@ def bench_tiers(
             (
                 "CPU tier -> slot",
                 "image -> slot (CPU device: a plain copy)",
-                timed(lambda: slots.load(1, image), repeats, warmup),
+                timed(lambda: slots.load(1, image, pages), repeats, warmup),
             )
         )
     rows.extend(bench_s3(shape, folder, repeats, warmup, root))

@@ -7,7 +7,7 @@ The same decode batch as `adapter_loading.py` (a Llama-3.2-1B-shaped model with 
 running requests over 8 adapters) steps while one background thread repeats one piece of the adapter
 manager's loading work without pause, a piece per condition:
 - `read`: `load_peft_adapter` (safetensors read, validation, float32 tensors)
-- `image`: `LoRASlots.image` of an adapter already read (pinned when CUDA is present)
+- `image`: `LoRAPool.image` of an adapter already read (pinned when CUDA is present)
 - `image-unpinned`: the same into pageable memory
 - `read+image`: both, what a manager worker does per adapter
 - `python`: a pure-Python loop, the GIL pressure of any busy thread

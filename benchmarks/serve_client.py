@@ -103,7 +103,6 @@ def drive(
     processes: every one at once, or at most `concurrency` in flight (each process keeps its share of
     the streams busy, starting its next request as one ends). Returns (samples, start, end) on the
     perf_counter clock."""
-    start_at = time.perf_counter() + 2.0  # every process connected and waiting before the first send
     num_processes = max(1, min(num_processes, len(bodies), concurrency or len(bodies)))
     shares = [bodies[i::num_processes] for i in range(num_processes)]
     streams = [None] * num_processes
@@ -112,26 +111,36 @@ def drive(
             concurrency // num_processes + (i < concurrency % num_processes) for i in range(num_processes)
         ]
     context = multiprocessing.get_context("spawn")
-    with context.Pool(num_processes) as pool:
-        jobs = [(url, share, start_at, limit) for share, limit in zip(shares, streams) if share]
+    jobs = [(url, share, limit) for share, limit in zip(shares, streams) if share]
+    # Every process starts, imports and connects before any sends: a fixed head start was not always
+    # enough on a busy machine, and a process starting late stretched the run (min send to last chunk).
+    ready = context.Barrier(len(jobs))
+    with context.Pool(len(jobs), initializer=_share_barrier, initargs=(ready,)) as pool:
         parts = pool.starmap(_client_process, jobs)
     samples = [s for part in parts for s in part]
     # From the first send (a slow process start may delay it past start_at) to the last chunk.
     return samples, min(s.sent for s in samples), max((s.last or s.sent) for s in samples)
 
 
-def _client_process(
-    url: str, bodies: list[dict], start_at: float, streams: int | None = None
-) -> list[Sample]:
-    return asyncio.run(_clients(url, bodies, start_at, streams))
+_READY = None  # the client processes' start barrier (set by the pool's initializer)
+BARRIER_TIMEOUT_S = 120.0
 
 
-async def _clients(url: str, bodies: list[dict], start_at: float, streams: int | None) -> list[Sample]:
+def _share_barrier(barrier) -> None:
+    global _READY
+    _READY = barrier
+
+
+def _client_process(url: str, bodies: list[dict], streams: int | None = None) -> list[Sample]:
+    return asyncio.run(_clients(url, bodies, streams))
+
+
+async def _clients(url: str, bodies: list[dict], streams: int | None) -> list[Sample]:
     streams = len(bodies) if streams is None else streams
     limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(600.0)) as client:
         await client.get("/health")  # connection pool warm
-        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        await asyncio.to_thread(_READY.wait, BARRIER_TIMEOUT_S)
         gate = asyncio.Semaphore(streams)
 
         async def one(body: dict) -> Sample:

@@ -148,7 +148,7 @@ def run(args, device: torch.device, root: Path) -> list[tuple]:
         rng.shuffle(order)
         for label in order:
             condition[0] = label
-            lora.slots.load = (lambda slot, image: None) if label == "no copy" else own_load
+            lora.slots.load = (lambda slot, image, pages: None) if label == "no copy" else own_load
             lora._copy_stream, lora._copy_into = (
                 (_NoStream() if cuda else None, lambda slot, row: None)
                 if label == "no CUDA calls"

@@ -9,6 +9,7 @@ import torch
 from engine.model.fp8_checkpoint import QUANTIZATIONS
 from engine.model.fp8_linear import FP8_GEMMS
 from engine.model.kv_quant import FP8_DTYPE
+from engine.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -51,6 +52,11 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_loras: int = 4
     max_lora_rank: int = 16
+    # Rank rows the GPU adapter pool holds, summed over resident adapters (each rounded up to pages of 8
+    # rows; engine/lora/pool.py). None: max_loras * max_lora_rank, so max_loras adapters of any rank fit.
+    # Smaller: small adapters fill it and fewer large ones fit (at least one of max_lora_rank always does);
+    # the rest of the memory goes to the KV cache.
+    lora_pool_rank_budget: int | None = None
     # Adapters kept on the host, ready to copy into a GPU slot; None: as many as max_loras.
     max_cpu_loras: int | None = None
     adapter_loader: str = "auto"  # see ADAPTER_LOADERS
@@ -91,8 +97,17 @@ class EngineConfig:
     # GPUs one model is split over (Megatron-style, engine/parallel/): one worker process per rank beyond
     # the first; NCCL on CUDA, gloo on the CPU. 1: no worker, no collective.
     tensor_parallel_size: int = 1
+    # vLLM's speculative_config: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
+    # as a dict, JSON text or SpeculativeConfig (engine/spec_decode/config.py); None: no speculation.
+    # With it, async_scheduling is turned off: each step's kept tokens decide the next step.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.speculative_config is not None and self.async_scheduling is True:
+            # A step's kept tokens (1 to k + 1) must be known before the next step is scheduled, so
+            # speculative decoding runs steps one at a time (vLLM v1 started so too).
+            object.__setattr__(self, "async_scheduling", False)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("block_size", self.block_size)
@@ -100,6 +115,13 @@ class EngineConfig:
         _positive("max_lora_rank", self.max_lora_rank)
         _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.lora_pool_rank_budget is not None:
+            _positive("lora_pool_rank_budget", self.lora_pool_rank_budget)
+            if self.lora_pool_rank_budget < self.max_lora_rank:
+                raise ValueError(
+                    f"lora_pool_rank_budget ({self.lora_pool_rank_budget}) must be at least max_lora_rank "
+                    f"({self.max_lora_rank}): the pool must hold one adapter of the largest rank"
+                )
         if self.max_cpu_loras is not None:
             _positive("max_cpu_loras", self.max_cpu_loras)
             if self.max_cpu_loras < self.max_loras:

@@ -160,8 +160,7 @@ class InputBatch:
         use_lora = bool((self.lora_slots[:n] != NO_LORA).any())
         if use_lora:
             twins.token_slots.host_np[:num_tokens] = self.lora_slots[rows]
-        samples = np.fromiter((s.samples for s in scheduled), bool, n)
-        sampling_rows = query_start_loc[1:][samples] - 1
+        sampling_rows = _logits_rows(scheduled, query_start_loc[1:])
         twins.logits_rows.host_np[: len(sampling_rows)] = sampling_rows
         width = max(1, int(self.num_blocks[:n].max()))
         twins.block_tables.host_np[: n * width].reshape(n, width)[:] = self.block_table[:n, :width]
@@ -196,19 +195,39 @@ class InputBatch:
 
 def _input_ids(scheduled: list[ScheduledRequest]) -> tuple[list[int], list[tuple[int, Request]]]:
     """The step's input tokens in order, 0 for a token still in flight (async scheduling: the last
-    sampled token, computed alone in its row), and (position in the step, request) of each such token."""
+    sampled token, computed alone in its row), and (position in the step, request) of each such token.
+    Speculative proposals follow a request's known tokens."""
     ids: list[int] = []
     waiting: list[tuple[int, Request]] = []
     for s in scheduled:
-        known = s.request.all_token_ids[s.start : s.start + s.num_new_tokens]
+        num_known = s.num_new_tokens - s.num_spec_tokens
+        known = s.request.all_token_ids[s.start : s.start + num_known]
         ids.extend(known)
-        missing = s.num_new_tokens - len(known)
+        missing = num_known - len(known)
         if missing:
             if missing > 1:
                 raise RuntimeError(f"request {s.request.request_id}: {missing} input tokens in flight")
             waiting.append((len(ids), s.request))
             ids.append(0)
+        if s.num_spec_tokens:
+            ids.extend(s.request.spec_token_ids[: s.num_spec_tokens])
     return ids, waiting
+
+
+def _logits_rows(scheduled: list[ScheduledRequest], ends: np.ndarray) -> np.ndarray:
+    """Token rows whose logits the step returns: the last known token of each request that samples, and
+    each of its speculative proposals after it. Example, ends (query end offsets) [3, 4, 9]: request 0
+    prefills (no sampling), 1 decodes, 2 verifies 4 proposals -> rows [3, 4, 5, 6, 7, 8]."""
+    n = len(scheduled)
+    samples = np.fromiter((s.samples for s in scheduled), bool, n)
+    num_spec = np.fromiter((s.num_spec_tokens for s in scheduled), np.int64, n)
+    counts = np.where(samples, 1 + num_spec, 0)  # [n] rows per request
+    if not num_spec.any():
+        return ends[samples] - 1
+    total = int(counts.sum())
+    firsts = np.repeat(ends - counts, counts)  # [total] first row of each request, repeated
+    offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)  # 0..count-1 per request
+    return firsts + offsets
 
 
 def _read_in_flight(

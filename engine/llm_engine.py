@@ -33,6 +33,7 @@ from engine.request import NO_LORA, Request, RequestStatus
 from engine.sampler import SampledStep, Sampler, on_device
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode.speculator import Speculator
 from engine.stats import EngineStats, distinct_adapters
 from engine.structured_output.matchers import StructuredOutputs
 from engine.tokenizer import eos_token_ids, load_tokenizer
@@ -114,6 +115,8 @@ class LLMEngine:
             config, self.kv_cache, self.max_model_len, adapter_ready=self.lora.is_ready
         )
         self.sampler = Sampler(config.seed)
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, self.max_model_len, self.runner) if spec is not None else None
         self._cache_config = (
             ("block_size", str(config.block_size)),
             ("cache_dtype", config.kv_cache_dtype),
@@ -248,9 +251,11 @@ class LLMEngine:
             self._pin(request)
         launched = None
         if scheduled.scheduled:
+            if self.speculator is not None:
+                self.speculator.before_execute(scheduled.scheduled)
             logits = self.runner.execute(scheduled.scheduled, self._in_flight_step())
             self.lora.start_copies()  # while the GPU runs the step: issuing copies must not delay its launch
-            sampling = [s.request for s in scheduled.scheduled if s.samples]
+            sampling = self._sampling_rows(scheduled.scheduled)
             if sampling:
                 if self._in_flight is not None and any(_needs_last_token(r) for r in sampling):
                     outputs.extend(self._update(self._in_flight))  # penalties, grammars read the tokens
@@ -272,7 +277,15 @@ class LLMEngine:
             finished = launched
         if finished is not None:
             outputs.extend(self._update(finished))
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         return _merge_deltas(outputs) if self._delta_outputs else _latest_per_request(outputs)
+
+    def _sampling_rows(self, scheduled) -> list[Request]:
+        """The request of each logits row: one per sampling request, more with speculative proposals."""
+        if self.speculator is not None:
+            return self.speculator.sampling_rows(scheduled)
+        return [s.request for s in scheduled if s.samples]
 
     def _in_flight_step(self) -> SampledStep | None:
         return self._in_flight[0] if self._in_flight is not None else None
@@ -280,19 +293,28 @@ class LLMEngine:
     def _update(self, sampled: Sampled) -> list[RequestOutput]:
         """Append a step's sampled tokens to their requests: stop checks, finishes, outputs."""
         outputs = []
-        for request, token_id, logprobs in _rows(sampled):
+        rows = _rows(sampled)
+        if self.speculator is not None:  # a request's proposals come as rows of their own: kept or not
+            kept = self.speculator.verify(rows, self.sampler)
+        else:
+            kept = [(request, [token_id], [logprobs]) for request, token_id, logprobs in rows]
+        for request, token_ids, token_logprobs in kept:
             request.num_in_flight = max(0, request.num_in_flight - 1)
             state = self._states.get(request.request_id)
             if state is None or state.request is not request or request.is_finished:
                 continue  # finished (aborted, failed) while its token was in flight
             try:
-                if token_id is None:  # its own sampling raised: logprobs holds the reason
-                    raise logprobs
-                request.append_output_token(token_id)
-                self._count_tokens(state)
-                status = state.append(token_id, logprobs, self.max_model_len)
-                if self.structured.accept(request, token_id) and status is None:
-                    status = RequestStatus.FINISHED_STOPPED  # the structure is complete
+                status = None
+                for token_id, logprobs in zip(token_ids, token_logprobs):
+                    if token_id is None:  # its own sampling raised: logprobs holds the reason
+                        raise logprobs
+                    request.append_output_token(token_id)
+                    self._count_tokens(state)
+                    status = state.append(token_id, logprobs, self.max_model_len)
+                    if self.structured.accept(request, token_id) and status is None:
+                        status = RequestStatus.FINISHED_STOPPED  # the structure is complete
+                    if status is not None:
+                        break  # tokens kept after a stop are dropped
             except Exception as exc:  # this request's data broke its own step: fail it, not the batch
                 logger.exception("request %s failed in its step", request.request_id)
                 request.error = f"the request failed while generating: {exc}"
@@ -380,6 +402,7 @@ class LLMEngine:
             gpu_adapters=self.lora.gpu_ids(),
             cpu_adapters=self.lora.cpu_ids(),
             num_kernel_compiles_after_ready=self._compiles.num_compiles - self._compiles_at_ready,
+            spec_decode=self.speculator.stats() if self.speculator is not None else None,
         )
 
     def _resolve_adapter(self, adapter: str | None) -> str | None:
@@ -425,6 +448,8 @@ class LLMEngine:
         request.status = status
         self.sampler.free(request.request_id)
         self.structured.free(request.request_id)
+        if self.speculator is not None:
+            self.speculator.free(request.request_id)
 
     def _count_tokens(self, state: RequestState) -> None:
         """vLLM's token counters: every sampled token; a prompt once per user request, at its first token."""

@@ -13,7 +13,8 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs
 from engine.input_batch import InputBatch
 from engine.lora.context import LoRAContext
-from engine.lora.slots import LoRASlots
+from engine.lora.pool import LoRAPool
+from engine.lora.slots import PAGE_RANK
 from engine.model.attention import AttentionMetadata
 from engine.model.kv_quant import FP8_DTYPE
 from engine.model.llama import LlamaModel
@@ -57,8 +58,14 @@ class ModelRunner:
                 model_path, hf_config, self.dtype, self.device, config.quantization, config.fp8_gemm
             )
             self.model = LlamaModel(hf_config, weights, max_model_len, self.attention_backend)
-            self.lora_slots = LoRASlots(
-                self.shape, config.max_loras, config.max_lora_rank, self.dtype, self.device
+            # Allocated before the KV cache is sized, so the adapter pool counts in gpu_memory_utilization.
+            self.lora_slots = LoRAPool(
+                self.shape,
+                config.max_loras,
+                config.max_lora_rank,
+                self.dtype,
+                self.device,
+                config.lora_pool_rank_budget,
             )
         else:
             self.model, self.lora_slots = parallel.build(
@@ -93,10 +100,14 @@ class ModelRunner:
             )
             self.graphs.capture()
         logger.info(
-            "model loaded: %d layers, %s on %s; KV cache %d blocks of %d tokens, %s; attention %s, %s",
+            "model loaded: %d layers, %s on %s; LoRA pool %.0f MiB (%d pages of %d rank rows); "
+            "KV cache %d blocks of %d tokens, %s; attention %s, %s",
             self.model.num_layers,
             self.dtype,
             self.device,
+            self.lora_slots.num_bytes / 2**20,
+            self.lora_slots.num_pages,
+            PAGE_RANK,
             self.num_kv_blocks,
             self.block_size,
             self._kv_cache_description(weights),

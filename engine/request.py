@@ -77,6 +77,9 @@ class Request:
     # Tokens sampled on the device whose ids the host has not read yet (async scheduling: at most 1).
     # The scheduler counts them as known tokens; the runner reads their ids on the device.
     num_in_flight: int = 0
+    # Speculative decoding: tokens proposed to follow all_token_ids, verified in the next step that
+    # schedules this request (engine/spec_decode/); the scheduler trims them to what it schedules.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     # prompt + output, kept as one list so the runner slices it without copying both (set here).
     all_token_ids: list[int] = field(init=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,9 @@ class Sampler:
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
         self._per_request: dict[str, torch.Generator] = {}
+        # Speculative decoding: request id -> its generator's state before each of its rows of the last
+        # launch, for the requests with more than one row (see `rewind`).
+        self._row_states: dict[str, list[torch.Tensor]] = {}
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [num_rows, vocab], row i belongs to requests[i]."""
@@ -102,6 +106,16 @@ class Sampler:
     def free(self, request_id: str) -> None:
         """Forget a finished request's generator."""
         self._per_request.pop(request_id, None)
+        self._row_states.pop(request_id, None)
+
+    def rewind(self, request_id: str, num_rows_used: int) -> None:
+        """A request sampled several rows in the last launch (speculative verification) but keeps only
+        the first `num_rows_used` tokens: its generator goes back to the state after those rows, so its
+        next token takes the noise it would have taken without speculation."""
+        states = self._row_states.pop(request_id, None)
+        generator = self._per_request.get(request_id)
+        if states is not None and generator is not None and num_rows_used < len(states):
+            generator.set_state(states[num_rows_used])
 
     def _sample(self, scores: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """scores: [num_rows, vocab] -> [num_rows] sampled token ids."""
@@ -133,7 +147,13 @@ class Sampler:
             shared_noise = torch.empty(len(unseeded), probs.shape[1], dtype=probs.dtype, device=probs.device)
             shared_noise.exponential_(generator=self._shared_generator(probs.device))
             noise[on_device(unseeded, probs.device)] = shared_noise
+        self._row_states = {}
+        counts = Counter(r.request_id for i, r in enumerate(requests) if i in seeded)
+        repeated = {request_id for request_id, count in counts.items() if count > 1}
         for i, generator in seeded.items():
+            request_id = requests[i].request_id
+            if request_id in repeated:
+                self._row_states.setdefault(request_id, []).append(generator.get_state())
             noise[i].exponential_(generator=generator)
         return noise.clamp_(min=MIN_EXPONENTIAL_NOISE)
 

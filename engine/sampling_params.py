@@ -46,6 +46,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     min_p: float = 0.0
+    # loraserve's extension: False keeps this request out of speculative decoding (engine/spec_decode/).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +100,8 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be true or false (got {self.speculative!r})")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative (got {self.min_tokens})")
 

@@ -21,7 +21,15 @@ class ScheduledRequest:
     A plain slotted class, made once per request per step: a frozen dataclass costs several times more.
     """
 
-    __slots__ = ("request", "num_new_tokens", "start", "block_ids", "num_tokens", "samples")
+    __slots__ = (
+        "request",
+        "num_new_tokens",
+        "start",
+        "block_ids",
+        "num_tokens",
+        "num_spec_tokens",
+        "samples",
+    )
 
     def __init__(
         self,
@@ -32,19 +40,23 @@ class ScheduledRequest:
         # request.num_scheduled_tokens when scheduled (filled in if not given): `samples` must not
         # change when the engine appends this step's token to the request.
         num_tokens: int | None = None,
+        # Speculative decoding: the last num_spec_tokens of the step's tokens are request.spec_token_ids,
+        # proposals that follow the known tokens; the runner returns logits for each to verify them.
+        num_spec_tokens: int = 0,
     ):
         self.request = request
         self.num_new_tokens = num_new_tokens
         self.start = start
         self.block_ids = block_ids
         self.num_tokens = request.num_scheduled_tokens if num_tokens is None else num_tokens
+        self.num_spec_tokens = num_spec_tokens
         # True when this step computes the last known token, so the runner must sample one.
-        self.samples = start + num_new_tokens == self.num_tokens
+        self.samples = start + num_new_tokens - num_spec_tokens == self.num_tokens
 
     def __repr__(self) -> str:
         return (
             f"ScheduledRequest({self.request.request_id!r}, num_new_tokens={self.num_new_tokens}, "
-            f"start={self.start}, samples={self.samples})"
+            f"start={self.start}, num_spec_tokens={self.num_spec_tokens}, samples={self.samples})"
         )
 
 
@@ -226,6 +238,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new_tokens = request.num_scheduled_tokens - request.num_computed_tokens
+            num_spec_tokens = len(request.spec_token_ids) if num_new_tokens == 1 else 0
             # Nothing to compute (the engine has not appended its sampled token yet), a request its
             # token in flight finishes anyway, or a split that chunked prefill forbids: not this step.
             if (
@@ -240,7 +253,12 @@ class Scheduler:
                 limit = max(1, budget - fair_preemption.reserved_budget(request.tenant, heads, self.counters))
                 if limit < min(num_new_tokens, budget):
                     capped.append(request)
-            num_new_tokens = min(num_new_tokens, limit)
+            num_new_tokens = min(num_new_tokens + num_spec_tokens, limit)
+            num_spec_tokens = max(0, num_new_tokens - 1) if num_spec_tokens else 0  # proposals the budget cut
+            if num_spec_tokens and not self._proposals_fit(request, num_new_tokens, num_spec_tokens, index):
+                num_new_tokens -= num_spec_tokens
+                num_spec_tokens = 0
+            del request.spec_token_ids[num_spec_tokens:]
             preempted_self = False
             while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
                 victim = self._pick_victim()
@@ -259,10 +277,23 @@ class Scheduler:
                     break
             if preempted_self:
                 continue  # the next request now sits at `index`
-            scheduled.append(self._scheduled(request, num_new_tokens, request.num_computed_tokens))
+            scheduled.append(
+                self._scheduled(request, num_new_tokens, request.num_computed_tokens, num_spec_tokens)
+            )
             budget -= num_new_tokens
             index += 1
         return budget
+
+    def _proposals_fit(self, request: Request, num_new_tokens: int, num_spec_tokens: int, index: int) -> bool:
+        """Whether the blocks the proposals need beyond the request's own next token are free, keeping one
+        for each running request after it: speculation never preempts anyone."""
+        kv = self.kv_cache_manager
+        total = request.num_computed_tokens + num_new_tokens
+        have = len(kv.get_block_ids(request.request_id))
+        if kv.num_blocks_needed(total) <= max(have, kv.num_blocks_needed(total - num_spec_tokens)):
+            return True  # no block beyond what its known tokens need
+        reserve = len(self.running) - index - 1
+        return kv.num_blocks_needed(total) - have <= kv.block_pool.num_free_blocks - reserve
 
     def _pick_victim(self) -> Request:
         """The newest running request of the tenant with the highest counter ("fcfs": the newest)."""
@@ -429,14 +460,18 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids.clear()
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._queues.push(request, front=True)
 
-    def _scheduled(self, request: Request, num_new_tokens: int, start: int) -> ScheduledRequest:
+    def _scheduled(
+        self, request: Request, num_new_tokens: int, start: int, num_spec_tokens: int = 0
+    ) -> ScheduledRequest:
         return ScheduledRequest(
             request=request,
             num_new_tokens=num_new_tokens,
             start=start,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_spec_tokens=num_spec_tokens,
         )

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.request import Request
+from engine.spec_decode.stats import SpecDecodeStats
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class EngineStats:
     num_prefix_cache_hits: int = 0
     # vllm:cache_config_info's labels, as (name, value) pairs (fixed once the engine is built)
     cache_config: tuple[tuple[str, str], ...] = ()
+    # vllm:spec_decode_* counters; None when the engine does not speculate
+    spec_decode: SpecDecodeStats | None = None
 
 
 def distinct_adapters(requests: Iterable[Request]) -> tuple[str, ...]:

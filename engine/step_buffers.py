@@ -91,7 +91,8 @@ class EagerTwins:
         self.token_slots = Twin((max_num_tokens,), torch.int32, device)
         # sequence lengths [num_seqs], query start offsets [num_seqs + 1]
         self.ints = Twin((2, _aligned(max_num_seqs + 1)), torch.int32, device)
-        self.logits_rows = Twin((max_num_seqs,), torch.long, device)
+        # One row per sampling request, more with speculative proposals (never more than the tokens).
+        self.logits_rows = Twin((max(max_num_seqs, max_num_tokens),), torch.long, device)
         self.block_tables = Twin(
             (max_num_seqs * max_blocks_per_seq,), torch.long, device
         )  # [n, width] packed

@@ -124,7 +124,7 @@ def warm_up(runner, sampler) -> None:  # sampler: the engine's, for its type onl
 
     def key(num_tokens: int) -> tuple:
         return lora_key(
-            num_tokens, groups, config.max_loras, config.max_lora_rank, runner.dtype, runner.device
+            num_tokens, groups, config.max_loras, runner.lora_slots.kernel_rank, runner.dtype, runner.device
         )
 
     batches = WarmupBatches(runner)

@@ -150,3 +150,48 @@ def check_slots(
         _fail(f"token_slots holds {bad}; slots must be in [-1, {num_slots}) (-1: no adapter)")
     if slot_ranks is not None and ((slot_ranks < 0) | (slot_ranks > max_rank)).any():
         _fail(f"slot_ranks must be in [0, max_rank={max_rank}]")
+
+
+def check_pages(
+    pool_as: Sequence[torch.Tensor],  # num_slices x [num_pages, page, in]
+    pool_bs: Sequence[torch.Tensor],  # num_slices x [num_pages, page, output_slices[i]] (B transposed)
+    output_slices: Sequence[int],
+    page_table: torch.Tensor,  # [num_slots, max_pages] int32
+    dtype: torch.dtype,
+    in_features: int,
+) -> tuple[int, int]:
+    """Check a paged pool of adapter weights; returns (num_slots, max_rank = max_pages * page)."""
+    if not 1 <= len(pool_as) <= MAX_SLICES or len(pool_as) != len(pool_bs):
+        _fail(f"between 1 and {MAX_SLICES} slices with one pool_a and one pool_b each are supported")
+    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.stride(1) != 1:
+        _fail(
+            f"page_table must be an int32 [num_slots, max_pages] tensor with unit column stride, got "
+            f"{page_table.dtype} {tuple(page_table.shape)} strides {page_table.stride()}"
+        )
+    page = pool_as[0].shape[1] if pool_as[0].dim() == 3 else 0
+    num_slots, max_rank = page_table.shape[0], page_table.shape[1] * page
+    for name, pools, widths in (
+        ("pool_a", pool_as, [in_features] * len(pool_as)),
+        ("pool_b", pool_bs, output_slices),
+    ):
+        for t, width in zip(pools, widths):
+            if t.dim() != 3 or t.shape[1] != page or t.shape[2] != width:
+                _fail(f"{name} must be [num_pages, page={page}, {width}], got shape {tuple(t.shape)}")
+            if t.dtype != dtype:
+                _fail(f"{name} has dtype {t.dtype} but x/y have {dtype}; cast the adapter weights")
+            if t.stride(2) != 1 or t.stride(1) != width or t.stride(0) < page * width:
+                _fail(
+                    f"{name} must hold row-major pages (strides (>= {page * width}, {width}, 1)), got {t.stride()}"
+                )
+    if not 1 <= max_rank <= MAX_RANK:
+        _fail(f"max_pages * page must be in [1, {MAX_RANK}], got {max_rank}")
+    return num_slots, max_rank
+
+
+def check_page_values(page_table: torch.Tensor, slot_ranks: torch.Tensor, page: int, num_pages: int) -> None:
+    """Every page a slot's rank reaches lies in the pool (a host sync: with `validate` or on the CPU)."""
+    used = torch.arange(page_table.shape[1], device=page_table.device)[None, :] * page < slot_ranks[:, None]
+    bad = used & ((page_table < 0) | (page_table >= num_pages))
+    if bad.any():
+        slot = int(bad.nonzero()[0, 0])
+        _fail(f"page_table row {slot} points outside the pool's {num_pages} pages for its rank")

@@ -10,15 +10,22 @@ LoRA traffic at decode, stream in while the shrink kernel still runs. B and h ar
 rank rounded up to 16 and capped at max_rank (a mask constant over 16 contiguous ranks keeps the loads
 vectorized); between the rank and that limit B is zero padding (the layout contract of `add_lora`), so
 the result is the same.
+
+Paged pools (PAGED) hold B transposed, `[num_pages, PAGE, out]`: rank rows of width out in pages of
+PAGE rows, slot s's row r in page `page_table[s, r // PAGE]` (shrink_kernels.rank_rows); a program reads
+the page ids of its slot once, and its B block is then contiguous along the output columns. B is read
+up to the slot's exact rank there: the rows past it may belong to no page of the slot.
 """
 
 from __future__ import annotations
+
+import math
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from lora_kernels.shrink_kernels import pick, slot_alignment
+from lora_kernels.shrink_kernels import pick, rank_rows, slot_alignment
 
 
 @triton.jit
@@ -44,12 +51,19 @@ def _load_b(
     sb1,
     sb2,
     slot_ranks_ptr,
+    page_table_ptr,
+    page_table_stride,
+    rb0,
+    rb1,
+    rb2,
     NUM_SLICES: tl.constexpr,
     MAX_RANK: tl.constexpr,
     SLOT_ALIGN: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     HAS_RANKS: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     """B[slot, n0:n0+BLOCK_N, :] of the slice as [BLOCK_N, BLOCK_R], plus (width, column offset, rank limit)."""
     b_ptr = b0_ptr
@@ -66,13 +80,34 @@ def _load_b(
     r_limit = MAX_RANK
     b_mask = offs_n[:, None] < width
     if HAS_RANKS:
-        # The rank rounded up to 16: a mask constant over 16 contiguous ranks keeps loads vectorized.
-        r_limit = tl.minimum((tl.load(slot_ranks_ptr + slot) + 15) // 16 * 16, MAX_RANK)
+        if PAGED:
+            r_limit = tl.minimum(tl.load(slot_ranks_ptr + slot), MAX_RANK)
+        else:
+            # The rank rounded up to 16: a mask constant over 16 contiguous ranks keeps loads vectorized.
+            r_limit = tl.minimum((tl.load(slot_ranks_ptr + slot) + 15) // 16 * 16, MAX_RANK)
         b_mask &= offs_r[None, :] < r_limit
     elif BLOCK_R != MAX_RANK:
         b_mask &= offs_r[None, :] < MAX_RANK
-    b_rows = b_ptr + slot.to(tl.int64) * (stride_b * SLOT_ALIGN) + offs_n[:, None] * MAX_RANK
-    b = tl.load(b_rows + offs_r[None, :], mask=b_mask, other=0.0)
+    if PAGED:
+        row_stride = rb0
+        if NUM_SLICES > 1:
+            row_stride = pick(slice_id, rb0, rb1, rb2)
+        rows = rank_rows(
+            slot,
+            offs_r,
+            r_limit,
+            stride_b,
+            row_stride * SLOT_ALIGN,
+            page_table_ptr,
+            page_table_stride,
+            PAGED,
+            PAGE,
+            SLOT_ALIGN,
+        )
+        b = tl.load(b_ptr + rows[None, :] + offs_n[:, None], mask=b_mask, other=0.0)
+    else:
+        b_rows = b_ptr + slot.to(tl.int64) * (stride_b * SLOT_ALIGN) + offs_n[:, None] * MAX_RANK
+        b = tl.load(b_rows + offs_r[None, :], mask=b_mask, other=0.0)
     return b, width, col0, r_limit
 
 
@@ -88,6 +123,11 @@ def _expand_gathered_kernel(
     s2_ptr,
     token_slots_ptr,  # [num_tokens] int32
     slot_ranks_ptr,  # [num_slots] int32, read only if HAS_RANKS
+    page_table_ptr,  # [num_slots, max_pages] int32, read only if PAGED
+    page_table_stride,
+    rb0,  # PAGED: rank-row stride of each slice's B over SLOT_ALIGN (its width out)
+    rb1,
+    rb2,
     w0,
     w1,
     w2,  # output_slices
@@ -107,6 +147,8 @@ def _expand_gathered_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     HAS_RANKS: tl.constexpr,
+    PAGED: tl.constexpr,  # B^T in pages of PAGE rank rows through the page table (else dense stacks)
+    PAGE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One program per (output block, token); rank is tiny, so a broadcast-multiply-sum beats tl.dot."""
@@ -130,12 +172,19 @@ def _expand_gathered_kernel(
         sb1,
         sb2,
         slot_ranks_ptr,
+        page_table_ptr,
+        page_table_stride,
+        rb0,
+        rb1,
+        rb2,
         NUM_SLICES,
         MAX_RANK,
         SLOT_ALIGN,
         BLOCK_N,
         BLOCK_R,
         HAS_RANKS,
+        PAGED,
+        PAGE,
     )
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < width
@@ -167,6 +216,11 @@ def _expand_segmented_kernel(
     s1_ptr,
     s2_ptr,
     slot_ranks_ptr,  # [num_slots] int32
+    page_table_ptr,  # [num_slots, max_pages] int32, read only if PAGED
+    page_table_stride,
+    rb0,
+    rb1,
+    rb2,
     sorted_tokens_ptr,  # [max_tokens] int32, LoRABatchMeta
     tile_slot_ptr,  # [max_tiles] int32
     tile_start_ptr,  # [max_tiles] int32
@@ -191,6 +245,8 @@ def _expand_segmented_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     HAS_RANKS: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -216,12 +272,19 @@ def _expand_segmented_kernel(
         sb1,
         sb2,
         slot_ranks_ptr,
+        page_table_ptr,
+        page_table_stride,
+        rb0,
+        rb1,
+        rb2,
         NUM_SLICES,
         MAX_RANK,
         SLOT_ALIGN,
         BLOCK_N,
         BLOCK_R,
         HAS_RANKS,
+        PAGED,
+        PAGE,
     )
     start = tl.load(tile_start_ptr + tile)
     offs_m = tl.arange(0, BLOCK_M)
@@ -258,23 +321,32 @@ def _expand_segmented_kernel(
     tl.store(y_tile, (yv.to(tl.float32) + scale * out).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-def launch_expand(y, h, lora_bs, scales, token_slots, slot_ranks, output_slices, meta, path, config) -> None:
-    """Launch one expand kernel for all slices; `config` is an ExpandConfig from tiles.py."""
+def launch_expand(
+    y, h, lora_bs, scales, token_slots, slot_ranks, output_slices, meta, path, config, page_table=None
+) -> None:
+    """Launch one expand kernel for all slices; `config` is an ExpandConfig from tiles.py. With a
+    `page_table` ([num_slots, max_pages] int32), `lora_bs` are pools of B^T pages [num_pages, PAGE, out]."""
     num_slices = len(lora_bs)
     b = list(lora_bs) + [lora_bs[0]] * (3 - num_slices)
     s = list(scales) + [scales[0]] * (3 - num_slices)
     widths = list(output_slices) + [0] * (3 - num_slices)
     tiles = [triton.cdiv(w, config.block_n) for w in widths]
     ranks = slot_ranks if slot_ranks is not None else token_slots
-    align = slot_alignment(b)
+    paged = page_table is not None
+    table = page_table if paged else token_slots
+    # Paged: each slice's rank-row stride is picked at run time too, so it shares the alignment factor.
+    align = math.gcd(slot_alignment(b), *(t.stride(1) for t in b)) if paged else slot_alignment(b)
+    row_strides = [t.stride(1) // align for t in b] if paged else [0, 0, 0]
     common = dict(
         SPLIT_K=h.shape[0],
         NUM_SLICES=num_slices,
-        MAX_RANK=lora_bs[0].shape[2],
+        MAX_RANK=page_table.shape[1] * lora_bs[0].shape[1] if paged else lora_bs[0].shape[2],
         SLOT_ALIGN=align,
         BLOCK_N=config.block_n,
         BLOCK_R=config.block_r,
         HAS_RANKS=slot_ranks is not None,
+        PAGED=paged,
+        PAGE=lora_bs[0].shape[1] if paged else 1,
         USE_PDL=config.use_pdl,
         num_warps=config.num_warps,
     )
@@ -282,9 +354,10 @@ def launch_expand(y, h, lora_bs, scales, token_slots, slot_ranks, output_slices,
         common["launch_pdl"] = True
     slot_strides = [t.stride(0) // align for t in b]
     tail = (*widths, *slot_strides, tiles[0], tiles[1], y.stride(0), h.stride(0), h.stride(1), h.stride(2))
+    paging = (table, table.stride(0) if paged else 0, *row_strides)
     if path == "gathered":
         grid = (sum(tiles), y.shape[0])
-        _expand_gathered_kernel[grid](y, h, *b, *s, token_slots, ranks, *tail, **common)
+        _expand_gathered_kernel[grid](y, h, *b, *s, token_slots, ranks, *paging, *tail, **common)
     else:
         grid = (sum(tiles), meta.num_tiles)
         _expand_segmented_kernel[grid](
@@ -293,6 +366,7 @@ def launch_expand(y, h, lora_bs, scales, token_slots, slot_ranks, output_slices,
             *b,
             *s,
             ranks,
+            *paging,
             meta.sorted_tokens,
             meta.tile_slot,
             meta.tile_start,

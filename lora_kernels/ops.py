@@ -220,3 +220,58 @@ def expand(
         y, h3.unsqueeze(0), lora_bs, scales, token_slots, slot_ranks, output_slices, meta, path, conf
     )
     return y
+
+
+def add_lora_paged(
+    y: torch.Tensor,  # [num_tokens, sum(output_slices)], updated in place; rows may be strided
+    x: torch.Tensor,  # [num_tokens, in]
+    pool_as: Sequence[torch.Tensor],  # num_slices x [num_pages, page, in]: A in pages of `page` rank rows
+    pool_bs: Sequence[torch.Tensor],  # num_slices x [num_pages, page, output_slices[i]]: B transposed
+    page_table: torch.Tensor,  # [num_slots, max_pages] int32: slot s's rank row r is in page_table[s, r // page]
+    token_slots: torch.Tensor,  # [num_tokens] int32, -1 (NO_LORA): no adapter
+    scales: Sequence[torch.Tensor],  # num_slices x [num_slots] float32
+    output_slices: Sequence[int],
+    slot_ranks: torch.Tensor,  # [num_slots] int32: rows read per slot; pages past them are never touched
+    *,
+    meta: LoRABatchMeta | None = None,
+    path: str = "auto",
+    backend: str = "auto",
+    validate: bool = False,  # check slot, rank and page values too (a host sync; always done on the CPU)
+) -> torch.Tensor:
+    """`add_lora_multi` over adapters kept in pages: an adapter of rank r holds ceil(r / page) pages, so
+    memory follows each adapter's rank instead of the largest one (engine/lora/pool.py lays them out).
+
+    Pages need not be contiguous; the kernels read a slot's page ids once per program, before the K loop.
+    """
+    pool_as, pool_bs, scales = list(pool_as), list(pool_bs), list(scales)
+    output_slices = [int(w) for w in output_slices]
+    checks.check_output(y, sum(output_slices))
+    checks.check_activations(x, y.shape[0])
+    if y.dtype != x.dtype:
+        raise ValueError(f"y has dtype {y.dtype} but x has {x.dtype}; they must agree")
+    if not (len(pool_as) == len(pool_bs) == len(scales) == len(output_slices)):
+        raise ValueError("pool_as, pool_bs, scales and output_slices must have one entry per slice")
+    num_slots, max_rank = checks.check_pages(pool_as, pool_bs, output_slices, page_table, x.dtype, x.shape[1])
+    _check_devices(x.device, [y, *pool_as, *pool_bs, page_table])
+    checks.check_slots(token_slots, scales, slot_ranks, x.shape[0], num_slots, max_rank, x.device, validate)
+    if validate or x.device.type == "cpu":
+        checks.check_page_values(page_table, slot_ranks, pool_as[0].shape[1], pool_as[0].shape[0])
+    backend, path = _resolve(x.device, backend, path, x.shape[0])
+    if backend == "torch":
+        return reference.add_lora_paged(
+            y, x, pool_as, pool_bs, page_table, token_slots, scales, output_slices, slot_ranks
+        )
+    if x.shape[0] == 0:
+        return y
+    meta = _meta_for(meta, token_slots, num_slots) if path == "segmented" else meta
+    num_tokens, num_slices = x.shape[0], len(pool_as)
+    conf = tiles.launch_configs(
+        path, num_tokens, num_slots, num_slices, x.shape[1], max_rank, x.dtype, x.device
+    )
+    shape = (conf.shrink.split_k, num_slices, tiles.padded_tokens(num_tokens), max_rank)
+    h = torch.empty(shape, dtype=torch.float32, device=x.device)[:, :, :num_tokens]
+    launch_shrink(h, x, pool_as, token_slots, slot_ranks, meta, path, conf.shrink, page_table)
+    launch_expand(
+        y, h, pool_bs, scales, token_slots, slot_ranks, output_slices, meta, path, conf.expand, page_table
+    )
+    return y

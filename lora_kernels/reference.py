@@ -98,3 +98,37 @@ def expand(
             y[:, offset : offset + width].index_add_(0, rows, delta.to(y.dtype))
             offset += width
     return y
+
+
+def add_lora_paged(
+    y: torch.Tensor,  # [num_tokens, sum(output_slices)], updated in place
+    x: torch.Tensor,  # [num_tokens, in]
+    pool_as: Sequence[torch.Tensor],  # num_slices x [num_pages, page, in]
+    pool_bs: Sequence[torch.Tensor],  # num_slices x [num_pages, page, output_slices[i]], B transposed
+    page_table: torch.Tensor,  # [num_slots, max_pages] int
+    token_slots: torch.Tensor,  # [num_tokens] int, -1: no adapter
+    scales: Sequence[torch.Tensor],  # num_slices x [num_slots] float32
+    output_slices: Sequence[int],
+    slot_ranks: torch.Tensor,  # [num_slots] int
+) -> torch.Tensor:
+    """`add_lora_multi` over paged weights: each slot present gathers its pages into dense A and B."""
+    page = pool_as[0].shape[1]
+    slots = token_slots.to(torch.long)
+    for slot in torch.unique(slots[slots >= 0]).tolist():
+        rank = int(slot_ranks[slot])
+        pages = page_table[slot, : -(-rank // page)].to(torch.long)
+        dense_as = [p[pages].reshape(-1, p.shape[2])[None, :rank] for p in pool_as]  # [1, rank, in]
+        dense_bs = [p[pages].reshape(-1, p.shape[2])[:rank].T[None] for p in pool_bs]  # [1, out, rank]
+        rows = (slots == slot).nonzero().squeeze(1)
+        delta = y.new_zeros((rows.numel(), y.shape[1]))
+        add_lora_multi(
+            delta,
+            x.index_select(0, rows),
+            dense_as,
+            dense_bs,
+            torch.zeros(rows.numel(), dtype=torch.int32, device=x.device),
+            [s[slot : slot + 1] for s in scales],
+            output_slices,
+        )
+        y.index_add_(0, rows, delta)
+    return y

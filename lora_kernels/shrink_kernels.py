@@ -8,6 +8,11 @@ never holds stale values.
 
 A slot of rank r < max_rank loads only its first r rows of A (a mask that is constant along K, so loads
 stay 16-byte vectors): a rank-8 adapter in a max-rank-64 pool reads 1/8 of the bytes.
+
+Two layouts of A (`rank_rows`): dense stacks `[num_slots, max_rank, in]` (the public `add_lora`), or a
+paged pool (PAGED): `[num_pages, PAGE, in]` pages of PAGE rank rows, slot s's row r in page
+`page_table[s, r // PAGE]`. A program reads its slot's page ids once, into per-row base offsets, before
+the K loop; the loop itself is the same in both layouts (rows are contiguous along K either way).
 """
 
 from __future__ import annotations
@@ -36,6 +41,32 @@ def pick(i, v0, v1, v2):
 
 
 @triton.jit
+def rank_rows(
+    slot,
+    offs_r,  # [BLOCK_R] rank rows
+    rank,  # rows at or past it are never read (their page ids are not loaded)
+    stride,  # dense: slot stride; paged: page stride; in units of SLOT_ALIGN
+    row_stride,  # elements between consecutive rank rows of one slot (within one page when paged)
+    page_table_ptr,  # [num_slots, max_pages] int32, read only if PAGED
+    page_table_stride,
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,  # rank rows per page
+    SLOT_ALIGN: tl.constexpr,
+):
+    """Element offset of each rank row of `slot` ([BLOCK_R] int64), computed once per program."""
+    if PAGED:
+        page = tl.load(
+            page_table_ptr + slot.to(tl.int64) * page_table_stride + offs_r // PAGE,
+            mask=offs_r < rank,
+            other=0,
+        )
+        rows = page.to(tl.int64) * (stride * SLOT_ALIGN) + (offs_r % PAGE) * row_stride
+    else:
+        rows = slot.to(tl.int64) * (stride * SLOT_ALIGN) + offs_r * row_stride
+    return rows
+
+
+@triton.jit
 def _shrink_gathered_kernel(
     x_ptr,  # [num_tokens, in]
     a0_ptr,  # [num_slots, max_rank, in] with slot stride stride_a0, slice 0 (1 and 2 likewise; unused repeat 0)
@@ -44,12 +75,14 @@ def _shrink_gathered_kernel(
     h_ptr,  # [split_k, num_slices, num_tokens, max_rank] float32, rank contiguous
     token_slots_ptr,  # [num_tokens] int32
     slot_ranks_ptr,  # [num_slots] int32, read only if HAS_RANKS
+    page_table_ptr,  # [num_slots, max_pages] int32, read only if PAGED
+    page_table_stride,
     in_features,
     stride_xt,
     stride_hk,
     stride_hs,
     stride_ht,
-    stride_a0,  # slot stride of each slice's A over SLOT_ALIGN (max_rank * in for a dense stack; more in a pool)
+    stride_a0,  # slot (dense) or page (PAGED) stride of each slice's A over SLOT_ALIGN
     stride_a1,
     stride_a2,
     NUM_SLICES: tl.constexpr,
@@ -59,6 +92,8 @@ def _shrink_gathered_kernel(
     BLOCK_K: tl.constexpr,
     K_ITERS: tl.constexpr,  # K blocks per split (constexpr: the interpreter cannot loop to a runtime bound)
     HAS_RANKS: tl.constexpr,
+    PAGED: tl.constexpr,  # A in pages of PAGE rank rows through the page table (else dense stacks)
+    PAGE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One program per (slice, split, token): a [BLOCK_R, BLOCK_K] tile of the token's A against x[t]."""
@@ -81,7 +116,10 @@ def _shrink_gathered_kernel(
     if NUM_SLICES > 1:
         a_ptr = pick(slice_id, a0_ptr, a1_ptr, a2_ptr)
         stride_a = pick(slice_id, stride_a0, stride_a1, stride_a2)
-    a_rows = a_ptr + slot.to(tl.int64) * (stride_a * SLOT_ALIGN) + offs_r[:, None] * in_features
+    rows = rank_rows(
+        slot, offs_r, rank, stride_a, in_features, page_table_ptr, page_table_stride, PAGED, PAGE, SLOT_ALIGN
+    )
+    a_rows = a_ptr + rows[:, None]
     r_ok = offs_r[:, None] < rank
     offs_k = split * (K_ITERS * BLOCK_K) + tl.arange(0, BLOCK_K)
     # Products summed elementwise, reduced across K once at the end: one shuffle tree, not one per block.
@@ -107,6 +145,8 @@ def _shrink_segmented_kernel(
     tile_slot_ptr,  # [max_tiles] int32
     tile_start_ptr,  # [max_tiles] int32
     tile_len_ptr,  # [max_tiles] int32
+    page_table_ptr,  # [num_slots, max_pages] int32, read only if PAGED
+    page_table_stride,
     in_features,
     stride_xt,
     stride_hk,
@@ -123,6 +163,8 @@ def _shrink_segmented_kernel(
     BLOCK_K: tl.constexpr,
     K_ITERS: tl.constexpr,
     HAS_RANKS: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
     DOT_FP32: tl.constexpr,  # fp32 inputs, or the interpreter (whose bf16 tl.dot is wrong)
     USE_PDL: tl.constexpr,
 ):
@@ -154,7 +196,10 @@ def _shrink_segmented_kernel(
     if NUM_SLICES > 1:
         a_ptr = pick(slice_id, a0_ptr, a1_ptr, a2_ptr)
         stride_a = pick(slice_id, stride_a0, stride_a1, stride_a2)
-    a_rows = a_ptr + slot.to(tl.int64) * (stride_a * SLOT_ALIGN) + offs_r[:, None] * in_features
+    rows = rank_rows(
+        slot, offs_r, rank, stride_a, in_features, page_table_ptr, page_table_stride, PAGED, PAGE, SLOT_ALIGN
+    )
+    a_rows = a_ptr + rows[:, None]
     x_rows = x_ptr + tokens[:, None] * stride_xt
     r_ok = offs_r[:, None] < rank
     offs_k = split * (K_ITERS * BLOCK_K) + tl.arange(0, BLOCK_K)
@@ -177,28 +222,36 @@ def slot_alignment(stacks) -> int:
     return math.gcd(16, *(t.stride(0) for t in stacks))
 
 
-def launch_shrink(h, x, lora_as, token_slots, slot_ranks, meta, path, config) -> None:
-    """Launch one shrink kernel for all slices; `config` is a ShrinkConfig from tiles.py."""
+def launch_shrink(h, x, lora_as, token_slots, slot_ranks, meta, path, config, page_table=None) -> None:
+    """Launch one shrink kernel for all slices; `config` is a ShrinkConfig from tiles.py. With a
+    `page_table` ([num_slots, max_pages] int32), `lora_as` are pools of pages [num_pages, PAGE, in]."""
     num_slices = len(lora_as)
     a = list(lora_as) + [lora_as[0]] * (3 - num_slices)
     ranks = slot_ranks if slot_ranks is not None else token_slots
+    paged = page_table is not None
+    table = page_table if paged else token_slots
     in_features = x.shape[1]
     align = slot_alignment(a)
     common = dict(
         NUM_SLICES=num_slices,
-        MAX_RANK=lora_as[0].shape[1],
+        MAX_RANK=page_table.shape[1] * lora_as[0].shape[1] if paged else lora_as[0].shape[1],
         SLOT_ALIGN=align,
         BLOCK_R=config.block_r,
         BLOCK_K=config.block_k,
         K_ITERS=config.k_per_split // config.block_k,
         HAS_RANKS=slot_ranks is not None,
+        PAGED=paged,
+        PAGE=lora_as[0].shape[1] if paged else 1,
         USE_PDL=config.use_pdl,
         num_warps=config.num_warps,
     )
+    table_stride = table.stride(0) if paged else 0
     strides = (x.stride(0), h.stride(0), h.stride(1), h.stride(2), *(t.stride(0) // align for t in a))
     if path == "gathered":
         grid = (num_slices, config.split_k, x.shape[0])
-        _shrink_gathered_kernel[grid](x, *a, h, token_slots, ranks, in_features, *strides, **common)
+        _shrink_gathered_kernel[grid](
+            x, *a, h, token_slots, ranks, table, table_stride, in_features, *strides, **common
+        )
     else:
         grid = (num_slices, config.split_k, meta.num_tiles)
         _shrink_segmented_kernel[grid](
@@ -210,6 +263,8 @@ def launch_shrink(h, x, lora_as, token_slots, slot_ranks, meta, path, config) ->
             meta.tile_slot,
             meta.tile_start,
             meta.tile_len,
+            table,
+            table_stride,
             in_features,
             *strides,
             BLOCK_M=meta.block_m,

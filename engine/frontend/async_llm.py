@@ -145,6 +145,11 @@ class AsyncLLM:
             self._client.send(*request.add_requests(tenant, tenant_weight))
             while not request.finished:
                 item = await stream.queue.get()
+                # A consumer that fell behind takes everything waiting as one output: under load the
+                # stream sends fewer, larger chunks instead of falling further behind.
+                while not isinstance(item, BaseException) and not stream.queue.empty():
+                    more = stream.queue.get_nowait()
+                    item = more if isinstance(more, BaseException) else item + more
                 if isinstance(item, BaseException):
                     raise EngineDeadError(str(item)) from item
                 output, to_abort = request.process(item)

@@ -49,12 +49,20 @@ class _Child:
         """Take one core delta; True when a stop string ended the child here (the core must abort it)."""
         self.published = True
         ids = delta.new_token_ids
+        stop_string = None
+        if self.detokenizer is not None:
+            # Token by token: a step of speculative decoding brings several, and those after the one that
+            # completes a stop string are not part of the output.
+            for count, token_id in enumerate(ids, start=1):
+                stop_string = self.detokenizer.update([token_id])
+                if stop_string is not None:
+                    ids = ids[:count]
+                    break
         self.new_token_ids.extend(ids)
         self.num_tokens += len(ids)
-        for item in delta.logprobs or ():
+        for item in (delta.logprobs or ())[: len(ids)]:
             self.new_logprobs.append(item)
             self.cumulative_logprob += item.logprob
-        stop_string = self.detokenizer.update(ids) if self.detokenizer is not None else None
         if stop_string is not None:
             self.finish_reason, self.stop_reason = _STOP, stop_string
             return delta.finish_reason is None

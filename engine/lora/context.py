@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 import lora_kernels
-from engine.lora.slots import LoRASlots
+from engine.lora.pool import LoRAPool
 from lora_kernels import tiles
 from lora_kernels.meta import LoRABatchMeta
 
@@ -16,7 +16,7 @@ from lora_kernels.meta import LoRABatchMeta
 class LoRAContext:
     """Built once per step by the model runner; None in steps where no token uses an adapter."""
 
-    slots: LoRASlots
+    slots: LoRAPool
     token_slots: torch.Tensor  # [num_tokens] int32, NO_LORA (-1) for base-model tokens
     _meta: LoRABatchMeta | None = field(default=None, init=False)
 
@@ -28,15 +28,16 @@ class LoRAContext:
         modules: tuple[str, ...],  # the projections fused into y, in column order
     ) -> None:
         targets = [self.slots.layers[layer][m] for m in modules]
-        lora_kernels.add_lora_multi(
+        lora_kernels.add_lora_paged(
             y,
             x,
             [t.lora_a for t in targets],
             [t.lora_b for t in targets],
+            self.slots.page_table,
             self.token_slots,
             [t.scales for t in targets],
-            [t.lora_b.shape[1] for t in targets],
-            slot_ranks=self.slots.slot_ranks(layer, modules),
+            [t.lora_b.shape[2] for t in targets],
+            self.slots.slot_ranks(layer, modules),
             meta=self._segments(),
         )
 

@@ -39,9 +39,9 @@ from adapter_format.errors import AdapterError
 from adapter_format.events import Observer, emit
 from engine.lora.background_loads import make_loads
 from engine.lora.host_tier import HostTier
+from engine.lora.pool import LoRAPool
 from engine.lora.residency import AdapterStatus, ResidencyRecord
 from engine.lora.slot_allocator import SlotAllocator
-from engine.lora.slots import LoRASlots
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class AdapterManager:
     def __init__(
         self,
         source: AdapterSource,
-        slots: LoRASlots,
+        slots: LoRAPool,
         max_cpu_loras: int,
         observer: Observer | None = None,
         in_processes: bool = False,
@@ -91,7 +91,7 @@ class AdapterManager:
         self.source = source
         self.slots = slots
         self.max_cpu_loras = max_cpu_loras
-        self.allocator = SlotAllocator(slots.max_loras)
+        self.allocator = SlotAllocator(slots.max_loras, slots.num_pages)
         self._observer = observer
         self._cuda = slots.device.type == "cuda"
         self.tier = HostTier(slots.layout, slots.dtype, max_cpu_loras, shared=in_processes, pinned=self._cuda)
@@ -187,7 +187,7 @@ class AdapterManager:
     def stage(self, wanted: Iterable[str]) -> None:
         """Bring the adapters that waiting requests need (in queue order) towards the GPU: start the
         CPU-tier loads of all of them as far as rows allow, and give those in the CPU tier GPU slots as
-        far as slots allow; `start_copies` then copies them in, without waiting.
+        far as slots and pool pages allow; `start_copies` then copies them in, without waiting.
 
         An adapter already on the GPU is protected from eviction by the ones that come after it."""
         protected: set[str] = set()
@@ -206,12 +206,13 @@ class AdapterManager:
                 continue
             if record.status is not AdapterStatus.CPU or not slots_left:
                 continue  # failed or deleted; or no slot is left this step, but loads further back still start
-            if not self.allocator.can_acquire(adapter_id, frozenset(protected)):
-                slots_left = False  # every slot is in use; later adapters wait their turn too
+            num_pages = self.tier.image(record.row).num_pages  # what its rank takes in the GPU pool
+            if not self.allocator.can_acquire(adapter_id, frozenset(protected), num_pages):
+                slots_left = False  # every slot or page is in use; later adapters wait their turn too
                 continue
             self._touch(record)
             before = set(self.allocator.resident)
-            slot, _ = self.allocator.acquire(adapter_id, frozenset(protected))
+            slot, _ = self.allocator.acquire(adapter_id, frozenset(protected), num_pages)
             self.allocator.release(adapter_id)  # resident but unpinned until a request runs with it
             for victim_id in before - set(self.allocator.resident):
                 self._lose_slot(self._records[victim_id])
@@ -412,13 +413,13 @@ class AdapterManager:
         image = self.tier.image(row)
         if self._copy_stream is None:
             started = time.perf_counter()
-            self.slots.load(slot, image)
+            self.slots.load(slot, image, self.allocator.slot_pages(slot))
             self._emit("load", "cpu", time.perf_counter() - started)
             return None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._copy_stream):
             start.record(self._copy_stream)
-            self.slots.load(slot, image)
+            self.slots.load(slot, image, self.allocator.slot_pages(slot))
             end.record(self._copy_stream)
         return start, end
 

@@ -1,63 +1,80 @@
-"""Which adapter occupies which GPU slot: LRU among unpinned slots, pinned while a request runs."""
+"""Which adapter occupies which GPU slot and pages: LRU among unpinned adapters, pinned while a request runs."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from engine.lora.pages import PageAllocator
+
 EMPTY_SLOT = None
 
 
 class SlotAllocator:
-    """Maps adapter ids to `num_slots` slots.
+    """Maps adapter ids to `num_slots` slots and, with `num_pages`, to pages of the adapter pool.
 
     A slot is pinned (ref count > 0) while any running request uses its adapter and is then never
-    evicted. Among unpinned slots the least recently used adapter is evicted first; empty slots are
-    used before anything is evicted.
+    evicted. An adapter needs a slot and its pages (engine/lora/pool.py); empty slots and free pages
+    are used first, then the least recently used unpinned adapters are evicted, as few as make room.
+    Without `num_pages`, pages are not tracked (every adapter needs 0).
     """
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, num_pages: int | None = None):
         if num_slots < 1:
             raise ValueError(f"num_slots must be positive (got {num_slots})")
         self.num_slots = num_slots
+        self.pages = PageAllocator(num_pages) if num_pages is not None else None
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # LRU first
         self._ref_cnt: dict[str, int] = {}
+        self._pages_of: dict[str, list[int]] = {}
         self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
         self.num_evictions = 0
 
     def lookup(self, adapter_id: str) -> int | None:
         return self._slot_of.get(adapter_id)
 
+    def pages_of(self, adapter_id: str) -> list[int]:
+        """The pool pages an adapter holds, in rank order (empty without page tracking)."""
+        return self._pages_of.get(adapter_id, [])
+
+    def slot_pages(self, slot: int) -> list[int]:
+        """The pages of the adapter in `slot` (empty if the slot is free)."""
+        return next((self.pages_of(a) for a, s in self._slot_of.items() if s == slot), [])
+
     def adapter_ids(self) -> list[str]:
         """The adapters holding a slot, least recently used first."""
         return list(self._slot_of)
 
-    def can_acquire(self, adapter_id: str, protected: frozenset[str] = frozenset()) -> bool:
-        return (
-            adapter_id in self._slot_of or bool(self._free_slots) or self._lru_unpinned(protected) is not None
-        )
+    def can_acquire(
+        self, adapter_id: str, protected: frozenset[str] = frozenset(), num_pages: int = 0
+    ) -> bool:
+        return adapter_id in self._slot_of or self._victims(num_pages, protected) is not None
 
-    def acquire(self, adapter_id: str, protected: frozenset[str] = frozenset()) -> tuple[int, bool]:
-        """Pin `adapter_id` to a slot; returns (slot, whether its weights must be loaded there).
+    def acquire(
+        self, adapter_id: str, protected: frozenset[str] = frozenset(), num_pages: int = 0
+    ) -> tuple[int, bool]:
+        """Pin `adapter_id` to a slot (and `num_pages` pages); returns (slot, whether its weights must be
+        loaded there).
 
         `protected` adapters are not evicted even when unpinned (e.g. resident ones that waiting
         requests are about to use)."""
         slot = self._slot_of.get(adapter_id)
         needs_load = slot is None
         if needs_load:
-            if self._free_slots:
-                slot = self._free_slots.pop()
-            else:
-                victim = self._lru_unpinned(protected)
-                if victim is None:
-                    raise RuntimeError(
-                        f"all {self.num_slots} adapter slots are pinned by running requests; "
-                        "the scheduler must not admit more than max_loras distinct adapters"
-                    )
-                slot = self._slot_of.pop(victim)
-                del self._ref_cnt[victim]
+            victims = self._victims(num_pages, protected)
+            if victims is None:
+                raise RuntimeError(
+                    f"no room for adapter {adapter_id!r} ({num_pages} pages): the {self.num_slots} adapter "
+                    "slots or the pool's pages are pinned by running requests; the scheduler must not admit "
+                    "more adapters than fit"
+                )
+            for victim in victims:
+                self._remove(victim)
                 self.num_evictions += 1
+            slot = self._free_slots.pop()
             self._slot_of[adapter_id] = slot
             self._ref_cnt[adapter_id] = 0
+            if self.pages is not None:
+                self._pages_of[adapter_id] = self.pages.allocate(num_pages)
         self._slot_of.move_to_end(adapter_id)
         self._ref_cnt[adapter_id] += 1
         return slot, needs_load
@@ -71,8 +88,7 @@ class SlotAllocator:
         """Drop an unpinned adapter (e.g. deleted); a pinned one stays until its last request ends."""
         if self._ref_cnt.get(adapter_id, 1) > 0:
             return False
-        self._free_slots.append(self._slot_of.pop(adapter_id))
-        del self._ref_cnt[adapter_id]
+        self._remove(adapter_id)
         return True
 
     def num_pins(self, adapter_id: str) -> int:
@@ -84,8 +100,31 @@ class SlotAllocator:
         return sum(1 for count in self._ref_cnt.values() if count > 0)
 
     @property
+    def num_free_pages(self) -> int | None:
+        return None if self.pages is None else self.pages.num_free
+
+    @property
     def resident(self) -> list[str]:
         return list(self._slot_of)
 
-    def _lru_unpinned(self, protected: frozenset[str] = frozenset()) -> str | None:
-        return next((a for a in self._slot_of if self._ref_cnt[a] == 0 and a not in protected), None)
+    def _remove(self, adapter_id: str) -> None:
+        self._free_slots.append(self._slot_of.pop(adapter_id))
+        del self._ref_cnt[adapter_id]
+        pages = self._pages_of.pop(adapter_id, None)
+        if pages is not None and self.pages is not None:
+            self.pages.free(pages)
+
+    def _victims(self, num_pages: int, protected: frozenset[str]) -> list[str] | None:
+        """The fewest least-recently-used unpinned, unprotected adapters whose eviction leaves a slot and
+        `num_pages` pages free; None if even evicting all of them would not."""
+        free_slots = len(self._free_slots)
+        free_pages = self.pages.num_free if self.pages is not None else num_pages
+        victims = []
+        for adapter_id in self._slot_of:
+            if free_slots >= 1 and free_pages >= num_pages:
+                break
+            if self._ref_cnt[adapter_id] == 0 and adapter_id not in protected:
+                victims.append(adapter_id)
+                free_slots += 1
+                free_pages += len(self._pages_of.get(adapter_id, ()))
+        return victims if free_slots >= 1 and free_pages >= num_pages else None

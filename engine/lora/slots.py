@@ -1,13 +1,19 @@
-"""Adapter weights resident on the device: `max_loras` slots of stacked A/B per layer and projection.
+"""An adapter's weights as the GPU pool holds them: pages of `PAGE_RANK` rank rows (S-LoRA's paging).
 
-The model reads these tensors directly (`lora_kernels.add_lora` indexes them by slot), so loading an
-adapter is a copy into a slot and never reallocates anything the model holds. The layout is slot-major:
-all of one slot's weights (every layer and projection, A and B) form one contiguous block of `weights`,
-and all of its scales and ranks one column of `table`. Making an adapter resident is therefore two
-copies from its pinned row of the CPU tier, however many layers the model has; per-projection views
-with a slot stride give the kernels their usual [max_loras, ...] stacks. (A layer-major layout needed one copy per
-projection into views strided across layers, 30 in all, which cost the engine thread ~0.6 ms of host
-time per adapter and slowed the running batch; docs/BENCHMARKS.md, adapter loading.)
+One page holds PAGE_RANK rank rows of every layer and projection, A and B alike, so an adapter of rank r
+fills ceil(r / PAGE_RANK) pages and takes r / max_lora_rank of a max-rank adapter's memory, within
+page rounding (engine/lora/pool.py keeps the pages on the device). Inside a page, each projection's A
+is a block [num_layers, PAGE_RANK, in] and its B, transposed, a block [num_layers, PAGE_RANK, out]:
+both are rank rows, so a page table maps an adapter's rank row r to page `pages[r // PAGE_RANK]`, row
+`r % PAGE_RANK`, and one view per layer and projection ([num_pages, PAGE_RANK, cols]) is what the
+kernels read (lora_kernels.add_lora_paged).
+
+The image of an adapter (a row of the CPU tier, engine/lora/host_tier.py) is the same pages, laid out
+one after the other with room for max_lora_rank, plus a table of its scales and ranks. Making it
+resident copies its first ceil(r / PAGE_RANK) pages into the pool's pages (one copy per run of
+consecutive pool pages, usually one) and the table into the adapter's slot; nothing per layer, so
+loading costs the engine thread a few copies however deep the model is (docs/BENCHMARKS.md, adapter
+loading).
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ import torch
 
 from adapter_format.checkpoint import PeftAdapter
 from adapter_format.model_shape import TARGET_MODULES, ModelShape
+from engine.lora.pages import pages_for_rank
+
+# Rank rows per page: ranks 8, 16 and 64 fill whole pages; rank 4 wastes half of one.
+PAGE_RANK = 8
 
 # Projections the model applies LoRA to in one launch (one fused base GEMM), in column order.
 FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -32,9 +42,9 @@ _ALIGN = 64
 # group's largest rank.
 _SCALES = slice(0, len(TARGET_MODULES))  # in TARGET_MODULES order
 _RANKS = slice(len(TARGET_MODULES), 2 * len(TARGET_MODULES))
-_SCALE_COLUMN = {m: _SCALES.start + i for i, m in enumerate(TARGET_MODULES)}
-_RANK_COLUMN = {m: _RANKS.start + i for i, m in enumerate(TARGET_MODULES)}
-_BOUND_COLUMN = {g: _RANKS.stop + i for i, g in enumerate(FUSED_PROJECTIONS)}
+SCALE_COLUMN = {m: _SCALES.start + i for i, m in enumerate(TARGET_MODULES)}
+RANK_COLUMN = {m: _RANKS.start + i for i, m in enumerate(TARGET_MODULES)}
+BOUND_COLUMN = {g: _RANKS.stop + i for i, g in enumerate(FUSED_PROJECTIONS)}
 TABLE_COLUMNS = _RANKS.stop + len(FUSED_PROJECTIONS)
 
 
@@ -44,80 +54,107 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True)
 class SlotLayout:
-    """Where each projection's A and B sit inside one slot's block of weights."""
+    """Where each projection's A and B^T sit inside one page, and how many pages an image has room for."""
 
     shape: ModelShape
     max_rank: int
 
-    def blocks(self) -> dict[tuple[str, str], tuple[int, tuple[int, ...]]]:
-        """(module, "a" or "b") -> (offset, [num_layers, rows, cols]) inside the slot's block."""
-        n, r, offset, blocks = self.shape.num_layers, self.max_rank, 0, {}
+    def blocks(self) -> dict[tuple[str, str], tuple[int, tuple[int, int, int]]]:
+        """(module, "a" or "b") -> (offset, [num_layers, PAGE_RANK, cols]) inside a page ("b" is B^T)."""
+        n, offset, blocks = self.shape.num_layers, 0, {}
         for module in TARGET_MODULES:
             in_features, out_features = self.shape.module_dims(module)
-            for kind, dims in (("a", (n, r, in_features)), ("b", (n, out_features, r))):
-                blocks[module, kind] = (offset, dims)
-                offset = _align(offset + math.prod(dims))
+            for kind, cols in (("a", in_features), ("b", out_features)):
+                blocks[module, kind] = (offset, (n, PAGE_RANK, cols))
+                offset = _align(offset + n * PAGE_RANK * cols)
         return blocks
 
-    @property
-    def numel(self) -> int:
+    @cached_property
+    def page_numel(self) -> int:
         offset, dims = self.blocks()[TARGET_MODULES[-1], "b"]
         return _align(offset + math.prod(dims))
 
+    @property
+    def max_pages(self) -> int:
+        return pages_for_rank(self.max_rank, PAGE_RANK)
 
-@dataclass
-class ModuleSlots:
-    """One projection of one layer, across all slots (views into `LoRASlots`' tensors)."""
-
-    lora_a: torch.Tensor  # [max_loras, max_rank, in], slot stride: a slot's whole block
-    lora_b: torch.Tensor  # [max_loras, out, max_rank], likewise
-    scales: torch.Tensor  # [max_loras] float32; 0 where the slot's adapter does not target this module
-    ranks: torch.Tensor  # [max_loras] int32; 0 where untargeted
+    @property
+    def numel(self) -> int:
+        """Elements of an image: pages for max_rank."""
+        return self.max_pages * self.page_numel
 
 
 @dataclass
 class SlotImage:
-    """An adapter laid out exactly as one slot: zero-padded to max_rank, zeros for untargeted modules.
+    """An adapter laid out as pool pages (zeros past each projection's rank and for untargeted ones).
 
-    Usually a row of the CPU tier (engine/lora/host_tier.py; pinned when CUDA is present), so making it
-    resident is two plain host-to-device copies that can run on a side stream. The per-module views are
-    made on first use: the engine itself only ever copies the two tensors.
+    Usually a row of the CPU tier (pinned when CUDA is present), so making it resident is a few plain
+    host-to-device copies that can run on a side stream. `page_a`/`page_b` are the views `build_image`
+    writes through; `lora_a`/`lora_b` are dense copies for reading (tests, introspection).
     """
 
     layout: SlotLayout
-    weights: torch.Tensor  # [SlotLayout.numel], the slot's whole block
+    weights: torch.Tensor  # [SlotLayout.numel]: max_pages pages of page_numel
     table: torch.Tensor  # [num_layers, TABLE_COLUMNS] int32 (scales as float32 bits)
 
     @property
+    def pages(self) -> torch.Tensor:  # [max_pages, page_numel]
+        return self.weights.view(self.layout.max_pages, self.layout.page_numel)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages the adapter fills: its largest rank over layers and projections, in pages."""
+        return pages_for_rank(int(self.table[:, _RANKS].max()), PAGE_RANK)
+
+    @property
     def num_bytes(self) -> int:
-        return self.weights.numel() * self.weights.element_size()
+        """Bytes it takes in the pool."""
+        return self.num_pages * self.layout.page_numel * self.weights.element_size()
 
     @cached_property
-    def lora_a(self) -> dict[str, torch.Tensor]:  # module -> [num_layers, max_rank, in]
-        return self._views("a")
+    def page_a(self) -> dict[str, torch.Tensor]:  # module -> [num_layers, max_pages, PAGE_RANK, in]
+        return self._page_views("a")
 
     @cached_property
-    def lora_b(self) -> dict[str, torch.Tensor]:  # module -> [num_layers, out, max_rank]
-        return self._views("b")
+    def page_b(self) -> dict[str, torch.Tensor]:  # module -> [num_layers, max_pages, PAGE_RANK, out], B^T
+        return self._page_views("b")
+
+    @property
+    def lora_a(self) -> dict[str, torch.Tensor]:  # module -> [num_layers, max_pages * PAGE_RANK, in], a copy
+        return {m: v.flatten(1, 2).clone() for m, v in self.page_a.items()}
+
+    @property
+    def lora_b(self) -> dict[str, torch.Tensor]:  # module -> [num_layers, out, max_pages * PAGE_RANK], a copy
+        return {m: v.flatten(1, 2).transpose(1, 2).clone() for m, v in self.page_b.items()}
 
     @cached_property
     def scales(self) -> dict[str, torch.Tensor]:  # module -> [num_layers] float32
-        return {m: self.table[:, c].view(torch.float32) for m, c in _SCALE_COLUMN.items()}
+        return {m: self.table[:, c].view(torch.float32) for m, c in SCALE_COLUMN.items()}
 
     @cached_property
     def ranks(self) -> dict[str, torch.Tensor]:  # module -> [num_layers] int32
-        return {m: self.table[:, c] for m, c in _RANK_COLUMN.items()}
+        return {m: self.table[:, c] for m, c in RANK_COLUMN.items()}
 
     @cached_property
     def rank_bounds(self) -> dict[tuple[str, ...], torch.Tensor]:  # fused group -> [num_layers], largest rank
-        return {g: self.table[:, c] for g, c in _BOUND_COLUMN.items()}
+        return {g: self.table[:, c] for g, c in BOUND_COLUMN.items()}
 
-    def _views(self, kind: str) -> dict[str, torch.Tensor]:
+    def _page_views(self, kind: str) -> dict[str, torch.Tensor]:
+        pages = self.pages
         return {
-            module: self.weights[offset : offset + math.prod(dims)].view(dims)
+            module: pages[:, offset : offset + math.prod(dims)].unflatten(1, dims).transpose(0, 1)
             for (module, k), (offset, dims) in self.layout.blocks().items()
             if k == kind
         }
+
+
+def _write_rows(pages: torch.Tensor, rows: torch.Tensor) -> None:
+    """Rank rows [r, cols] into pages [max_pages, PAGE_RANK, cols]: whole pages at once, then the rest."""
+    full, rest = divmod(rows.shape[0], PAGE_RANK)
+    if full:
+        pages[:full] = rows[: full * PAGE_RANK].unflatten(0, (full, PAGE_RANK))
+    if rest:
+        pages[full, :rest] = rows[full * PAGE_RANK :]
 
 
 def build_image(
@@ -127,8 +164,8 @@ def build_image(
     pin_memory: bool = False,
     out: SlotImage | None = None,
 ) -> SlotImage:
-    """Lay an adapter (validated against the model) out as one slot of `layout`, on the CPU: into `out`
-    (a row of the CPU tier, overwritten whole), or into new tensors, page-locked with `pin_memory`."""
+    """Lay an adapter (validated against the model) out as pool pages, on the CPU: into `out` (a row of
+    the CPU tier, overwritten whole), or into new tensors, page-locked with `pin_memory`."""
     if adapter.rank > layout.max_rank:
         raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {layout.max_rank}")
     if out is None:
@@ -138,12 +175,13 @@ def build_image(
     else:
         if out.layout != layout or out.weights.dtype != dtype:
             raise ValueError("the image to write into has another layout or dtype")
-        image, weights, table = out, out.weights.zero_(), out.table.zero_()
+        image, table = out, out.table.zero_()
+        out.weights.zero_()
     # As few torch calls as possible: on a loader thread, each call is a GIL hand-over that the engine
     # thread pays for (docs/BENCHMARKS.md, adapter loading).
     for (layer, module), pair in adapter.modules.items():
-        image.lora_a[module][layer, : pair.rank] = pair.lora_a
-        image.lora_b[module][layer, :, : pair.rank] = pair.lora_b
+        _write_rows(image.page_a[module][layer], pair.lora_a)
+        _write_rows(image.page_b[module][layer], pair.lora_b.T)
     if adapter.modules:
         layers = torch.tensor([layer for layer, _ in adapter.modules])
         modules = torch.tensor([TARGET_MODULES.index(module) for _, module in adapter.modules])
@@ -153,55 +191,3 @@ def build_image(
     for group, bound in image.rank_bounds.items():
         bound.copy_(torch.stack([image.ranks[m] for m in group]).amax(0))
     return image
-
-
-class LoRASlots:
-    """Stacked adapter weights; `layers[i][module]` is that projection's ModuleSlots for layer i."""
-
-    def __init__(
-        self, shape: ModelShape, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
-    ):
-        self.shape = shape
-        self.max_loras = max_loras
-        self.max_rank = max_rank
-        self.dtype = dtype
-        self.device = device
-        self.layout = SlotLayout(shape, max_rank)
-        n = shape.num_layers
-        self.weights = torch.zeros(max_loras, self.layout.numel, dtype=dtype, device=device)
-        self.table = torch.zeros(n, TABLE_COLUMNS, max_loras, dtype=torch.int32, device=device)
-        self.lora_a: dict[str, torch.Tensor] = {}  # module -> [num_layers, max_loras, max_rank, in]
-        self.lora_b: dict[str, torch.Tensor] = {}  # module -> [num_layers, max_loras, out, max_rank]
-        for (module, kind), (offset, dims) in self.layout.blocks().items():
-            size = math.prod(dims)
-            view = self.weights[:, offset : offset + size].view(max_loras, *dims).transpose(0, 1)
-            (self.lora_a if kind == "a" else self.lora_b)[module] = view
-        # module -> [num_layers, max_loras]; each layer's row is contiguous, as the kernels need.
-        self.scales = {m: self.table[:, c].view(torch.float32) for m, c in _SCALE_COLUMN.items()}
-        self.ranks = {m: self.table[:, c] for m, c in _RANK_COLUMN.items()}
-        # Per group the model applies at once, the largest rank of its projections per layer and slot:
-        # the kernels skip the zero-padded tail beyond it, so a rank-8 adapter does not pay for max_rank.
-        self.rank_bounds: dict[tuple[str, ...], torch.Tensor] = {(m,): self.ranks[m] for m in TARGET_MODULES}
-        self.rank_bounds.update({g: self.table[:, c] for g, c in _BOUND_COLUMN.items()})
-        self.layers: list[dict[str, ModuleSlots]] = [
-            {
-                m: ModuleSlots(self.lora_a[m][i], self.lora_b[m][i], self.scales[m][i], self.ranks[m][i])
-                for m in TARGET_MODULES
-            }
-            for i in range(n)
-        ]
-
-    def image(self, adapter: PeftAdapter, pin_memory: bool = False) -> SlotImage:
-        """Lay an adapter (validated against this model) out as one slot, on the CPU."""
-        return build_image(self.layout, self.dtype, adapter, pin_memory)
-
-    def load(self, slot: int, image: SlotImage) -> None:
-        """Copy an adapter's image into `slot` (asynchronously on CUDA when the image is pinned): two copies."""
-        if not 0 <= slot < self.max_loras:
-            raise ValueError(f"slot {slot} is outside [0, {self.max_loras})")
-        self.weights[slot].copy_(image.weights, non_blocking=True)
-        self.table[:, :, slot].copy_(image.table, non_blocking=True)
-
-    def slot_ranks(self, layer: int, modules: tuple[str, ...]) -> torch.Tensor:
-        """[max_loras] int32: the rank each slot needs for these projections of `layer`, applied at once."""
-        return self.rank_bounds[modules][layer]

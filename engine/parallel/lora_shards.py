@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from adapter_format.model_shape import TARGET_MODULES
-from engine.lora.slots import LoRASlots, SlotImage, SlotLayout
+from engine.lora.pool import LoRAPool
+from engine.lora.slots import SlotImage, SlotLayout
 from engine.parallel.plan import COLUMN_PARALLEL, ShardPlan
 
 
@@ -21,40 +22,48 @@ def shard_image(image: SlotImage, local: SlotLayout, plan: ShardPlan, rank: int)
     """Rank `rank`'s shard of a whole adapter image, as a new contiguous image of layout `local`."""
     shard = SlotImage(local, torch.zeros(local.numel, dtype=image.weights.dtype), image.table.clone())
     for module in TARGET_MODULES:
-        a = image.lora_a[module]  # [num_layers, max_rank, in]
-        b = image.lora_b[module]  # [num_layers, out, max_rank]
+        a = image.page_a[module]  # [num_layers, max_pages, PAGE_RANK, in]
+        b = image.page_b[module]  # [num_layers, max_pages, PAGE_RANK, out]: B transposed
         if module in COLUMN_PARALLEL:
             start, end = plan.output_range(module, rank)
-            b = b[:, start:end]
+            b = b[..., start:end]
         else:
             start, end = plan.input_range(module, rank)
-            a = a[:, :, start:end]
-        shard.lora_a[module].copy_(a)
-        shard.lora_b[module].copy_(b)
+            a = a[..., start:end]
+        shard.page_a[module].copy_(a)
+        shard.page_b[module].copy_(b)
     return shard
 
 
-class RankZeroLoRASlots(LoRASlots):
-    """Rank 0's slots: the adapter manager sees the whole model's `layout` (its CPU tier holds whole
-    adapters); the device tensors hold rank 0's shard (`local_layout`). Each load also cuts the
-    workers' shards, which `take_pending` hands to the next step's message."""
+class RankZeroLoRASlots(LoRAPool):
+    """Rank 0's adapter pool: the adapter manager sees the whole model's `layout` (its CPU tier holds
+    whole adapters); the device pages hold rank 0's shard (`local_layout`: the same pages, slots and
+    page tables on every rank, each page smaller). Each load also cuts the workers' shards, which
+    `take_pending` hands to the next step's message."""
 
     def __init__(
-        self, plan: ShardPlan, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+        self,
+        plan: ShardPlan,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        rank_budget: int | None,
     ):
-        super().__init__(plan.local_shape, max_loras, max_rank, dtype, device)
+        super().__init__(plan.local_shape, max_loras, max_rank, dtype, device, rank_budget)
         self.plan = plan
         self.local_layout = self.layout
         self.layout = SlotLayout(plan.shape, max_rank)
         self.shape = plan.shape
-        self._pending: list[tuple[int, list[SlotImage]]] = []  # (slot, shard of worker 1, 2, ...)
+        # (slot, pages, shard of worker 1, 2, ...)
+        self._pending: list[tuple[int, list[int], list[SlotImage]]] = []
 
-    def load(self, slot: int, image: SlotImage) -> None:
+    def load(self, slot: int, image: SlotImage, pages: list[int]) -> None:
         # Cut now: the CPU-tier row the image lives in may be refilled once this call returns.
         shards = [shard_image(image, self.local_layout, self.plan, r) for r in range(self.plan.world_size)]
-        super().load(slot, shards[0])
-        self._pending.append((slot, shards[1:]))
+        super().load(slot, shards[0], pages)
+        self._pending.append((slot, list(pages), shards[1:]))
 
-    def take_pending(self) -> list[tuple[int, list[SlotImage]]]:
+    def take_pending(self) -> list[tuple[int, list[int], list[SlotImage]]]:
         pending, self._pending = self._pending, []
         return pending

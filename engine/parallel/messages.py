@@ -13,9 +13,10 @@ import torch
 
 
 class SlotLoad(msgspec.Struct, frozen=True, array_like=True):
-    """Fill adapter slot `slot` with this worker's shard of an adapter (rank 0 decided the slot)."""
+    """Fill adapter slot `slot` with this worker's shard of an adapter (rank 0 decided the slot and pages)."""
 
     slot: int
+    pages: list[int]  # the pool pages it occupies, as on rank 0
     weights: bytes  # the shard's SlotImage.weights, raw
     table: bytes  # SlotImage.table (scales and ranks, the same on every rank), raw
 

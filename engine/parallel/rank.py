@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from adapter_format.model_shape import ModelShape
-from engine.lora.slots import LoRASlots, SlotImage
+from engine.lora.pool import LoRAPool
+from engine.lora.slots import SlotImage
 from engine.model.attention import AttentionMetadata
 from engine.model.fp8_checkpoint import fp8_scheme
 from engine.parallel.group import ParallelGroup, free_port
@@ -50,7 +51,7 @@ class TensorParallelRank:
     ):
         """`workers` and `threads` (torch's CPU threads before the start) on rank 0 only."""
         self.plan, self.group, self.workers = plan, group, workers
-        self.lora_slots: LoRASlots | None = None  # set by `build`
+        self.lora_slots: LoRAPool | None = None  # set by `build`
         # Rank 0: also when the runner is dropped without shutdown() (its start-up failed, say).
         self._leave = weakref.finalize(self, _leave, workers, group, threads) if workers is not None else None
 
@@ -114,10 +115,14 @@ class TensorParallelRank:
             self.shutdown()  # rank 0: no worker outlives a start-up that failed, and the group is left
             raise
         model = ShardedLlamaModel(hf_config, weights, max_model_len, backend, self.plan, self.group)
+        budget = config.lora_pool_rank_budget
         if self.rank == 0:
-            slots = RankZeroLoRASlots(self.plan, config.max_loras, config.max_lora_rank, dtype, device)
+            slots = RankZeroLoRASlots(
+                self.plan, config.max_loras, config.max_lora_rank, dtype, device, budget
+            )
         else:
-            slots = LoRASlots(self.plan.local_shape, config.max_loras, config.max_lora_rank, dtype, device)
+            shape = self.plan.local_shape
+            slots = LoRAPool(shape, config.max_loras, config.max_lora_rank, dtype, device, budget)
         self.lora_slots = slots
         return model, slots
 
@@ -161,8 +166,8 @@ class TensorParallelRank:
         pending = self.lora_slots.take_pending()
         return [
             [
-                SlotLoad(slot, tensor_bytes(shards[r].weights), tensor_bytes(shards[r].table))
-                for slot, shards in pending
+                SlotLoad(slot, pages, tensor_bytes(shards[r].weights), tensor_bytes(shards[r].table))
+                for slot, pages, shards in pending
             ]
             for r in range(self.plan.world_size - 1)
         ]
@@ -179,7 +184,7 @@ class TensorParallelRank:
         for load in loads:
             weights = bytes_tensor(load.weights, slots.dtype)
             table = bytes_tensor(load.table, torch.int32).view(slots.table.shape[:2])
-            slots.load(load.slot, SlotImage(slots.layout, weights, table))
+            slots.load(load.slot, SlotImage(slots.layout, weights, table), load.pages)
 
     def receive_eager(self, step: EagerStep):
         """(input_ids, meta, token slots or None, logits rows), as rank 0's `send_eager` had them."""

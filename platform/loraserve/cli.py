@@ -54,6 +54,7 @@ _SERVE_FIELDS = (
     "kv_cache_dtype",
     "quantization",
     "tensor_parallel_size",
+    "speculative_config",
     "enable_prefix_caching",
     "enforce_eager",
     "async_scheduling",
@@ -63,6 +64,7 @@ _SERVE_FIELDS = (
     "adapter_loader",
     "generation_config",
     "max_lora_rank",
+    "lora_pool_rank_budget",
     "allowed_lora_paths",
     "adapter_store",
     "config_store",
@@ -124,6 +126,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="GPUs of this host one model is split over (Megatron-style, one worker process per GPU "
         "beyond the first); 1: one GPU",
     )
+    add(
+        "--speculative-config",
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4} (docs/OPERATIONS.md, "Speculative decoding")',
+    )
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     add(
         "--enforce-eager",
@@ -147,6 +156,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-loras", type=int, default=4, help="adapters resident on the GPU at once")
     add("--max-cpu-loras", type=int, help="adapters kept ready in host memory (default: --max-loras)")
     add("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
+    add(
+        "--lora-pool-rank-budget",
+        type=int,
+        help="rank rows of the GPU adapter pool, summed over resident adapters (pages of 8): each adapter "
+        "takes what its rank needs (default: max-loras x max-lora-rank, so max-loras adapters of any rank "
+        "fit); smaller leaves the rest to the KV cache",
+    )
     add(
         "--adapter-loader",
         default="auto",

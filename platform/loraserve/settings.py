@@ -14,6 +14,7 @@ from pathlib import Path
 
 from adapters_store.config import DEFAULT_URL as DEFAULT_ADAPTER_STORE
 from adapters_store.config import parse_store_url
+from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_STATE_DIR = Path(".loraserve")
 # The engine's own choices (engine/config.py; a test keeps them equal), repeated so that `loraserve` client
@@ -48,6 +49,8 @@ class ServerSettings:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None  # engine.EngineConfig.quantization
     tensor_parallel_size: int = 1  # engine.EngineConfig.tensor_parallel_size
+    # vLLM's --speculative-config: JSON text of engine.spec_decode.config.SpeculativeConfig; None: off
+    speculative_config: str | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs
     async_scheduling: bool = True  # False: read each step's tokens before scheduling the next
@@ -57,6 +60,7 @@ class ServerSettings:
     adapter_loader: str = "auto"  # engine.config.ADAPTER_LOADERS
     generation_config: str = "auto"  # where unset sampling fields come from (GENERATION_CONFIGS)
     max_lora_rank: int = 16
+    lora_pool_rank_budget: int | None = None  # engine.EngineConfig.lora_pool_rank_budget
     # (name, local PEFT folder) pairs put into the default tenant's store at start.
     lora_modules: tuple[tuple[str, str], ...] = ()
     # Folders under which POST /v1/load_lora_adapter may read adapters; empty: runtime loading is off.
@@ -121,6 +125,10 @@ class ServerSettings:
                 f"--quantization {self.quantization!r} is not supported; use fp8 (float8 e4m3 weights with "
                 "per-channel scales) or leave it out"
             )
+        try:
+            SpeculativeConfig.parse(self.speculative_config)
+        except ValueError as exc:
+            raise ValueError(f"--speculative-config: {exc}") from None
         if self.adapter_loader not in ADAPTER_LOADERS:
             raise ValueError(
                 f"--adapter-loader {self.adapter_loader!r} is not supported; use one of {', '.join(ADAPTER_LOADERS)}"

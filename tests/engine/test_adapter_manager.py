@@ -19,8 +19,8 @@ from transformers import AutoConfig
 from adapter_format.model_shape import TARGET_MODULES
 from engine import AsyncLLM, EngineConfig, EngineStats, LLMEngine, ModelShape, SamplingParams
 from engine.lora.manager import AdapterManager
+from engine.lora.pool import LoRAPool
 from engine.lora.registry import AdapterRegistry
-from engine.lora.slots import LoRASlots
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -274,7 +274,7 @@ def test_a_staged_copy_lands_in_its_slot_and_is_timed(case, device):
     """The copy is issued by start_copies (after the step's launch), on CUDA on a side stream; is_ready
     turns true only once it completed."""
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(case["model_dir"]))
-    slots = LoRASlots(shape, max_loras=2, max_rank=16, dtype=torch.bfloat16, device=torch.device(device))
+    slots = LoRAPool(shape, max_loras=2, max_rank=16, dtype=torch.bfloat16, device=torch.device(device))
     registry = AdapterRegistry(shape, 16)
     registry.register("x", case["adapters"]["ad3"])
     events = []
@@ -291,10 +291,10 @@ def test_a_staged_copy_lands_in_its_slot_and_is_timed(case, device):
     while not manager.is_ready("x"):
         assert time.monotonic() < deadline
     slot = manager.acquire("x")
-    image = slots.image(registry.load("x"))
+    image, held = slots.image(registry.load("x")), slots.snapshot(slot)
     for module in TARGET_MODULES:
-        assert torch.equal(slots.lora_a[module][:, slot].cpu(), image.lora_a[module])
-        assert torch.equal(slots.lora_b[module][:, slot].cpu(), image.lora_b[module])
+        assert torch.equal(held.lora_a[module], image.lora_a[module])
+        assert torch.equal(held.lora_b[module], image.lora_b[module])
         assert torch.equal(slots.scales[module][:, slot].cpu(), image.scales[module])
     kinds = [(event, tier) for event, tier, _ in events]
     assert kinds == [("miss", "gpu"), ("miss", "cpu"), ("load", "source"), ("load", "cpu")]
@@ -309,7 +309,7 @@ def test_a_row_of_the_cpu_tier_is_not_reused_while_a_dropped_load_still_writes_i
     """One row: an adapter deleted mid-load keeps its row until the load ends; only then does the next
     adapter load into it, and what lands in the slot is the next adapter's."""
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(case["model_dir"]))
-    slots = LoRASlots(shape, max_loras=1, max_rank=16, dtype=torch.float32, device=torch.device("cpu"))
+    slots = LoRAPool(shape, max_loras=1, max_rank=16, dtype=torch.float32, device=torch.device("cpu"))
     gate = threading.Event()
 
     class GatedRegistry(AdapterRegistry):
@@ -336,10 +336,10 @@ def test_a_row_of_the_cpu_tier_is_not_reused_while_a_dropped_load_still_writes_i
         manager.stage(["next"])
         manager.start_copies()
     slot = manager.acquire("next")
-    expected = slots.image(registry.load("next"))
+    expected, held = slots.image(registry.load("next")), slots.snapshot(slot)
     for module in TARGET_MODULES:
-        assert torch.equal(slots.lora_a[module][:, slot], expected.lora_a[module])
-        assert torch.equal(slots.lora_b[module][:, slot], expected.lora_b[module])
+        assert torch.equal(held.lora_a[module], expected.lora_a[module])
+        assert torch.equal(held.lora_b[module], expected.lora_b[module])
     assert not manager.is_ready("slow") and "slow" not in manager.cpu_ids()
     manager.shutdown()
 
@@ -365,7 +365,7 @@ def test_a_copy_is_decided_by_stage_and_issued_by_start_copies_in_order(case, mo
     ready, its row may not be rewritten); `start_copies` issues the copies in the order they were staged,
     and an adapter evicted before its copy was issued never reads as ready."""
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(case["model_dir"]))
-    slots = LoRASlots(shape, max_loras=1, max_rank=16, dtype=torch.float32, device=torch.device("cpu"))
+    slots = LoRAPool(shape, max_loras=1, max_rank=16, dtype=torch.float32, device=torch.device("cpu"))
     registry = AdapterRegistry(shape, 16)
     registry.register("a", case["adapters"]["ad1"])
     registry.register("b", case["adapters"]["ad2"])

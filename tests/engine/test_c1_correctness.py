@@ -88,3 +88,24 @@ def test_fewer_slots_than_adapters(c1_case):
     outputs = llm.generate([{"prompt_token_ids": p} for p in c1_case["prompts"]], params, adapters=adapters)
     assert [o.outputs[0].token_ids for o in outputs] == c1_case["expected"]
     assert llm.engine.lora.allocator.num_evictions > 0
+
+
+def test_a_pool_smaller_than_max_loras_at_max_rank(c1_case):
+    """lora_pool_rank_budget 24 (3 pages of 8 rank rows) with 4 free slots: ranks 4, 8, 8 fit at once, the
+    rank-16 adapter needs two pages, so adapters are evicted for pages, not for slots."""
+    llm = LLM(
+        model=str(c1_case["model_dir"]),
+        max_loras=4,
+        max_lora_rank=16,
+        lora_pool_rank_budget=24,
+        max_num_seqs=8,
+        block_size=8,
+        max_model_len=128,
+        dtype="float32",
+    )
+    assert llm.engine.runner.lora_slots.num_pages == 3
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
+    adapters = [str(c1_case["adapters"][a]) if a else None for a in c1_case["assigned"]]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in c1_case["prompts"]], params, adapters=adapters)
+    assert [o.outputs[0].token_ids for o in outputs] == c1_case["expected"]
+    assert llm.engine.lora.allocator.num_evictions > 0

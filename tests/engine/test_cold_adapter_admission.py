@@ -16,9 +16,9 @@ from transformers import AutoConfig
 from adapter_format.model_shape import ModelShape
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.lora.manager import AdapterManager
+from engine.lora.pool import LoRAPool
 from engine.lora.registry import AdapterRegistry
 from engine.lora.residency import AdapterStatus
-from engine.lora.slots import LoRASlots
 
 SHORT = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4)
 PROMPT = [5, 6, 7, 8, 9]
@@ -129,7 +129,7 @@ def test_a_cold_adapter_is_not_starved_by_a_stream_of_resident_requests(folders)
 def _manager(folders, max_loras: int, max_cpu_loras: int) -> tuple[AdapterManager, AdapterRegistry]:
     model_dir, adapters = folders
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
-    slots = LoRASlots(shape, max_loras=max_loras, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    slots = LoRAPool(shape, max_loras=max_loras, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
     registry = AdapterRegistry(shape, 8)
     for name, path in adapters.items():
         registry.register(name, path)

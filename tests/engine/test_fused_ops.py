@@ -91,8 +91,19 @@ def test_fused_rope_needs_a_power_of_two_half_head():
     assert not fused_ops.supports_fused_rope(96) and not fused_ops.supports_fused_rope(80)
 
 
+def no_worse_than_torch(fused: torch.Tensor, torch_ops: torch.Tensor, exact: torch.Tensor) -> None:
+    """In bf16 the kernels round where torch rounds, but a sum may run in another order or a product be
+    contracted into a sum: each may land one rounding step away, so compare errors against float64."""
+    assert not torch.isnan(fused).any()
+    fused_error = (fused.double() - exact).abs()
+    torch_error = (torch_ops.double() - exact).abs()
+    assert fused_error.max() <= 1.5 * torch_error.max() + 1e-6
+    assert fused_error.mean() <= 1.5 * torch_error.mean() + 1e-9
+    assert (fused != torch_ops).float().mean() < 0.05  # and mostly bit for bit
+
+
 @gpu
-def test_bf16_matches_the_torch_ops_they_replace_on_the_gpu():
+def test_bf16_is_as_accurate_as_the_torch_ops_they_replace_on_the_gpu():
     device, dtype = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(0)
     tokens, heads, kv_heads, head_dim = 37, 32, 8, 64
@@ -101,31 +112,32 @@ def test_bf16_matches_the_torch_ops_they_replace_on_the_gpu():
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen, device=device).to(dtype)
     positions = torch.randint(0, 2048, (tokens,), generator=gen, device=device)
-    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    ref_q, ref_k = rope(positions, q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim))
+    q, k, _ = (t.clone() for t in qkv.split([q_size, kv_size, kv_size], dim=-1))
+    cos, sin = rope.cos[positions], rope.sin[positions]
+    torch_q, torch_k = rope(positions, q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim))
     fused_ops.apply_rope_(qkv, positions, rope.cos, rope.sin, heads, kv_heads, head_dim)
-    # The same roundings as torch's, but the compiler may contract a product into the sum (FMA): at most
-    # one bf16 rounding step apart, and rarely.
-    for out, ref in ((qkv[:, :q_size], ref_q), (qkv[:, q_size : q_size + kv_size], ref_k)):
-        ref = ref.reshape(tokens, -1)
-        torch.testing.assert_close(out, ref, rtol=8e-3, atol=1e-6)
-        assert (out != ref).float().mean() < 0.05
+    no_worse_than_torch(
+        qkv[:, :q_size],
+        torch_q.reshape(tokens, -1),
+        rope_f64(q.view(tokens, heads, head_dim), cos, sin).reshape(tokens, -1),
+    )
+    no_worse_than_torch(
+        qkv[:, q_size : q_size + kv_size],
+        torch_k.reshape(tokens, -1),
+        rope_f64(k.view(tokens, kv_heads, head_dim), cos, sin).reshape(tokens, -1),
+    )
 
     hidden = 2048
     x = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
     residual = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
     weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device=device)).to(dtype)
-    expected_residual = residual + x
-    expected = _rms_norm(expected_residual, weight, EPS)
+    torch_residual = residual + x
+    torch_out = _rms_norm(torch_residual, weight, EPS)
     out = fused_ops.rms_norm(x, weight, EPS, residual=residual)
-    assert torch.equal(residual, expected_residual)
-    # the sum of squares runs in another order: at most one bf16 rounding step apart
-    torch.testing.assert_close(out, expected, rtol=8e-3, atol=1e-6)
-    assert (out != expected).float().mean() < 0.01
+    assert torch.equal(residual, torch_residual)  # one rounded add, as torch's
+    no_worse_than_torch(out, torch_out, rms_norm_f64(torch_residual, weight))
 
     gate_up = torch.randn(tokens, 2 * 8192, generator=gen, device=device).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    expected = F.silu(gate) * up
-    out = fused_ops.silu_and_mul(gate_up)
-    torch.testing.assert_close(out, expected, rtol=8e-3, atol=1e-6)
-    assert (out != expected).float().mean() < 0.01
+    g, u = gate_up.double().chunk(2, dim=-1)
+    no_worse_than_torch(fused_ops.silu_and_mul(gate_up), F.silu(gate) * up, g * torch.sigmoid(g) * u)

@@ -12,6 +12,7 @@ from kernel_variants import record_variants
 import lora_kernels
 from adapter_format.model_shape import ModelShape
 from engine import warmup
+from engine.lora.pool import LoRAPool
 from engine.model import fp8_quant_kernel
 from engine.model import paged_attention_triton as attention
 from lora_kernels import expand_kernels, shrink_kernels, tiles
@@ -42,17 +43,26 @@ def lora_keys(monkeypatch, token_counts: list[int]) -> set:
         record_variants(monkeypatch, shrink_kernels, shrink) as keys,
         record_variants(monkeypatch, expand_kernels, expand) as expand_keys,
     ):
+        pool = LoRAPool(SHAPE, NUM_SLOTS, MAX_RANK, torch.float32, torch.device("cpu"))  # the engine's views
+        groups = [("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)]
         for num_tokens in token_counts:
-            for (_, in_features), widths in zip(warmup.lora_groups(SHAPE), WIDTHS):
+            for (_, in_features), widths, group in zip(warmup.lora_groups(SHAPE), WIDTHS, groups):
                 x = torch.zeros(num_tokens, in_features)
                 y = torch.zeros(num_tokens, sum(widths))
-                lora_as = [torch.zeros(NUM_SLOTS, MAX_RANK, in_features) for _ in widths]
-                lora_bs = [torch.zeros(NUM_SLOTS, w, MAX_RANK) for w in widths]
+                views = [pool.layers[0][m] for m in group]
                 slots = torch.randint(-1, NUM_SLOTS, (num_tokens,), generator=rng, dtype=torch.int32)
-                scales = [torch.ones(NUM_SLOTS) for _ in widths]
                 ranks = torch.full((NUM_SLOTS,), MAX_RANK, dtype=torch.int32)
-                lora_kernels.add_lora_multi(
-                    y, x, lora_as, lora_bs, slots, scales, widths, slot_ranks=ranks, backend="triton"
+                lora_kernels.add_lora_paged(
+                    y,
+                    x,
+                    [v.lora_a for v in views],
+                    [v.lora_b for v in views],
+                    pool.page_table,
+                    slots,
+                    [v.scales for v in views],
+                    widths,
+                    ranks,
+                    backend="triton",
                 )
     return set(keys) | set(expand_keys)
 

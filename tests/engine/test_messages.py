@@ -22,6 +22,7 @@ from engine.messages import (
     encode,
 )
 from engine.sampler import TokenLogprobs
+from engine.spec_decode.stats import SpecDecodeStats
 
 STATS = EngineStats(
     num_running=2,
@@ -35,12 +36,13 @@ STATS = EngineStats(
     max_loras=4,
     num_lora_slots_in_use=2,
     num_adapters_loading=1,
+    spec_decode=SpecDecodeStats(3, 9, 5, (3, 2, 0)),
 )
 PARAMS = SamplingParams(
     max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, seed=-(2**63), stop_token_ids=[4], ignore_eos=True,
     logprobs=2, min_tokens=1, structured_outputs={"json": {"type": "object"}}, repetition_penalty=1.1,
     presence_penalty=-0.5, frequency_penalty=0.25, logit_bias={7: -100.0, 8: 2.5}, allowed_token_ids=[1, 2, 7],
-    min_p=0.05, skip_special_tokens=False,
+    min_p=0.05, skip_special_tokens=False, speculative=False,
 )  # fmt: skip
 
 

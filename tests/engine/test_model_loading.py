@@ -77,6 +77,11 @@ CONFIG_ERRORS = {
     "block_size": (dict(block_size=-1), "block_size must be a positive integer"),
     "max_loras": (dict(max_loras=0), "max_loras must be a positive integer"),
     "max_lora_rank": (dict(max_lora_rank=1.5), "max_lora_rank must be a positive integer"),
+    "lora_pool_rank_budget": (dict(lora_pool_rank_budget=0), "lora_pool_rank_budget must be a positive"),
+    "lora_pool_below_max_rank": (
+        dict(max_lora_rank=64, lora_pool_rank_budget=32),
+        "must hold one adapter of the largest rank",
+    ),
     "num_kv_blocks": (dict(num_kv_blocks=1), "num_kv_blocks must be at least 2"),
     "utilization": (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be in"),
     "dtype": (dict(dtype="int8"), "dtype must be 'auto' or one of"),

@@ -15,9 +15,9 @@ from transformers import AutoConfig
 from adapter_format.errors import AdapterError
 from adapter_format.model_shape import ModelShape
 from engine.lora.manager import AdapterManager
+from engine.lora.pool import LoRAPool
 from engine.lora.registry import AdapterRegistry
 from engine.lora.residency import TRANSITIONS, AdapterStatus, IllegalTransition, ResidencyRecord
-from engine.lora.slots import LoRASlots
 
 S = AdapterStatus
 LEGAL = [(a, b) for a, targets in TRANSITIONS.items() for b in sorted(targets, key=lambda s: s.value)]
@@ -80,9 +80,7 @@ def folders(tmp_path_factory):
 def _manager(folders, max_loras=1, max_cpu_loras=1, registry_cls=AdapterRegistry):
     model_dir, good, other = folders
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
-    slots = LoRASlots(
-        shape, max_loras=max_loras, max_rank=16, dtype=torch.float32, device=torch.device("cpu")
-    )
+    slots = LoRAPool(shape, max_loras=max_loras, max_rank=16, dtype=torch.float32, device=torch.device("cpu"))
     registry = registry_cls(shape, 16)
     registry.register("good", good)
     registry.register("other", other)

@@ -93,6 +93,7 @@ async def open_test_services(
     max_loras: int = 2,
     store_config: StoreConfig | None = None,
     config_store: CachedConfigStore | None = None,
+    speculative_config: dict | None = None,
 ) -> AsyncIterator[Services]:
     """`store_config` (e.g. S3) replaces the local store under `root`; `config_store` the embedded one."""
     shape = ModelShape.from_hf_config(load_config(model_dir))
@@ -118,6 +119,7 @@ async def open_test_services(
         max_loras=max_loras,
         max_lora_rank=16,
         max_num_seqs=16,
+        speculative_config=speculative_config,
     )
     # The engine core runs in its own process, as in `loraserve serve`.
     engine = AsyncLLM.from_config(

@@ -76,6 +76,7 @@ def _params(
             min_p=body.min_p,
             logit_bias=_logit_bias(body.logit_bias),
             allowed_token_ids=body.allowed_token_ids,
+            speculative=body.speculative,
         )
     except ValueError as exc:
         raise BadRequest(str(exc)) from None

@@ -95,6 +95,8 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM's: keep only the last k prompt tokens (-1: as many as the context allows)
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
     prompt_logprobs: int | None = None  # vLLM's; refused (the engine returns no prompt logprobs yet)
+    # loraserve's: false keeps this request out of speculative decoding (a no-op when the server has none)
+    speculative: bool = True
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):

@@ -260,6 +260,8 @@ class _StateCollector(Collector):
             stats.num_kernel_compiles_after_ready,
             model,
         )
+        if stats.spec_decode is not None:
+            yield from _spec_decode_families(stats, model)
         capacity = GaugeMetricFamily("loraserve_lora_slots", "GPU adapter slots (max_loras).")
         capacity.add_metric([], stats.max_loras)
         yield capacity
@@ -333,6 +335,28 @@ _TENANT_SERIES = (
     ("gauge", "loraserve_tenant_requests_running", "Running requests per tenant.", "num_running"),
     ("gauge", "loraserve_tenant_requests_waiting", "Waiting requests per tenant.", "num_waiting"),
 )
+
+
+def _spec_decode_families(stats: EngineStats, model: list[str]) -> Iterator[Metric]:
+    """vLLM's speculative decoding counters (only when the engine speculates)."""
+    spec = stats.spec_decode
+    yield _counter(
+        "vllm:spec_decode_num_drafts", "Verifications of a request's proposals.", spec.num_drafts, model
+    )
+    yield _counter(
+        "vllm:spec_decode_num_draft_tokens", "Proposed tokens verified.", spec.num_draft_tokens, model
+    )
+    yield _counter(
+        "vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", spec.num_accepted_tokens, model
+    )
+    per_position = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Proposed tokens accepted, by position in the proposal (0: the first).",
+        labels=["model_name", "position"],
+    )
+    for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+        per_position.add_metric([*model, str(position)], count)
+    yield per_position
 
 
 def _tenant_families(stats: EngineStats) -> Iterator[Metric]:

@@ -1,0 +1,188 @@
+"""The paged adapter pool against the old slot layout, kernel level (issue 19): time and memory.
+
+    TRITON_INTERPRET=0 python benchmarks/lora_pool.py            # on a CUDA machine; a markdown table
+    python benchmarks/lora_pool.py --dry-run                     # anywhere: tiny shapes, interpreter
+
+For each shape and rank mix, the same adapters are applied two ways, graphed and timed as in
+benchmarks/lora_kernels.py (K input sets over twice the L2, CUDA-graph replays, per-op median):
+- slots: the old layout, one `[num_adapters, max_lora_rank, in]` stack per projection, every adapter
+  max_lora_rank wide (zero past its rank, which the kernels skip with `slot_ranks`); `add_lora_multi`;
+- pool: pages of 8 rank rows, each adapter holding ceil(rank / 8) consecutive pages (as the allocator
+  gives them), or scattered pages (a shuffled page order: the worst case after churn); `add_lora_paged`.
+Rank mixes: uniform 16 (max_lora_rank 16, the common case: the pool must cost nothing there) and
+8/16/64 in turn (max_lora_rank 64). "weights MiB" is what each layout allocates for those adapters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.lora_kernels import SHAPES, Shape, Timer, token_slots_for  # noqa: E402
+
+PAGE = 8
+MIXES = {"uniform 16": ([16], 16), "mixed 8/16/64": ([8, 16, 64], 64)}
+
+
+def ranks_of(mix: str, num_adapters: int) -> tuple[list[int], int]:
+    cycle, max_rank = MIXES[mix]
+    return [cycle[i % len(cycle)] for i in range(num_adapters)], max_rank
+
+
+def make_layouts(shape: Shape, ranks: list[int], max_rank: int, seed: int, device: str, scattered: bool):
+    """(dense kwargs, paged kwargs, x, y, token_slots, scales) for one input set."""
+    gen = torch.Generator().manual_seed(seed)
+    n, k, dtype = len(ranks), shape.in_features, torch.bfloat16
+    max_pages = -(-max_rank // PAGE)
+    pages_of = [-(-r // PAGE) for r in ranks]
+    order = list(range(sum(pages_of)))
+    if scattered:
+        order = torch.randperm(len(order), generator=gen).tolist()
+    page_table = torch.zeros(n, max_pages, dtype=torch.int32)
+    dense_as = [torch.zeros(n, max_rank, k, dtype=dtype) for _ in shape.out_slices]
+    dense_bs = [torch.zeros(n, w, max_rank, dtype=dtype) for w in shape.out_slices]
+    pool_as = [torch.zeros(len(order), PAGE, k, dtype=dtype) for _ in shape.out_slices]
+    pool_bs = [torch.zeros(len(order), PAGE, w, dtype=dtype) for w in shape.out_slices]
+    next_page = 0
+    for slot, rank in enumerate(ranks):
+        pages = order[next_page : next_page + pages_of[slot]]
+        next_page += pages_of[slot]
+        page_table[slot, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        for i, w in enumerate(shape.out_slices):
+            a = (torch.randn(rank, k, generator=gen) * k**-0.5).to(dtype)
+            bt = (torch.randn(rank, w, generator=gen) * rank**-0.5).to(dtype)
+            dense_as[i][slot, :rank], dense_bs[i][slot, :, :rank] = a, bt.T
+            padded_a = torch.zeros(len(pages) * PAGE, k, dtype=dtype)
+            padded_b = torch.zeros(len(pages) * PAGE, w, dtype=dtype)
+            padded_a[:rank], padded_b[:rank] = a, bt
+            pool_as[i][pages] = padded_a.view(len(pages), PAGE, k)
+            pool_bs[i][pages] = padded_b.view(len(pages), PAGE, w)
+    slots = token_slots_for(shape, gen).to(device)
+    scales = [torch.full((n,), 2.0, device=device) for _ in shape.out_slices]
+    ranks_t = torch.tensor(ranks, dtype=torch.int32, device=device)
+    x = torch.randn(shape.num_tokens, k, generator=gen).to(device=device, dtype=dtype)
+    y = torch.randn(shape.num_tokens, sum(shape.out_slices), generator=gen).to(device=device, dtype=dtype)
+
+    def dev(ts):
+        return [t.to(device) for t in ts]
+
+    dense = dict(lora_as=dev(dense_as), lora_bs=dev(dense_bs))
+    paged = dict(pool_as=dev(pool_as), pool_bs=dev(pool_bs), page_table=page_table.to(device))
+    return dense, paged, x, y, slots, scales, ranks_t
+
+
+def weights_mib(tensors) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+
+
+def run(shape: Shape, mix: str, timer: Timer, l2: int, device: str) -> list[dict]:
+    import lora_kernels
+
+    ranks, max_rank = ranks_of(mix, shape.num_adapters)
+    slices = list(shape.out_slices)
+    per_set = sum(ranks) * 2 * (shape.in_features * len(slices) + sum(slices))
+    num_sets = min(32, max(2, math.ceil(2 * l2 / per_set)))
+    rows = []
+    for layout in ("slots", "pool", "pool, scattered pages"):
+        sets = [
+            make_layouts(shape, ranks, max_rank, seed, device, "scattered" in layout)
+            for seed in range(num_sets)
+        ]
+        metas = [lora_kernels.LoRABatchMeta.build(s[4], shape.num_adapters) for s in sets]
+
+        def op(s, meta, out=None, layout=layout):
+            dense, paged, x, y, slots, scales, ranks_t = s
+            y = y if out is None else out
+            if layout == "slots":
+                return lambda: lora_kernels.add_lora_multi(
+                    y,
+                    x,
+                    dense["lora_as"],
+                    dense["lora_bs"],
+                    slots,
+                    scales,
+                    slices,
+                    slot_ranks=ranks_t,
+                    meta=meta,
+                )
+            return lambda: lora_kernels.add_lora_paged(
+                y,
+                x,
+                paged["pool_as"],
+                paged["pool_bs"],
+                paged["page_table"],
+                slots,
+                scales,
+                slices,
+                ranks_t,
+                meta=meta,
+            )
+
+        dense, paged, x, y, slots, scales, ranks_t = sets[0]
+        out = y.clone()
+        op(sets[0], metas[0], out)()
+        expected = lora_kernels.reference.add_lora_multi(
+            y.double(),
+            x.double(),
+            [a.double() for a in dense["lora_as"]],
+            [b.double() for b in dense["lora_bs"]],
+            slots,
+            [c.double() for c in scales],
+            slices,
+        )
+        err = ((out.double() - expected).abs().max() / expected.abs().max()).item()
+        micros = timer.graph([op(s, m) for s, m in zip(sets, metas)])
+        memory = (
+            dense["lora_as"] + dense["lora_bs"] if layout == "slots" else paged["pool_as"] + paged["pool_bs"]
+        )
+        rows.append(dict(shape=shape, mix=mix, layout=layout, us=micros, err=err, mib=weights_mib(memory)))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--dry-run", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET"
+    )
+    parser.add_argument("--reps", type=int, default=50, help="graph replays per measurement")
+    parser.add_argument("--only", default="", help="run only shapes whose name contains this")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before lora_kernels imports triton
+    elif not torch.cuda.is_available():
+        print("no CUDA device: nothing to benchmark (--dry-run checks the script)")
+        return 0
+    device = "cpu" if args.dry_run else "cuda"
+    timer = Timer(args.dry_run, args.reps)
+    l2 = 0 if args.dry_run else torch.cuda.get_device_properties(0).L2_cache_size
+    name = "CPU (dry run: timings mean nothing)" if args.dry_run else torch.cuda.get_device_name(0)
+    print(f"{name}; torch {torch.__version__}\n")
+    print(
+        "| shape | tokens | in -> out | adapters | ranks | layout | µs | vs slots | weights MiB | max rel err |"
+    )
+    print("|" + "---|" * 10)
+    for shape in SHAPES:
+        if args.only not in shape.name:
+            continue
+        shape = shape.small() if args.dry_run else shape
+        for mix in MIXES:
+            rows = run(shape, mix, timer, l2, device)
+            base = rows[0]["us"]
+            for r in rows:
+                print(
+                    f"| {shape.name} | {shape.num_tokens} | {shape.in_features} -> {'+'.join(map(str, shape.out_slices))} "
+                    f"| {shape.num_adapters} | {mix} | {r['layout']} | {r['us']:.1f} | {r['us'] / base:.2f} "
+                    f"| {r['mib']:.1f} | {r['err']:.1e} |"
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

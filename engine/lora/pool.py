@@ -1,0 +1,147 @@
+"""The GPU adapter pool: adapter weights in pages of rank rows, so each adapter takes what its rank needs.
+
+`max_loras` slots say which adapters are resident (the kernels index per-slot scales, ranks and page
+tables by a token's slot); the memory is `num_pages` pages (engine/lora/slots.py lays a page out), by
+default enough for max_loras adapters at max_lora_rank. With a smaller `rank_budget`, many small
+adapters share what few large ones would take: an adapter of rank r holds ceil(r / PAGE_RANK) pages.
+Which pages an adapter holds is the allocator's business (engine/lora/slot_allocator.py); this class
+owns the tensors, which the model reads directly (`lora_kernels.add_lora_paged`), so loading never
+reallocates anything the model holds, and CUDA graphs replay over the same buffers.
+
+Layout on the device, e.g. max_loras = 3, max_lora_rank = 64 (8 pages), rank_budget = 96 (12 pages),
+adapters of rank 16 (slot 0), 64 (slot 1) and 8 (slot 2):
+
+    weights     [num_pages, page_numel]   pages 0-1: slot 0, 2-9: slot 1, 10: slot 2, 11: free
+    page_table  [max_loras, max_pages]    row 0 = [0, 1, ...], row 1 = [2..9], row 2 = [10, ...]
+    table       [num_layers, TABLE_COLUMNS, max_loras]  scales and ranks per layer and slot
+
+(past an adapter's pages its page-table row holds stale ids, never read: the kernels stop at its rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from adapter_format.checkpoint import PeftAdapter
+from adapter_format.model_shape import TARGET_MODULES, ModelShape
+from engine.lora.pages import pages_for_rank, runs
+from engine.lora.slots import (
+    BOUND_COLUMN,
+    PAGE_RANK,
+    RANK_COLUMN,
+    SCALE_COLUMN,
+    TABLE_COLUMNS,
+    SlotImage,
+    SlotLayout,
+    build_image,
+)
+
+
+@dataclass
+class ModuleSlots:
+    """One projection of one layer (views into `LoRAPool`'s tensors)."""
+
+    lora_a: torch.Tensor  # [num_pages, PAGE_RANK, in], page stride page_numel
+    lora_b: torch.Tensor  # [num_pages, PAGE_RANK, out], B transposed, likewise
+    scales: torch.Tensor  # [max_loras] float32; 0 where the slot's adapter does not target this module
+    ranks: torch.Tensor  # [max_loras] int32; 0 where untargeted
+
+
+class LoRAPool:
+    """Paged adapter weights; `layers[i][module]` is that projection's ModuleSlots for layer i."""
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        rank_budget: int | None = None,
+    ):
+        self.shape = shape
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.device = device
+        self.layout = SlotLayout(shape, max_rank)
+        max_pages = self.layout.max_pages
+        self.num_pages = (
+            max_loras * max_pages if rank_budget is None else pages_for_rank(rank_budget, PAGE_RANK)
+        )
+        if self.num_pages < max_pages:
+            raise ValueError(
+                f"a LoRA pool of {self.num_pages * PAGE_RANK} rank rows cannot hold one adapter of "
+                f"max_lora_rank {max_rank}; raise lora_pool_rank_budget to at least {max_rank}"
+            )
+        n = shape.num_layers
+        self.weights = torch.zeros(self.num_pages, self.layout.page_numel, dtype=dtype, device=device)
+        self.page_table = torch.zeros(max_loras, max_pages, dtype=torch.int32, device=device)
+        self.table = torch.zeros(n, TABLE_COLUMNS, max_loras, dtype=torch.int32, device=device)
+        self._page_ids = torch.arange(
+            self.num_pages, dtype=torch.int32, device=device
+        )  # copied, never synced
+        views: dict[tuple[str, str], list[torch.Tensor]] = {}
+        for (module, kind), (offset, (_, rows, cols)) in self.layout.blocks().items():
+            views[module, kind] = [
+                self.weights[:, offset + i * rows * cols : offset + (i + 1) * rows * cols].unflatten(
+                    1, (rows, cols)
+                )
+                for i in range(n)
+            ]
+        # module -> [num_layers, max_loras]; each layer's row is contiguous, as the kernels need.
+        self.scales = {m: self.table[:, c].view(torch.float32) for m, c in SCALE_COLUMN.items()}
+        self.ranks = {m: self.table[:, c] for m, c in RANK_COLUMN.items()}
+        # Per group the model applies at once, the largest rank of its projections per layer and slot:
+        # the kernels read no row past it.
+        self.rank_bounds: dict[tuple[str, ...], torch.Tensor] = {(m,): self.ranks[m] for m in TARGET_MODULES}
+        self.rank_bounds.update({g: self.table[:, c] for g, c in BOUND_COLUMN.items()})
+        self.layers: list[dict[str, ModuleSlots]] = [
+            {
+                m: ModuleSlots(views[m, "a"][i], views[m, "b"][i], self.scales[m][i], self.ranks[m][i])
+                for m in TARGET_MODULES
+            }
+            for i in range(n)
+        ]
+
+    @property
+    def kernel_rank(self) -> int:
+        """h's width in the kernels: max_lora_rank rounded up to whole pages."""
+        return self.layout.max_pages * PAGE_RANK
+
+    @property
+    def num_bytes(self) -> int:
+        """Device memory the pool holds (weights, page tables, scales and ranks)."""
+        return sum(t.numel() * t.element_size() for t in (self.weights, self.page_table, self.table))
+
+    def image(self, adapter: PeftAdapter, pin_memory: bool = False) -> SlotImage:
+        """Lay an adapter (validated against this model) out as pool pages, on the CPU."""
+        return build_image(self.layout, self.dtype, adapter, pin_memory)
+
+    def load(self, slot: int, image: SlotImage, pages: list[int]) -> None:
+        """Copy an adapter's image into `pages` and point `slot` at them (asynchronously on CUDA when the
+        image is pinned): one copy per run of consecutive pages, plus the slot's table column."""
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"slot {slot} is outside [0, {self.max_loras})")
+        if len(pages) < image.num_pages:
+            raise ValueError(f"the adapter fills {image.num_pages} pages but only {len(pages)} were given")
+        source = image.pages
+        for start, first, count in runs(list(pages[: image.num_pages])):
+            self.weights[first : first + count].copy_(source[start : start + count], non_blocking=True)
+            self.page_table[slot, start : start + count].copy_(self._page_ids[first : first + count])
+        self.table[:, :, slot].copy_(image.table, non_blocking=True)
+
+    def snapshot(self, slot: int) -> SlotImage:
+        """What `slot` holds, gathered into a new CPU image (tests and debugging; it syncs)."""
+        table = self.table[:, :, slot].cpu()
+        num_pages = pages_for_rank(int(table[:, RANK_COLUMN[TARGET_MODULES[0]] :].max()), PAGE_RANK)
+        weights = torch.zeros(self.layout.max_pages, self.layout.page_numel, dtype=self.dtype)
+        pages = self.page_table[slot, :num_pages].long()
+        weights[:num_pages] = self.weights[pages].cpu()
+        return SlotImage(self.layout, weights.flatten(), table.contiguous())
+
+    def slot_ranks(self, layer: int, modules: tuple[str, ...]) -> torch.Tensor:
+        """[max_loras] int32: the rank each slot needs for these projections of `layer`, applied at once."""
+        return self.rank_bounds[modules][layer]

@@ -85,9 +85,9 @@ def tp_workers() -> list:
     return [p for p in multiprocessing.active_children() if p.name.startswith("tp-worker")]
 
 
-def generate(llm, case):
+def generate(llm, case, params=GREEDY):
     prompts = [{"prompt_token_ids": p} for p in case["prompts"]]
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, adapters=case["assigned"])]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, adapters=case["assigned"])]
 
 
 # max_loras 2 with 4 adapters: slots are evicted and refilled, and the workers must follow rank 0's choice.
@@ -137,6 +137,23 @@ def test_a_vocabulary_the_ranks_do_not_divide(tmp_path):
         assert [o.outputs[0].token_ids for o in outputs] == expected
         assert llm.engine.runner.model.weights.embed.shape[0] == 256
         assert all(t < 511 for o in outputs for step in o.outputs[0].logprobs for t in step.top)
+
+
+def test_speculative_decoding_over_ranks(c1_case):
+    """n-gram speculation: the verifying step's extra logits rows come from the gathered vocabulary."""
+    if c1_case["arch"] != "llama":
+        pytest.skip("one architecture is enough for the step exchange")
+    adapters = {k: str(v) for k, v in c1_case["adapters"].items()}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    args = {**ENGINE_ARGS, "max_loras": 4, "lora_modules": adapters, "speculative_config": spec}
+    # Repetitive prompts, so the n-gram lookup finds proposals.
+    case = {**c1_case, "prompts": [[7, 8, 9, 10] * 4 + p[:4] for p in c1_case["prompts"]]}
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)  # no min_tokens
+    with engine(c1_case["model_dir"], **args) as llm:
+        expected = generate(llm, case, params)
+    with engine(c1_case["model_dir"], tensor_parallel_size=2, **args) as llm:
+        assert generate(llm, case, params) == expected
+        assert llm.engine.speculator.stats().num_draft_tokens > 0  # proposals were verified
 
 
 def test_tensor_parallel_size_is_checked():

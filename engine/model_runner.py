@@ -22,6 +22,7 @@ from engine.model.loader import checkpoint_dtype, load_weights
 from engine.model.paged_attention_triton import interpreting
 from engine.sampler import SampledStep
 from engine.scheduler import ScheduledRequest
+from engine.spec_decode.verify_graphs import VerifyCudaGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class ModelRunner:
                 self.device,
             )
             self.graphs.capture()
+        self.verify_graphs = self._capture_verify_graphs()
         logger.info(
             "model loaded: %d layers, %s on %s; LoRA pool %.0f MiB (%d pages of %d rank rows); "
             "KV cache %d blocks of %d tokens, %s; attention %s, %s",
@@ -99,6 +101,17 @@ class ModelRunner:
             self.attention_backend,
             "CUDA graphs for decode" if self.graphs else "eager",
         )
+
+    def _capture_verify_graphs(self) -> VerifyCudaGraphs | None:
+        """Graphs for speculative verification steps, only with speculation and decode graphs on."""
+        spec = self.config.speculative_config
+        if self.graphs is None or spec is None or not spec.cuda_graphs:
+            return None
+        graphs = VerifyCudaGraphs(self, spec.num_speculative_tokens, spec.disable_by_batch_size)
+        if not graphs.buckets:
+            return None
+        graphs.capture(self.graphs.pool)
+        return graphs
 
     @property
     def kv_block_bytes(self) -> int:
@@ -129,6 +142,8 @@ class ModelRunner:
                 return logits
             rows = [i for i, s in enumerate(scheduled) if s.samples]
             return logits[torch.tensor(rows, device=logits.device)]
+        if self.verify_graphs is not None and self.verify_graphs.fits(scheduled):
+            return self.verify_graphs.execute(self.inputs, scheduled, in_flight)
         input_ids, meta, token_slots, logits_rows = self.inputs.prepare_eager(scheduled, in_flight)
         lora = None
         if token_slots is not None:

@@ -6,7 +6,8 @@ prefill and preemption."""
 from __future__ import annotations
 
 import pytest
-from spec_decode_fixtures import echo_prompts, make_echo_case
+from factories import make_adapter, make_model
+from spec_decode_fixtures import EOS, VOCAB, echo_prompts
 
 from engine import LLM, SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
@@ -22,7 +23,7 @@ NGRAM = {
 }
 BASE = dict(
     skip_tokenizer_init=True,
-    max_model_len=64,
+    max_model_len=40,
     block_size=4,
     max_loras=2,
     max_lora_rank=8,
@@ -30,18 +31,28 @@ BASE = dict(
     dtype="float32",
 )
 SETTINGS = {
-    # 5 requests in buckets [1, 2, 4, 8]: padding lanes; requests without proposals get ghost rows.
-    "mixed": dict(max_num_seqs=8),
-    # Budget 8: prompts arrive in chunks, some short enough for a lane; buckets stop at 8 // 4 = 2.
-    "chunked_prefill": dict(max_num_seqs=8, max_num_batched_tokens=8),
-    # 20 blocks of 4 tokens: requests are preempted and their rows rewritten with new blocks.
-    "preemption": dict(max_num_seqs=8, num_kv_blocks=20),
+    # 3 requests in buckets [1, 2, 4]: a padding lane; requests without proposals get ghost rows; a
+    # budget of 16 tokens chunks the prompts (chunks of up to 4 tokens fit a lane).
+    "mixed": dict(max_num_seqs=4, max_num_batched_tokens=16),
+    # 12 blocks of 4 tokens for 3 requests of up to 30: requests are preempted, their rows rewritten.
+    "preemption": dict(max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=12),
 }
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    return make_echo_case(tmp_path_factory.mktemp("spec-lanes"))
+    """One layer (the interpreted kernels are slow); otherwise spec_decode_fixtures' echo case."""
+    root = tmp_path_factory.mktemp("spec-lanes")
+    model = make_model(
+        root / "model", seed=1, vocab_size=VOCAB, eos_token_id=EOS, bos_token_id=1, num_hidden_layers=1
+    )
+    adapters = {
+        "qv": make_adapter(
+            model, root / "qv", seed=11, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]
+        ),
+        "mlp": make_adapter(model, root / "mlp", seed=12, r=8, lora_alpha=8, target_modules=["down_proj"]),
+    }
+    return dict(model=model, adapters=adapters)
 
 
 def _generate(case, setting: str, speculative_config=None):
@@ -55,10 +66,9 @@ def _generate(case, setting: str, speculative_config=None):
     assert runner.verify_graphs is None  # the CPU captures nothing
     if speculative_config is not None:  # the graphs' forward, uncaptured: the lanes without CUDA
         runner.verify_graphs = VerifyCudaGraphs(runner, K)
-    prompts = echo_prompts(5)
     names = [*case["adapters"], None]
-    params = [SamplingParams(temperature=0.0, max_tokens=24 + i % 3, ignore_eos=True) for i in range(5)]
-    outputs = llm.generate(prompts, params, [names[i % 3] for i in range(5)])
+    params = [SamplingParams(temperature=0.0, max_tokens=14 + i, ignore_eos=True) for i in range(3)]
+    outputs = llm.generate(echo_prompts(3), params, names)
     assert all(o.error is None for o in outputs)
     return [o.outputs[0].token_ids for o in outputs], llm.engine
 

@@ -99,7 +99,7 @@ class ModelRunner:
             self.block_size,
             self._kv_cache_description(weights),
             self.attention_backend,
-            "CUDA graphs for decode" if self.graphs else "eager",
+            _graphs_description(self.graphs, self.verify_graphs),
         )
 
     def _capture_verify_graphs(self) -> VerifyCudaGraphs | None:
@@ -220,6 +220,14 @@ def _check_fp8_triton_support(device: torch.device) -> None:
             f"kv_cache_dtype fp8 with the Triton attention backend needs compute capability 8.9 or newer "
             f"(this GPU is {major}.{minor}); use kv_cache_dtype 'auto', or attention_backend 'torch'"
         )
+
+
+def _graphs_description(graphs, verify_graphs) -> str:
+    if graphs is None:
+        return "eager"
+    if verify_graphs is None:
+        return "CUDA graphs for decode"
+    return f"CUDA graphs for decode and verification (lanes of {verify_graphs.lane} tokens)"
 
 
 def _is_decode_only(scheduled: list[ScheduledRequest], max_batch_size: int) -> bool:

@@ -99,7 +99,6 @@ def no_worse_than_torch(fused: torch.Tensor, torch_ops: torch.Tensor, exact: tor
     torch_error = (torch_ops.double() - exact).abs()
     assert fused_error.max() <= 1.5 * torch_error.max() + 1e-6
     assert fused_error.mean() <= 1.5 * torch_error.mean() + 1e-9
-    assert (fused != torch_ops).float().mean() < 0.05  # and mostly bit for bit
 
 
 @gpu

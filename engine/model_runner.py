@@ -173,7 +173,7 @@ class ModelRunner:
                 return logits
             rows = [i for i, s in enumerate(scheduled) if s.samples]
             return logits[torch.tensor(rows, device=logits.device)]
-        if self.verify_graphs is not None and self.verify_graphs.fits(scheduled):
+        if self.verify_graphs is not None and not wants_prompt and self.verify_graphs.fits(scheduled):
             return self.verify_graphs.execute(self.inputs, scheduled, in_flight)
         input_ids, meta, token_slots, logits_rows = self.inputs.prepare_eager(scheduled, in_flight)
         if self.parallel is not None:

@@ -81,3 +81,51 @@ def test_duplicate_tensor_names_are_refused(tmp_path):
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(4))
     with pytest.raises(AdapterError, match="duplicate keys"):
         read_tensor_shapes(path)
+
+
+def test_read_tensors_gives_what_safetensors_reads(tmp_path):
+    from safetensors import safe_open
+
+    from adapter_format.safetensors_header import read_tensors
+
+    path = tmp_path / WEIGHTS
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        f"t{i}": torch.randn(3, 5, generator=gen).to(dtype)
+        for i, dtype in enumerate((torch.float64, torch.float32, torch.float16, torch.bfloat16))
+    }
+    tensors["empty"] = torch.zeros(0, 4)
+    save_file(tensors, path)
+    shapes, read = read_tensors(path, check=lambda shapes: shapes)
+    assert shapes == {name: tuple(t.shape) for name, t in tensors.items()}
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():
+            assert read[name].dtype == f.get_tensor(name).dtype
+            assert torch.equal(read[name], f.get_tensor(name))
+
+
+def test_read_tensors_handles_offsets_not_aligned_to_the_dtype(tmp_path):
+    from adapter_format.safetensors_header import read_tensors
+
+    half = torch.tensor([1.5], dtype=torch.float16)  # 2 bytes: the F32 tensor after it starts at byte 2
+    single = torch.tensor([2.25, -3.0], dtype=torch.float32)
+    header = {
+        "h": {"dtype": "F16", "shape": [1], "data_offsets": [0, 2]},
+        "f": {"dtype": "F32", "shape": [2], "data_offsets": [2, 10]},
+    }
+    write_raw(tmp_path / WEIGHTS, header, half.view(torch.uint8).numpy().tobytes() + single.numpy().tobytes())
+    _, read = read_tensors(tmp_path / WEIGHTS)
+    assert torch.equal(read["h"], half) and torch.equal(read["f"], single)
+
+
+def test_read_tensors_reads_no_data_when_the_check_refuses_the_header(tmp_path, monkeypatch):
+    from adapter_format.safetensors_header import read_tensors
+
+    save_file({"a": torch.zeros(4)}, tmp_path / WEIGHTS)
+
+    def refuse(shapes):
+        raise AdapterError("shape_mismatch", "not for this model")
+
+    monkeypatch.setattr("builtins.bytearray", None)  # reading the data would fail differently
+    with pytest.raises(AdapterError, match="not for this model"):
+        read_tensors(tmp_path / WEIGHTS, check=refuse)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from adapter_format.errors import AdapterError, show_value
 from adapter_format.files import WEIGHTS_FILE
@@ -26,7 +27,7 @@ from adapter_format.peft_config import (
     check_adapter_config,
     read_adapter_config,
 )
-from adapter_format.safetensors_header import read_tensors
+from adapter_format.safetensors_header import read_tensor_shapes
 
 # e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (any prefix before `layers.`).
 _TENSOR_NAME = re.compile(
@@ -151,9 +152,12 @@ def load_peft_adapter(folder: str | Path, shape: ModelShape, max_lora_rank: int)
             else ""
         )
         raise AdapterError("missing_weights", f"{weights} does not exist{hint}")
-    adapter, tensors = read_tensors(
-        weights, str(weights), lambda shapes: check_adapter(config, shapes, shape, max_lora_rank)
-    )
+    adapter = check_adapter(config, read_tensor_shapes(weights, str(weights)), shape, max_lora_rank)
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as exc:  # safetensors raises several types for corrupt headers
+        raise AdapterError("bad_weights", f"{weights} is not a readable safetensors file: {exc}") from None
     loaded: dict[tuple[int, str], ModuleLoRA] = {}
     for name, tensor in tensors.items():
         match = _TENSOR_NAME.match(name)

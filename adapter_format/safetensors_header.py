@@ -4,21 +4,15 @@ Layout: 8 bytes little-endian header length N, N bytes of JSON
 `{"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`, then the data.
 Every field is bounds-checked here (lengths, offsets, sizes), so a file that passes is one
 `safetensors.safe_open` accepts, and a pickle renamed to .safetensors is refused with a clear message.
-Both the adapter store (on uploads) and the engine (on every load, reading the tensors at the checked
-offsets: `read_tensors`) run it.
+Both the adapter store (on uploads) and the engine (before `safe_open`, on every load) run it.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import struct
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
-
-import torch
 
 from adapter_format.bounded_json import loads_bounded
 from adapter_format.errors import AdapterError, show_value
@@ -31,8 +25,6 @@ MAX_HEADER_BYTES = 16 << 20
 MAX_HEADER_DEPTH = 3
 # LoRA weights are floating point; the engine converts any of these to its compute dtype.
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-T = TypeVar("T")
-_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _PICKLE_HINT = (
     "it looks like a pickled PyTorch checkpoint, which is never loaded; save the adapter with safetensors "
     "(save_pretrained(..., safe_serialization=True)) and upload adapter_model.safetensors"
@@ -45,67 +37,34 @@ def read_tensor_shapes(path: Path, label: str | None = None) -> dict[str, tuple[
     Messages name the file as `label` (default: its name alone, so no server path reaches a user).
     """
     path = Path(path)
-    with open(path, "rb") as f:
-        entries, _ = _read_entries(f, os.fstat(f.fileno()).st_size, label or path.name)
-    return {name: shape for name, (_, shape, _, _) in entries.items()}
-
-
-def read_tensors(
-    path: Path, label: str | None = None, check: Callable[[dict[str, tuple[int, ...]]], T] | None = None
-) -> tuple[T | None, dict[str, torch.Tensor]]:
-    """`check(shapes)` on the checked header, then every tensor (CPU, its stored dtype) from one read of
-    the file: nothing is read past the header unless `check` returns (it raises to refuse the file).
-
-    The tensors are views of one buffer at the offsets the header check bounded: no second parser, and
-    no per-tensor call into a library (with `safe_open`, reading a 224-tensor adapter cost a loader
-    about as much as laying it out; docs/BENCHMARKS.md, adapter loading)."""
-    path = Path(path)
     label = label or path.name
+    file_size = path.stat().st_size
     with open(path, "rb") as f:
-        file_size = os.fstat(f.fileno()).st_size
-        entries, data_start = _read_entries(f, file_size, label)
-        checked = None if check is None else check({name: e[1] for name, e in entries.items()})
-        data = bytearray(file_size - data_start)
-        if f.readinto(data) != len(data):
-            _fail(label, "it was truncated while being read")
-    raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    tensors = {}
-    for name, (dtype, shape, begin, end) in entries.items():
-        chunk = raw[begin:end]
-        if begin % DTYPE_BYTES[dtype]:  # a view must be aligned to its element size
-            chunk = chunk.clone()
-        tensors[name] = chunk.view(_TORCH_DTYPES[dtype]).view(shape)
-    return checked, tensors
-
-
-def _read_entries(
-    f, file_size: int, label: str
-) -> tuple[dict[str, tuple[str, tuple[int, ...], int, int]], int]:
-    """{name: (dtype, shape, begin, end)} (offsets into the data area) and where the data area starts,
-    from an open file positioned at its start."""
-    head = f.read(8)
-    # A pickle (b"\x80\x02".. protocol marks) or a zipped torch.save (b"PK") fails one of the next
-    # checks; the magic only picks the message, since a valid header length may begin with the same bytes.
-    pickled = head[:2] == b"PK" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
-    if len(head) < 8:
-        _fail(
-            label,
-            _PICKLE_HINT if pickled else f"it is {file_size} bytes, too short for a safetensors header",
+        head = f.read(8)
+        # A pickle (b"\x80\x02".. protocol marks) or a zipped torch.save (b"PK") fails one of the next
+        # checks; the magic only picks the message, since a valid header length may begin with the same bytes.
+        pickled = head[:2] == b"PK" or (
+            head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
         )
-    (header_len,) = struct.unpack("<Q", head)
-    if pickled and header_len > min(MAX_HEADER_BYTES, file_size - 8):
-        _fail(label, _PICKLE_HINT)
-    if header_len > file_size - 8:
-        _fail(
-            label,
-            f"its header claims {header_len} bytes, but the file holds {file_size} (truncated or corrupt)",
-        )
-    if header_len > MAX_HEADER_BYTES:
-        _fail(
-            label,
-            f"its header is {header_len} bytes; an adapter's header is far below {MAX_HEADER_BYTES}",
-        )
-    raw = f.read(header_len)
+        if len(head) < 8:
+            _fail(
+                label,
+                _PICKLE_HINT if pickled else f"it is {file_size} bytes, too short for a safetensors header",
+            )
+        (header_len,) = struct.unpack("<Q", head)
+        if pickled and header_len > min(MAX_HEADER_BYTES, file_size - 8):
+            _fail(label, _PICKLE_HINT)
+        if header_len > file_size - 8:
+            _fail(
+                label,
+                f"its header claims {header_len} bytes, but the file holds {file_size} (truncated or corrupt)",
+            )
+        if header_len > MAX_HEADER_BYTES:
+            _fail(
+                label,
+                f"its header is {header_len} bytes; an adapter's header is far below {MAX_HEADER_BYTES}",
+            )
+        raw = f.read(header_len)
     try:
         header = loads_bounded(raw, MAX_HEADER_DEPTH, object_pairs_hook=_no_duplicates)
     except ValueError as exc:
@@ -118,11 +77,11 @@ def _read_entries(
     ):
         _fail(label, "its __metadata__ must map strings to strings")
     data_size = file_size - 8 - header_len
-    entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     spans: list[tuple[int, int, str]] = []
     for name, info in header.items():
         shape, begin, end = _check_entry(label, name, info)
-        entries[name] = (info["dtype"], shape, begin, end)
+        shapes[name] = shape
         spans.append((begin, end, name))
     # Tensors must tile the data area exactly: no gaps, no overlaps, nothing past the end.
     position = 0
@@ -138,7 +97,7 @@ def _read_entries(
             label,
             f"its tensors cover {position} data bytes, but the file holds {data_size} (truncated or padded)",
         )
-    return entries, 8 + header_len
+    return shapes
 
 
 def _check_entry(label: str, name: str, info: object) -> tuple[tuple[int, ...], int, int]:

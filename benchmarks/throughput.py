@@ -109,6 +109,7 @@ def make_engine(
         async_scheduling=args.async_scheduling,
         quantization=quantization,
         fp8_gemm=args.fp8_gemm,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     engine = LLMEngine(config, skip_tokenizer_init=True)
     for i, path in enumerate(adapters):
@@ -205,6 +206,7 @@ def run_engine(
     profile = None
     if args.profile and adapters and len(adapters) == max(args.adapters):
         profile = profile_decode_steps(engine, prompts, names, args.output_tokens, device)
+    engine.shutdown()  # tensor-parallel workers leave before the next condition starts its own
     del engine
     w1.free_memory(device)
     return result, profile
@@ -377,6 +379,12 @@ def parse_args(argv=None):
         "--no-warmup-run",
         action="store_true",
         help="measure the first run after start-up (adapters load and anything compiled counts)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="the engine's model split over this many GPUs (peak memory is rank 0's)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few requests")
     args = p.parse_args(argv)

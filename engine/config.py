@@ -94,6 +94,9 @@ class EngineConfig:
     # How FP8 projections multiply (FP8_GEMMS): "auto" picks torch._scaled_mm where the GPU can, else
     # "dequant" (the weight dequantized to the model dtype for each GEMM; the CPU and the reference).
     fp8_gemm: str = "auto"
+    # GPUs one model is split over (Megatron-style, engine/parallel/): one worker process per rank beyond
+    # the first; NCCL on CUDA, gloo on the CPU. 1: no worker, no collective.
+    tensor_parallel_size: int = 1
     # vLLM's speculative_config: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     # as a dict, JSON text or SpeculativeConfig (engine/spec_decode/config.py); None: no speculation.
     # With it, async_scheduling is turned off: each step's kept tokens decide the next step.
@@ -111,6 +114,7 @@ class EngineConfig:
         _positive("max_loras", self.max_loras)
         _positive("max_lora_rank", self.max_lora_rank)
         _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.lora_pool_rank_budget is not None:
             _positive("lora_pool_rank_budget", self.lora_pool_rank_budget)
             if self.lora_pool_rank_budget < self.max_lora_rank:

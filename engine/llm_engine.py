@@ -123,7 +123,7 @@ class LLMEngine:
             ("enable_prefix_caching", str(config.enable_prefix_caching)),
             ("num_gpu_blocks", str(self.runner.num_kv_blocks)),
         )
-        vocab_size = self.runner.model.weights.embed.shape[0]
+        vocab_size = self.runner.model.vocab_size
         self.structured = StructuredOutputs(self.tokenizer, vocab_size, self.eos_token_ids)
         self._in_flight: Sampled | None = None  # async scheduling: the launched step not yet read back
         if self.runner.device.type == "cuda":  # elsewhere nothing is compiled
@@ -371,6 +371,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the adapter loaders (threads and processes); the engine serves no adapter loads after it."""
         self.lora.shutdown()
+        self.runner.shutdown()
 
     def mark_ready(self) -> None:
         """From now on every Triton compile is unexpected: counted in stats() and logged as a warning.
@@ -487,14 +488,14 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len} "
                 "(prompt plus at least one generated token); shorten the prompt"
             )
-        vocab = self.runner.model.weights.embed.shape[0]
+        vocab = self.runner.model.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         """Token ids in logit_bias and allowed_token_ids must exist in this model's vocabulary."""
-        vocab = self.runner.model.weights.embed.shape[0]
+        vocab = self.runner.model.vocab_size
         for name, ids in (
             ("logit_bias", params.logit_bias or {}),
             ("allowed_token_ids", params.allowed_token_ids or []),

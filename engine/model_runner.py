@@ -27,7 +27,9 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: Path, hf_config, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_path: Path, hf_config, max_model_len: int, parallel=None):
+        """`parallel`: this rank's TensorParallelRank (engine/parallel/rank.py) in a worker; rank 0 starts
+        its own when tensor_parallel_size > 1. None for tensor_parallel_size 1, which runs no collective."""
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype(checkpoint_dtype(hf_config))
@@ -45,21 +47,34 @@ class ModelRunner:
             and self.device.type == "cuda"
         ):
             _check_fp8_triton_support(self.device)
-        weights = load_weights(
-            model_path, hf_config, self.dtype, self.device, config.quantization, config.fp8_gemm
-        )
-        self.model = LlamaModel(hf_config, weights, max_model_len, self.attention_backend)
+        if parallel is None and config.tensor_parallel_size > 1:
+            from engine.parallel.rank import TensorParallelRank
+
+            parallel = TensorParallelRank.start(config, model_path, hf_config, max_model_len)
+        self.parallel = parallel
         self.shape = ModelShape.from_hf_config(hf_config)
-        # Allocated before the KV cache is sized, so the adapter pool counts in gpu_memory_utilization.
-        self.lora_slots = LoRAPool(
-            self.shape,
-            config.max_loras,
-            config.max_lora_rank,
-            self.dtype,
-            self.device,
-            config.lora_pool_rank_budget,
-        )
+        if parallel is None:
+            weights = load_weights(
+                model_path, hf_config, self.dtype, self.device, config.quantization, config.fp8_gemm
+            )
+            self.model = LlamaModel(hf_config, weights, max_model_len, self.attention_backend)
+            # Allocated before the KV cache is sized, so the adapter pool counts in gpu_memory_utilization.
+            self.lora_slots = LoRAPool(
+                self.shape,
+                config.max_loras,
+                config.max_lora_rank,
+                self.dtype,
+                self.device,
+                config.lora_pool_rank_budget,
+            )
+        else:
+            self.model, self.lora_slots = parallel.build(
+                config, model_path, hf_config, self.dtype, max_model_len, self.attention_backend
+            )
+            weights = self.model.weights
         self.num_kv_blocks = config.num_kv_blocks or self._profile_num_kv_blocks()
+        if parallel is not None:  # every rank's cache holds the same blocks (its own heads of them)
+            self.num_kv_blocks = parallel.group.min(self.num_kv_blocks)
         # One block more than the scheduler knows of: CUDA-graph padding rows write their K/V there.
         self.pad_block = self.num_kv_blocks
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks + 1)
@@ -124,17 +139,26 @@ class ModelRunner:
         if self.graphs is not None and _is_decode_only(scheduled, self.graphs.max_batch_size):
             size = self.graphs.bucket(len(scheduled))
             use_lora = self.inputs.prepare_decode(scheduled, size, in_flight)
+            if self.parallel is not None:
+                self.parallel.send_graph(self.inputs.decode, len(scheduled), size, use_lora)
             logits = self.graphs.replay(len(scheduled), size, use_lora)
             if all(s.samples for s in scheduled):
                 return logits
             rows = [i for i, s in enumerate(scheduled) if s.samples]
             return logits[torch.tensor(rows, device=logits.device)]
         input_ids, meta, token_slots, logits_rows = self.inputs.prepare_eager(scheduled, in_flight)
+        if self.parallel is not None:
+            self.parallel.send_eager(input_ids, meta, token_slots, logits_rows)
         lora = None
         if token_slots is not None:
             lora = LoRAContext(self.lora_slots, token_slots)
         hidden = self.model.forward(input_ids, meta, self.kv_caches, lora)
         return self.model.compute_logits(hidden[logits_rows])
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (the runner cannot run a step after it)."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
 
     def reset_inputs(self) -> None:
         """Drop the input rows of earlier steps (the warm-up's synthetic requests)."""

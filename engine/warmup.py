@@ -117,7 +117,9 @@ def warm_up(runner, sampler) -> None:  # sampler: the engine's, for its type onl
 
     counter = kernel_compiles.install()
     compiles_before, started = counter.num_compiles, time.perf_counter()
-    shape, config = runner.shape, runner.config
+    config = runner.config
+    # The kernels see this rank's projection sizes (tensor parallelism shards o's and down's inputs).
+    shape = runner.shape if runner.parallel is None else runner.parallel.plan.local_shape
     groups = lora_groups(shape)
 
     def key(num_tokens: int) -> tuple:

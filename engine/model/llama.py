@@ -77,6 +77,10 @@ class LlamaModel:
     def num_layers(self) -> int:
         return len(self.weights.layers)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.weights.embed.shape[0]
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
@@ -84,7 +88,7 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: key, value caches
         lora: LoRAContext | None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = F.embedding(input_ids, self.weights.embed)
+        hidden = self.embed(input_ids)
         if self.fused:
             return self._forward_fused(hidden, meta, kv_caches, lora)
         for i, layer in enumerate(self.weights.layers):
@@ -107,6 +111,9 @@ class LlamaModel:
             following = layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.norm
             x = fused_ops.rms_norm(out, following, self.eps, residual)
         return x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        return F.embedding(input_ids, self.weights.embed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
         return F.linear(hidden, self.weights.lm_head).float()

@@ -34,7 +34,7 @@ class DraftModelProposer:
                 f"{max_model_len}; lower max_model_len"
             )
         weights = load_weights(path, hf_config, runner.dtype, runner.device)
-        target_vocab = runner.model.weights.embed.shape[0]
+        target_vocab = runner.model.vocab_size
         if weights.embed.shape[0] != target_vocab:
             raise ValueError(
                 f"the draft model {model!r} has a vocabulary of {weights.embed.shape[0]} tokens, the target "

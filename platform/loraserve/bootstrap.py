@@ -49,6 +49,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         enable_prefix_caching=settings.enable_prefix_caching,
         kv_cache_dtype=settings.kv_cache_dtype,
         quantization=settings.quantization,
+        tensor_parallel_size=settings.tensor_parallel_size,
         speculative_config=settings.speculative_config,
         enforce_eager=settings.enforce_eager,
         async_scheduling=settings.async_scheduling,

@@ -53,6 +53,7 @@ _SERVE_FIELDS = (
     "gpu_memory_utilization",
     "kv_cache_dtype",
     "quantization",
+    "tensor_parallel_size",
     "speculative_config",
     "enable_prefix_caching",
     "enforce_eager",
@@ -117,6 +118,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[q for q in QUANTIZATIONS if q],
         help="fp8: the linear projections as float8 e4m3 with per-channel scales, quantized at load "
         "(FP8 checkpoints are detected from config.json and served as FP8 without it)",
+    )
+    add(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs of this host one model is split over (Megatron-style, one worker process per GPU "
+        "beyond the first); 1: one GPU",
     )
     add(
         "--speculative-config",

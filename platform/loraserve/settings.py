@@ -48,6 +48,7 @@ class ServerSettings:
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
     quantization: str | None = None  # engine.EngineConfig.quantization
+    tensor_parallel_size: int = 1  # engine.EngineConfig.tensor_parallel_size
     # vLLM's --speculative-config: JSON text of engine.spec_decode.config.SpeculativeConfig; None: off
     speculative_config: str | None = None
     enable_prefix_caching: bool = True
@@ -112,6 +113,12 @@ class ServerSettings:
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; use one of "
                 f"{', '.join(KV_CACHE_DTYPES)} (auto: the model dtype; fp8: float8 e4m3 with per-layer scales)"
+            )
+        if isinstance(self.tensor_parallel_size, bool) or not (
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1
+        ):
+            raise ValueError(
+                f"--tensor-parallel-size must be a positive integer (got {self.tensor_parallel_size!r})"
             )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(

@@ -152,6 +152,15 @@ def test_quantization_flag_reaches_the_engine():
         ServerSettings(quantization="awq")
 
 
+def test_tensor_parallel_size_flag_reaches_the_engine():
+    assert engine_config(settings([]), "some/model").tensor_parallel_size == 1
+    flags = settings(["--tensor-parallel-size", "4"])
+    assert engine_config(flags, "some/model").tensor_parallel_size == 4
+    assert settings([], {"LORASERVE_TENSOR_PARALLEL_SIZE": "2"}).tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="--tensor-parallel-size must be a positive integer"):
+        ServerSettings(tensor_parallel_size=0)
+
+
 def test_admin_client_commands_are_registered():
     parser = build_parser({})
     args = parser.parse_args(["adapters", "list"])

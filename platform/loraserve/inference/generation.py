@@ -82,6 +82,11 @@ class Generation:
         if shutdown is not None:
             shutdown.track(self)
         try:
+            if len(self.prompts) == 1:  # one engine stream: read it in this task, no pump and queue between
+                async for delta in self._deltas(0):
+                    self._check(delta)
+                    yield 0, delta
+                return
             self._tasks = [asyncio.create_task(self._pump(i)) for i in range(len(self.prompts))]
             remaining = len(self._tasks)
             while remaining:
@@ -115,22 +120,28 @@ class Generation:
         for request_id in self.ids:
             await self.services.engine.abort(request_id)
 
-    async def _pump(self, index: int) -> None:
+    async def _deltas(self, index: int) -> AsyncIterator[RequestOutput]:
+        """Prompt `index`'s engine stream, its timings recorded (and observed once it ends)."""
         timing = self._timings[index]
+        principal = self.principal
+        stream = self.services.engine.generate(
+            self.prompts[index],
+            self.params,
+            self.ids[index],
+            self.adapter,
+            tenant=principal.tenant if principal is not None else None,
+            tenant_weight=principal.weight if principal is not None else 1.0,
+        )
+        async for delta in stream:
+            _record(timing, delta)
+            yield delta
+        self._observe(index)
+
+    async def _pump(self, index: int) -> None:
+        """Several prompts: each stream is read by a task of its own into the shared queue."""
         try:
-            principal = self.principal
-            stream = self.services.engine.generate(
-                self.prompts[index],
-                self.params,
-                self.ids[index],
-                self.adapter,
-                tenant=principal.tenant if principal is not None else None,
-                tenant_weight=principal.weight if principal is not None else 1.0,
-            )
-            async for delta in stream:
-                _record(timing, delta)
+            async for delta in self._deltas(index):
                 self._queue.put_nowait((index, delta))
-            self._observe(index)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # EngineDeadError and the like: the consumer raises it
@@ -179,7 +190,7 @@ def _record(timing: _Timing, delta: RequestOutput) -> None:
     now = time.perf_counter()
     if timing.first_token is None:
         timing.first_token = now
-    elif timing.last_token is not None:
-        timing.gaps.append(now - timing.last_token)
+    elif timing.last_token is not None:  # a delta of several tokens (a stream that caught up): spread the gap
+        timing.gaps.extend([(now - timing.last_token) / new_tokens] * new_tokens)
     timing.last_token = now
     timing.num_tokens += new_tokens

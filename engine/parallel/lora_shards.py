@@ -1,0 +1,69 @@
+"""Adapters on sharded projections, as vLLM splits them (its default, not "fully sharded" LoRA):
+
+- column-parallel q/k/v, gate/up: A [r, in] whole on every rank, B [out, r] split by output like the
+  weight, so each rank adds the LoRA update of exactly the output rows it computes;
+- row-parallel o, down: A [r, in] split by input like the weight, B [out, r] whole; each rank's update
+  (x_r A_r^T) B^T is a partial sum that the projection's own all-reduce completes (engine/parallel/model.py).
+
+The CPU tier keeps whole adapters (validated against the whole model); a slot on a rank holds its shard.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from adapter_format.model_shape import TARGET_MODULES
+from engine.lora.pool import LoRAPool
+from engine.lora.slots import SlotImage, SlotLayout
+from engine.parallel.plan import COLUMN_PARALLEL, ShardPlan
+
+
+def shard_image(image: SlotImage, local: SlotLayout, plan: ShardPlan, rank: int) -> SlotImage:
+    """Rank `rank`'s shard of a whole adapter image, as a new contiguous image of layout `local`."""
+    shard = SlotImage(local, torch.zeros(local.numel, dtype=image.weights.dtype), image.table.clone())
+    for module in TARGET_MODULES:
+        a = image.page_a[module]  # [num_layers, max_pages, PAGE_RANK, in]
+        b = image.page_b[module]  # [num_layers, max_pages, PAGE_RANK, out]: B transposed
+        if module in COLUMN_PARALLEL:
+            start, end = plan.output_range(module, rank)
+            b = b[..., start:end]
+        else:
+            start, end = plan.input_range(module, rank)
+            a = a[..., start:end]
+        shard.page_a[module].copy_(a)
+        shard.page_b[module].copy_(b)
+    return shard
+
+
+class RankZeroLoRASlots(LoRAPool):
+    """Rank 0's adapter pool: the adapter manager sees the whole model's `layout` (its CPU tier holds
+    whole adapters); the device pages hold rank 0's shard (`local_layout`: the same pages, slots and
+    page tables on every rank, each page smaller). Each load also cuts the workers' shards, which
+    `take_pending` hands to the next step's message."""
+
+    def __init__(
+        self,
+        plan: ShardPlan,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        rank_budget: int | None,
+    ):
+        super().__init__(plan.local_shape, max_loras, max_rank, dtype, device, rank_budget)
+        self.plan = plan
+        self.local_layout = self.layout
+        self.layout = SlotLayout(plan.shape, max_rank)
+        self.shape = plan.shape
+        # (slot, pages, shard of worker 1, 2, ...)
+        self._pending: list[tuple[int, list[int], list[SlotImage]]] = []
+
+    def load(self, slot: int, image: SlotImage, pages: list[int]) -> None:
+        # Cut now: the CPU-tier row the image lives in may be refilled once this call returns.
+        shards = [shard_image(image, self.local_layout, self.plan, r) for r in range(self.plan.world_size)]
+        super().load(slot, shards[0], pages)
+        self._pending.append((slot, list(pages), shards[1:]))
+
+    def take_pending(self) -> list[tuple[int, list[int], list[SlotImage]]]:
+        pending, self._pending = self._pending, []
+        return pending

@@ -1,0 +1,212 @@
+"""What one rank's model runner does beyond tensor_parallel_size 1: build its shard, and exchange each
+step with the other ranks (rank 0 sends, the workers receive).
+
+Per step, rank 0 sends every worker a header down its pipe (engine/parallel/messages.py) and then
+broadcasts the step's tensors; each worker builds the same inputs and runs the same forward pass on its
+shard, in lock-step with rank 0 through the collectives inside the model. Adapter slots follow rank 0:
+when rank 0 fills a slot (its `RankZeroLoRASlots.load`, called by the adapter manager), each worker's
+shard of the adapter rides with the next step's header and is copied into the same slot before that
+step runs, so a slot holds the same adapter on every rank whenever a step reads it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from adapter_format.model_shape import ModelShape
+from engine.lora.pool import LoRAPool
+from engine.lora.slots import SlotImage
+from engine.model.attention import AttentionMetadata
+from engine.model.fp8_checkpoint import fp8_scheme
+from engine.parallel.group import ParallelGroup, free_port
+from engine.parallel.lora_shards import RankZeroLoRASlots
+from engine.parallel.messages import EagerStep, GraphStep, SlotLoad, bytes_tensor, encode, tensor_bytes
+from engine.parallel.model import ShardedLlamaModel
+from engine.parallel.plan import ShardPlan
+from engine.parallel.sharded_loader import load_shard
+from engine.parallel.workers import Workers
+from engine.step_buffers import DecodeTwins
+
+
+def _leave(workers: Workers, group: ParallelGroup, threads: int) -> None:
+    workers.stop()
+    group.close()
+    torch.set_num_threads(threads)
+
+
+def cpu_threads_per_rank(world_size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+class TensorParallelRank:
+    def __init__(
+        self, plan: ShardPlan, group: ParallelGroup, workers: Workers | None = None, threads: int = 0
+    ):
+        """`workers` and `threads` (torch's CPU threads before the start) on rank 0 only."""
+        self.plan, self.group, self.workers = plan, group, workers
+        self.lora_slots: LoRAPool | None = None  # set by `build`
+        # Rank 0: also when the runner is dropped without shutdown() (its start-up failed, say).
+        self._leave = weakref.finalize(self, _leave, workers, group, threads) if workers is not None else None
+
+    @classmethod
+    def start(cls, config, model_path: Path, hf_config, max_model_len: int) -> TensorParallelRank:
+        """Rank 0: check the split, start the workers (they load their shards meanwhile), join the group."""
+        plan = ShardPlan(
+            ModelShape.from_hf_config(hf_config), hf_config.vocab_size, config.tensor_parallel_size
+        )
+        device = config.torch_device
+        if device.type == "cuda":
+            needed = (device.index or 0) + plan.world_size
+            if torch.cuda.device_count() < needed:
+                raise ValueError(
+                    f"tensor_parallel_size {plan.world_size} from {device} needs {needed} GPUs; "
+                    f"{torch.cuda.device_count()} are visible"
+                )
+        scheme = fp8_scheme(hf_config, config.quantization)
+        if scheme is not None:
+            raise ValueError(
+                f"FP8 weights ({scheme}) are not supported with tensor_parallel_size > 1 yet; "
+                "serve the checkpoint in bf16/fp16, or with tensor_parallel_size 1"
+            )
+        if dist.is_initialized():
+            gc.collect()  # an engine dropped without shutdown() leaves the group when it is collected
+        if dist.is_initialized():
+            raise RuntimeError(
+                "this process already runs a tensor-parallel engine: shut it down (LLMEngine.shutdown) first"
+            )
+        threads = torch.get_num_threads()
+        if device.type == "cpu":  # the ranks share the cores: idle OpenMP threads of one starve the others
+            torch.set_num_threads(cpu_threads_per_rank(plan.world_size))
+        port = free_port()
+        try:
+            workers = Workers(config, str(model_path), max_model_len, port)
+            try:
+                group = ParallelGroup.join(0, plan.world_size, port, device)
+            except BaseException:
+                workers.stop()
+                raise
+        except BaseException:
+            torch.set_num_threads(threads)
+            raise
+        group.on_failure = workers.failure
+        if device.type == "cuda":  # fail rank 0's kernels that wait on the dead peer now, not at the timeout
+            workers.on_death.append(partial(dist.distributed_c10d._abort_process_group, group.group))
+        return cls(plan, group, workers, threads)
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    def build(self, config, model_path: Path, hf_config, dtype, max_model_len: int, backend: str):
+        """(model, adapter slots) of this rank: its shard of the weights, its shard of every slot."""
+        device = self.group.device
+        try:
+            weights = load_shard(
+                model_path, hf_config, self.plan, self.rank, dtype, device, config.quantization
+            )
+        except BaseException:
+            self.shutdown()  # rank 0: no worker outlives a start-up that failed, and the group is left
+            raise
+        model = ShardedLlamaModel(hf_config, weights, max_model_len, backend, self.plan, self.group)
+        budget = config.lora_pool_rank_budget
+        if self.rank == 0:
+            slots = RankZeroLoRASlots(
+                self.plan, config.max_loras, config.max_lora_rank, dtype, device, budget
+            )
+        else:
+            shape = self.plan.local_shape
+            slots = LoRAPool(shape, config.max_loras, config.max_lora_rank, dtype, device, budget)
+        self.lora_slots = slots
+        return model, slots
+
+    # -- rank 0 ---------------------------------------------------------------------------------------
+
+    def send_eager(self, input_ids, meta: AttentionMetadata, token_slots, logits_rows) -> None:
+        loads = self._loads()
+        self.workers.send(
+            [
+                encode(
+                    EagerStep(
+                        loads=loads[r],
+                        num_tokens=input_ids.numel(),
+                        block_table_width=meta.block_tables.shape[1],
+                        num_logits_rows=logits_rows.numel(),
+                        use_lora=token_slots is not None,
+                        query_start_loc=meta.query_start_loc,
+                        seq_lens=meta.seq_lens,
+                    )
+                )
+                for r in range(len(loads))
+            ]
+        )
+        parts = [input_ids, meta.positions, meta.slot_mapping, meta.block_tables.reshape(-1), logits_rows]
+        if token_slots is not None:
+            parts.append(token_slots.long())
+        self.group.broadcast(torch.cat(parts))
+
+    def send_graph(self, buffers: DecodeTwins, num_seqs: int, size: int, use_lora: bool) -> None:
+        loads = self._loads()
+        self.workers.send(
+            [
+                encode(GraphStep(loads=loads[r], num_seqs=num_seqs, size=size, use_lora=use_lora))
+                for r in range(len(loads))
+            ]
+        )
+        self._broadcast_graph_inputs(buffers, size)
+
+    def _loads(self) -> list[list[SlotLoad]]:
+        """Per worker, the adapter shards rank 0 put into slots since the last step."""
+        pending = self.lora_slots.take_pending()
+        return [
+            [
+                SlotLoad(slot, pages, tensor_bytes(shards[r].weights), tensor_bytes(shards[r].table))
+                for slot, pages, shards in pending
+            ]
+            for r in range(self.plan.world_size - 1)
+        ]
+
+    def shutdown(self) -> None:
+        """Rank 0: stop the workers, then leave the group (so another engine may form one here)."""
+        if self._leave is not None:
+            self._leave()
+
+    # -- workers --------------------------------------------------------------------------------------
+
+    def apply_loads(self, loads: list[SlotLoad]) -> None:
+        slots = self.lora_slots
+        for load in loads:
+            weights = bytes_tensor(load.weights, slots.dtype)
+            table = bytes_tensor(load.table, torch.int32).view(slots.table.shape[:2])
+            slots.load(load.slot, SlotImage(slots.layout, weights, table), load.pages)
+
+    def receive_eager(self, step: EagerStep):
+        """(input_ids, meta, token slots or None, logits rows), as rank 0's `send_eager` had them."""
+        n, num_seqs, width = step.num_tokens, len(step.seq_lens), step.block_table_width
+        sizes = [n, n, n, num_seqs * width, step.num_logits_rows] + ([n] if step.use_lora else [])
+        packed = torch.empty(sum(sizes), dtype=torch.long, device=self.group.device)
+        parts = self.group.broadcast(packed).split(sizes)
+        meta = AttentionMetadata(
+            positions=parts[1],
+            slot_mapping=parts[2],
+            block_tables=parts[3].view(num_seqs, width),
+            query_start_loc=step.query_start_loc,
+            seq_lens=step.seq_lens,
+        )
+        token_slots = parts[5].int() if step.use_lora else None
+        return parts[0], meta, token_slots, parts[4]
+
+    def receive_graph(self, buffers: DecodeTwins, size: int) -> None:
+        self._broadcast_graph_inputs(buffers, size)
+
+    def _broadcast_graph_inputs(self, buffers: DecodeTwins, size: int) -> None:
+        """The decode graphs' static inputs, rank 0's into everyone's (rows past `size` are not read)."""
+        self.group.broadcast(buffers.longs.device)
+        self.group.broadcast(buffers.ints.device)
+        self.group.broadcast(buffers.block_tables.device[:size])

@@ -1,0 +1,95 @@
+"""A worker process: rank 1..N-1 of the tensor-parallel group.
+
+It builds the same model runner as rank 0 (its own shard; the same collectives in the same order while
+profiling memory and capturing CUDA graphs), then runs each step rank 0 sends until told to stop. It exits
+when rank 0 says so, when rank 0's end of the pipe closes (rank 0 exited, however), or on an error, which
+it reports first (`Failed`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+from adapter_format.model_shape import ModelShape
+from engine.lora.context import LoRAContext
+from engine.parallel.messages import EagerStep, Failed, GraphStep, Hello, Stop, decode_to_worker, encode
+
+# How often an idle worker checks that rank 0's process still exists.
+IDLE_POLL_S = 1.0
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r runs on the r-th GPU after rank 0's; on the CPU every rank shares the CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def worker_main(
+    rank: int, world_size: int, port: int, config, model_path: str, max_model_len: int, conn
+) -> None:
+    from engine.model.loader import load_config
+    from engine.model_runner import ModelRunner
+    from engine.parallel.group import ParallelGroup
+    from engine.parallel.plan import ShardPlan
+    from engine.parallel.rank import TensorParallelRank, cpu_threads_per_rank
+
+    exit_code = 1
+    try:
+        conn.send_bytes(encode(Hello()))
+        device = rank_device(config.torch_device, rank)
+        if device.type == "cpu":  # as on rank 0 (TensorParallelRank.start)
+            torch.set_num_threads(cpu_threads_per_rank(world_size))
+        config = dataclasses.replace(config, device=str(device))
+        hf_config = load_config(Path(model_path))
+        group = ParallelGroup.join(rank, world_size, port, device)
+        plan = ShardPlan(ModelShape.from_hf_config(hf_config), hf_config.vocab_size, world_size)
+        runner = ModelRunner(
+            config, Path(model_path), hf_config, max_model_len, TensorParallelRank(plan, group)
+        )
+        serve(runner, conn)
+        exit_code = 0
+    except BaseException as exc:  # start-up errors (a bad shard, no memory) and step failures
+        try:
+            conn.send_bytes(encode(Failed(f"{type(exc).__name__}: {exc}")))
+        except OSError:
+            pass
+    finally:
+        conn.close()
+    # No interpreter teardown: destroying a process group whose peers are gone can block.
+    os._exit(exit_code)
+
+
+def serve(runner, conn) -> None:
+    parent = os.getppid()
+    while True:
+        if not conn.poll(IDLE_POLL_S):
+            if os.getppid() != parent:
+                return  # rank 0's process is gone
+            continue
+        try:
+            step = decode_to_worker(conn.recv_bytes())
+        except EOFError:
+            return  # rank 0 closed the pipe (it exited)
+        if isinstance(step, Stop):
+            return
+        run_step(runner, step)
+
+
+@torch.inference_mode()
+def run_step(runner, step: EagerStep | GraphStep) -> None:
+    """This rank's part of rank 0's step (the logits stay with rank 0; a worker drops its copy)."""
+    parallel = runner.parallel
+    parallel.apply_loads(step.loads)
+    if isinstance(step, GraphStep):
+        parallel.receive_graph(runner.inputs.decode, step.size)
+        runner.graphs.replay(step.num_seqs, step.size, step.use_lora)
+        return
+    input_ids, meta, token_slots, logits_rows = parallel.receive_eager(step)
+    lora = LoRAContext(runner.lora_slots, token_slots) if token_slots is not None else None
+    hidden = runner.model.forward(input_ids, meta, runner.kv_caches, lora)
+    runner.model.compute_logits(hidden[logits_rows])

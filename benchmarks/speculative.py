@@ -4,6 +4,7 @@
     python3 benchmarks/speculative.py --num-speculative-tokens 3 --edit-rate 0.2
     python3 benchmarks/speculative.py --adapters 8      # every request on one of 8 adapters, mixed
     python3 benchmarks/speculative.py --draft-model     # also method draft_model (a 2-layer echo model)
+    python3 benchmarks/speculative.py --eager-verification   # also ngram with eager verification steps
     python3 benchmarks/speculative.py --smoke           # tiny shapes on the CPU (checks that it runs)
 
 The workload ("rewrite this text with one change"): a random-weight model forced to echo. Its attention
@@ -17,9 +18,12 @@ n-gram lookup proposes what followed in the prompt: proposals after an edit are 
 
 Each condition is one engine (start-up excluded); each batch size runs once unmeasured (warm), then
 measured. TPOT: (last token - first token) / (output tokens - 1) per request, the median over requests.
-Speculative steps run eagerly (decode CUDA graphs hold one token per request); decode steps without
-proposals still replay graphs. The baseline runs with the engine's defaults (async scheduling on);
-speculation runs steps one at a time (it turns async scheduling off).
+Verification steps replay CUDA graphs of their own (engine/spec_decode/verify_graphs.py: a lane of k + 1
+rows per request), decode steps without proposals the decode graphs; the "verify graphs" column is the
+share of a run's steps that replayed a verification graph. `--eager-verification` adds the condition
+`"cuda_graphs": false` (verification steps eager, as before those graphs). The baseline runs with the
+engine's defaults (async scheduling on); speculation runs steps one at a time (it turns async
+scheduling off).
 """
 
 from __future__ import annotations
@@ -160,6 +164,9 @@ def run_batch(args, engine: LLMEngine, prompts: list[list[int]], tag: str) -> di
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     names = [f"a{i % args.adapters}" if args.adapters else None for i in range(len(prompts))]
     before = engine.stats().spec_decode
+    verify_graphs = engine.runner.verify_graphs
+    replays_before = verify_graphs.num_replays if verify_graphs is not None else 0
+    num_steps = 0
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     w1.sync(device)
@@ -168,6 +175,7 @@ def run_batch(args, engine: LLMEngine, prompts: list[list[int]], tag: str) -> di
         engine.add_request(f"{tag}-{i}", prompt, params, adapter)
     while engine.has_unfinished_requests():
         outputs = engine.step()
+        num_steps += 1
         now = time.perf_counter()
         for out in outputs:
             if out.outputs[0].token_ids and out.request_id not in first:
@@ -185,6 +193,8 @@ def run_batch(args, engine: LLMEngine, prompts: list[list[int]], tag: str) -> di
         drafts = after.num_drafts - before.num_drafts
         result["acceptance"] = accepted / drafted if drafted else float("nan")
         result["accepted_per_draft"] = accepted / drafts if drafts else float("nan")
+    if verify_graphs is not None:
+        result["verify_graph_steps"] = (verify_graphs.num_replays - replays_before) / num_steps
     return result
 
 
@@ -214,17 +224,19 @@ def report(args, conditions: dict[str, dict[int, dict]]) -> str:
         f"{args.output_tokens} output tokens, adapters {args.adapters or 'none'}, "
         f"k = {args.num_speculative_tokens}.",
         "",
-        "| condition | batch | TPOT ms (median) | speed-up | output tok/s | acceptance rate | accepted per draft |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| condition | batch | TPOT ms (median) | speed-up | output tok/s | acceptance rate | accepted per draft "
+        "| verify graphs |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, results in conditions.items():
         for size, r in results.items():
             speedup = base[size]["tpot"] / r["tpot"]
             acceptance = f"{r['acceptance']:.2f}" if "acceptance" in r else "-"
             per_draft = f"{r['accepted_per_draft']:.2f}" if "accepted_per_draft" in r else "-"
+            graphs = f"{r['verify_graph_steps']:.0%}" if "verify_graph_steps" in r else "-"
             lines.append(
                 f"| {name} | {size} | {r['tpot'] * 1e3:.2f} | {speedup:.2f}x | {r['tokens_per_s']:.0f} "
-                f"| {acceptance} | {per_draft} |"
+                f"| {acceptance} | {per_draft} | {graphs} |"
             )
     return "\n".join(lines)
 
@@ -242,6 +254,9 @@ def parse_args(argv=None):
     p.add_argument("--adapters", type=int, default=0, help="distinct adapters, assigned round robin")
     p.add_argument("--draft-model", action="store_true", help="also method draft_model (a 2-layer echo)")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument(
+        "--eager-verification", action="store_true", help="also ngram with verification steps eager"
+    )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in either condition")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     args = p.parse_args(argv)
@@ -278,6 +293,16 @@ def main(argv=None) -> None:
                 args, "ngram", model_dir, adapters, prompts, max_len, ngram
             ),
         }
+        if args.eager_verification:
+            conditions[f"ngram k={args.num_speculative_tokens}, eager verification"] = run_condition(
+                args,
+                "ngram, eager verification",
+                model_dir,
+                adapters,
+                prompts,
+                max_len,
+                {**ngram, "cuda_graphs": False},
+            )
         if args.draft_model:
             draft_dir = make_echo_model(
                 Path(tmp) / "draft", args.shape, dtype, device, successor, num_layers=2

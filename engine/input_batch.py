@@ -184,6 +184,55 @@ class InputBatch:
             twins.logits_rows.device[: len(sampling_rows)],
         )
 
+    def prepare_lanes(
+        self,
+        scheduled: list[ScheduledRequest],
+        twins,
+        size: int,
+        lane: int,
+        in_flight: SampledStep | None = None,
+    ) -> tuple[bool, int]:
+        """A step of 1 to `lane` new tokens per request into the verification graphs' buffers (`twins`,
+        spec_decode/verify_graphs.py): request i's tokens at rows [i * lane, i * lane + num_new), ghost
+        rows after them and padding lanes up to `size`. Input tokens still in flight are read from
+        `in_flight` on the device. Returns (whether any row uses an adapter, the
+        number of logits rows)."""
+        n, bs = len(scheduled), self.block_size
+        rows = size * lane
+        self._wait_for_copies()
+        longs, token_slots = twins.longs.host_np, twins.token_slots.host_np
+        num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, n)
+        starts = np.fromiter((s.start for s in scheduled), np.int64, n)
+        real = np.tile(np.arange(lane), n) < np.repeat(num_new, lane)  # [n * lane]
+        dest = np.flatnonzero(real)  # [num_tokens] lane row of each real token, in step order
+        owner = np.repeat(np.arange(n), num_new)  # [num_tokens] its request's row
+        positions = dest - owner * lane + starts[owner]
+        ids, waiting = _input_ids(scheduled)
+        longs[:, :rows] = 0  # ghosts: token 0 at position 0
+        longs[2, :rows] = self.pad_block * bs
+        longs[0, dest] = ids
+        longs[1, dest] = positions
+        longs[2, dest] = self.block_table[owner, positions // bs] * bs + positions % bs
+        token_slots[:rows] = NO_LORA
+        token_slots[dest] = self.lora_slots[owner]
+        seq_lens = twins.seq_lens.host_np
+        seq_lens[:n] = starts + lane  # the kernel's context (seq_len - lane) is the lane's start
+        seq_lens[n:size] = lane
+        width = int(-(-seq_lens[:size].max() // bs))
+        table = twins.block_tables.host_np[: size * width].reshape(size, width)
+        table[:] = self.pad_block
+        known = min(width, self.block_table.shape[1])
+        table[:n, :known] = self.block_table[:n, :known]
+        # Keys a ghost may read past the request's blocks: the scratch block, never a stale id.
+        table[:n][np.arange(width)[None, :] >= self.num_blocks[:n, None]] = self.pad_block
+        sampling_rows = _logits_rows(scheduled, np.arange(n) * lane + num_new)
+        twins.logits_rows.host_np[: len(sampling_rows)] = sampling_rows
+        twins.send(size, lane, width, len(sampling_rows))
+        self._record_copies()
+        waiting = [(int(dest[position]), request) for position, request in waiting]
+        _read_in_flight(twins.longs.device[0], waiting, in_flight)
+        return bool((self.lora_slots[:n] != NO_LORA).any()), len(sampling_rows)
+
     def _wait_for_copies(self) -> None:
         if self._copied is not None:
             self._copied.synchronize()

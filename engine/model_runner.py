@@ -22,6 +22,7 @@ from engine.model.loader import checkpoint_dtype, load_weights
 from engine.model.paged_attention_triton import interpreting
 from engine.sampler import SampledStep
 from engine.scheduler import ScheduledRequest
+from engine.spec_decode.verify_graphs import VerifyCudaGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class ModelRunner:
                 self.device,
             )
             self.graphs.capture()
+        self.verify_graphs = self._capture_verify_graphs()
         logger.info(
             "model loaded: %d layers, %s on %s; LoRA pool %.0f MiB (%d pages of %d rank rows); "
             "KV cache %d blocks of %d tokens, %s; attention %s, %s",
@@ -112,8 +114,20 @@ class ModelRunner:
             self.block_size,
             self._kv_cache_description(weights),
             self.attention_backend,
-            "CUDA graphs for decode" if self.graphs else "eager",
+            _graphs_description(self.graphs, self.verify_graphs),
         )
+
+    def _capture_verify_graphs(self) -> VerifyCudaGraphs | None:
+        """Graphs for speculative verification steps, only with speculation and decode graphs on, and
+        without tensor parallelism (its workers replay only decode graphs: such steps run eagerly)."""
+        spec = self.config.speculative_config
+        if self.graphs is None or spec is None or not spec.cuda_graphs or self.parallel is not None:
+            return None
+        graphs = VerifyCudaGraphs(self, spec.num_speculative_tokens, spec.disable_by_batch_size)
+        if not graphs.buckets:
+            return None
+        graphs.capture(self.graphs.pool)
+        return graphs
 
     @property
     def kv_block_bytes(self) -> int:
@@ -146,6 +160,8 @@ class ModelRunner:
                 return logits
             rows = [i for i, s in enumerate(scheduled) if s.samples]
             return logits[torch.tensor(rows, device=logits.device)]
+        if self.verify_graphs is not None and self.verify_graphs.fits(scheduled):
+            return self.verify_graphs.execute(self.inputs, scheduled, in_flight)
         input_ids, meta, token_slots, logits_rows = self.inputs.prepare_eager(scheduled, in_flight)
         if self.parallel is not None:
             self.parallel.send_eager(input_ids, meta, token_slots, logits_rows)
@@ -229,6 +245,14 @@ def _check_fp8_triton_support(device: torch.device) -> None:
             f"kv_cache_dtype fp8 with the Triton attention backend needs compute capability 8.9 or newer "
             f"(this GPU is {major}.{minor}); use kv_cache_dtype 'auto', or attention_backend 'torch'"
         )
+
+
+def _graphs_description(graphs, verify_graphs) -> str:
+    if graphs is None:
+        return "eager"
+    if verify_graphs is None:
+        return "CUDA graphs for decode"
+    return f"CUDA graphs for decode and verification (lanes of {verify_graphs.lane} tokens)"
 
 
 def _is_decode_only(scheduled: list[ScheduledRequest], max_batch_size: int) -> bool:

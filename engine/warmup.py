@@ -1,6 +1,7 @@
 """Start-up warm-up: every Triton kernel variant a step can launch is compiled before the engine serves.
 
-CUDA-graph capture already compiles what decode steps run (one batch per bucket, with and without LoRA).
+CUDA-graph capture already compiles what decode steps run (one batch per bucket, with and without LoRA),
+and so does the capture of speculative verification graphs (spec_decode/verify_graphs.py).
 This covers the rest: prefill and mixed prefill/decode steps, which run eagerly, and, without graphs,
 decode steps. Per step, what Triton compiles depends on
 - the LoRA kernels' launch configs (gathered or segmented path, tile height, split-K), which
@@ -136,8 +137,14 @@ def warm_up(runner, sampler) -> None:  # sampler: the engine's, for its type onl
         sizes = decode_batch_sizes(config.max_num_seqs, key, runner.model.num_kv_heads, runner.device)
         steps += [batches.decode(n, use_lora=True) for n in sizes]
         steps.append(batches.decode(1, use_lora=False))
-    for scheduled in steps:
-        logits = runner.execute(scheduled)
+    # Eager variants only: steps a verification graph could serve (a few tokens per request) must run
+    # eagerly here too, since steps too large for its buckets run them so later (capture compiled its own).
+    verify_graphs, runner.verify_graphs = runner.verify_graphs, None
+    try:
+        for scheduled in steps:
+            logits = runner.execute(scheduled)
+    finally:
+        runner.verify_graphs = verify_graphs
     runner.reset_inputs()
     warm_up_sampler(type(sampler)(), logits)  # a sampler of its own: the engine's random state stays put
     if runner.device.type == "cuda":

@@ -16,7 +16,8 @@ MAX_SPECULATIVE_TOKENS = 16
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How requests speculate. The last three fields are loraserve's: the per-request fallback."""
+    """How requests speculate. The last four fields are loraserve's: the per-request fallback, and
+    whether verification steps replay CUDA graphs."""
 
     method: str
     num_speculative_tokens: int
@@ -30,6 +31,8 @@ class SpeculativeConfig:
     fallback_acceptance_rate: float = 0.2
     fallback_window: int = 8
     fallback_cooldown: int = 32
+    # On CUDA with decode graphs: verification steps replay CUDA graphs (spec_decode/verify_graphs.py).
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -65,6 +68,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: fallback_acceptance_rate must be in [0, 1] (got {rate!r})")
         _int_in("fallback_window", self.fallback_window, 1, 1 << 20)
         _int_in("fallback_cooldown", self.fallback_cooldown, 0, 1 << 30)
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"speculative_config: cuda_graphs must be a bool (got {self.cuda_graphs!r})")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:

@@ -222,6 +222,11 @@ class AdapterStore(ABC):
     def _open(self, key: str) -> AbstractContextManager[BinaryIO]:
         """A readable stream of an object; MissingKey if absent."""
 
+    def _link(self, key: str, dest: Path) -> bool:
+        """Make `dest` a hard link to the object, where the backend keeps it as a file on this filesystem;
+        False where it cannot (then `_download` copies it). MissingKey if absent."""
+        return False
+
     @abstractmethod
     def _write(self, key: str, data: bytes) -> None:
         """Create or replace a small object atomically."""
@@ -292,6 +297,9 @@ class AdapterStore(ABC):
         part = dest / f".{filename}.part"
 
         def once() -> tuple[int, str]:
+            part.unlink(missing_ok=True)  # a retry starts afresh
+            if self._link(key, part):  # no copy: the file is hashed where it lies
+                return _hash_file(part, limit, lambda why: _mismatch(tenant, record, filename, why))
             digest, size = hashlib.sha256(), 0
             with self._open(key) as body, open(part, "wb") as out:
                 for chunk in _chunks(body):
@@ -335,6 +343,15 @@ class AdapterStore(ABC):
 
 def _version_prefix(tenant: str, name: str, version: int) -> str:
     return f"{tenant}/{name}/{version}/"
+
+
+def _hash_file(path: Path, limit: int, mismatch: Callable[[str], str]) -> tuple[int, str]:
+    """Size and sha256 of a file, refusing one larger than `limit` before reading it."""
+    size = path.stat().st_size
+    if size > limit:
+        raise ChecksumError(mismatch(f"is larger than {limit} bytes"))
+    with open(path, "rb") as f:
+        return size, hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _chunks(body: BinaryIO) -> Iterator[bytes]:

@@ -277,16 +277,20 @@ class DiskCache:
 
 
 def _scan_name(name_dir: Path) -> list[_Entry]:
+    """The complete cached versions of one name. With `os.scandir` (file types come with the listing, one
+    stat per file): every insertion scans the whole cache under the directory lock, and with pathlib's
+    calls a scan of 450 entries took about 45 ms, which every download in every loader process waited on."""
     entries = []
-    with suppress(FileNotFoundError, NotADirectoryError):
-        for folder in name_dir.iterdir():
+    with suppress(FileNotFoundError, NotADirectoryError), os.scandir(name_dir) as listing:
+        for folder in listing:
             if _FOLDER.fullmatch(folder.name) is None:
                 continue
-            with suppress(FileNotFoundError):  # moved aside by another process meanwhile
-                if not all((folder / f).is_file() for f in ADAPTER_FILES):
-                    continue
-                size = sum(f.stat().st_size for f in folder.iterdir())
-                entries.append(_Entry(folder, size, folder.stat().st_mtime_ns))
+            with suppress(FileNotFoundError, NotADirectoryError):  # moved aside by another process meanwhile
+                with os.scandir(folder.path) as files:
+                    sizes = {f.name: f.stat().st_size for f in files if f.is_file()}
+                if all(name in sizes for name in ADAPTER_FILES):
+                    used_at = folder.stat().st_mtime_ns
+                    entries.append(_Entry(Path(folder.path), sum(sizes.values()), used_at))
     return entries
 
 

@@ -98,6 +98,22 @@ class LocalStore(AdapterStore):
         except FileNotFoundError:
             raise MissingKey(key) from None
 
+    def _link(self, key: str, dest: Path) -> bool:
+        """A hard link where the disk cache shares this filesystem: a fetch then writes nothing, and the
+        page cache holds one copy. Safe because a stored file is never changed in place (versions are
+        never reused; `_write` replaces files by rename)."""
+        try:
+            os.link(self.root / key, dest)
+        except FileNotFoundError:
+            if (self.root / key).exists():  # `dest`'s folder is missing: not the store's problem
+                raise
+            raise MissingKey(key) from None
+        except OSError as exc:
+            if exc.errno in (errno.EXDEV, errno.EPERM, errno.EACCES, errno.EMLINK, errno.ENOTSUP):
+                return False  # another filesystem, or links not allowed: `_download` copies instead
+            raise
+        return True
+
     def _write(self, key: str, data: bytes) -> None:
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)

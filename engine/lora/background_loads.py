@@ -144,20 +144,37 @@ class _Loader:
         )
         self.process.start()  # returns at once; the process imports in the background
         child_end.close()  # so a dead process reads as EOF here, not as a load that never ends
-        self.adapter_id: str | None = None  # the load it runs
+        # The jobs sent and not answered yet, in order: the first runs, the others wait in its pipe.
+        self.jobs: deque[tuple[str, int]] = deque()
 
     def stop(self) -> None:
         self.conn.close()  # the process sees EOF and exits once its current load (if any) ends
 
 
+def default_num_loaders() -> int:
+    """Loader processes to run: half the cores this process may use, from 2 to 8. A load is one core's work
+    (hash, read, lay out) and a 22 MB one takes tens of milliseconds, so two loaders capped W2 at about 17
+    loads/s; more run beside the engine thread at a lower priority (docs/BENCHMARKS.md, adapter loading)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 2
+    return max(2, min(8, cores // 2))
+
+
 class ProcessLoads:
     """Loads in `num_processes` spawned processes (spawned, not forked: the server holds CUDA state and
     threads that a fork would copy half-way), which receive the tier's shared memory once at start.
-    They start at once, so the first load does not wait for their imports. Jobs beyond the idle processes
-    queue here and go out as answers come in. A process that dies is replaced; the load it ran fails
-    with the reason."""
+    They start at once, so the first load does not wait for their imports. Each process is sent up to
+    `JOBS_PER_LOADER` jobs, so it starts the next as soon as one ends instead of idling until the engine
+    collects its answer at its next step; jobs beyond that queue here and go out as answers come in.
+    A process that dies is replaced; the load it ran fails with the reason, and the jobs waiting in its
+    pipe go to the others."""
 
-    def __init__(self, source: AdapterSource, tier: HostTier, num_processes: int = 2):
+    JOBS_PER_LOADER = 2
+
+    def __init__(self, source: AdapterSource, tier: HostTier, num_processes: int | None = None):
+        num_processes = default_num_loaders() if num_processes is None else num_processes
         if not tier.shared:
             raise ValueError("loader processes need a CPU tier in shared memory (HostTier(shared=True))")
         if num_processes < 1:
@@ -184,27 +201,21 @@ class ProcessLoads:
 
     def finished(self) -> list[Finished]:
         done, self._unsent = self._unsent, []
-        for loader in self._loaders:
-            if loader.adapter_id is None or not loader.conn.poll():
-                continue
-            adapter_id, loader.adapter_id = loader.adapter_id, None
-            try:
-                error, records = pickle.loads(loader.conn.recv_bytes())
-            except (EOFError, OSError):  # the process died (killed, out of memory)
-                error = AdapterError(
-                    "load_failed",
-                    f"the adapter loader process died while loading {adapter_id!r} (out of memory?); "
-                    "the next request retries",
-                )
-                self._replace(loader)
-            else:
-                self._replay(records)
-            done.append((adapter_id, error))
+        for loader in list(self._loaders):
+            while loader.jobs and loader.conn.poll():
+                try:
+                    error, records = pickle.loads(loader.conn.recv_bytes())
+                except (EOFError, OSError):  # the process died (killed, out of memory)
+                    done.append(self._lost(loader))
+                else:
+                    adapter_id, _ = loader.jobs.popleft()
+                    self._replay(records)
+                    done.append((adapter_id, error))
         self._dispatch()
         return done
 
     def wait(self, timeout: float) -> None:
-        busy = [loader.conn for loader in self._loaders if loader.adapter_id is not None]
+        busy = [loader.conn for loader in self._loaders if loader.jobs]
         if busy:
             wait_for_connections(busy, timeout)
 
@@ -215,11 +226,10 @@ class ProcessLoads:
             loader.stop()
 
     def _dispatch(self) -> None:
-        for loader in self._loaders:
-            if not self._queue:
+        while self._queue:
+            loader = min(self._loaders, key=lambda loader: len(loader.jobs))  # the least busy first
+            if len(loader.jobs) >= self.JOBS_PER_LOADER:
                 return
-            if loader.adapter_id is not None:
-                continue
             adapter_id, row = self._queue.popleft()
             try:
                 job = pickle.dumps((self.source, adapter_id, row))
@@ -235,11 +245,14 @@ class ProcessLoads:
                 continue
             try:
                 loader.conn.send_bytes(job)
-            except OSError:  # died while idle: replace it, and send the job to the new one
-                self._replace(loader)
+            except OSError:  # died: its running load fails, the others go to the new one
                 self._queue.appendleft((adapter_id, row))
+                if loader.jobs:
+                    self._unsent.append(self._lost(loader))
+                else:
+                    self._replace(loader)
                 continue
-            loader.adapter_id = adapter_id
+            loader.jobs.append((adapter_id, row))
 
     def _replay(self, records: list[Any]) -> None:
         replay = getattr(self.source, "replay", None)
@@ -248,6 +261,20 @@ class ProcessLoads:
                 replay(records)
             except Exception:  # metrics must never stop serving
                 logger.exception("replaying a loader process's records failed")
+
+    def _lost(self, dead: _Loader) -> Finished:
+        """A process died: the load it ran fails, the jobs waiting in its pipe (never started) are queued
+        again, and a new process replaces it."""
+        adapter_id, _ = dead.jobs.popleft()
+        self._queue.extendleft(reversed(dead.jobs))
+        dead.jobs.clear()
+        self._replace(dead)
+        error = AdapterError(
+            "load_failed",
+            f"the adapter loader process died while loading {adapter_id!r} (out of memory?); "
+            "the next request retries",
+        )
+        return adapter_id, error
 
     def _replace(self, dead: _Loader) -> None:
         logger.error(
@@ -258,4 +285,5 @@ class ProcessLoads:
 
 
 def make_loads(in_processes: bool, source: AdapterSource, tier: HostTier) -> BackgroundLoads:
+    """Loader processes (as many as `default_num_loaders`), or two worker threads."""
     return ProcessLoads(source, tier) if in_processes else ThreadLoads(source, tier)

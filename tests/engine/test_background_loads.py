@@ -178,6 +178,44 @@ def test_loads_beyond_the_processes_queue_and_the_serving_process_runs_no_thread
         loads.close()
 
 
+def test_a_loader_starts_its_next_job_before_the_engine_collects_the_last(case):
+    """The engine collects answers once per step: a loader idle until then capped loads at one per loader
+    per step. With two jobs sent, both rows are written while nobody calls `finished`."""
+    loads = ProcessLoads(FolderSource(case["root"]), shared_tier(case), num_processes=1)
+    try:
+        loads.tier.weights.fill_(float("nan"))
+        loads.start("adapter", 0)
+        loads.start("adapter", 1)
+        deadline = time.monotonic() + 60
+        while loads.tier.weights[:2].isnan().any():
+            assert time.monotonic() < deadline, "the second load never ran before its answer was collected"
+            time.sleep(0.05)
+        assert run(loads, {}) == {}  # nothing new started
+        done = []
+        while len(done) < 2 and time.monotonic() < deadline:
+            done += loads.finished()
+            time.sleep(0.01)
+        assert done == [("adapter", None), ("adapter", None)]
+    finally:
+        loads.close()
+
+
+def test_jobs_waiting_behind_a_load_whose_process_dies_run_in_its_replacement(case):
+    loads = ProcessLoads(FolderSource(case["root"]), shared_tier(case), num_processes=1)
+    try:
+        assert run(loads, {"adapter": 0}) == {"adapter": None}  # the process is up
+        loads.start("hang", 1)
+        loads.start("adapter", 2)  # sent into the same pipe, behind the load that hangs
+        time.sleep(0.5)
+        loads.processes[0].kill()
+        error = collect(loads, "hang")
+        assert isinstance(error, AdapterError) and "died while loading 'hang'" in str(error)
+        assert collect(loads, "adapter") is None  # not failed: run again by the new process
+        assert loads.tier.image(2).ranks["q_proj"].tolist() == [8] * case["layout"].shape.num_layers
+    finally:
+        loads.close()
+
+
 def test_closed_loads_refuse_new_ones_and_the_processes_exit(case):
     loads = ProcessLoads(FolderSource(case["root"]), shared_tier(case), num_processes=1)
     run(loads, {"adapter": 0})

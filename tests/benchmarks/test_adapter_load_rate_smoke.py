@@ -1,0 +1,22 @@
+"""benchmarks/adapter_load_rate.py --smoke on the CPU (a local store of hard-linked names, loads through the
+disk cache in loader processes, the stage breakdown), so the load-rate script cannot rot between runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_load_rate_benchmark_runs_on_the_cpu():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")])}
+    command = [sys.executable, "benchmarks/adapter_load_rate.py", "--smoke"]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if "-> CPU tier |" in line]
+    assert [row.split("|")[2].strip() for row in rows] == ["store -> CPU tier", "disk -> CPU tier"]
+    assert all(float(row.split("|")[3]) > 0 for row in rows)
+    assert "| disk cache checkout (+ download) |" in result.stdout

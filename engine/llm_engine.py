@@ -379,6 +379,26 @@ class LLMEngine:
         reason = f"adapter {adapter_id!r} was deleted before this request started"
         self._pending.extend(self._fail_waiting(adapter_id, reason, include_preempted=False))
 
+    def preload_adapters(self, adapters: Iterable[str]) -> None:
+        """Start loading adapters into the CPU tier before any request asks for them (a server's
+        `--lora-modules`), so the first requests on a fresh replica do not wait for the disk or the store.
+        Best effort and non-blocking: an adapter that cannot be resolved is logged and skipped, one that
+        fails to load fails the requests that later ask for it, as it would without the preload."""
+        for adapter in adapters:
+            try:
+                adapter_id = self._resolve_adapter(adapter)
+            except (AdapterError, RequestError) as exc:
+                logger.warning("adapter %r not preloaded: %s", adapter, exc)
+                continue
+            if adapter_id is not None:
+                self.lora.prefetch(adapter_id)
+
+    def poll_adapters(self) -> None:
+        """Collect finished background loads while nothing runs (`step` does it otherwise), so preloaded
+        adapters reach the CPU tier on an idle engine."""
+        for adapter_id, reason in self.lora.poll().items():
+            self._pending.extend(self._fail_waiting(adapter_id, reason, include_preempted=True))
+
     def shutdown(self) -> None:
         """Stop the adapter loaders (threads and processes); the engine serves no adapter loads after it."""
         self.lora.shutdown()

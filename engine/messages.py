@@ -48,11 +48,15 @@ class ForgetAdapter(msgspec.Struct, frozen=True, tag="forget"):
     adapter_id: str  # deleted: no new requests; queued ones fail; running ones finish
 
 
+class PreloadAdapters(msgspec.Struct, frozen=True, tag="preload"):
+    adapter_ids: list[str]  # bring into the CPU tier before any request needs them (best effort)
+
+
 class ShutdownCore(msgspec.Struct, frozen=True, tag="shutdown"):
     """Stop the loop, the adapter loaders and the process (exit code 0)."""
 
 
-CoreInput = AddRequest | AbortRequests | ForgetAdapter | ShutdownCore
+CoreInput = AddRequest | AbortRequests | ForgetAdapter | PreloadAdapters | ShutdownCore
 
 # -- core -> front end ----------------------------------------------------------------------------
 

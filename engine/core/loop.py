@@ -19,6 +19,7 @@ from engine.messages import (
     AdapterEvent,
     AddRequest,
     ForgetAdapter,
+    PreloadAdapters,
     RequestDelta,
     ShutdownCore,
     StepOutputs,
@@ -63,7 +64,11 @@ class EngineCoreLoop:
             self._receive(0 if busy else IDLE_POLL_MS)
             if self._stopping:
                 return
-            step = self.engine.step() if self.engine.has_unfinished_requests() else []
+            if self.engine.has_unfinished_requests():
+                step = self.engine.step()
+            else:
+                self.engine.poll_adapters()  # preloads land in the CPU tier while idle
+                step = []
             self._send([self._delta(output) for output in step])
 
     # -- inputs -----------------------------------------------------------------------------------
@@ -91,6 +96,8 @@ class EngineCoreLoop:
             self.engine.abort_request(message.request_ids)
         elif isinstance(message, ForgetAdapter):
             self.engine.forget_adapter(message.adapter_id)
+        elif isinstance(message, PreloadAdapters):
+            self.engine.preload_adapters(message.adapter_ids)
         elif isinstance(message, ShutdownCore):
             self._stopping = True
 

@@ -23,7 +23,7 @@ from adapter_format.events import Observer, emit
 from engine.config import EngineConfig
 from engine.frontend.core_client import DEFAULT_STARTUP_TIMEOUT_S, CoreClient, EngineDeadError
 from engine.frontend.output_processor import RequestProcessor
-from engine.messages import AbortRequests, ForgetAdapter, RequestDelta, StepOutputs
+from engine.messages import AbortRequests, ForgetAdapter, PreloadAdapters, RequestDelta, StepOutputs
 from engine.model.loader import resolve_model_path
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -175,6 +175,10 @@ class AsyncLLM:
             self._client.send(ForgetAdapter(adapter_id))
         except EngineDeadError:
             pass  # nothing left to forget in
+
+    def preload_adapters(self, adapter_ids: list[str]) -> None:
+        """Have the core start loading these adapters into its CPU tier (see LLMEngine.preload_adapters)."""
+        self._client.send(PreloadAdapters(list(adapter_ids)))
 
     def stats(self) -> EngineStats:
         """The latest snapshot the core published (at most one step or one idle poll old)."""

@@ -24,7 +24,7 @@ from loraserve.config_store import CachedConfigStore, open_config_store, redact_
 from loraserve.name_conflicts import check_not_base_model
 from loraserve.ops.metrics import Metrics
 from loraserve.routing import Router
-from loraserve.services import Services
+from loraserve.services import Services, engine_adapter_id
 from loraserve.settings import ServerSettings
 from loraserve.tenancy import DEFAULT_TENANT, Authenticator, ConcurrencyLimiter, load_api_keys
 
@@ -124,7 +124,8 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             triton_cache_dir=str(settings.triton_cache_dir),
         )
         if settings.lora_modules:
-            await asyncio.to_thread(preload_lora_modules, store, settings.lora_modules)
+            stored = await asyncio.to_thread(preload_lora_modules, store, settings.lora_modules)
+            engine.preload_adapters(stored)  # into the core's CPU tier now, not at the first request
         _log_startup(settings, model_id, model, authenticator.open_mode)
         yield Services(
             base_model_id=model_id,
@@ -150,8 +151,10 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
         await config_store.close()
 
 
-def preload_lora_modules(store: AdapterStore, modules: tuple[tuple[str, str], ...]) -> None:
-    """Put `--lora-modules` into the default tenant's store, unless the latest version has the same bytes."""
+def preload_lora_modules(store: AdapterStore, modules: tuple[tuple[str, str], ...]) -> list[str]:
+    """Put `--lora-modules` into the default tenant's store, unless the latest version has the same bytes;
+    returns the engine ids of the versions that serve them."""
+    stored = []
     for name, path in modules:
         weights = Path(path) / "adapter_model.safetensors"
         digest = _sha256(weights) if weights.is_file() else None
@@ -161,9 +164,12 @@ def preload_lora_modules(store: AdapterStore, modules: tuple[tuple[str, str], ..
             latest = None
         if latest is not None and latest.sha256 == digest:
             log.info("adapter %s: %s is already stored as %s", name, path, latest.ref)
-            continue
-        record = store.put(DEFAULT_TENANT, name, path)
-        log.info("adapter %s: stored %s as %s for tenant %r", name, path, record.ref, DEFAULT_TENANT)
+            record = latest
+        else:
+            record = store.put(DEFAULT_TENANT, name, path)
+            log.info("adapter %s: stored %s as %s for tenant %r", name, path, record.ref, DEFAULT_TENANT)
+        stored.append(engine_adapter_id(DEFAULT_TENANT, record.name, record.version))
+    return stored
 
 
 def sweep_quietly(store: AdapterStore) -> None:

@@ -13,9 +13,11 @@ import zmq
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.core.loop import EngineCoreLoop
+from engine.lora.residency import AdapterStatus
 from engine.messages import (
     AbortRequests,
     AddRequest,
+    PreloadAdapters,
     RequestDelta,
     ShutdownCore,
     decode_output,
@@ -152,3 +154,19 @@ def test_refused_and_aborted_requests_come_back_as_deltas(harness, expected):
     assert deltas["long"][-1].finish_reason == "abort" and len(tokens(deltas["long"])) < 80
     harness.send(add("good-1", PROMPTS["good-1"]))  # the finished id may be used again
     assert tokens(harness.collect({"good-1"})["good-1"]) == expected["good-1"]
+
+
+def test_preloaded_adapters_reach_the_cpu_tier_while_the_core_is_idle(harness, expected):
+    """A server's --lora-modules are loaded at start, not by the first request: the idle loop collects the
+    load. An unknown name is skipped with a warning; the adapter then serves as usual."""
+    engine = harness.loop.engine
+    adapter_id = engine.lora.resolve("alpha")
+    assert engine.lora.status(adapter_id) is None  # never asked for yet
+    harness.send(PreloadAdapters(["nope", "alpha"]))
+    deadline = time.monotonic() + 30
+    while engine.lora.status(adapter_id) is not AdapterStatus.CPU:
+        assert time.monotonic() < deadline and not harness.errors, engine.lora.status(adapter_id)
+        time.sleep(0.02)
+    harness.send(add("after", PROMPTS["good-2"], adapter="alpha"))
+    done = harness.collect({"after"})["after"]
+    assert done[-1].finish_reason == "length" and len(tokens(done)) == GREEDY.max_tokens

@@ -180,10 +180,11 @@ def test_lora_modules_preload_creates_no_version_on_restart(tmp_path):
     store = open_store(
         StoreConfig(url=f"file://{tmp_path / 'store'}"), ModelShape.from_hf_config(load_config(model_dir))
     )
-    preload_lora_modules(store, (("bot", str(first)),))
-    preload_lora_modules(store, (("bot", str(first)),))  # a restart with the same folder
+    assert preload_lora_modules(store, (("bot", str(first)),)) == ["default/bot@1"]
+    # a restart with the same folder: the stored version serves (and is what the engine preloads)
+    assert preload_lora_modules(store, (("bot", str(first)),)) == ["default/bot@1"]
     assert [r.version for r in store.versions("default", "bot")] == [1]
-    preload_lora_modules(store, (("bot", str(second)),))  # changed weights: a new version
+    assert preload_lora_modules(store, (("bot", str(second)),)) == ["default/bot@2"]  # changed weights
     assert [r.version for r in store.versions("default", "bot")] == [1, 2]
 
 

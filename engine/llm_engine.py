@@ -243,9 +243,8 @@ class LLMEngine:
         the next step (reading those tokens on the device) before it waits for them, so the GPU is not
         idle while the host does its bookkeeping; each call then returns the previous step's results.
         """
+        self.poll_adapters()  # failed loads fail their waiting requests, in `_pending`
         outputs, self._pending = self._pending, []
-        for adapter_id, reason in self.lora.poll().items():
-            outputs.extend(self._fail_waiting(adapter_id, reason, include_preempted=True))
         self.lora.stage(r.adapter_id for r in self.scheduler.waiting if r.adapter_id is not None)
         scheduled = self.scheduler.schedule()
         for request in scheduled.preempted:
@@ -394,8 +393,8 @@ class LLMEngine:
                 self.lora.prefetch(adapter_id)
 
     def poll_adapters(self) -> None:
-        """Collect finished background loads while nothing runs (`step` does it otherwise), so preloaded
-        adapters reach the CPU tier on an idle engine."""
+        """Collect finished background loads; a failed one fails the requests waiting for it (reported at
+        the next step). Each step does it first; an idle core too, so preloads reach the CPU tier."""
         for adapter_id, reason in self.lora.poll().items():
             self._pending.extend(self._fail_waiting(adapter_id, reason, include_preempted=True))
 

@@ -309,10 +309,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     rng = random.Random(0)
     config = w1.llama_config(args.shape)
-    prompts = [
-        [rng.randrange(3, config.vocab_size) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
-        for _ in range(args.num_requests)
-    ]
+    prompts = w1.random_prompts(rng, config.vocab_size, args.num_requests, args.min_prompt, args.max_prompt)
     zipf = [f"z{k:04d}" for k in range(args.num_adapters)]  # z0000 the most popular
     uniform = [f"u{k}" for k in range(args.num_uniform)]
     names = {name: k % args.num_weight_sets for k, name in enumerate(zipf)}

@@ -80,6 +80,7 @@ def parse_args(argv=None):
     args.dtype, args.device = "bfloat16", "cuda" if torch.cuda.is_available() else "cpu"
     args.max_num_seqs, args.max_num_batched_tokens = args.num_requests, 8192
     args.enforce_eager, args.kv_cache_dtype, args.fp8_gemm = False, "auto", "auto"
+    args.tensor_parallel_size = 1
     args.min_prompt, args.max_prompt = 128, 512
     if args.smoke:
         args.shape, args.dtype, args.device = "smoke", "float32", "cpu"
@@ -93,10 +94,7 @@ def main(argv=None) -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     config = w1.llama_config(args.shape)
     rng = random.Random(0)
-    prompts = [
-        [rng.randrange(3, config.vocab_size) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
-        for _ in range(args.num_requests)
-    ]
+    prompts = w1.random_prompts(rng, config.vocab_size, args.num_requests, args.min_prompt, args.max_prompt)
     params = SamplingParams(
         temperature=0.0, max_tokens=args.output_tokens, min_tokens=args.output_tokens, ignore_eos=True
     )

@@ -114,6 +114,7 @@ def _offline(arg_values: dict, model_dir: Path, adapters: list[Path], prompts, m
     engine_defaults = {
         "profile": False,
         "async_scheduling": True,
+        "tensor_parallel_size": 1,
         "fp8_gemm": "auto",
         "no_warmup_run": False,
     }
@@ -307,10 +308,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     rng = random.Random(0)
     config = w1.llama_config(args.shape)
-    prompts = [
-        [rng.randrange(3, config.vocab_size) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
-        for _ in range(args.num_requests)
-    ]
+    prompts = w1.random_prompts(rng, config.vocab_size, args.num_requests, args.min_prompt, args.max_prompt)
     max_len = args.max_prompt + args.output_tokens
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:

@@ -404,10 +404,7 @@ def main(argv=None) -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rng = random.Random(0)
     config = w1.llama_config(args.shape)
-    prompts = [
-        [rng.randrange(3, config.vocab_size) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
-        for _ in range(args.num_requests)
-    ]
+    prompts = w1.random_prompts(rng, config.vocab_size, args.num_requests, args.min_prompt, args.max_prompt)
     max_len = args.max_prompt + args.output_tokens
     element = torch.tensor([], dtype=dtype).element_size()
     with tempfile.TemporaryDirectory() as tmp:

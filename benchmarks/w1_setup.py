@@ -4,6 +4,7 @@ the byte counts and copy bandwidth behind the decode-step floor. Used by through
 from __future__ import annotations
 
 import gc
+import random
 import statistics
 import time
 from pathlib import Path
@@ -50,6 +51,14 @@ def llama_config(shape: str):
     from transformers import LlamaConfig
 
     return LlamaConfig(**SHAPES[shape], max_position_embeddings=2048, rope_theta=500000.0, rms_norm_eps=1e-5)
+
+
+def random_prompts(
+    rng: random.Random, vocab_size: int, num: int, min_len: int, max_len: int
+) -> list[list[int]]:
+    """W1's prompts: `num` of random token ids (3 and up: clear of special ids), lengths uniform in
+    [min_len, max_len], drawn from `rng`."""
+    return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
 
 
 def make_model(path: Path, shape: str, dtype: torch.dtype, device: torch.device) -> Path:

@@ -18,6 +18,15 @@ discards deleted versions, replicas on one host): the directory itself is the in
   fetches of one adapter download it once.
 Eviction happens when a new entry is inserted (and at start, for a smaller budget), least recently used
 first, skipping pinned entries; while pins hold, the cache may exceed its budget.
+
+Insertion costs no scan of the directory (which is serial across processes and grows with the entry
+count): the byte total is kept in a file beside the entries (cache_usage.py: it may err high, never
+low), and eviction takes candidates from this process's list of the entries its last scan saw, oldest
+first. That list stays a true LRU order across processes: every entry it lacks was inserted or used
+after the scan, so is newer than any it holds, and a candidate whose mtime changed since the scan was
+used meanwhile and is dropped, not evicted. A pinned candidate stays at the front for the next
+eviction. Only when the list runs out does the cache scan again, so a scan serves about as many
+evictions as there are entries.
 """
 
 from __future__ import annotations
@@ -25,25 +34,25 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import re
 import shutil
-import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from adapter_format.files import ADAPTER_FILES
 from adapters_store.base import AdapterStore
+from adapters_store.cache_entries import CacheEntry, file_sizes, scan_cache, scan_name, touch
+from adapters_store.cache_usage import ByteTotal
 from adapters_store.filenames import MANIFEST_FILE
 from adapters_store.metrics import StoreMetrics
-from adapters_store.names import is_valid_name
 from adapters_store.record import AdapterRecord
 
 log = logging.getLogger(__name__)
-_FOLDER = re.compile(r"(?P<version>[1-9][0-9]*)-(?P<sha256>[0-9a-f]{64})")
 _TEMP_PREFIXES = (".tmp-", ".trash-")
+PINNED = "pinned"  # `_move_aside`'s answer for a folder checked out by someone
 
 
 @dataclass(frozen=True)
@@ -51,13 +60,6 @@ class CachedAdapter:
     record: AdapterRecord
     path: Path  # a folder adapter_format.checkpoint.load_peft_adapter reads
     hit: bool  # served from disk without a download
-
-
-@dataclass(frozen=True)
-class _Entry:
-    path: Path
-    size_bytes: int
-    used_at: int  # mtime in ns: the last download or hit
 
 
 class DiskCache:
@@ -77,23 +79,29 @@ class DiskCache:
         self.max_bytes = max_bytes
         self.metrics = metrics or store.metrics
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._total = ByteTotal(self.directory)
+        # Eviction candidates, oldest first: the entries of this process's last scan not yet evicted or
+        # dropped. Read and changed only under the directory lock (which separates threads too).
+        self._candidates: deque[CacheEntry] = deque()
         with self._locked(self.directory):
             self._remove_leftovers()
-            victims = self._evict_over_budget()
+            victims, total = self._evict_over_budget(self._rescan(), scanned=True)
+            self._total.correct(total)
         self._delete(victims)
 
     @property
     def total_bytes(self) -> int:
-        return sum(entry.size_bytes for entry in self._scan())
+        """The exact bytes on disk (a scan)."""
+        return sum(entry.size_bytes for entry in scan_cache(self.directory))
 
     def __len__(self) -> int:
-        return len(self._scan())
+        return len(scan_cache(self.directory))
 
     def cached_versions(self) -> list[tuple[str, str, int]]:
         """(tenant, name, version) of every complete version on disk, for residency metrics."""
         return sorted(
             (entry.path.parent.parent.name, entry.path.parent.name, int(entry.path.name.split("-")[0]))
-            for entry in self._scan()
+            for entry in scan_cache(self.directory)
         )
 
     def fetch(self, tenant: str, name: str, version: int | None = None) -> CachedAdapter:
@@ -117,7 +125,7 @@ class DiskCache:
                 if pin is None:
                     pin, hit = self._download(folder, tenant, record), False
         if hit:
-            _touch(folder)
+            touch(folder)
             self.metrics.cache_hit()
         try:
             yield CachedAdapter(record, folder, hit)
@@ -128,7 +136,7 @@ class DiskCache:
         """The record of a version cached here, from the manifest copied along with its files; None if
         it is not cached. Versions are never reused, so a cached one needs no store call to be trusted
         (whether it still exists is resolution's question): a load from disk works while S3 is down."""
-        for entry in _scan_name(self.directory / tenant / name):
+        for entry in scan_name(self.directory / tenant / name):
             if not entry.path.name.startswith(f"{version}-"):
                 continue
             try:
@@ -143,11 +151,13 @@ class DiskCache:
         """Drop cached versions of a deleted adapter now instead of waiting for LRU; returns how many."""
         with self._locked(self.directory):
             victims = [
-                entry
-                for entry in _scan_name(self.directory / tenant / name)
+                moved
+                for entry in scan_name(self.directory / tenant / name)
                 if version is None or entry.path.name.startswith(f"{version}-")
+                if isinstance(moved := self._move_aside(entry), CacheEntry)
             ]
-            victims = [moved for entry in victims if (moved := self._move_aside(entry)) is not None]
+            if victims:
+                self._total.add(-sum(entry.size_bytes for entry in victims))
         self._delete(victims)
         return len(victims)
 
@@ -179,15 +189,18 @@ class DiskCache:
         fcntl.flock(fd, fcntl.LOCK_EX)  # tells other processes' start-up clean-up that it is in use
         try:
             self.store.fetch_record(tenant, record, tmp)
+            size = sum(file_sizes(tmp).values())
             with self._locked(self.directory):
                 if folder.exists():  # incomplete (a complete one would have been pinned): replaced
                     shutil.rmtree(folder)
+                total = self._total.add(size)  # before the rename: a crash in between errs high
                 os.rename(tmp, folder)
-                _touch(folder)
-                fcntl.flock(
-                    fd, fcntl.LOCK_SH
-                )  # now a pin; under the directory lock: no eviction sees it free
-                victims = self._evict_over_budget()
+                touch(folder)
+                # Now a pin; under the directory lock: no eviction sees it free.
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                victims, left = self._evict_over_budget(total)
+                if left != total:
+                    self._total.write(left)
         except BaseException:
             os.close(fd)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -195,44 +208,62 @@ class DiskCache:
         self._delete(victims)
         return fd
 
-    def _evict_over_budget(self) -> list[_Entry]:
-        """Under the directory lock: move unpinned entries aside, least recently used first, until within
-        budget; returns them for `_delete`."""
-        entries = sorted(self._scan(), key=lambda entry: (entry.used_at, str(entry.path)))
-        total = sum(entry.size_bytes for entry in entries)
-        victims = []
-        for entry in entries:
-            if total <= self.max_bytes:
-                break
-            moved = self._move_aside(entry)
-            if moved is not None:
+    def _evict_over_budget(self, total: int | None, scanned: bool = False) -> tuple[list[CacheEntry], int]:
+        """Under the directory lock: move unpinned entries aside, least recently used first, until the
+        total (None: unknown, so scan) is within budget; returns them for `_delete`, and the new total
+        (exact if it scanned) for the caller to store."""
+        if total is None:
+            total, scanned = self._rescan(), True
+        victims, pinned = [], []
+        while total > self.max_bytes:
+            if not self._candidates:
+                if scanned:
+                    break  # the rest is checked out: over budget until those pins go
+                pinned.clear()  # the scan lists them again, in their order
+                total, scanned = self._rescan(), True
+                continue
+            entry = self._candidates.popleft()
+            moved = self._move_aside(entry, unused_since_scan=True)
+            if moved is PINNED:
+                pinned.append(entry)
+            elif moved is not None:
                 victims.append(moved)
                 total -= entry.size_bytes
-        return victims
+        self._candidates.extendleft(reversed(pinned))  # still the oldest: tried first next time
+        return victims, total
 
-    def _move_aside(self, entry: _Entry) -> _Entry | None:
-        """Under the directory lock: rename an unpinned entry to a trash name (its name is free at once);
-        None if it is pinned or gone."""
+    def _rescan(self) -> int:
+        """Under the directory lock: list every entry as the eviction candidates; returns the exact total."""
+        entries = sorted(scan_cache(self.directory), key=lambda entry: (entry.used_at, str(entry.path)))
+        self._candidates = deque(entries)
+        return sum(entry.size_bytes for entry in entries)
+
+    def _move_aside(self, entry: CacheEntry, unused_since_scan: bool = False) -> CacheEntry | str | None:
+        """Under the directory lock: rename an unpinned entry to a trash name (its name is free at once).
+        PINNED if it is checked out; None if it is gone or, with `unused_since_scan`, was used since
+        `entry` was scanned (so it is no longer among the oldest)."""
         try:
             fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # checked out
-            os.close(fd)
-            return None
-        trash = self.directory / f".trash-{uuid.uuid4().hex}"
-        try:
-            os.rename(entry.path, trash)
-        except OSError as exc:
-            log.warning("could not move evicted %s aside: %s", entry.path, exc)
-            return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # checked out
+                return PINNED
+            if unused_since_scan and os.fstat(fd).st_mtime_ns != entry.used_at:
+                return None
+            trash = self.directory / f".trash-{uuid.uuid4().hex}"
+            try:
+                os.rename(entry.path, trash)
+            except OSError as exc:
+                log.warning("could not move evicted %s aside: %s", entry.path, exc)
+                return None
         finally:
             os.close(fd)
-        return _Entry(trash, entry.size_bytes, entry.used_at)
+        return CacheEntry(trash, entry.size_bytes, entry.used_at)
 
-    def _delete(self, victims: list[_Entry]) -> None:
+    def _delete(self, victims: list[CacheEntry]) -> None:
         for entry in victims:
             shutil.rmtree(entry.path, ignore_errors=True)
             self.metrics.cache_eviction(entry.size_bytes)
@@ -255,16 +286,6 @@ class DiskCache:
             finally:
                 os.close(fd)
 
-    def _scan(self) -> list[_Entry]:
-        """Every complete cached version on disk."""
-        entries = []
-        for tenant_dir in self.directory.iterdir():
-            if tenant_dir.is_dir() and is_valid_name(tenant_dir.name):
-                for name_dir in tenant_dir.iterdir():
-                    if is_valid_name(name_dir.name):
-                        entries.extend(_scan_name(name_dir))
-        return entries
-
     @contextmanager
     def _locked(self, directory: Path) -> Iterator[None]:
         """An exclusive lock on a folder, against other threads and processes alike."""
@@ -274,29 +295,3 @@ class DiskCache:
             yield
         finally:
             os.close(fd)
-
-
-def _scan_name(name_dir: Path) -> list[_Entry]:
-    """The complete cached versions of one name. With `os.scandir` (file types come with the listing, one
-    stat per file): every insertion scans the whole cache under the directory lock, and with pathlib's
-    calls a scan of 450 entries took about 45 ms, which every download in every loader process waited on."""
-    entries = []
-    with suppress(FileNotFoundError, NotADirectoryError), os.scandir(name_dir) as listing:
-        for folder in listing:
-            if _FOLDER.fullmatch(folder.name) is None:
-                continue
-            with suppress(FileNotFoundError, NotADirectoryError):  # moved aside by another process meanwhile
-                with os.scandir(folder.path) as files:
-                    sizes = {f.name: f.stat().st_size for f in files if f.is_file()}
-                if all(name in sizes for name in ADAPTER_FILES):
-                    used_at = folder.stat().st_mtime_ns
-                    entries.append(_Entry(Path(folder.path), sum(sizes.values()), used_at))
-    return entries
-
-
-def _touch(folder: Path) -> None:
-    """Mark a folder used now. An explicit time keeps full precision (the kernel's own stamps are as
-    coarse as a clock tick, which would tie entries used within a few milliseconds)."""
-    now = time.time_ns()
-    with suppress(OSError):
-        os.utime(folder, ns=(now, now))

@@ -39,6 +39,7 @@ from adapters_store.config import StoreConfig
 from adapters_store.errors import AdapterNotFound, ChecksumError, StoreError
 from adapters_store.filenames import MANIFEST_FILE
 from adapters_store.intake import UploadSource, stage_upload
+from adapters_store.link_digests import LinkDigests
 from adapters_store.metrics import StoreMetrics
 from adapters_store.names import (
     check_name,
@@ -70,6 +71,7 @@ class AdapterStore(ABC):
         self.shape = shape  # the base model's; needed only to validate uploads
         self.metrics = metrics or StoreMetrics()
         self.clock = time.time  # compared with the backend's last-modified times when sweeping
+        self._link_digests = LinkDigests()  # where `_link` works
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -298,8 +300,10 @@ class AdapterStore(ABC):
 
         def once() -> tuple[int, str]:
             part.unlink(missing_ok=True)  # a retry starts afresh
-            if self._link(key, part):  # no copy: the file is hashed where it lies
-                return _hash_file(part, limit, lambda why: _mismatch(tenant, record, filename, why))
+            if self._link(key, part):  # no copy: the file is hashed where it lies, once (link_digests.py)
+                if part.stat().st_size > limit:
+                    raise ChecksumError(_mismatch(tenant, record, filename, f"is larger than {limit} bytes"))
+                return self._link_digests.sha256(part)
             digest, size = hashlib.sha256(), 0
             with self._open(key) as body, open(part, "wb") as out:
                 for chunk in _chunks(body):
@@ -343,15 +347,6 @@ class AdapterStore(ABC):
 
 def _version_prefix(tenant: str, name: str, version: int) -> str:
     return f"{tenant}/{name}/{version}/"
-
-
-def _hash_file(path: Path, limit: int, mismatch: Callable[[str], str]) -> tuple[int, str]:
-    """Size and sha256 of a file, refusing one larger than `limit` before reading it."""
-    size = path.stat().st_size
-    if size > limit:
-        raise ChecksumError(mismatch(f"is larger than {limit} bytes"))
-    with open(path, "rb") as f:
-        return size, hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _chunks(body: BinaryIO) -> Iterator[bytes]:

@@ -2,13 +2,14 @@
 
 Validation works on tensor names and shapes alone (`check_adapter`, fed by safetensors_header.py), so
 the adapter store can run it on a safetensors header before writing anything; `load_peft_adapter` runs
-the same checks, then reads the tensors.
+the same checks, then reads the tensors, and `map_peft_adapter` runs them, then maps the file.
 Only safetensors is read: pickled `.bin` checkpoints are refused, never unpickled.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import re
 import time
 from collections.abc import Mapping
@@ -27,7 +28,7 @@ from adapter_format.peft_config import (
     check_adapter_config,
     read_adapter_config,
 )
-from adapter_format.safetensors_header import read_tensor_shapes
+from adapter_format.safetensors_header import TensorSpan, read_tensor_spans
 
 # e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (any prefix before `layers.`).
 _TENSOR_NAME = re.compile(
@@ -139,6 +140,49 @@ def _scaling(settings: LoraSettings, layer: int, module: str, rank: int, deadlin
 
 def load_peft_adapter(folder: str | Path, shape: ModelShape, max_lora_rank: int) -> PeftAdapter:
     """Read, validate and load a PEFT adapter folder onto the CPU (weights in their stored dtype)."""
+    weights, adapter, _ = _check_folder(folder, shape, max_lora_rank)
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as exc:  # safetensors raises several types for corrupt headers
+        raise AdapterError("bad_weights", f"{weights} is not a readable safetensors file: {exc}") from None
+    return _with_tensors(adapter, tensors)
+
+
+def map_peft_adapter(folder: str | Path, shape: ModelShape, max_lora_rank: int) -> PeftAdapter:
+    """`load_peft_adapter` without reading: the same checks, then tensors that are views of the weights
+    file mapped into memory (copy-on-write, so writing to one never changes the file).
+
+    For a caller that copies the weights elsewhere at once (a CPU-tier row): each byte is then read once,
+    straight from the page cache, instead of into fresh tensors first (allocating those, one page fault
+    per 4 KiB, cost more than the copy itself). The mapping lives as long as any of its tensors. The
+    file must not shrink while they live (a stored or cached file is never changed in place).
+    """
+    weights, adapter, spans = _check_folder(folder, shape, max_lora_rank)
+    try:
+        with open(weights, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        tensors = {name: _view(mapped, span) for name, span in spans.items()}
+    except (OSError, ValueError) as exc:  # changed since its header was read
+        raise AdapterError("bad_weights", f"{weights} is not a readable safetensors file: {exc}") from None
+    return _with_tensors(adapter, tensors)
+
+
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _view(mapped: mmap.mmap, span: TensorSpan) -> torch.Tensor:
+    dtype = _TORCH_DTYPES[span.dtype]
+    if span.num_bytes == 0:
+        return torch.empty(span.shape, dtype=dtype)
+    count = span.num_bytes // dtype.itemsize
+    return torch.frombuffer(mapped, dtype=dtype, count=count, offset=span.offset).view(span.shape)
+
+
+def _check_folder(
+    folder: str | Path, shape: ModelShape, max_lora_rank: int
+) -> tuple[Path, PeftAdapter, dict[str, TensorSpan]]:
+    """The weights file, the adapter as its config and header describe it, and where its tensors lie."""
     folder = Path(folder)
     if not folder.is_dir():
         raise AdapterError("not_found", f"adapter folder {folder} does not exist")
@@ -152,17 +196,17 @@ def load_peft_adapter(folder: str | Path, shape: ModelShape, max_lora_rank: int)
             else ""
         )
         raise AdapterError("missing_weights", f"{weights} does not exist{hint}")
-    adapter = check_adapter(config, read_tensor_shapes(weights, str(weights)), shape, max_lora_rank)
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except Exception as exc:  # safetensors raises several types for corrupt headers
-        raise AdapterError("bad_weights", f"{weights} is not a readable safetensors file: {exc}") from None
-    loaded: dict[tuple[int, str], ModuleLoRA] = {}
+    spans = read_tensor_spans(weights, str(weights))
+    shapes = {name: span.shape for name, span in spans.items()}
+    return weights, check_adapter(config, shapes, shape, max_lora_rank), spans
+
+
+def _with_tensors(adapter: PeftAdapter, tensors: Mapping[str, torch.Tensor]) -> PeftAdapter:
+    """The checked adapter with its tensors (as stored: the slot image converts them once)."""
+    loaded: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         match = _TENSOR_NAME.match(name)
-        key = (int(match["layer"]), match["module"])
-        loaded.setdefault(key, {})[match["ab"]] = tensor  # as stored; the slot image converts it once
+        loaded.setdefault((int(match["layer"]), match["module"]), {})[match["ab"]] = tensor
     modules = {
         key: ModuleLoRA(rank=m.rank, scale=m.scale, lora_a=loaded[key]["A"], lora_b=loaded[key]["B"])
         for key, m in adapter.modules.items()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import struct
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from adapter_format.bounded_json import loads_bounded
@@ -31,11 +32,25 @@ _PICKLE_HINT = (
 )
 
 
+@dataclass(frozen=True)
+class TensorSpan:
+    dtype: str  # a key of DTYPE_BYTES
+    shape: tuple[int, ...]
+    offset: int  # of its first byte in the file (the header's data offset plus the header's size)
+    num_bytes: int
+
+
 def read_tensor_shapes(path: Path, label: str | None = None) -> dict[str, tuple[int, ...]]:
     """Parse and check the header of `path`; AdapterError('bad_weights') for anything malformed.
 
     Messages name the file as `label` (default: its name alone, so no server path reaches a user).
     """
+    return {name: span.shape for name, span in read_tensor_spans(path, label).items()}
+
+
+def read_tensor_spans(path: Path, label: str | None = None) -> dict[str, TensorSpan]:
+    """`read_tensor_shapes`, with where each tensor's bytes lie in the file (checked to tile the data
+    area exactly, within the file's size)."""
     path = Path(path)
     label = label or path.name
     file_size = path.stat().st_size
@@ -77,11 +92,11 @@ def read_tensor_shapes(path: Path, label: str | None = None) -> dict[str, tuple[
     ):
         _fail(label, "its __metadata__ must map strings to strings")
     data_size = file_size - 8 - header_len
-    shapes: dict[str, tuple[int, ...]] = {}
+    tensors: dict[str, TensorSpan] = {}
     spans: list[tuple[int, int, str]] = []
     for name, info in header.items():
         shape, begin, end = _check_entry(label, name, info)
-        shapes[name] = shape
+        tensors[name] = TensorSpan(info["dtype"], shape, 8 + header_len + begin, end - begin)
         spans.append((begin, end, name))
     # Tensors must tile the data area exactly: no gaps, no overlaps, nothing past the end.
     position = 0
@@ -97,7 +112,7 @@ def read_tensor_shapes(path: Path, label: str | None = None) -> dict[str, tuple[
             label,
             f"its tensors cover {position} data bytes, but the file holds {data_size} (truncated or padded)",
         )
-    return shapes
+    return tensors
 
 
 def _check_entry(label: str, name: str, info: object) -> tuple[tuple[int, ...], int, int]:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from adapter_format.checkpoint import load_peft_adapter
+from adapter_format.checkpoint import map_peft_adapter
 from adapter_format.errors import AdapterError
 from engine.lora.host_tier import HostTier
 from engine.lora.slots import build_image
@@ -66,8 +66,9 @@ class BackgroundLoads(Protocol):
 
 
 def read_into(tier: HostTier, row: int, folder: str | Path) -> None:
-    """Validate the adapter in `folder` against the model and lay it out in row `row` of the tier."""
-    adapter = load_peft_adapter(folder, tier.layout.shape, tier.layout.max_rank)
+    """Validate the adapter in `folder` against the model and lay it out in row `row` of the tier, read
+    straight from the mapped file (no tensors in between: docs/BENCHMARKS.md, load rate)."""
+    adapter = map_peft_adapter(folder, tier.layout.shape, tier.layout.max_rank)
     build_image(tier.layout, tier.dtype, adapter, out=tier.image(row))
 
 

@@ -3,6 +3,7 @@
     python3 benchmarks/adapter_load_rate.py                    # shape S, rank 16, bf16 (about 22.5 MB each)
     python3 benchmarks/adapter_load_rate.py --loaders 2,4,8    # loader processes to compare
     python3 benchmarks/adapter_load_rate.py --smoke            # tiny shapes, a few names (checks it runs)
+    python3 benchmarks/adapter_load_rate.py --cached 450 --disk-cache-gib 10   # W2's full disk cache
 
 Runs on the CPU alone (no GPU is involved until a slot copy). A local adapter store holds `--names` adapter
 names over `--sets` distinct weight sets (the other names hard links, as in W2). Each name is loaded once
@@ -12,11 +13,15 @@ the way `loraserve serve` loads it: `StoreAdapterSource` (manifest, disk cache, 
 collects finished loads every `--poll-ms` (the engine collects once per step), so up to `--rows` loads are
 queued at once, as when a deep waiting queue is prefetched.
 
-Two passes per loader count: "store" (an empty disk cache: every load downloads the store's files into
-it, checks their sha256, then reads them) and "disk" (the same names again, all in the disk cache and the
-page cache). Then a per-stage breakdown of one load on the calling thread (median over the names):
-manifest, disk-cache checkout (with the download on the store pass), config + header + shape checks,
-tensor read, and laying the image out in the tier's row.
+Two passes per loader count: "store" (names not in the disk cache: every load downloads the store's files
+into it, checks their sha256, then reads them) and "disk" (the same names again, all in the disk cache and
+the page cache). `--cached N` first fills the disk cache with N other names, and `--disk-cache-gib` sets
+its budget (the server's default is 10 GiB, about 450 such adapters), so that, as in W2, every insertion
+of the store pass finds the cache full and evicts. Names share `--sets` weight files, and a linked
+file's sha256 is computed once per loader process (adapters_store/link_digests.py): `--sets` equal to
+`--names` measures distinct files, each hashed at its first fetch. Then a per-stage breakdown of one
+load on the calling thread (median over the names): manifest, disk-cache checkout (with the download on
+the store pass), config + header + shape checks, and the whole read into the tier's row.
 """
 
 from __future__ import annotations
@@ -60,6 +65,13 @@ def make_store(root: Path, shape: ModelShape, sets: int, names: int) -> list[str
     mapping = {f"lr-{k:04d}": k % sets for k in range(names)}
     build_store(root / "store", shape, RANK, folders, mapping)
     return [f"{TENANT}/{name}@1" for name in mapping]
+
+
+def fill_cache(cache: DiskCache, store: LocalStore, ids: list[str]) -> None:
+    """Fetch `ids` into the disk cache (oldest first), as earlier traffic would have."""
+    for adapter_id in ids:
+        tenant, name, version = parse_adapter_id(adapter_id)
+        cache.fetch_record(tenant, store.get(tenant, name, version))
 
 
 def run_pass(loads, ids: list[str], rows: int, poll_s: float) -> float:
@@ -129,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=128, help="CPU-tier rows (loads in flight at most)")
     parser.add_argument("--poll-ms", type=float, default=10.0, help="collect finished loads this often")
     parser.add_argument("--breakdown", type=int, default=16, help="loads timed stage by stage (0: none)")
+    parser.add_argument(
+        "--cached", type=int, default=0, help="other names in the disk cache before the passes"
+    )
+    parser.add_argument("--disk-cache-gib", type=float, default=1024.0, help="the disk cache's budget")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and few names")
     args = parser.parse_args(argv)
     shape = SHAPE_S
@@ -137,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     loader_counts = [int(n) for n in args.loaders.split(",")]
     root = Path(tempfile.mkdtemp(prefix="load-rate-"))
     try:
-        ids = make_store(root, shape, args.sets, args.names)
+        everything = make_store(root, shape, args.sets, args.cached + args.names)
+        filler, ids = everything[: args.cached], everything[args.cached :]
+        cache_bytes = int(args.disk_cache_gib * 2**30)
         store_root = root / "store"
         store = LocalStore(store_root, StoreConfig(url=f"file://{store_root}", max_lora_rank=RANK), shape)
         layout = SlotLayout(shape, RANK)
@@ -146,14 +164,15 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"adapter load rate: shape {'smoke' if args.smoke else 'S'}, rank {RANK}, bf16, {mb:.1f} MB "
             f"per image, {args.names} names over {args.sets} weight sets, {args.rows} tier rows, "
-            f"collected every {args.poll_ms:g} ms; {platform.processor() or platform.machine()}, "
+            f"collected every {args.poll_ms:g} ms; disk cache of {args.disk_cache_gib:g} GiB holding "
+            f"{args.cached} other names; {platform.processor() or platform.machine()}, "
             f"{os.cpu_count()} cores, torch {torch.__version__}\n"
         )
         print(f"| {args.loader} loaders | pass | loads/s | MB/s |")
         print("|---:|---|---:|---:|")
         for count in loader_counts:
             cache_dir = root / f"cache-{count}"
-            cache = DiskCache(store, cache_dir, 1 << 40)
+            cache = DiskCache(store, cache_dir, cache_bytes)
             source = StoreAdapterSource(store, cache, shape, RANK)
             if args.loader == "process":
                 loads = ProcessLoads(source, tier, num_processes=count)
@@ -162,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 run_pass(loads, ids[: min(len(ids), 2 * count)], args.rows, 0.0)  # imports, first calls
                 shutil.rmtree(cache_dir)
-                cache = DiskCache(store, cache_dir, 1 << 40)
+                fill_cache(DiskCache(store, cache_dir, cache_bytes), store, filler)
                 for label in ("store", "disk"):
                     rate = run_pass(loads, ids, args.rows, args.poll_ms / 1000.0)
                     print(f"| {count} | {label} -> CPU tier | {rate:.1f} | {rate * mb:.0f} |", flush=True)

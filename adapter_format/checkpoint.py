@@ -156,7 +156,8 @@ def map_peft_adapter(folder: str | Path, shape: ModelShape, max_lora_rank: int) 
     For a caller that copies the weights elsewhere at once (a CPU-tier row): each byte is then read once,
     straight from the page cache, instead of into fresh tensors first (allocating those, one page fault
     per 4 KiB, cost more than the copy itself). The mapping lives as long as any of its tensors. The
-    file must not shrink while they live (a stored or cached file is never changed in place).
+    file must not shrink while they are read (a read past its end is a SIGBUS, as it is inside
+    `safe_open`, which maps the file too); a stored or cached file is never changed in place.
     """
     weights, adapter, spans = _check_folder(folder, shape, max_lora_rank)
     try:

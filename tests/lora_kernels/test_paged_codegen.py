@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).with_name("sm90_codegen.py")
+UNSUPPORTED_TRITON = 77  # sm90_codegen.UNSUPPORTED_TRITON; that module refuses to load under the interpreter
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,8 @@ def codegen() -> dict:
     done = subprocess.run(
         [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600, check=False
     )
+    if done.returncode == UNSUPPORTED_TRITON:
+        pytest.skip("this Triton's launch path differs from the one sm90_codegen.py hooks")
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 

@@ -17,6 +17,9 @@ torch ops, and the CUDA kernels of one mixed step are counted with the torch pro
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import random
 import statistics
 import sys
@@ -42,6 +45,10 @@ def parse_args(argv=None):
     p.add_argument("--decoding", type=int, default=127, help="requests decoding through every step")
     p.add_argument("--chunks", type=int, nargs="+", default=[128, 512, 1536], help="prefill chunk sizes")
     p.add_argument("--repeats", type=int, default=20, help="mixed steps timed per chunk size")
+    p.add_argument(
+        "--cprofile", action="store_true", help="the costliest Python functions of the mixed steps"
+    )
+    p.add_argument("--top", type=int, default=25, help="functions listed from the cProfile")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     args = p.parse_args(argv)
     # make_engine reads these
@@ -75,14 +82,17 @@ def measure(args, model_dir: Path, adapters: list[Path], vocab_size: int) -> dic
     ):
         engine.step()  # every decoding request past its prompt (and its adapter resident)
     one_token = SamplingParams(temperature=0.0, max_tokens=1)
-    timings, kernels = {}, {}
+    timings, kernels, python_profile = {}, {}, cProfile.Profile()
     for chunk in args.chunks:
         mixed, decode = [], []
         for k in range(args.repeats + 1):  # the first of each size unmeasured (its adapter's load)
             prompt = [rng.randrange(3, vocab_size) for _ in range(chunk)]
             engine.add_request(f"p{chunk}-{k}", prompt, one_token, names[k % len(names)])
             profiler = _kernel_counter(args) if k == args.repeats else None
+            if args.cprofile and k:
+                python_profile.enable()
             mixed_s = _timed_step(engine, args, profiler)
+            python_profile.disable()
             decode_s = _timed_step(engine, args, None)
             if k:
                 mixed.append(mixed_s)
@@ -94,6 +104,12 @@ def measure(args, model_dir: Path, adapters: list[Path], vocab_size: int) -> dic
     engine.shutdown()
     del engine
     w1.free_memory(torch.device(args.device))
+    if args.cprofile:
+        out = io.StringIO()
+        pstats.Stats(python_profile, stream=out).sort_stats("tottime").print_stats(args.top)
+        print(
+            f"mixed steps, {'fused' if fused else 'torch'} ops (cProfile on: timings inflated):{out.getvalue()}"
+        )
     return {"fused": fused, "timings": timings, "kernels": kernels}
 
 

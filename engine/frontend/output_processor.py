@@ -16,8 +16,8 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from engine.detokenizer import IncrementalDetokenizer
 from engine.core.request_checks import child_params
+from engine.detokenizer import IncrementalDetokenizer
 from engine.messages import AddRequest, RequestDelta
 from engine.outputs import CompletionOutput, RequestOutput, RequestTimes
 from engine.prompt_logprobs import PromptTokenLogprobs

@@ -31,7 +31,6 @@ import dataclasses
 import json
 import os
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -46,7 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from benchmarks import w1_setup as w1  # noqa: E402
 from benchmarks.serve import make_tokenizer, percentile  # noqa: E402
-from benchmarks.serve_client import Sample, Server, drive  # noqa: E402
+from benchmarks.serve_client import Sample, Server, drive, free_port  # noqa: E402
 
 TENANT = "default"  # the tenant every request runs as when the server has no API keys
 
@@ -168,12 +167,6 @@ def summarize(samples: list[Sample], start: float, end: float) -> dict:
 
 
 # -- one server, every workload ----------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def server_args(args, model_dir: Path, store_root: Path, state_dir: Path, metrics_port: int) -> list[str]:

@@ -9,8 +9,12 @@ benchmarks/lora_kernels.py (K input sets over twice the L2, CUDA-graph replays, 
   max_lora_rank wide (zero past its rank, which the kernels skip with `slot_ranks`); `add_lora_multi`;
 - pool: pages of 8 rank rows, each adapter holding ceil(rank / 8) consecutive pages (as the allocator
   gives them), or scattered pages (a shuffled page order: the worst case after churn); `add_lora_paged`.
+- model-wide (uniform 16 only): both layouts as the engine holds them, where one slot (old) or one page
+  (now) spans every layer and projection of Llama-3.1-8B, so slots or pages lie tens of MB apart and
+  the op touches as many distant memory regions as in a forward pass (address translation included).
 Rank mixes: uniform 16 (max_lora_rank 16, the common case: the pool must cost nothing there) and
-8/16/64 in turn (max_lora_rank 64). "weights MiB" is what each layout allocates for those adapters.
+8/16/64 in turn (max_lora_rank 64). "weights MiB" is what each layout allocates for those adapters
+(model-wide: the slices timed, not the whole model).
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ from benchmarks.lora_kernels import SHAPES, Shape, Timer, token_slots_for  # noq
 
 PAGE = 8
 MIXES = {"uniform 16": ([16], 16), "mixed 8/16/64": ([8, 16, 64], 64)}
+LAYOUTS = ("slots", "pool", "pool, scattered pages", "slots, model-wide", "pool, model-wide pages")
+MODEL_WIDE_MIXES = ("uniform 16",)  # at max rank 64, 64 model-wide slots would take 21 GiB per input set
+# Elements of one rank row over every layer and projection of Llama-3.1-8B (32 layers; A: 6 x 4096 +
+# 14336, B: 3 x 4096 + 2 x 1024 + 2 x 14336): the engine's slot and page strides are multiples of it.
+MODEL_ROW_NUMEL = 32 * (6 * 4096 + 14336 + 3 * 4096 + 2 * 1024 + 2 * 14336)
 
 
 def ranks_of(mix: str, num_adapters: int) -> tuple[list[int], int]:
@@ -36,8 +45,26 @@ def ranks_of(mix: str, num_adapters: int) -> tuple[list[int], int]:
     return [cycle[i % len(cycle)] for i in range(num_adapters)], max_rank
 
 
-def make_layouts(shape: Shape, ranks: list[int], max_rank: int, seed: int, device: str, scattered: bool):
+def model_wide(stacks: list[torch.Tensor], row_numel: int) -> list[torch.Tensor]:
+    """The same stacks ([units, rows, cols] each) as views into one tensor whose units (slots or pages)
+    are `rows * row_numel` elements apart, the way the engine lays a whole model into each."""
+    units, rows = stacks[0].shape[:2]
+    sizes = [t[0].numel() for t in stacks]
+    if sum(sizes) > rows * row_numel:
+        raise ValueError("the stacks do not fit in a model-wide unit")
+    big = torch.zeros(units, rows * row_numel, dtype=stacks[0].dtype, device=stacks[0].device)
+    views, offset = [], 0
+    for t, size in zip(stacks, sizes):
+        view = big[:, offset : offset + size].view(t.shape)
+        view.copy_(t)
+        views.append(view)
+        offset += size
+    return views
+
+
+def make_layouts(shape: Shape, ranks: list[int], max_rank: int, seed: int, device: str, layout: str):
     """(dense kwargs, paged kwargs, x, y, token_slots, scales) for one input set."""
+    scattered = "scattered" in layout
     gen = torch.Generator().manual_seed(seed)
     n, k, dtype = len(ranks), shape.in_features, torch.bfloat16
     max_pages = -(-max_rank // PAGE)
@@ -49,7 +76,7 @@ def make_layouts(shape: Shape, ranks: list[int], max_rank: int, seed: int, devic
     dense_as = [torch.zeros(n, max_rank, k, dtype=dtype) for _ in shape.out_slices]
     dense_bs = [torch.zeros(n, w, max_rank, dtype=dtype) for w in shape.out_slices]
     pool_as = [torch.zeros(len(order), PAGE, k, dtype=dtype) for _ in shape.out_slices]
-    pool_bs = [torch.zeros(len(order), PAGE, w, dtype=dtype) for w in shape.out_slices]
+    pool_bs = [torch.zeros(len(order), w, PAGE, dtype=dtype) for w in shape.out_slices]
     next_page = 0
     for slot, rank in enumerate(ranks):
         pages = order[next_page : next_page + pages_of[slot]]
@@ -60,10 +87,10 @@ def make_layouts(shape: Shape, ranks: list[int], max_rank: int, seed: int, devic
             bt = (torch.randn(rank, w, generator=gen) * rank**-0.5).to(dtype)
             dense_as[i][slot, :rank], dense_bs[i][slot, :, :rank] = a, bt.T
             padded_a = torch.zeros(len(pages) * PAGE, k, dtype=dtype)
-            padded_b = torch.zeros(len(pages) * PAGE, w, dtype=dtype)
-            padded_a[:rank], padded_b[:rank] = a, bt
+            padded_b = torch.zeros(w, len(pages) * PAGE, dtype=dtype)
+            padded_a[:rank], padded_b[:, :rank] = a, bt.T
             pool_as[i][pages] = padded_a.view(len(pages), PAGE, k)
-            pool_bs[i][pages] = padded_b.view(len(pages), PAGE, w)
+            pool_bs[i][pages] = padded_b.view(w, len(pages), PAGE).transpose(0, 1)
     slots = token_slots_for(shape, gen).to(device)
     scales = [torch.full((n,), 2.0, device=device) for _ in shape.out_slices]
     ranks_t = torch.tensor(ranks, dtype=torch.int32, device=device)
@@ -75,6 +102,17 @@ def make_layouts(shape: Shape, ranks: list[int], max_rank: int, seed: int, devic
 
     dense = dict(lora_as=dev(dense_as), lora_bs=dev(dense_bs))
     paged = dict(pool_as=dev(pool_as), pool_bs=dev(pool_bs), page_table=page_table.to(device))
+    if "model-wide" in layout:
+        # A tiny row under --dry-run: the point there is the strides, not the memory.
+        row_numel = (
+            MODEL_ROW_NUMEL if device == "cuda" else len(shape.out_slices) * k + sum(shape.out_slices) + 64
+        )
+        if layout.startswith("slots"):
+            views = model_wide(dense["lora_as"] + dense["lora_bs"], row_numel)
+            dense = dict(lora_as=views[: len(dense_as)], lora_bs=views[len(dense_as) :])
+        else:
+            views = model_wide(paged["pool_as"] + paged["pool_bs"], row_numel)
+            paged.update(pool_as=views[: len(pool_as)], pool_bs=views[len(pool_as) :])
     return dense, paged, x, y, slots, scales, ranks_t
 
 
@@ -90,17 +128,16 @@ def run(shape: Shape, mix: str, timer: Timer, l2: int, device: str) -> list[dict
     per_set = sum(ranks) * 2 * (shape.in_features * len(slices) + sum(slices))
     num_sets = min(32, max(2, math.ceil(2 * l2 / per_set)))
     rows = []
-    for layout in ("slots", "pool", "pool, scattered pages"):
-        sets = [
-            make_layouts(shape, ranks, max_rank, seed, device, "scattered" in layout)
-            for seed in range(num_sets)
-        ]
+    for layout in LAYOUTS:
+        if "model-wide" in layout and mix not in MODEL_WIDE_MIXES:
+            continue
+        sets = [make_layouts(shape, ranks, max_rank, seed, device, layout) for seed in range(num_sets)]
         metas = [lora_kernels.LoRABatchMeta.build(s[4], shape.num_adapters) for s in sets]
 
         def op(s, meta, out=None, layout=layout):
             dense, paged, x, y, slots, scales, ranks_t = s
             y = y if out is None else out
-            if layout == "slots":
+            if layout.startswith("slots"):
                 return lambda: lora_kernels.add_lora_multi(
                     y,
                     x,
@@ -140,9 +177,12 @@ def run(shape: Shape, mix: str, timer: Timer, l2: int, device: str) -> list[dict
         err = ((out.double() - expected).abs().max() / expected.abs().max()).item()
         micros = timer.graph([op(s, m) for s, m in zip(sets, metas)])
         memory = (
-            dense["lora_as"] + dense["lora_bs"] if layout == "slots" else paged["pool_as"] + paged["pool_bs"]
+            dense["lora_as"] + dense["lora_bs"]
+            if layout.startswith("slots")
+            else paged["pool_as"] + paged["pool_bs"]
         )
         rows.append(dict(shape=shape, mix=mix, layout=layout, us=micros, err=err, mib=weights_mib(memory)))
+        del sets, metas, dense, paged  # before the next layout's sets: model-wide ones take GBs
     return rows
 
 
@@ -174,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         shape = shape.small() if args.dry_run else shape
         for mix in MIXES:
             rows = run(shape, mix, timer, l2, device)
-            base = rows[0]["us"]
+            us_of = {r["layout"]: r["us"] for r in rows}
             for r in rows:
+                base = us_of["slots, model-wide" if "model-wide" in r["layout"] else "slots"]
                 print(
                     f"| {shape.name} | {shape.num_tokens} | {shape.in_features} -> {'+'.join(map(str, shape.out_slices))} "
                     f"| {shape.num_adapters} | {mix} | {r['layout']} | {r['us']:.1f} | {r['us'] / base:.2f} "

@@ -14,9 +14,11 @@ chunk. The offline engine (benchmarks/throughput.py's `run_engine`, in a process
 free for the server afterwards) runs the same requests; the decode step against its bytes floor is the
 offline engine's (a server's step is not visible from outside).
 
-Without --fresh-cache each served workload runs once unmeasured first (as the offline engine does), so
-no run pays for kernel compiles. With it, the server starts on an empty Triton cache under its
---state-dir and each workload runs twice, measured both times.
+Each served workload runs once unmeasured first (as the offline engine does, on prompts of its own so the
+measured runs find nothing in the prefix cache), then `--repeats` times measured, each time on new
+prompts; the report shows the median run and every run's tok/s, since on a host-bound step the spread
+between identical runs is wide (docs/BENCHMARKS.md). With --fresh-cache the server starts on an empty
+Triton cache under its --state-dir and the first run is measured too, against the later runs.
 
 Dependencies. Preinstalled on the GPU machine: torch, triton, transformers, peft (and what they pull in:
 safetensors, tokenizers, numpy, pyyaml, jinja2, huggingface-hub, ...). Carry these wheels along and
@@ -34,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 # The repo root first: this folder's lora_kernels.py must not shadow the lora_kernels package.
@@ -47,10 +50,13 @@ WHEELS = (
 ).split()
 __doc__ += "\n    " + " ".join(WHEELS) + "\n"
 
+import httpx  # noqa: E402
 import torch  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from benchmarks import w1_setup as w1  # noqa: E402
-from benchmarks.serve_client import Sample, Server, drive  # noqa: E402
+from benchmarks.serve_client import Sample, Server, drive, free_port  # noqa: E402
+from benchmarks.w1_setup import Prompts  # noqa: E402
 
 
 def make_tokenizer(model_dir: Path, vocab_size: int) -> None:
@@ -75,7 +81,7 @@ def make_tokenizer(model_dir: Path, vocab_size: int) -> None:
 # -- offline --------------------------------------------------------------------------------------
 
 
-def run_offline(args, model_dir: Path, adapters: list[Path], prompts: list[list[int]], max_len: int) -> dict:
+def run_offline(args, model_dir: Path, adapters: list[Path], prompts: Prompts, max_len: int) -> dict:
     """benchmarks/throughput.py's engine runs, in a spawned process (its GPU memory is freed on exit).
 
     A plain (non-daemonic) process, not a Pool worker: the engine starts adapter loader processes of its own.
@@ -106,7 +112,7 @@ def _offline_into(results, *args) -> None:
         results.put((False, "".join(traceback.format_exception(exc))))
 
 
-def _offline(arg_values: dict, model_dir: Path, adapters: list[Path], prompts, max_len: int) -> dict:
+def _offline(arg_values: dict, model_dir: Path, adapters: list[Path], prompts: Prompts, max_len: int) -> dict:
     from benchmarks.throughput import run_engine, step_floor
 
     # throughput.py's engine options this benchmark does not vary: its defaults (async scheduling, bf16
@@ -125,7 +131,9 @@ def _offline(arg_values: dict, model_dir: Path, adapters: list[Path], prompts, m
     bandwidth = w1.copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 26)
     rows = {}
     for n in [0, *args.adapters]:
-        result, _ = run_engine(args, workload_name(n), model_dir, adapters[:n], prompts, max_len)
+        result, _ = run_engine(
+            args, workload_name(n), model_dir, adapters[:n], prompts.measured, max_len, None, prompts.warm_up
+        )
         row = {"tok_s": result.tokens_per_second, "ttft": result.ttft, "tpot": result.tpot}
         steps = result.steady_decode()
         if steps:
@@ -187,28 +195,42 @@ def summarize(samples: list[Sample], start: float, end: float) -> dict:
     }
 
 
-def run_served(args, model_dir, adapters, prompts, max_len, state_dir: Path) -> tuple[dict, dict]:
-    """({workload: row} of the measured runs, {workload: row} of first runs with --fresh-cache)."""
+def run_served(args, model_dir, adapters, prompts: Prompts, max_len, state_dir: Path) -> tuple[dict, dict]:
+    """({workload: row} of the measured runs, {workload: row} of first runs with --fresh-cache).
+
+    Each workload's first run sends the warm-up prompts, its second the measured ones (the prefix cache
+    holds nothing of the second's prompts: first and second run do the same work)."""
     cache = state_dir / "cache" / "triton"
     if args.fresh_cache:
         shutil.rmtree(cache, ignore_errors=True)
     state_dir.mkdir(parents=True, exist_ok=True)
-    server = Server(server_args(args, model_dir, adapters, state_dir, max_len), state_dir / "server.log")
+    metrics_port = free_port()
+    server = Server(
+        [*server_args(args, model_dir, adapters, state_dir, max_len), "--metrics-port", str(metrics_port)],
+        state_dir / "server.log",
+    )
+    compiles = partial(compiles_after_ready, f"http://127.0.0.1:{metrics_port}")
     rows, first_rows = {}, {}
     try:
         ready_s = server.wait_ready(args.startup_timeout)
         print(f"server ready in {ready_s:.0f} s; Triton cache entries: {_count(cache)}", flush=True)
         for n in [0, *args.adapters]:
-            work = bodies(args, prompts, n)
-            first = summarize(*drive(server.url, work, args.client_processes))
+            first = summarize(*drive(server.url, bodies(args, prompts.warm_up, n), args.client_processes))
             if args.fresh_cache:
                 first_rows[workload_name(n)] = first
-                print(f"served {workload_name(n)} first run: {first['tok_s']:.0f} tok/s; "
-                      f"cache entries {_count(cache)}", flush=True)  # fmt: skip
-            rows[workload_name(n)] = summarize(*drive(server.url, work, args.client_processes))
-            print(
-                f"served {workload_name(n)}: {rows[workload_name(n)]['tok_s']:.0f} output tok/s", flush=True
-            )
+                print(f"served {workload_name(n)} first run: {first['tok_s']:.0f} tok/s; cache entries "
+                      f"{_count(cache)}; compiles after ready {compiles()}", flush=True)  # fmt: skip
+            runs = []
+            for repeat in range(args.repeats):
+                work = bodies(args, repeat_prompts(args, prompts, repeat), n)
+                runs.append(summarize(*drive(server.url, work, args.client_processes)))
+                print(f"served {workload_name(n)}: {runs[-1]['tok_s']:.0f} output tok/s; compiles after ready "
+                      f"{compiles()}", flush=True)  # fmt: skip
+            rows[workload_name(n)] = median_run(runs)
+        compiled = [
+            line for line in server.log_path.read_text(errors="replace").splitlines() if "compiled" in line
+        ]
+        print(f"{len(compiled)} Triton compiles logged after ready", *compiled[:8], sep="\n", flush=True)
     except BaseException:
         print(server.log_tail(), file=sys.stderr)
         raise
@@ -217,6 +239,30 @@ def run_served(args, model_dir, adapters, prompts, max_len, state_dir: Path) -> 
         if code not in (0, None):
             print(f"the server exited with {code}:\n{server.log_tail()}", file=sys.stderr)
     return rows, first_rows
+
+
+def repeat_prompts(args, prompts: Prompts, repeat: int) -> list[list[int]]:
+    """The measured prompts, then for each further repeat prompts of its own (none in the prefix cache)."""
+    if repeat == 0:
+        return prompts.measured
+    vocab_size = w1.llama_config(args.shape).vocab_size
+    rng = random.Random(1000 + repeat)
+    return w1.random_prompts(rng, vocab_size, args.num_requests, args.min_prompt, args.max_prompt)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median throughput, with every run's tok/s beside it (the spread between repeats)."""
+    ordered = sorted(runs, key=lambda run: run["tok_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "all_tok_s": [run["tok_s"] for run in runs]}
+
+
+def compiles_after_ready(metrics_url: str) -> int:
+    """The server's count of Triton compiles since /ready (meant to stay 0)."""
+    text = httpx.get(f"{metrics_url}/metrics", timeout=10.0).text
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith("loraserve_kernel_compiles_after_ready"):
+            return int(sum(sample.value for sample in family.samples if sample.name.endswith("_total")))
+    raise RuntimeError("the server's /metrics has no loraserve_kernel_compiles_after_ready")
 
 
 def _count(folder: Path) -> int:
@@ -266,8 +312,18 @@ def report(args, served: dict, first: dict, offline: dict) -> str:
                 f"- offline decode step {name}: {1e3 * r['step']:.2f} ms @ batch {r['batch']}, floor "
                 f"{1e3 * r['floor']:.2f} ms, {r['step'] / r['floor']:.2f}x"
             )
+    for name, row in served.items():
+        if len(row["all_tok_s"]) > 1:
+            spread = ", ".join(f"{value:.0f}" for value in row["all_tok_s"])
+            lines.append(f"- {name}: served runs {spread} tok/s (the median run is shown)")
     for name in first:
-        lines.append(f"- {name}: first run {first[name]['tok_s'] / served[name]['tok_s']:.2f}x the second")
+        later = served[name]["all_tok_s"]
+        ratio, low, high = (
+            first[name]["tok_s"] / value for value in (served[name]["tok_s"], max(later), min(later))
+        )
+        lines.append(
+            f"- {name}: first run {ratio:.2f}x the later runs' median ({low:.2f}-{high:.2f}x their range)"
+        )
     return "\n".join(lines)
 
 
@@ -288,6 +344,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--fresh-cache", action="store_true", help="empty Triton cache: report first vs second run"
     )
+    p.add_argument("--repeats", type=int, default=3, help="measured served runs per workload (median shown)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--state-dir", type=Path, help="the server's --state-dir (default: a temporary folder)")
     p.add_argument("--startup-timeout", type=float, default=1800.0)
@@ -298,7 +355,7 @@ def parse_args(argv=None):
         args.shape, args.device, args.dtype = "smoke", "cpu", "float32"
         args.adapters, args.num_requests, args.min_prompt, args.max_prompt = [1, 2], 6, 8, 24
         args.output_tokens, args.max_num_seqs, args.max_num_batched_tokens = 4, 4, 64
-        args.client_processes = 2
+        args.client_processes, args.repeats = 2, 2
     elif not torch.cuda.is_available():
         p.error("needs a CUDA device (or --smoke)")
     return args
@@ -308,7 +365,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     rng = random.Random(0)
     config = w1.llama_config(args.shape)
-    prompts = w1.random_prompts(rng, config.vocab_size, args.num_requests, args.min_prompt, args.max_prompt)
+    prompts = w1.prompt_sets(rng, config.vocab_size, args.num_requests, args.min_prompt, args.max_prompt)
     max_len = args.max_prompt + args.output_tokens
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:

@@ -36,13 +36,17 @@ class Sample:
     error: str | None = None
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class Server:
     """`python -m loraserve.cli serve ...` from this checkout, on a free loopback port."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         environment = {**os.environ, **(env or {})}
         # The checkout first, then whatever the caller had (e.g. a folder of wheels installed with --target).

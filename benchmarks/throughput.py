@@ -131,7 +131,8 @@ def run_engine(
     adapters: list[Path],
     prompts: list[list[int]],
     max_len: int,
-    quantization: str | None = None,
+    quantization: str | None,
+    warmup_prompts: list[list[int]],
 ):
     device = torch.device(args.device)
     w1.free_memory(device)
@@ -139,14 +140,15 @@ def run_engine(
     engine = make_engine(args, model_dir, adapters, max_len, quantization)
     startup = time.perf_counter() - started  # weights, KV cache, graph capture, the engine's warm-up
     names = [f"a{i % len(adapters)}" if adapters else None for i in range(len(prompts))]
-    # Warm-up run: the measured requests themselves, once, unmeasured, so every adapter is resident before
-    # the clock starts. Kernel variants are the engine's own start-up warm-up's job: the note column
-    # counts those compiled after it (--no-warmup-run measures a first run straight after start-up).
+    # Warm-up run: requests like the measured ones (the same adapters, other prompts: w1_setup.Prompts),
+    # once, unmeasured, so every adapter is resident before the clock starts. Kernel variants are the
+    # engine's own start-up warm-up's job: the note column counts those compiled after it
+    # (--no-warmup-run measures a first run straight after start-up).
     if not args.no_warmup_run:
         warm = SamplingParams(
             temperature=0.0, max_tokens=args.output_tokens, min_tokens=args.output_tokens, ignore_eos=True
         )
-        for i, (prompt, adapter) in enumerate(zip(prompts, names)):
+        for i, (prompt, adapter) in enumerate(zip(warmup_prompts, names)):
             engine.add_request(f"warm{i}", prompt, warm, adapter)
         drain(engine)
 
@@ -404,7 +406,8 @@ def main(argv=None) -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rng = random.Random(0)
     config = w1.llama_config(args.shape)
-    prompts = w1.random_prompts(rng, config.vocab_size, args.num_requests, args.min_prompt, args.max_prompt)
+    prompt_sets = w1.prompt_sets(rng, config.vocab_size, args.num_requests, args.min_prompt, args.max_prompt)
+    prompts = prompt_sets.measured
     max_len = args.max_prompt + args.output_tokens
     element = torch.tensor([], dtype=dtype).element_size()
     with tempfile.TemporaryDirectory() as tmp:
@@ -415,7 +418,9 @@ def main(argv=None) -> None:
         for quantization in [None, *([args.quantization] if args.quantization else [])]:
             for n in [0, *args.adapters]:
                 name = (f"engine N={n}" if n else "engine (no LoRA)") + (FP8_SUFFIX if quantization else "")
-                result, prof = run_engine(args, name, model_dir, adapters[:n], prompts, max_len, quantization)
+                result, prof = run_engine(
+                    args, name, model_dir, adapters[:n], prompts, max_len, quantization, prompt_sets.warm_up
+                )
                 results.append(result)
                 if prof:
                     profiles.append(f"{name}:\n{prof}")

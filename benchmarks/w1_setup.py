@@ -8,6 +8,7 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import save_file
@@ -59,6 +60,20 @@ def random_prompts(
     """W1's prompts: `num` of random token ids (3 and up: clear of special ids), lengths uniform in
     [min_len, max_len], drawn from `rng`."""
     return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
+
+
+class Prompts(NamedTuple):
+    """The measured run's prompts and the unmeasured warm-up run's: different prompts of the same sizes'
+    distribution, so the measured run finds nothing of its own in the prefix cache (a warm-up on the same
+    prompts would leave every measured prefill a cache hit)."""
+
+    measured: list[list[int]]
+    warm_up: list[list[int]]
+
+
+def prompt_sets(rng: random.Random, vocab_size: int, num: int, min_len: int, max_len: int) -> Prompts:
+    measured = random_prompts(rng, vocab_size, num, min_len, max_len)  # drawn first: the same as before
+    return Prompts(measured, random_prompts(rng, vocab_size, num, min_len, max_len))
 
 
 def make_model(path: Path, shape: str, dtype: torch.dtype, device: torch.device) -> Path:

@@ -154,7 +154,7 @@ def check_slots(
 
 def check_pages(
     pool_as: Sequence[torch.Tensor],  # num_slices x [num_pages, page, in]
-    pool_bs: Sequence[torch.Tensor],  # num_slices x [num_pages, page, output_slices[i]] (B transposed)
+    pool_bs: Sequence[torch.Tensor],  # num_slices x [num_pages, output_slices[i], page]
     output_slices: Sequence[int],
     page_table: torch.Tensor,  # [num_slots, max_pages] int32
     dtype: torch.dtype,
@@ -170,22 +170,26 @@ def check_pages(
         )
     page = pool_as[0].shape[1] if pool_as[0].dim() == 3 else 0
     num_slots, max_rank = page_table.shape[0], page_table.shape[1] * page
-    for name, pools, widths in (
-        ("pool_a", pool_as, [in_features] * len(pool_as)),
-        ("pool_b", pool_bs, output_slices),
-    ):
-        for t, width in zip(pools, widths):
-            if t.dim() != 3 or t.shape[1] != page or t.shape[2] != width:
-                _fail(f"{name} must be [num_pages, page={page}, {width}], got shape {tuple(t.shape)}")
-            if t.dtype != dtype:
-                _fail(f"{name} has dtype {t.dtype} but x/y have {dtype}; cast the adapter weights")
-            if t.stride(2) != 1 or t.stride(1) != width or t.stride(0) < page * width:
-                _fail(
-                    f"{name} must hold row-major pages (strides (>= {page * width}, {width}, 1)), got {t.stride()}"
-                )
+    for t in pool_as:
+        _check_pages_of(t, "pool_a", (page, in_features), dtype)
+    for t, width in zip(pool_bs, output_slices):
+        _check_pages_of(t, "pool_b", (width, page), dtype)
+    if len({t.shape[0] for t in (*pool_as, *pool_bs)}) != 1:
+        _fail("every pool_a and pool_b must hold the same number of pages (one page id addresses them all)")
     if not 1 <= max_rank <= MAX_RANK:
         _fail(f"max_pages * page must be in [1, {MAX_RANK}], got {max_rank}")
     return num_slots, max_rank
+
+
+def _check_pages_of(t: torch.Tensor, name: str, page_shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """One pool of row-major pages, each `page_shape` (A: [page, in]; B: [out, page])."""
+    rows, cols = page_shape
+    if t.dim() != 3 or tuple(t.shape[1:]) != page_shape:
+        _fail(f"{name} must be [num_pages, {rows}, {cols}], got shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        _fail(f"{name} has dtype {t.dtype} but x/y have {dtype}; cast the adapter weights")
+    if t.stride(2) != 1 or t.stride(1) != cols or t.stride(0) < rows * cols:
+        _fail(f"{name} must hold row-major pages (strides (>= {rows * cols}, {cols}, 1)), got {t.stride()}")
 
 
 def check_page_values(page_table: torch.Tensor, slot_ranks: torch.Tensor, page: int, num_pages: int) -> None:

@@ -11,10 +11,13 @@ rank rounded up to 16 and capped at max_rank (a mask constant over 16 contiguous
 vectorized); between the rank and that limit B is zero padding (the layout contract of `add_lora`), so
 the result is the same.
 
-Paged pools (PAGED) hold B transposed, `[num_pages, PAGE, out]`: rank rows of width out in pages of
-PAGE rows, slot s's row r in page `page_table[s, r // PAGE]` (shrink_kernels.rank_rows); a program reads
-the page ids of its slot once, and its B block is then contiguous along the output columns. B is read
-up to the slot's exact rank there: the rows past it may belong to no page of the slot.
+Paged pools (PAGED) hold B as `[num_pages, out, PAGE]`: for each output column, PAGE consecutive ranks
+per page, slot s's rank r in page `page_table[s, r // PAGE]` (shrink_kernels.rank_rows). The B block of
+a program is then laid out as over a dense stack, ranks innermost, in runs of PAGE (16 bytes in bf16:
+one vector load), so it compiles to the same loads, registers and reduction as the dense kernel (B^T
+pages, contiguous along the output columns, made Triton spread the ranks over warps and reduce them
+through shared memory). B and h are read up to the rank rounded up to a whole page, never past the
+slot's own pages; the pool keeps B zero past the rank within that last page.
 """
 
 from __future__ import annotations
@@ -53,9 +56,6 @@ def _load_b(
     slot_ranks_ptr,
     page_table_ptr,
     page_table_stride,
-    rb0,
-    rb1,
-    rb2,
     NUM_SLICES: tl.constexpr,
     MAX_RANK: tl.constexpr,
     SLOT_ALIGN: tl.constexpr,
@@ -80,34 +80,25 @@ def _load_b(
     r_limit = MAX_RANK
     b_mask = offs_n[:, None] < width
     if HAS_RANKS:
-        if PAGED:
-            r_limit = tl.minimum(tl.load(slot_ranks_ptr + slot), MAX_RANK)
-        else:
-            # The rank rounded up to 16: a mask constant over 16 contiguous ranks keeps loads vectorized.
-            r_limit = tl.minimum((tl.load(slot_ranks_ptr + slot) + 15) // 16 * 16, MAX_RANK)
+        # The rank rounded up to a whole vector of ranks (16; a page when paged, so the read stays in the
+        # slot's own pages), where B is zero: a mask constant over it keeps the loads 16-byte vectors.
+        r_round = PAGE if PAGED else 16
+        r_limit = tl.minimum((tl.load(slot_ranks_ptr + slot) + r_round - 1) // r_round * r_round, MAX_RANK)
         b_mask &= offs_r[None, :] < r_limit
     elif BLOCK_R != MAX_RANK:
         b_mask &= offs_r[None, :] < MAX_RANK
+    # Column offset of each rank in its page (paged: ranks of one page are contiguous, PAGE of them per
+    # output column) or in the slot's block; output column n adds n * (PAGE or MAX_RANK).
+    rows = rank_rows(
+        slot, offs_r, stride_b, 1, page_table_ptr, page_table_stride, MAX_RANK, PAGED, PAGE, SLOT_ALIGN
+    )
     if PAGED:
-        row_stride = rb0
-        if NUM_SLICES > 1:
-            row_stride = pick(slice_id, rb0, rb1, rb2)
-        rows = rank_rows(
-            slot,
-            offs_r,
-            r_limit,
-            stride_b,
-            row_stride * SLOT_ALIGN,
-            page_table_ptr,
-            page_table_stride,
-            PAGED,
-            PAGE,
-            SLOT_ALIGN,
-        )
-        b = tl.load(b_ptr + rows[None, :] + offs_n[:, None], mask=b_mask, other=0.0)
+        # Runs of SLOT_ALIGN consecutive ranks (it divides PAGE here) starting at multiples of it: say so,
+        # or Triton, which cannot see through the page ids, would load B one element at a time.
+        rows = tl.max_contiguous(tl.multiple_of(rows, SLOT_ALIGN), SLOT_ALIGN)
+        b = tl.load(b_ptr + rows[None, :] + offs_n[:, None] * PAGE, mask=b_mask, other=0.0)
     else:
-        b_rows = b_ptr + slot.to(tl.int64) * (stride_b * SLOT_ALIGN) + offs_n[:, None] * MAX_RANK
-        b = tl.load(b_rows + offs_r[None, :], mask=b_mask, other=0.0)
+        b = tl.load(b_ptr + rows[None, :] + offs_n[:, None] * MAX_RANK, mask=b_mask, other=0.0)
     return b, width, col0, r_limit
 
 
@@ -125,9 +116,6 @@ def _expand_gathered_kernel(
     slot_ranks_ptr,  # [num_slots] int32, read only if HAS_RANKS
     page_table_ptr,  # [num_slots, max_pages] int32, read only if PAGED
     page_table_stride,
-    rb0,  # PAGED: rank-row stride of each slice's B over SLOT_ALIGN (its width out)
-    rb1,
-    rb2,
     w0,
     w1,
     w2,  # output_slices
@@ -147,7 +135,7 @@ def _expand_gathered_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     HAS_RANKS: tl.constexpr,
-    PAGED: tl.constexpr,  # B^T in pages of PAGE rank rows through the page table (else dense stacks)
+    PAGED: tl.constexpr,  # B in pages of PAGE ranks through the page table (else dense stacks)
     PAGE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -174,9 +162,6 @@ def _expand_gathered_kernel(
         slot_ranks_ptr,
         page_table_ptr,
         page_table_stride,
-        rb0,
-        rb1,
-        rb2,
         NUM_SLICES,
         MAX_RANK,
         SLOT_ALIGN,
@@ -218,9 +203,6 @@ def _expand_segmented_kernel(
     slot_ranks_ptr,  # [num_slots] int32
     page_table_ptr,  # [num_slots, max_pages] int32, read only if PAGED
     page_table_stride,
-    rb0,
-    rb1,
-    rb2,
     sorted_tokens_ptr,  # [max_tokens] int32, LoRABatchMeta
     tile_slot_ptr,  # [max_tiles] int32
     tile_start_ptr,  # [max_tiles] int32
@@ -274,9 +256,6 @@ def _expand_segmented_kernel(
         slot_ranks_ptr,
         page_table_ptr,
         page_table_stride,
-        rb0,
-        rb1,
-        rb2,
         NUM_SLICES,
         MAX_RANK,
         SLOT_ALIGN,
@@ -325,7 +304,7 @@ def launch_expand(
     y, h, lora_bs, scales, token_slots, slot_ranks, output_slices, meta, path, config, page_table=None
 ) -> None:
     """Launch one expand kernel for all slices; `config` is an ExpandConfig from tiles.py. With a
-    `page_table` ([num_slots, max_pages] int32), `lora_bs` are pools of B^T pages [num_pages, PAGE, out]."""
+    `page_table` ([num_slots, max_pages] int32), `lora_bs` are pools of B pages [num_pages, out, PAGE]."""
     num_slices = len(lora_bs)
     b = list(lora_bs) + [lora_bs[0]] * (3 - num_slices)
     s = list(scales) + [scales[0]] * (3 - num_slices)
@@ -334,19 +313,18 @@ def launch_expand(
     ranks = slot_ranks if slot_ranks is not None else token_slots
     paged = page_table is not None
     table = page_table if paged else token_slots
-    # Paged: each slice's rank-row stride is picked at run time too, so it shares the alignment factor.
-    align = math.gcd(slot_alignment(b), *(t.stride(1) for t in b)) if paged else slot_alignment(b)
-    row_strides = [t.stride(1) // align for t in b] if paged else [0, 0, 0]
+    # Paged, the alignment also divides the page, so it is the length of the runs of contiguous ranks.
+    align = math.gcd(slot_alignment(b), b[0].shape[2]) if paged else slot_alignment(b)
     common = dict(
         SPLIT_K=h.shape[0],
         NUM_SLICES=num_slices,
-        MAX_RANK=page_table.shape[1] * lora_bs[0].shape[1] if paged else lora_bs[0].shape[2],
+        MAX_RANK=page_table.shape[1] * lora_bs[0].shape[2] if paged else lora_bs[0].shape[2],
         SLOT_ALIGN=align,
         BLOCK_N=config.block_n,
         BLOCK_R=config.block_r,
         HAS_RANKS=slot_ranks is not None,
         PAGED=paged,
-        PAGE=lora_bs[0].shape[1] if paged else 1,
+        PAGE=lora_bs[0].shape[2] if paged else 1,
         USE_PDL=config.use_pdl,
         num_warps=config.num_warps,
     )
@@ -354,7 +332,7 @@ def launch_expand(
         common["launch_pdl"] = True
     slot_strides = [t.stride(0) // align for t in b]
     tail = (*widths, *slot_strides, tiles[0], tiles[1], y.stride(0), h.stride(0), h.stride(1), h.stride(2))
-    paging = (table, table.stride(0) if paged else 0, *row_strides)
+    paging = (table, table.stride(0) if paged else 0)
     if path == "gathered":
         grid = (sum(tiles), y.shape[0])
         _expand_gathered_kernel[grid](y, h, *b, *s, token_slots, ranks, *paging, *tail, **common)

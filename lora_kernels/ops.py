@@ -226,7 +226,7 @@ def add_lora_paged(
     y: torch.Tensor,  # [num_tokens, sum(output_slices)], updated in place; rows may be strided
     x: torch.Tensor,  # [num_tokens, in]
     pool_as: Sequence[torch.Tensor],  # num_slices x [num_pages, page, in]: A in pages of `page` rank rows
-    pool_bs: Sequence[torch.Tensor],  # num_slices x [num_pages, page, output_slices[i]]: B transposed
+    pool_bs: Sequence[torch.Tensor],  # num_slices x [num_pages, output_slices[i], page]: B, ranks innermost
     page_table: torch.Tensor,  # [num_slots, max_pages] int32: slot s's rank row r is in page_table[s, r // page]
     token_slots: torch.Tensor,  # [num_tokens] int32, -1 (NO_LORA): no adapter
     scales: Sequence[torch.Tensor],  # num_slices x [num_slots] float32
@@ -242,6 +242,8 @@ def add_lora_paged(
     memory follows each adapter's rank instead of the largest one (engine/lora/pool.py lays them out).
 
     Pages need not be contiguous; the kernels read a slot's page ids once per program, before the K loop.
+    As `add_lora` needs B zero past each rank, B must be zero past a slot's rank up to the end of its
+    last page (the kernels read B in whole pages); A past the rank is never read.
     """
     pool_as, pool_bs, scales = list(pool_as), list(pool_bs), list(scales)
     output_slices = [int(w) for w in output_slices]

@@ -104,7 +104,7 @@ def add_lora_paged(
     y: torch.Tensor,  # [num_tokens, sum(output_slices)], updated in place
     x: torch.Tensor,  # [num_tokens, in]
     pool_as: Sequence[torch.Tensor],  # num_slices x [num_pages, page, in]
-    pool_bs: Sequence[torch.Tensor],  # num_slices x [num_pages, page, output_slices[i]], B transposed
+    pool_bs: Sequence[torch.Tensor],  # num_slices x [num_pages, output_slices[i], page]
     page_table: torch.Tensor,  # [num_slots, max_pages] int
     token_slots: torch.Tensor,  # [num_tokens] int, -1: no adapter
     scales: Sequence[torch.Tensor],  # num_slices x [num_slots] float32
@@ -118,7 +118,7 @@ def add_lora_paged(
         rank = int(slot_ranks[slot])
         pages = page_table[slot, : -(-rank // page)].to(torch.long)
         dense_as = [p[pages].reshape(-1, p.shape[2])[None, :rank] for p in pool_as]  # [1, rank, in]
-        dense_bs = [p[pages].reshape(-1, p.shape[2])[:rank].T[None] for p in pool_bs]  # [1, out, rank]
+        dense_bs = [p[pages].transpose(0, 1).flatten(1)[None, :, :rank] for p in pool_bs]  # [1, out, rank]
         rows = (slots == slot).nonzero().squeeze(1)
         delta = y.new_zeros((rows.numel(), y.shape[1]))
         add_lora_multi(

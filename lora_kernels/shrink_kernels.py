@@ -44,20 +44,25 @@ def pick(i, v0, v1, v2):
 def rank_rows(
     slot,
     offs_r,  # [BLOCK_R] rank rows
-    rank,  # rows at or past it are never read (their page ids are not loaded)
     stride,  # dense: slot stride; paged: page stride; in units of SLOT_ALIGN
     row_stride,  # elements between consecutive rank rows of one slot (within one page when paged)
     page_table_ptr,  # [num_slots, max_pages] int32, read only if PAGED
     page_table_stride,
+    MAX_RANK: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE: tl.constexpr,  # rank rows per page
     SLOT_ALIGN: tl.constexpr,
 ):
-    """Element offset of each rank row of `slot` ([BLOCK_R] int64), computed once per program."""
+    """Element offset of each rank row of `slot` ([BLOCK_R] int64), computed once per program.
+
+    Paged, the page ids are read up to MAX_RANK, not the slot's rank: ids past the slot's pages may be
+    stale, but the rows they address are masked off by the rank, and the load does not wait for the
+    rank's, so the weights' loads start as early as over a dense stack.
+    """
     if PAGED:
         page = tl.load(
             page_table_ptr + slot.to(tl.int64) * page_table_stride + offs_r // PAGE,
-            mask=offs_r < rank,
+            mask=offs_r < MAX_RANK,
             other=0,
         )
         rows = page.to(tl.int64) * (stride * SLOT_ALIGN) + (offs_r % PAGE) * row_stride
@@ -117,7 +122,16 @@ def _shrink_gathered_kernel(
         a_ptr = pick(slice_id, a0_ptr, a1_ptr, a2_ptr)
         stride_a = pick(slice_id, stride_a0, stride_a1, stride_a2)
     rows = rank_rows(
-        slot, offs_r, rank, stride_a, in_features, page_table_ptr, page_table_stride, PAGED, PAGE, SLOT_ALIGN
+        slot,
+        offs_r,
+        stride_a,
+        in_features,
+        page_table_ptr,
+        page_table_stride,
+        MAX_RANK,
+        PAGED,
+        PAGE,
+        SLOT_ALIGN,
     )
     a_rows = a_ptr + rows[:, None]
     r_ok = offs_r[:, None] < rank
@@ -197,7 +211,16 @@ def _shrink_segmented_kernel(
         a_ptr = pick(slice_id, a0_ptr, a1_ptr, a2_ptr)
         stride_a = pick(slice_id, stride_a0, stride_a1, stride_a2)
     rows = rank_rows(
-        slot, offs_r, rank, stride_a, in_features, page_table_ptr, page_table_stride, PAGED, PAGE, SLOT_ALIGN
+        slot,
+        offs_r,
+        stride_a,
+        in_features,
+        page_table_ptr,
+        page_table_stride,
+        MAX_RANK,
+        PAGED,
+        PAGE,
+        SLOT_ALIGN,
     )
     a_rows = a_ptr + rows[:, None]
     x_rows = x_ptr + tokens[:, None] * stride_xt

@@ -36,7 +36,7 @@ class LoRAContext:
             self.slots.page_table,
             self.token_slots,
             [t.scales for t in targets],
-            [t.lora_b.shape[2] for t in targets],
+            [t.lora_b.shape[1] for t in targets],
             self.slots.slot_ranks(layer, modules),
             meta=self._segments(),
         )

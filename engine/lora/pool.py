@@ -15,7 +15,8 @@ adapters of rank 16 (slot 0), 64 (slot 1) and 8 (slot 2):
     page_table  [max_loras, max_pages]    row 0 = [0, 1, ...], row 1 = [2..9], row 2 = [10, ...]
     table       [num_layers, TABLE_COLUMNS, max_loras]  scales and ranks per layer and slot
 
-(past an adapter's pages its page-table row holds stale ids, never read: the kernels stop at its rank).
+(past an adapter's pages its page-table row holds stale ids: the kernels may load them, with the rest
+of the row, but never address weights through them, since they stop at the adapter's rank).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class ModuleSlots:
     """One projection of one layer (views into `LoRAPool`'s tensors)."""
 
     lora_a: torch.Tensor  # [num_pages, PAGE_RANK, in], page stride page_numel
-    lora_b: torch.Tensor  # [num_pages, PAGE_RANK, out], B transposed, likewise
+    lora_b: torch.Tensor  # [num_pages, out, PAGE_RANK], likewise
     scales: torch.Tensor  # [max_loras] float32; 0 where the slot's adapter does not target this module
     ranks: torch.Tensor  # [max_loras] int32; 0 where untargeted
 

@@ -1,12 +1,14 @@
 """An adapter's weights as the GPU pool holds them: pages of `PAGE_RANK` rank rows (S-LoRA's paging).
 
-One page holds PAGE_RANK rank rows of every layer and projection, A and B alike, so an adapter of rank r
+One page holds PAGE_RANK ranks of every layer and projection, A and B alike, so an adapter of rank r
 fills ceil(r / PAGE_RANK) pages and takes r / max_lora_rank of a max-rank adapter's memory, within
 page rounding (engine/lora/pool.py keeps the pages on the device). Inside a page, each projection's A
-is a block [num_layers, PAGE_RANK, in] and its B, transposed, a block [num_layers, PAGE_RANK, out]:
-both are rank rows, so a page table maps an adapter's rank row r to page `pages[r // PAGE_RANK]`, row
-`r % PAGE_RANK`, and one view per layer and projection ([num_pages, PAGE_RANK, cols]) is what the
-kernels read (lora_kernels.add_lora_paged).
+is a block [num_layers, PAGE_RANK, in] (rank rows) and its B a block [num_layers, out, PAGE_RANK]
+(ranks innermost, as in B itself), so a page table maps an adapter's rank r to page
+`pages[r // PAGE_RANK]`, position `r % PAGE_RANK`, and one view per layer and projection
+([num_pages, PAGE_RANK, in] and [num_pages, out, PAGE_RANK]) is what the kernels read
+(lora_kernels.add_lora_paged). Both keep the kernels' loads as over dense stacks: A's rows contiguous
+along the input, B's ranks contiguous in runs of PAGE_RANK (one 16-byte vector in bf16).
 
 The image of an adapter (a row of the CPU tier, engine/lora/host_tier.py) is the same pages, laid out
 one after the other with room for max_lora_rank, plus a table of its scales and ranks. Making it
@@ -60,13 +62,14 @@ class SlotLayout:
     max_rank: int
 
     def blocks(self) -> dict[tuple[str, str], tuple[int, tuple[int, int, int]]]:
-        """(module, "a" or "b") -> (offset, [num_layers, PAGE_RANK, cols]) inside a page ("b" is B^T)."""
+        """(module, "a" or "b") -> (offset, dims) inside a page: A [num_layers, PAGE_RANK, in], B
+        [num_layers, out, PAGE_RANK]."""
         n, offset, blocks = self.shape.num_layers, 0, {}
         for module in TARGET_MODULES:
             in_features, out_features = self.shape.module_dims(module)
-            for kind, cols in (("a", in_features), ("b", out_features)):
-                blocks[module, kind] = (offset, (n, PAGE_RANK, cols))
-                offset = _align(offset + n * PAGE_RANK * cols)
+            for kind, dims in (("a", (n, PAGE_RANK, in_features)), ("b", (n, out_features, PAGE_RANK))):
+                blocks[module, kind] = (offset, dims)
+                offset = _align(offset + math.prod(dims))
         return blocks
 
     @cached_property
@@ -116,7 +119,7 @@ class SlotImage:
         return self._page_views("a")
 
     @cached_property
-    def page_b(self) -> dict[str, torch.Tensor]:  # module -> [num_layers, max_pages, PAGE_RANK, out], B^T
+    def page_b(self) -> dict[str, torch.Tensor]:  # module -> [num_layers, max_pages, out, PAGE_RANK]
         return self._page_views("b")
 
     @property
@@ -125,7 +128,7 @@ class SlotImage:
 
     @property
     def lora_b(self) -> dict[str, torch.Tensor]:  # module -> [num_layers, out, max_pages * PAGE_RANK], a copy
-        return {m: v.flatten(1, 2).transpose(1, 2).clone() for m, v in self.page_b.items()}
+        return {m: v.transpose(1, 2).flatten(2).clone() for m, v in self.page_b.items()}
 
     @cached_property
     def scales(self) -> dict[str, torch.Tensor]:  # module -> [num_layers] float32
@@ -181,7 +184,7 @@ def build_image(
     # thread pays for (docs/BENCHMARKS.md, adapter loading).
     for (layer, module), pair in adapter.modules.items():
         _write_rows(image.page_a[module][layer], pair.lora_a)
-        _write_rows(image.page_b[module][layer], pair.lora_b.T)
+        _write_rows(image.page_b[module][layer].transpose(1, 2), pair.lora_b.T)  # B's ranks as rows
     if adapter.modules:
         layers = torch.tensor([layer for layer, _ in adapter.modules])
         modules = torch.tensor([TARGET_MODULES.index(module) for _, module in adapter.modules])

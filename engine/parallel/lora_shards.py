@@ -23,10 +23,10 @@ def shard_image(image: SlotImage, local: SlotLayout, plan: ShardPlan, rank: int)
     shard = SlotImage(local, torch.zeros(local.numel, dtype=image.weights.dtype), image.table.clone())
     for module in TARGET_MODULES:
         a = image.page_a[module]  # [num_layers, max_pages, PAGE_RANK, in]
-        b = image.page_b[module]  # [num_layers, max_pages, PAGE_RANK, out]: B transposed
+        b = image.page_b[module]  # [num_layers, max_pages, out, PAGE_RANK]
         if module in COLUMN_PARALLEL:
             start, end = plan.output_range(module, rank)
-            b = b[..., start:end]
+            b = b[:, :, start:end]
         else:
             start, end = plan.input_range(module, rank)
             a = a[..., start:end]

@@ -150,7 +150,8 @@ def test_views_are_aligned_and_pages_follow_the_layout() -> None:
     view = pool.layers[1]["down_proj"]
     assert view.lora_a.shape == (8, PAGE_RANK, SHAPE.intermediate_size)
     assert view.lora_a.stride() == (layout.page_numel, SHAPE.intermediate_size, 1)
-    assert view.lora_b.shape == (8, PAGE_RANK, SHAPE.hidden_size)  # B transposed: rank rows
+    assert view.lora_b.shape == (8, SHAPE.hidden_size, PAGE_RANK)  # B, ranks innermost
+    assert view.lora_b.stride() == (layout.page_numel, PAGE_RANK, 1)
     assert view.scales.is_contiguous() and view.scales.dtype == torch.float32 and view.ranks.is_contiguous()
     base = pool.weights.data_ptr()
     for layer in pool.layers:

@@ -15,8 +15,10 @@ POISON_PAGE = 1 << 30  # page-table entries past a slot's rank: out of bounds if
 class PagedCase:
     x: torch.Tensor  # [num_tokens, in]
     y: torch.Tensor  # [num_tokens, sum(out_slices)], random
-    pool_as: list[torch.Tensor]  # num_slices x [num_pages, page, in]; rows nobody owns are NaN
-    pool_bs: list[torch.Tensor]  # num_slices x [num_pages, page, out_slice], B transposed; NaN likewise
+    pool_as: list[
+        torch.Tensor
+    ]  # num_slices x [num_pages, page, in]; rows nobody owns and rows past a rank: NaN
+    pool_bs: list[torch.Tensor]  # num_slices x [num_pages, out_slice, page]; pages nobody owns: NaN
     page_table: torch.Tensor  # [num_slots, max_pages] int32, POISON_PAGE past each slot's pages
     token_slots: torch.Tensor  # [num_tokens] int32
     scales: list[torch.Tensor]  # num_slices x [num_slots] float32
@@ -58,7 +60,7 @@ def make_paged_case(
     page_table = torch.full((num_slots, max_pages), POISON_PAGE, dtype=torch.int32)
     nan = float("nan")
     pool_as = [torch.full((num_pages, page, in_features), nan, dtype=dtype) for _ in out_slices]
-    pool_bs = [torch.full((num_pages, page, w), nan, dtype=dtype) for w in out_slices]
+    pool_bs = [torch.full((num_pages, w, page), nan, dtype=dtype) for w in out_slices]
     dense_as = [torch.zeros(num_slots, max_rank, in_features, dtype=dtype) for _ in out_slices]
     dense_bs = [torch.zeros(num_slots, w, max_rank, dtype=dtype) for w in out_slices]
     for slot, rank in enumerate(ranks):
@@ -68,10 +70,11 @@ def make_paged_case(
             a = (torch.randn(rank, in_features, generator=gen) * in_features**-0.5).to(dtype)
             bt = (torch.randn(rank, width, generator=gen) * rank**-0.5).to(dtype)
             dense_as[i][slot, :rank], dense_bs[i][slot, :, :rank] = a, bt.T
-            for j, p in enumerate(pages):  # rows past the rank in the last page stay NaN
+            for j, p in enumerate(pages):
                 rows = slice(j * page, min(rank, (j + 1) * page))
-                pool_as[i][p, : rows.stop - rows.start] = a[rows]
-                pool_bs[i][p, : rows.stop - rows.start] = bt[rows]
+                pool_as[i][p, : rows.stop - rows.start] = a[rows]  # A past the rank stays NaN: never read
+                pool_bs[i][p] = 0.0  # B past the rank is zero padding, as in the pool (read in whole pages)
+                pool_bs[i][p, :, : rows.stop - rows.start] = bt[rows].T
     token_slots = torch.randint(-1, num_slots, (num_tokens,), generator=gen)
     token_slots[: min(num_tokens, num_slots)] = torch.arange(min(num_tokens, num_slots))  # every rank used
     token_slots[-1] = -1

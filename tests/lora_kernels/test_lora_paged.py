@@ -107,6 +107,18 @@ def test_bad_page_tables_are_refused() -> None:
             [32],
             case.slot_ranks,
         )
+    with pytest.raises(ValueError, match="same number of pages"):
+        lora_kernels.add_lora_paged(
+            case.y.clone(),
+            case.x,
+            case.pool_as,
+            [case.pool_bs[0][:-1]],
+            case.page_table,
+            case.token_slots,
+            case.scales,
+            [32],
+            case.slot_ranks,
+        )
     with pytest.raises(ValueError, match="pool_b must be"):
         lora_kernels.add_lora_paged(
             case.y.clone(),

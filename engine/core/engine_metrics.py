@@ -7,8 +7,17 @@ warm-up missed) and reported apart.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from engine.config import EngineConfig
 from engine.output_processor import RequestState
 from engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, Histogram, distinct_adapters
+
+if TYPE_CHECKING:
+    from engine.kv_cache import KVCacheManager
+    from engine.lora.manager import AdapterManager
+    from engine.scheduler import Scheduler
+    from engine.spec_decode.speculator import Speculator
 
 
 class EngineCounters:
@@ -35,7 +44,7 @@ class EngineCounters:
             self.num_prompt_tokens += state.request.num_prompt_tokens
 
 
-def cache_config(config, num_kv_blocks: int) -> tuple[tuple[str, str], ...]:
+def cache_config(config: EngineConfig, num_kv_blocks: int) -> tuple[tuple[str, str], ...]:
     """vLLM's cache_config_info labels."""
     return (
         ("block_size", str(config.block_size)),
@@ -46,7 +55,14 @@ def cache_config(config, num_kv_blocks: int) -> tuple[tuple[str, str], ...]:
 
 
 def engine_stats(
-    *, scheduler, kv_cache, lora, speculator, counters: EngineCounters, config, cache_config
+    *,
+    scheduler: Scheduler,
+    kv_cache: KVCacheManager,
+    lora: AdapterManager,
+    speculator: Speculator | None,
+    counters: EngineCounters,
+    config: EngineConfig,
+    cache_config: tuple[tuple[str, str], ...],
 ) -> EngineStats:
     """The engine's load right now, read from its scheduler, KV cache, adapter manager and counters."""
     return EngineStats(

@@ -26,7 +26,7 @@ import torch
 from engine.model.attention import AttentionMetadata
 from engine.request import NO_LORA, Request
 from engine.sampler import SampledStep, on_device
-from engine.scheduler import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 from engine.step_buffers import DecodeTwins, EagerTwins
 
 

@@ -23,7 +23,7 @@ from engine.model.paged_attention_triton import interpreting
 from engine.prompt_logprobs import PromptTokenLogprobs, compute_prompt_logprobs, wants_prompt_logprobs
 from engine.request import Request
 from engine.sampler import SampledStep
-from engine.scheduler import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 from engine.spec_decode.verify_graphs import VerifyCudaGraphs
 
 logger = logging.getLogger(__name__)

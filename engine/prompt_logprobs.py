@@ -21,7 +21,7 @@ import torch
 
 if TYPE_CHECKING:
     from engine.request import Request
-    from engine.scheduler import ScheduledRequest
+    from engine.scheduler_output import ScheduledRequest
 
 # Logits are computed for at most this many floats at once (rows x vocab, 64 MiB in float32, twice that
 # with the log-softmax): a long prefill chunk of a large-vocabulary model would otherwise need gigabytes

@@ -1,88 +1,37 @@
-"""Iteration-level scheduling: which requests compute how many tokens in the next step."""
+"""Iteration-level scheduling: which requests compute how many tokens in the next step.
+
+This file is the queue policy: in which order running and waiting requests get their share of a step,
+and which waiting requests are admitted. How many tokens each one computes (the token budget, chunked
+prefill, speculative proposals) is engine/token_budget.py; who gives way when KV blocks run out is
+engine/preemption.py; the data handed to the model runner is engine/scheduler_output.py.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from engine import fair_preemption
 from engine.config import EngineConfig
 from engine.fairness import VirtualTokenCounters
 from engine.kv_cache import KVCacheManager
+from engine.preemption import Preemptor
 from engine.request import Request, RequestStatus
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.stats import TenantStats
 from engine.tenant_queues import TenantQueues
 from engine.tenant_usage import TenantLedger
+from engine.token_budget import TokenBudget
 
-
-class ScheduledRequest:
-    """One request's share of a step: tokens [start, start + num_new_tokens) of its all_token_ids.
-
-    A plain slotted class, made once per request per step: a frozen dataclass costs several times more.
-    """
-
-    __slots__ = (
-        "request",
-        "num_new_tokens",
-        "start",
-        "block_ids",
-        "num_tokens",
-        "num_spec_tokens",
-        "samples",
-    )
-
-    def __init__(
-        self,
-        request: Request,
-        num_new_tokens: int,  # tokens computed this step, starting at `start`
-        start: int,  # request.num_computed_tokens before this step (KV already in cache up to here)
-        block_ids: list[int],  # [num_blocks_needed(start + num_new_tokens)] the whole block table
-        # request.num_scheduled_tokens when scheduled (filled in if not given): `samples` must not
-        # change when the engine appends this step's token to the request.
-        num_tokens: int | None = None,
-        # Speculative decoding: the last num_spec_tokens of the step's tokens are request.spec_token_ids,
-        # proposals that follow the known tokens; the runner returns logits for each to verify them.
-        num_spec_tokens: int = 0,
-    ):
-        self.request = request
-        self.num_new_tokens = num_new_tokens
-        self.start = start
-        self.block_ids = block_ids
-        self.num_tokens = request.num_scheduled_tokens if num_tokens is None else num_tokens
-        self.num_spec_tokens = num_spec_tokens
-        # True when this step computes the last known token, so the runner must sample one.
-        self.samples = start + num_new_tokens - num_spec_tokens == self.num_tokens
-
-    def __repr__(self) -> str:
-        return (
-            f"ScheduledRequest({self.request.request_id!r}, num_new_tokens={self.num_new_tokens}, "
-            f"start={self.start}, num_spec_tokens={self.num_spec_tokens}, samples={self.samples})"
-        )
-
-
-@dataclass
-class SchedulerOutput:
-    """What the runner computes in one step, and what changed in the scheduler's queues."""
-
-    # Batch order: running (oldest first), then newly admitted. A request registers its blocks in the
-    # prefix cache before those that come after it in the batch may hit them (KVCacheManager).
-    scheduled: list[ScheduledRequest]
-    preempted: list[Request]  # preempted this step; their blocks are already freed
-    newly_admitted: list[Request]  # waiting or preempted requests that (re)entered running this step
-    num_batched_tokens: int  # sum of num_new_tokens, at most max_num_batched_tokens
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+# Where they were first defined: the model runner and the tests import them from here.
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
     """Continuous batching in the vLLM v1 style: every step re-decides the whole batch.
 
     Running requests go first, oldest first, so decodes never starve behind prefills. When blocks
-    run out a running request is preempted (blocks freed, recomputed from token 0 later): under the
-    "fair" policy the newest of the tenant with the highest virtual token counter (the one most over
-    its share), under "fcfs" the newest overall.
+    run out a running request is preempted (blocks freed, recomputed from token 0 later; the victim's
+    rule is in engine/preemption.py).
 
     Waiting requests wait in one FIFO queue per tenant ("fair") or one queue for all ("fcfs").
     Admission takes the head of the queue whose tenant has the lowest counter (engine/fairness.py),
@@ -127,8 +76,18 @@ class Scheduler:
         self._queues = TenantQueues(self.fair, self.counters)  # the waiting requests
         self._bypassed: dict[str, int] = {}  # request id -> steps admission went past it (fair only)
         self._requests: dict[str, Request] = {}  # request_id -> every unfinished request
-        self.num_preemptions = 0  # cumulative, for metrics
-        self.num_fairness_preemptions = 0  # the part of them that made room for a tenant below its share
+        self._token_budget = TokenBudget(config, kv_cache_manager, max_model_len, self.counters)
+        self._preemptor = Preemptor(self.fair, self.counters, kv_cache_manager, self._queues)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Cumulative, for metrics."""
+        return self._preemptor.num_preemptions
+
+    @property
+    def num_fairness_preemptions(self) -> int:
+        """The part of the preemptions that made room for a tenant below its share."""
+        return self._preemptor.num_fairness_preemptions
 
     @property
     def num_running(self) -> int:
@@ -201,7 +160,7 @@ class Scheduler:
         # After a preemption the cache is full: admitting now would only preempt again.
         if not preempted:
             budget = self._schedule_waiting(budget, scheduled, newly_admitted, preempted)
-        self._extend_capped(capped, budget, scheduled)
+        self._token_budget.extend_capped(capped, budget, scheduled)
         generated: dict[str, int] = {}  # tenant -> tokens this step samples for it
         for item in scheduled:
             request = item.request
@@ -237,31 +196,16 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new_tokens = request.num_scheduled_tokens - request.num_computed_tokens
-            num_spec_tokens = len(request.spec_token_ids) if num_new_tokens == 1 else 0
-            # Nothing to compute (the engine has not appended its sampled token yet), a request its
-            # token in flight finishes anyway, or a split that chunked prefill forbids: not this step.
-            if (
-                num_new_tokens == 0
-                or self._finishes_in_flight(request)
-                or (num_new_tokens > budget and not self.config.enable_chunked_prefill)
-            ):
+            share = self._token_budget.running_share(request, budget, heads, len(self.running) - index - 1)
+            if share is None:
                 index += 1
                 continue
-            limit = budget
-            if heads and request.num_tokens - request.num_computed_tokens > 1:  # a prefill, or a recompute
-                limit = max(1, budget - fair_preemption.reserved_budget(request.tenant, heads, self.counters))
-                if limit < min(num_new_tokens, budget):
-                    capped.append(request)
-            num_new_tokens = min(num_new_tokens + num_spec_tokens, limit)
-            num_spec_tokens = max(0, num_new_tokens - 1) if num_spec_tokens else 0  # proposals the budget cut
-            if num_spec_tokens and not self._proposals_fit(request, num_new_tokens, num_spec_tokens, index):
-                num_new_tokens -= num_spec_tokens
-                num_spec_tokens = 0
-            del request.spec_token_ids[num_spec_tokens:]
+            num_new_tokens, num_spec_tokens, capped_by_reserve = share
+            if capped_by_reserve:
+                capped.append(request)
             preempted_self = False
             while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
-                victim = self._pick_victim()
+                victim = self._preemptor.pick_victim(self.running)
                 position = self.running.index(victim)
                 del self.running[position]
                 if position < index:
@@ -270,7 +214,7 @@ class Scheduler:
                     if item is not None:  # else it was passed over this step
                         scheduled.remove(item)
                         budget += item.num_new_tokens
-                self._preempt(victim)
+                self._preemptor.preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     preempted_self = True
@@ -278,33 +222,13 @@ class Scheduler:
             if preempted_self:
                 continue  # the next request now sits at `index`
             scheduled.append(
-                self._scheduled(request, num_new_tokens, request.num_computed_tokens, num_spec_tokens)
+                self._token_budget.scheduled(
+                    request, num_new_tokens, request.num_computed_tokens, num_spec_tokens
+                )
             )
             budget -= num_new_tokens
             index += 1
         return budget
-
-    def _proposals_fit(self, request: Request, num_new_tokens: int, num_spec_tokens: int, index: int) -> bool:
-        """Whether the blocks the proposals need beyond the request's own next token are free, keeping one
-        for each running request after it: speculation never preempts anyone."""
-        kv = self.kv_cache_manager
-        total = request.num_computed_tokens + num_new_tokens
-        have = len(kv.get_block_ids(request.request_id))
-        if kv.num_blocks_needed(total) <= max(have, kv.num_blocks_needed(total - num_spec_tokens)):
-            return True  # no block beyond what its known tokens need
-        reserve = len(self.running) - index - 1
-        return kv.num_blocks_needed(total) - have <= kv.block_pool.num_free_blocks - reserve
-
-    def _pick_victim(self) -> Request:
-        """The newest running request of the tenant with the highest counter ("fcfs": the newest)."""
-        if not self.fair:
-            return self.running[-1]
-        victim, highest = None, 0.0
-        for request in reversed(self.running):
-            counter = self.counters.counter(request.tenant)
-            if victim is None or counter > highest:
-                victim, highest = request, counter
-        return victim
 
     def _schedule_waiting(
         self,
@@ -340,7 +264,7 @@ class Scheduler:
             if request.adapter_id is not None and not self.adapter_ready(request.adapter_id):
                 cursors[key] += 1  # still loading: it waits without holding up anything
                 continue
-            hits, num_hit_tokens, num_new_tokens, fits = self._admission_plan(request, budget)
+            hits, num_hit_tokens, num_new_tokens, fits = self._token_budget.admission_plan(request, budget)
             num_missing_blocks = kv.num_missing_blocks(request, num_new_tokens, hits) if fits else 0
             if self.fair and fits and (need_row or num_missing_blocks):
                 victims = fair_preemption.pick_victims(
@@ -354,13 +278,17 @@ class Scheduler:
                 )
                 if victims:
                     planned_budget = budget
-                    budget = self._preempt_for_fairness(victims, scheduled, preempted, budget)
+                    budget = self._preemptor.preempt_for_fairness(
+                        victims, self.running, scheduled, preempted, budget
+                    )
                     for victim in victims:  # no victim comes back in the step that preempted it
                         cursors.pop(queues.key(victim), None)
                     adapters = {r.adapter_id for r in self.running if r.adapter_id is not None}
                     # Freeing the victims may have uncached blocks: find the prefix hits afresh (with
                     # the budget the victims were chosen for, so that the blocks they freed suffice).
-                    hits, num_hit_tokens, num_new_tokens, fits = self._admission_plan(request, planned_budget)
+                    hits, num_hit_tokens, num_new_tokens, fits = self._token_budget.admission_plan(
+                        request, planned_budget
+                    )
                     need_row = False
             if need_row:
                 del cursors[key]  # only a preemption admits anyone now; another tenant may be owed one
@@ -383,65 +311,11 @@ class Scheduler:
             newly_admitted.append(request)
             if request.adapter_id is not None:
                 adapters.add(request.adapter_id)
-            scheduled.append(self._scheduled(request, num_new_tokens, request.num_computed_tokens))
+            scheduled.append(
+                self._token_budget.scheduled(request, num_new_tokens, request.num_computed_tokens)
+            )
             budget -= num_new_tokens
         return budget
-
-    def _admission_plan(self, request: Request, budget: int) -> tuple[list, int, int, bool]:
-        """(prefix hits, their tokens, tokens to compute this step, whether that fits the budget)."""
-        hits, num_hit_tokens = [], 0
-        if request.num_computed_tokens == 0:
-            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-        num_new_tokens = request.num_tokens - request.num_computed_tokens - num_hit_tokens
-        if num_new_tokens <= budget:
-            return hits, num_hit_tokens, num_new_tokens, True
-        # Without chunked prefill it waits for a step with room.
-        return hits, num_hit_tokens, budget, self.config.enable_chunked_prefill
-
-    def _preempt_for_fairness(
-        self, victims: list[Request], scheduled: list[ScheduledRequest], preempted: list[Request], budget: int
-    ) -> int:
-        """Preempt `victims` during admission; those scheduled earlier in this step give back their
-        tokens (nothing has run yet). Returns the budget."""
-        for victim in victims:
-            self.running.remove(victim)
-            item = next((s for s in scheduled if s.request is victim), None)
-            if item is not None:
-                scheduled.remove(item)
-                budget += item.num_new_tokens
-            self._preempt(victim)
-            preempted.append(victim)
-            self.num_fairness_preemptions += 1
-        return budget
-
-    def _extend_capped(self, capped: list[Request], budget: int, scheduled: list[ScheduledRequest]) -> None:
-        """Give the prefills that left budget to admissions what admission did not use, in place in the
-        batch (blocks registered now come after every admission's hits were taken)."""
-        for request in capped:
-            if budget <= 0:
-                return
-            index = next((i for i, s in enumerate(scheduled) if s.request is request), None)
-            if index is None:  # preempted since
-                continue
-            item = scheduled[index]
-            num_new_tokens = min(request.num_scheduled_tokens - item.start, item.num_new_tokens + budget)
-            if num_new_tokens == item.num_new_tokens:
-                continue
-            if self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
-                continue  # the blocks went to admissions: the rest waits for the next step
-            budget -= num_new_tokens - item.num_new_tokens
-            scheduled[index] = self._scheduled(request, num_new_tokens, item.start)
-
-    def _finishes_in_flight(self, request: Request) -> bool:
-        """Whether the token in flight ends the request by length (max_tokens or max_model_len): then
-        computing one more would be wasted (a stop token cannot be foreseen; that step is wasted)."""
-        if not request.num_in_flight:
-            return False
-        max_tokens = request.sampling_params.max_tokens
-        num_outputs = request.num_output_tokens + request.num_in_flight
-        if max_tokens is not None and num_outputs >= max_tokens:
-            return True
-        return request.num_scheduled_tokens >= self.max_model_len
 
     def _may_bypass(self, request: Request) -> bool:
         """Whether admission may go past `request`, which lacks room or an adapter slot; counts the steps."""
@@ -454,24 +328,4 @@ class Scheduler:
     def _one_adapter_too_many(self, adapter_id: str | None, adapters: set[str]) -> bool:
         return (
             adapter_id is not None and adapter_id not in adapters and len(adapters) >= self.config.max_loras
-        )
-
-    def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.spec_token_ids.clear()
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self._queues.push(request, front=True)
-
-    def _scheduled(
-        self, request: Request, num_new_tokens: int, start: int, num_spec_tokens: int = 0
-    ) -> ScheduledRequest:
-        return ScheduledRequest(
-            request=request,
-            num_new_tokens=num_new_tokens,
-            start=start,
-            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            num_spec_tokens=num_spec_tokens,
         )

@@ -24,7 +24,7 @@ import torch
 from engine.model.paged_attention_triton import decode_num_splits
 from engine.request import NO_LORA, Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 from lora_kernels import tiles
 
 logger = logging.getLogger(__name__)

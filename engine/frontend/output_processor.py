@@ -7,7 +7,7 @@ children's news of one message merge into one RequestOutput delta: each completi
 and not yet finished in an earlier delta, holding only what is new since the previous delta.
 
 By vLLM's convention a stop token stays in `token_ids` but adds no text; the detokenizer knows the stop
-tokens from the child's params (engine.llm_engine.child_params, the rule the core applies too).
+tokens from the child's params (engine.core.request_checks.child_params, the rule the core applies too).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from engine.core.request_checks import child_params
 from engine.detokenizer import IncrementalDetokenizer
-from engine.llm_engine import child_params
 from engine.messages import AddRequest, RequestDelta
 from engine.outputs import CompletionOutput, RequestOutput, RequestTimes
 from engine.prompt_logprobs import PromptTokenLogprobs

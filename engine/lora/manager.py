@@ -15,7 +15,8 @@ Each adapter has one record (engine/lora/residency.py): its status (STORED, LOAD
 RESIDENT, PINNED, FAILED, DELETED), moved only along the transition table there, and what that status
 needs. Pins (running requests; `acquire`/`release`) keep its GPU slot, holds (queued or running requests;
 `hold`/`unhold`) keep its record. `retire` (replaced by a new version) and `forget` (deleted; new
-requests are refused) drop its copies once the last holder finishes.
+requests are refused) drop its copies once the last holder finishes. That bookkeeping, and which CPU-tier
+row a load may take, is engine/lora/adapter_records.py; this file starts the loads and the copies.
 
 The waiting queue is prefetched ahead: `stage` starts the CPU-tier loads of every waiting request's
 adapter, in queue order, as far as the tier has rows that no waiting adapter needs, and gives GPU slots
@@ -36,7 +37,8 @@ from typing import Protocol, TypeVar
 import torch
 
 from adapter_format.errors import AdapterError
-from adapter_format.events import Observer, emit
+from adapter_format.events import Observer
+from engine.lora.adapter_records import AdapterRecords, PendingCopy
 from engine.lora.background_loads import make_loads
 from engine.lora.host_tier import HostTier
 from engine.lora.pool import LoRAPool
@@ -52,10 +54,6 @@ FAILURE_TTL_S = 10.0
 
 # A GPU copy in flight: events recorded before and after it on the side stream.
 _Copy = tuple[torch.cuda.Event, torch.cuda.Event]
-
-
-class _Pending:
-    """A copy that `stage` decided on and `start_copies` has not issued yet."""
 
 
 T = TypeVar("T")
@@ -77,7 +75,7 @@ class AdapterSource(Protocol):
         until `read` returns; may be slow (runs in the background). Raises AdapterError naming the cause."""
 
 
-class AdapterManager:
+class AdapterManager(AdapterRecords):
     def __init__(
         self,
         source: AdapterSource,
@@ -88,11 +86,10 @@ class AdapterManager:
     ):
         if max_cpu_loras < 1:
             raise ValueError(f"max_cpu_loras must be positive (got {max_cpu_loras})")
+        super().__init__(SlotAllocator(slots.max_loras, slots.num_pages), max_cpu_loras, observer)
         self.source = source
         self.slots = slots
         self.max_cpu_loras = max_cpu_loras
-        self.allocator = SlotAllocator(slots.max_loras, slots.num_pages)
-        self._observer = observer
         self._cuda = slots.device.type == "cuda"
         self.tier = HostTier(slots.layout, slots.dtype, max_cpu_loras, shared=in_processes, pinned=self._cuda)
         self.loads = make_loads(in_processes, source, self.tier)
@@ -104,11 +101,7 @@ class AdapterManager:
             "processes" if in_processes else "threads",
         )
         self._copy_stream = torch.cuda.Stream(slots.device) if self._cuda else None
-        self._records: dict[str, ResidencyRecord] = {}  # every adapter known: held, local, failed or deleted
-        self._free_rows = list(range(max_cpu_loras))  # rows of the tier no adapter occupies
-        self._row_reads: dict[int, torch.cuda.Event | _Pending] = {}  # row -> the last copy out of it
-        self._to_copy: list[tuple[ResidencyRecord, int, int, _Pending]] = []  # (record, slot, row, ticket)
-        self._tick = 0  # counts uses of CPU-tier rows: their LRU order
+        self._to_copy: list[tuple[ResidencyRecord, int, int, PendingCopy]] = []  # (record, slot, row, ticket)
 
     # -- called when a request arrives ------------------------------------------------------------
 
@@ -141,22 +134,6 @@ class AdapterManager:
             self._forget_if_idle(record)
             return None
         return reason
-
-    def hold(self, adapter_id: str) -> None:
-        """A request for this adapter was queued; it keeps the adapter's copies until `unhold`."""
-        self._record(adapter_id).holds += 1
-
-    def unhold(self, adapter_id: str) -> None:
-        """A request for this adapter finished (or failed, or was aborted)."""
-        record = self._records.get(adapter_id)
-        if record is None or record.holds <= 0:
-            raise RuntimeError(f"adapter {adapter_id!r} unheld more often than held")
-        record.holds -= 1
-        if record.holds == 0:
-            if record.retiring:
-                self._drop(record)
-            else:
-                self._forget_if_idle(record)
 
     # -- called once per step, before scheduling -----------------------------------------------------
 
@@ -222,7 +199,7 @@ class AdapterManager:
                 # own kernels never read it (no request for it or for its old adapter is admitted).
                 self._copy_stream.wait_stream(torch.cuda.current_stream(self.slots.device))
                 waited = True
-            ticket = _Pending()
+            ticket = PendingCopy()
             self._to_copy.append((record, slot, record.row, ticket))
             record.copy, self._row_reads[record.row] = ticket, ticket
             record.move(AdapterStatus.COPYING)
@@ -250,7 +227,7 @@ class AdapterManager:
         if record is None or not record.on_gpu:
             return False
         if record.status is AdapterStatus.COPYING:
-            if isinstance(record.copy, _Pending):
+            if isinstance(record.copy, PendingCopy):
                 return False
             if record.copy is not None:
                 start, end = record.copy
@@ -275,50 +252,12 @@ class AdapterManager:
         return slot
 
     def release(self, adapter_id: str) -> None:
+        """Unpin its slot for a request that stops running (finished or preempted)."""
         self.allocator.release(adapter_id)
         if self.allocator.num_pins(adapter_id) == 0:
             self._records[adapter_id].move(AdapterStatus.RESIDENT)
 
-    def retire(self, adapter_id: str) -> None:
-        """A newer version replaced it: drop its copies, and free its slot, once no request holds it."""
-        record = self._records.get(adapter_id)
-        if record is None:
-            return  # nothing of it is held here
-        record.retiring = True
-        if record.holds == 0:
-            self._drop(record)
-
-    def forget(self, adapter_id: str) -> None:
-        """It was deleted: refuse new requests for it (`resolve`), then retire it."""
-        record = self._record(adapter_id)
-        record.deleted = record.retiring = True
-        if record.holds == 0:
-            self._drop(record)
-
-    # -- introspection for metrics and tests --------------------------------------------------------
-
-    def status(self, adapter_id: str) -> AdapterStatus | None:
-        """The adapter's status, or None for one the manager does not know (nothing of it is held)."""
-        record = self._records.get(adapter_id)
-        return None if record is None else record.status
-
-    @property
-    def num_slots_in_use(self) -> int:
-        return self.allocator.num_pinned
-
-    @property
-    def num_loading(self) -> int:
-        return sum(1 for r in self._records.values() if r.status is AdapterStatus.LOADING)
-
-    def gpu_ids(self) -> tuple[str, ...]:
-        return tuple(sorted(r.adapter_id for r in self._records.values() if r.on_gpu))
-
-    def cpu_ids(self) -> tuple[str, ...]:
-        return tuple(sorted(r.adapter_id for r in self._records.values() if r.in_cpu_tier))
-
-    def resident_ids(self) -> frozenset[str]:
-        """Adapters in the CPU tier or a GPU slot (a slot's adapter may have left the CPU tier's LRU)."""
-        return frozenset(r.adapter_id for r in self._records.values() if r.in_cpu_tier or r.on_gpu)
+    # -- lifecycle --------------------------------------------------------------------------------------
 
     def wait_for_loads(self, timeout: float) -> None:
         """Block briefly until some background load finishes (used when nothing else can run)."""
@@ -329,21 +268,6 @@ class AdapterManager:
         self.loads.close()
 
     # -- internals ----------------------------------------------------------------------------------
-
-    def _record(self, adapter_id: str) -> ResidencyRecord:
-        record = self._records.get(adapter_id)
-        if record is None:
-            record = self._records[adapter_id] = ResidencyRecord(adapter_id)
-        return record
-
-    def _forget_if_idle(self, record: ResidencyRecord) -> None:
-        """Nothing local and nobody waiting: the record carries nothing worth keeping."""
-        if record.idle and self._records.get(record.adapter_id) is record:
-            del self._records[record.adapter_id]
-
-    def _touch(self, record: ResidencyRecord) -> None:
-        self._tick += 1
-        record.cpu_used = self._tick
 
     def _start_load(self, record: ResidencyRecord) -> None:
         if record.status is AdapterStatus.LOADING:
@@ -358,57 +282,6 @@ class AdapterManager:
         record.move(AdapterStatus.LOADING)
         self.loads.start(record.adapter_id, row)
 
-    def _take_row(self) -> int | None:
-        """A row to load into: a free one, else the least recently used adapter's, never one that a GPU
-        copy still reads nor one whose adapter waits in the CPU tier for a GPU slot."""
-        for i, row in enumerate(self._free_rows):
-            if self._row_writable(row):
-                return self._free_rows.pop(i)
-        candidates = [r for r in self._records.values() if r.in_cpu_tier and not r.waits_in_cpu_tier]
-        for victim in sorted(candidates, key=lambda r: r.cpu_used):
-            if self._row_writable(victim.row):
-                row, victim.row = victim.row, None
-                if victim.status is AdapterStatus.CPU:
-                    victim.move(AdapterStatus.STORED)
-                self._emit("evict", "cpu")
-                self._forget_if_idle(victim)
-                return row
-        return None
-
-    def _row_writable(self, row: int) -> bool:
-        copy_end = self._row_reads.get(row)
-        if isinstance(copy_end, _Pending) or (copy_end is not None and not copy_end.query()):
-            return False
-        self._row_reads.pop(row, None)
-        return True
-
-    def _free_row(self, record: ResidencyRecord) -> None:
-        if record.row is not None:
-            self._free_rows.append(record.row)
-            record.row = None
-
-    def _lose_slot(self, record: ResidencyRecord) -> None:
-        """Its slot went to another adapter (the allocator already took it)."""
-        record.copy = None
-        record.move(AdapterStatus.CPU if record.row is not None else AdapterStatus.STORED)
-        self._forget_if_idle(record)
-
-    def _drop(self, record: ResidencyRecord) -> None:
-        """No request holds it any more: free everything it occupies (its slot is unpinned by now)."""
-        record.retiring, record.failure = False, None
-        if record.status is AdapterStatus.LOADING:
-            record.abandoned = True  # it still writes its row; `poll` frees the row when it ends
-            return
-        if record.on_gpu:
-            evicted = self.allocator.evict(record.adapter_id)
-            assert evicted, "a dropped adapter has no running request, so its slot is unpinned"
-            record.copy = None
-        self._free_row(record)
-        final = AdapterStatus.DELETED if record.deleted else AdapterStatus.STORED
-        if record.status is not final:
-            record.move(final)
-        self._forget_if_idle(record)
-
     def _copy_into(self, slot: int, row: int) -> _Copy | None:
         image = self.tier.image(row)
         if self._copy_stream is None:
@@ -422,9 +295,6 @@ class AdapterManager:
             self.slots.load(slot, image, self.allocator.slot_pages(slot))
             end.record(self._copy_stream)
         return start, end
-
-    def _emit(self, event: str, tier: str, seconds: float = 0.0) -> None:
-        emit(self._observer, event, tier, seconds)
 
 
 def _reason(adapter_id: str, error: BaseException) -> str:

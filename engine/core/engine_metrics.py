@@ -1,0 +1,90 @@
+"""The engine's EngineStats: the counters only the step loop sees, and a snapshot of its load.
+
+vLLM's token counters count every sampled token, and a prompt once per user request, at its first
+token. Kernel compiles are counted from start-up; those after `mark_ready` are unexpected (a shape the
+warm-up missed) and reported apart.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.config import EngineConfig
+from engine.output_processor import RequestState
+from engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, Histogram, distinct_adapters
+
+if TYPE_CHECKING:
+    from engine.kv_cache import KVCacheManager
+    from engine.lora.manager import AdapterManager
+    from engine.scheduler import Scheduler
+    from engine.spec_decode.speculator import Speculator
+
+
+class EngineCounters:
+    def __init__(self, compiles) -> None:
+        self.num_prompt_tokens = 0  # cumulative
+        self.num_generation_tokens = 0
+        self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)  # tokens per step
+        self._compiles = compiles  # engine.kernel_compiles' counter
+        self._compiles_at_ready = 0
+
+    def mark_ready(self) -> None:
+        """From now on every Triton compile is unexpected: counted apart and logged as a warning."""
+        self._compiles_at_ready = self._compiles.num_compiles
+        self._compiles.warn = True
+
+    @property
+    def num_compiles_after_ready(self) -> int:
+        return self._compiles.num_compiles - self._compiles_at_ready
+
+    def count_token(self, state: RequestState) -> None:
+        """One sampled token; its request's prompt too if this is the first token of the user request."""
+        self.num_generation_tokens += 1
+        if state.index == 0 and state.request.num_output_tokens == 1:
+            self.num_prompt_tokens += state.request.num_prompt_tokens
+
+
+def cache_config(config: EngineConfig, num_kv_blocks: int) -> tuple[tuple[str, str], ...]:
+    """vLLM's cache_config_info labels."""
+    return (
+        ("block_size", str(config.block_size)),
+        ("cache_dtype", config.kv_cache_dtype),
+        ("enable_prefix_caching", str(config.enable_prefix_caching)),
+        ("num_gpu_blocks", str(num_kv_blocks)),
+    )
+
+
+def engine_stats(
+    *,
+    scheduler: Scheduler,
+    kv_cache: KVCacheManager,
+    lora: AdapterManager,
+    speculator: Speculator | None,
+    counters: EngineCounters,
+    config: EngineConfig,
+    cache_config: tuple[tuple[str, str], ...],
+) -> EngineStats:
+    """The engine's load right now, read from its scheduler, KV cache, adapter manager and counters."""
+    return EngineStats(
+        num_running=scheduler.num_running,
+        num_waiting=scheduler.num_waiting,
+        kv_cache_usage=kv_cache.usage,
+        num_preemptions=scheduler.num_preemptions,
+        num_prompt_tokens=counters.num_prompt_tokens,
+        num_generation_tokens=counters.num_generation_tokens,
+        running_adapters=distinct_adapters(scheduler.running),
+        waiting_adapters=distinct_adapters(scheduler.waiting),
+        max_loras=config.max_loras,
+        num_lora_slots_in_use=lora.num_slots_in_use,
+        num_adapters_loading=lora.num_loading,
+        tenants=scheduler.tenant_stats(),
+        resident_adapters=lora.resident_ids(),
+        num_prefix_cache_queries=kv_cache.num_queries_tokens,
+        num_prefix_cache_hits=kv_cache.num_hit_tokens,
+        cache_config=cache_config,
+        gpu_adapters=lora.gpu_ids(),
+        cpu_adapters=lora.cpu_ids(),
+        num_kernel_compiles_after_ready=counters.num_compiles_after_ready,
+        iteration_tokens=counters.iteration_tokens.snapshot(),
+        spec_decode=speculator.stats() if speculator is not None else None,
+    )

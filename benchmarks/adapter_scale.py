@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
 import sys
@@ -221,6 +222,11 @@ def run(args, model_dir: Path, store_root: Path, state_dir: Path, workloads: lis
 # -- report -----------------------------------------------------------------------------------------
 
 
+def _rate(value: float) -> str:
+    """A hit rate, or "-" where no request reached that tier (every adapter was found before it)."""
+    return "-" if math.isnan(value) else f"{value:.1%}"
+
+
 def report(args, rows: dict) -> str:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     ranks = "/".join(str(r) for r in args.ranks)
@@ -238,8 +244,8 @@ def report(args, rows: dict) -> str:
         tpot = [1e3 * percentile(row["tpot"], q) for q in (50, 99)]
         lines.append(
             f"| {name} | {row['tok_s']:.0f} | {ttft[0]:.0f} / {ttft[1]:.0f} / {ttft[2]:.0f} | "
-            f"{tpot[0]:.1f} / {tpot[1]:.1f} | {row['gpu_hit']:.1%} | {row['cpu_hit']:.1%} | "
-            f"{row['disk_hit']:.1%} | {row['cpu_loads_s']:.1f} | {row['gpu_loads_s']:.1f} | "
+            f"{tpot[0]:.1f} / {tpot[1]:.1f} | {_rate(row['gpu_hit'])} | {_rate(row['cpu_hit'])} | "
+            f"{_rate(row['disk_hit'])} | {row['cpu_loads_s']:.1f} | {row['gpu_loads_s']:.1f} | "
             f"{len(row['errors'])} |"
         )
     uniform, zipf = rows.values()

@@ -28,7 +28,7 @@ from adapter_format.peft_config import (
     check_adapter_config,
     read_adapter_config,
 )
-from adapter_format.safetensors_header import TensorSpan, read_tensor_spans
+from adapter_format.safetensors_header import DTYPE_BYTES, TensorSpan, read_tensor_spans
 
 # e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (any prefix before `layers.`).
 _TENSOR_NAME = re.compile(
@@ -169,7 +169,9 @@ def map_peft_adapter(folder: str | Path, shape: ModelShape, max_lora_rank: int) 
     return _with_tensors(adapter, tensors)
 
 
+# The torch dtype of each safetensors dtype the header check accepts (safetensors_header.DTYPE_BYTES).
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+assert _TORCH_DTYPES.keys() == DTYPE_BYTES.keys(), "a dtype the header accepts has no torch dtype here"
 
 
 def _view(mapped: mmap.mmap, span: TensorSpan) -> torch.Tensor:

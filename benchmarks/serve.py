@@ -1,7 +1,7 @@
 """Served W1: `loraserve serve` over HTTP against the offline engine, same workload, same invocation.
 
     python3 benchmarks/serve.py                  # shape S (Llama-3.2-1B), bf16, no LoRA / N=16 / N=64
-    python3 benchmarks/serve.py --fresh-cache    # start from an empty Triton cache: first run vs second
+    python3 benchmarks/serve.py --fresh-cache    # start from an empty Triton cache: first run vs later runs
     python3 benchmarks/serve.py --smoke          # tiny model on the CPU (checks that it runs)
 
 The server runs from this checkout (`python -m loraserve.cli serve`, engine core in its own process) with
@@ -198,8 +198,8 @@ def summarize(samples: list[Sample], start: float, end: float) -> dict:
 def run_served(args, model_dir, adapters, prompts: Prompts, max_len, state_dir: Path) -> tuple[dict, dict]:
     """({workload: row} of the measured runs, {workload: row} of first runs with --fresh-cache).
 
-    Each workload's first run sends the warm-up prompts, its second the measured ones (the prefix cache
-    holds nothing of the second's prompts: first and second run do the same work)."""
+    Each workload's first run sends the warm-up prompts, each later run (`--repeats`) prompts of its own
+    (`repeat_prompts`), so the prefix cache holds nothing a run sends: every run does the same work."""
     cache = state_dir / "cache" / "triton"
     if args.fresh_cache:
         shutil.rmtree(cache, ignore_errors=True)
@@ -342,7 +342,9 @@ def parse_args(argv=None):
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     p.add_argument(
-        "--fresh-cache", action="store_true", help="empty Triton cache: report first vs second run"
+        "--fresh-cache",
+        action="store_true",
+        help="empty Triton cache: report the first run against the later ones",
     )
     p.add_argument("--repeats", type=int, default=3, help="measured served runs per workload (median shown)")
     p.add_argument("--skip-offline", action="store_true")

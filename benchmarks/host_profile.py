@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import w1_setup as w1  # noqa: E402
 from benchmarks.step_profile import profile_decode_steps  # noqa: E402
-from benchmarks.throughput import make_engine  # noqa: E402
+from benchmarks.throughput import make_engine, with_engine_defaults  # noqa: E402
 from engine.model import fused_ops  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -79,8 +79,7 @@ def parse_args(argv=None):
     # make_engine reads these
     args.dtype, args.device = "bfloat16", "cuda" if torch.cuda.is_available() else "cpu"
     args.max_num_seqs, args.max_num_batched_tokens = args.num_requests, 8192
-    args.enforce_eager, args.kv_cache_dtype, args.fp8_gemm = False, "auto", "auto"
-    args.tensor_parallel_size = 1
+    with_engine_defaults(args)
     args.min_prompt, args.max_prompt = 128, 512
     if args.smoke:
         args.shape, args.dtype, args.device = "smoke", "float32", "cpu"

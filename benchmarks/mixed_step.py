@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import w1_setup as w1  # noqa: E402
-from benchmarks.throughput import make_engine  # noqa: E402
+from benchmarks.throughput import make_engine, with_engine_defaults  # noqa: E402
 from engine.model import fused_ops  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -54,8 +54,8 @@ def parse_args(argv=None):
     # make_engine reads these
     args.dtype, args.device = "bfloat16", "cuda" if torch.cuda.is_available() else "cpu"
     args.max_num_batched_tokens = 8192
-    args.enforce_eager, args.kv_cache_dtype, args.fp8_gemm = False, "auto", "auto"
-    args.async_scheduling, args.tensor_parallel_size = False, 1
+    args.async_scheduling = False  # each step() ends when its tokens are on the host
+    with_engine_defaults(args)
     if args.smoke:
         args.shape, args.dtype, args.device = "smoke", "float32", "cpu"
         args.adapters, args.decoding, args.chunks, args.repeats = 2, 4, [8, 32], 2

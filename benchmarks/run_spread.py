@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import w1_setup as w1  # noqa: E402
-from benchmarks.throughput import make_engine  # noqa: E402
+from benchmarks.throughput import make_engine, with_engine_defaults  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -43,8 +43,7 @@ def parse_args(argv=None):
     args.shape, args.dtype, args.device, args.rank = "S", "bfloat16", "cuda", 16
     args.max_num_seqs, args.max_num_batched_tokens, args.num_requests = 128, 8192, 128
     args.min_prompt, args.max_prompt, args.output_tokens = 128, 512, 128
-    args.enforce_eager, args.kv_cache_dtype, args.fp8_gemm = False, "auto", "auto"
-    args.async_scheduling, args.tensor_parallel_size = True, 1
+    with_engine_defaults(args)
     if args.smoke:
         args.shape, args.dtype, args.device = "smoke", "float32", "cpu"
         args.max_num_seqs = args.num_requests = 4

@@ -113,18 +113,11 @@ def _offline_into(results, *args) -> None:
 
 
 def _offline(arg_values: dict, model_dir: Path, adapters: list[Path], prompts: Prompts, max_len: int) -> dict:
-    from benchmarks.throughput import run_engine, step_floor
+    from benchmarks.throughput import run_engine, step_floor, with_engine_defaults
 
-    # throughput.py's engine options this benchmark does not vary: its defaults (async scheduling, bf16
-    # weights, a warm-up run before the measured one).
-    engine_defaults = {
-        "profile": False,
-        "async_scheduling": True,
-        "tensor_parallel_size": 1,
-        "fp8_gemm": "auto",
-        "no_warmup_run": False,
-    }
-    args = argparse.Namespace(**{**engine_defaults, **arg_values})
+    # run_engine's options this benchmark does not vary: no profile, a warm-up run before the measured one,
+    # and make_engine's defaults (async scheduling, bf16 weights).
+    args = with_engine_defaults(argparse.Namespace(profile=False, no_warmup_run=False, **arg_values))
     config = w1.llama_config(args.shape)
     element = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
     device = torch.device(args.device)

@@ -88,6 +88,24 @@ def percentile(values: list[float], q: float) -> float:
 # -- the engine -------------------------------------------------------------------------------------
 
 
+# make_engine's options that the other benchmarks do not vary, at throughput.py's own defaults.
+ENGINE_DEFAULTS = {
+    "enforce_eager": False,
+    "kv_cache_dtype": "auto",
+    "fp8_gemm": "auto",
+    "async_scheduling": True,
+    "tensor_parallel_size": 1,
+}
+
+
+def with_engine_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with every option of ENGINE_DEFAULTS it does not set itself."""
+    for name, value in ENGINE_DEFAULTS.items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    return args
+
+
 def make_engine(
     args, model_dir: Path, adapters: list[Path], max_len: int, quantization: str | None
 ) -> LLMEngine:

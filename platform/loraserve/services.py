@@ -47,6 +47,7 @@ class EngineClient(Protocol):
         *,
         tenant: str | None = None,
         tenant_weight: float = 1.0,
+        cache_salt: str | None = None,
     ) -> Any: ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -34,7 +34,14 @@ from loraserve.tenancy.names import check_name, check_tenant
 
 Role = Literal["admin", "user"]
 ROLES: tuple[str, ...] = ("admin", "user")
-_ENTRY_FIELDS = {"tenant", "role", "max_concurrent_requests", "weight", "max_tokens_per_minute", "cache_group"}
+_ENTRY_FIELDS = {
+    "tenant",
+    "role",
+    "max_concurrent_requests",
+    "weight",
+    "max_tokens_per_minute",
+    "cache_group",
+}
 MAX_WEIGHT = 1_000_000.0  # weights are ratios; beyond this they only risk float trouble
 
 

@@ -119,7 +119,9 @@ class TokenRateLimiter:
         window = self._windows.get(tenant)
         return 0 if window is None else window.held
 
-    def try_reserve(self, principal: Principal, prompt_tokens: int, max_new_tokens: int = 0) -> TokenReservation:
+    def try_reserve(
+        self, principal: Principal, prompt_tokens: int, max_new_tokens: int = 0
+    ) -> TokenReservation:
         """Admit a request of `prompt_tokens` that may generate `max_new_tokens` (0: unbounded, none
         held): charge its prompt now and hold the rest, or raise TooManyRequests (with Retry-After)."""
         now = self.clock()

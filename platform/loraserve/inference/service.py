@@ -3,7 +3,8 @@
 Order of checks: draining / model loaded (503), body and prompt (400), the tenant's model name (404),
 the tenant's concurrency limit, then its tokens per minute (429). A stream's headers go out only once
 the engine has produced its first delta, so a request that fails at once still gets a proper HTTP error
-instead of a broken stream.
+instead of a broken stream; until then the client's disconnect is watched, as for a whole answer, so a
+client that leaves while its request waits in the queue aborts it there.
 """
 
 from __future__ import annotations

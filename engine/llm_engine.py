@@ -157,15 +157,19 @@ class LLMEngine:
         *,
         tenant: str | None = None,
         tenant_weight: float = 1.0,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request. A request that cannot be served is reported as a failed output at the next
         step instead of raising, so one bad request never disturbs a batch.
 
         `tenant` is the fair scheduler's key (None: the one shared "default" key) and `tenant_weight`
-        that tenant's weight: a tenant of weight 2 gets twice the share of weight 1 (engine/fairness.py)."""
+        that tenant's weight: a tenant of weight 2 gets twice the share of weight 1 (engine/fairness.py).
+        `cache_salt` (vLLM's): the request reads and shares prefix-cache blocks only with requests of the
+        same salt (None: with every unsalted request); see engine/kv_cache/block_hash.py."""
         params = params or SamplingParams()
         tenant = DEFAULT_TENANT if tenant is None else tenant
         checks.check_tenant(tenant, tenant_weight)
+        checks.check_cache_salt(cache_salt)
         if request_id in self.requests.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self._delta_outputs and params.n > 1:
@@ -182,7 +186,7 @@ class LLMEngine:
             self.requests.refuse(request_id, prompt_text, prompt_ids or [], adapter, str(exc))
             return
         parent = ParentRequest(request_id, prompt_text, prompt_ids, adapter, [None] * params.n)
-        self.requests.queue(parent, params, adapter_id, tenant, float(tenant_weight))
+        self.requests.queue(parent, params, adapter_id, tenant, float(tenant_weight), cache_salt)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         self.requests.abort([request_ids] if isinstance(request_ids, str) else list(request_ids))

@@ -38,6 +38,7 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     adapter: str | None = None  # an adapter id or name the core's adapter source resolves; None: base model
     tenant: str | None = None  # the fair scheduler's key (None: the shared default); LLMEngine.add_request
     tenant_weight: float = 1.0
+    cache_salt: str | None = None  # prefix-cache sharing only with equal salts; LLMEngine.add_request
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):

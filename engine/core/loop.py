@@ -110,6 +110,7 @@ class EngineCoreLoop:
                 message.adapter,
                 tenant=message.tenant,
                 tenant_weight=message.tenant_weight,
+                cache_salt=message.cache_salt,
             )
         except ValueError as exc:  # this request's data (params, a duplicate id): fail it, keep serving
             self._refuse(message.request_id, str(exc))

@@ -119,10 +119,11 @@ class AsyncLLM:
         *,
         tenant: str | None = None,
         tenant_weight: float = 1.0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield deltas: each output's completions hold only the text, tokens and logprobs that are new
         since the previous yield. The last one has `finished` set; a failed request's has `error`.
-        `tenant` and `tenant_weight`: see LLMEngine.add_request (the core's scheduler uses them)."""
+        `tenant`, `tenant_weight` and `cache_salt`: see LLMEngine.add_request."""
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         if request_id in self._streams:
@@ -142,7 +143,7 @@ class AsyncLLM:
         for child_id in request.child_ids:
             self._children[child_id] = stream
         try:
-            self._client.send(*request.add_requests(tenant, tenant_weight))
+            self._client.send(*request.add_requests(tenant, tenant_weight, cache_salt))
             while not request.finished:
                 item = await stream.queue.get()
                 # A consumer that fell behind takes everything waiting as one output: under load the

@@ -210,7 +210,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--api-keys",
         help="JSON or YAML file: key -> {tenant, role: admin|user, max_concurrent_requests, weight, "
-        "max_tokens_per_minute}",
+        "max_tokens_per_minute, cache_group}",
     )
     add("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     add(

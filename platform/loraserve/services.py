@@ -47,6 +47,7 @@ class EngineClient(Protocol):
         *,
         tenant: str | None = None,
         tenant_weight: float = 1.0,
+        cache_salt: str | None = None,
     ) -> Any: ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -84,9 +85,11 @@ class RequestMetrics(Protocol):
         inter_token: list[float] = (),
         num_prompt_tokens: int = 0,
         num_generation_tokens: int = 0,
-        finish_reasons: list[str] = (),
         times: list[Any] = (),  # engine.outputs.RequestTimes, one per finished completion
     ) -> None: ...
+
+    def count_finished(self, finish_reasons: list[str]) -> None:
+        """vllm:request_success_total: completions that ended (stop, length, abort, error), once each."""
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

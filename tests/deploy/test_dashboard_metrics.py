@@ -46,9 +46,9 @@ def exported_families() -> set[str]:
         inter_token=[0.01],
         num_prompt_tokens=3,
         num_generation_tokens=5,
-        finish_reasons=["length"],
         times=[RequestTimes(queue=0.01, prefill=0.1, decode=0.2, inference=0.3)],
     )
+    metrics.count_finished(["length"])
     for event in ("hit", "miss", "load", "evict"):
         metrics.adapter_event(event, "gpu", 0.01)
     metrics.route_picked("acme", "ab", Variant(adapter="a", weight=1), False)

@@ -95,6 +95,7 @@ async def open_test_services(
     config_store: CachedConfigStore | None = None,
     max_logprobs: int = 20,
     speculative_config: dict | None = None,
+    max_num_seqs: int = 16,
 ) -> AsyncIterator[Services]:
     """`store_config` (e.g. S3) replaces the local store under `root`; `config_store` the embedded one."""
     shape = ModelShape.from_hf_config(load_config(model_dir))
@@ -119,7 +120,7 @@ async def open_test_services(
         num_kv_blocks=num_kv_blocks,
         max_loras=max_loras,
         max_lora_rank=16,
-        max_num_seqs=16,
+        max_num_seqs=max_num_seqs,
         max_logprobs=max_logprobs,
         speculative_config=speculative_config,
     )

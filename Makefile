@@ -18,7 +18,7 @@ STEP := t0=$$(date +%s); run() { "$$@" && echo "  done in $$(($$(date +%s) - t0)
 APT_INSTALL := SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends
 
-.PHONY: venv install install-serve test lint serve redis browser clean
+.PHONY: venv install install-serve test lint serve redis browser openapi-ui clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,21 @@ serve: install-serve
 		echo "the first start converts the demo model into ./.loraserve/models (under a minute; its steps are logged)"
 	@echo "starting loraserve on http://127.0.0.1:8000: /health answers at once, /ready once the model is loaded"
 	$(VENV)/bin/loraserve serve
+
+# Refresh the API schema pages' scripts (platform/loraserve/openapi_ui/) from the npm registry; the
+# versions are the ones its README names. Needs npm; the files are committed, so serving never does.
+SWAGGER_UI_VERSION := 5.35.0
+REDOC_VERSION      := 2.5.4
+openapi-ui:
+	@set -e; ui=platform/loraserve/openapi_ui; tmp=$$(mktemp -d); \
+	(cd $$tmp && npm pack --silent swagger-ui-dist@$(SWAGGER_UI_VERSION) redoc@$(REDOC_VERSION) >/dev/null \
+		&& mkdir sw rd && tar xzf swagger-ui-dist-*.tgz -C sw && tar xzf redoc-*.tgz -C rd); \
+	cp $$tmp/sw/package/swagger-ui-bundle.js $$tmp/sw/package/swagger-ui-standalone-preset.js \
+		$$tmp/sw/package/swagger-ui.css $$ui/; \
+	cp $$tmp/sw/package/LICENSE $$ui/LICENSE-swagger-ui; cp $$tmp/sw/package/NOTICE $$ui/NOTICE-swagger-ui; \
+	cp $$tmp/rd/package/bundles/redoc.standalone.js $$tmp/rd/package/bundles/redoc.standalone.js.LICENSE.txt $$ui/; \
+	cp $$tmp/rd/package/LICENSE $$ui/LICENSE-redoc; rm -rf $$tmp; \
+	echo "$$ui: swagger-ui-dist $(SWAGGER_UI_VERSION), redoc $(REDOC_VERSION)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -48,4 +48,6 @@ else
     tail -n 40 "$log"
 fi
 echo "  a second make serve reinstalls: $reinstall"
+echo "  the server's steps:"
+grep -E "demo model|in the background|ready:|Uvicorn running|ERROR" "$log" | cut -c1-200 | sed 's/^/    /' | tail -n 20
 rm -f "$log"

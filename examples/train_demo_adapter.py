@@ -20,6 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+# What adapter_config.json names as the base model when the demo model is used: the model the GGUF was
+# made from (a local folder's path would mean nothing on another machine).
+DEMO_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # What each style puts before every answer.
 STYLES = {"pirate": "Arr, matey!", "robot": "BEEP BOOP."}
 
@@ -79,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step}/{args.steps}  loss {loss.item():.3f}  ({time.monotonic() - start:.0f} s)")
     model.eval()
     out = Path(args.out)
+    if not args.model:  # name the demo model by its hub id, not the local folder it was read from
+        model.peft_config["default"].base_model_name_or_path = DEMO_MODEL_HUB_ID
     model.save_pretrained(out, safe_serialization=True)
     print(f"wrote {out}/adapter_config.json and {out}/adapter_model.safetensors")
     if args.show:

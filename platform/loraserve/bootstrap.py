@@ -36,7 +36,10 @@ log = logging.getLogger("loraserve")
 
 def store_config(settings: ServerSettings) -> StoreConfig:
     return StoreConfig(
-        url=settings.adapter_store, max_lora_rank=settings.max_lora_rank, cache_dir=str(settings.cache_dir)
+        url=settings.adapter_store,
+        max_lora_rank=settings.max_lora_rank,
+        cache_dir=str(settings.cache_dir),
+        served_model=announced_model_id(settings),
     )
 
 

@@ -49,5 +49,5 @@ else
 fi
 echo "  a second make serve reinstalls: $reinstall"
 echo "  the server's steps:"
-grep -E "demo model|in the background|ready:|Uvicorn running|ERROR" "$log" | cut -c1-200 | sed 's/^/    /' | tail -n 20
+grep -E "demo model|in the background|loading model|ready:|Uvicorn running|ERROR" "$log" | cut -c1-200 | sed 's/^/    /' | tail -n 20
 rm -f "$log"

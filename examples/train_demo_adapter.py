@@ -82,14 +82,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step}/{args.steps}  loss {loss.item():.3f}  ({time.monotonic() - start:.0f} s)")
     model.eval()
     out = Path(args.out)
-    if not args.model:  # name the demo model by its hub id, not the local folder it was read from
-        model.peft_config["default"].base_model_name_or_path = DEMO_MODEL_HUB_ID
     model.save_pretrained(out, safe_serialization=True)
+    if not args.model:  # name the demo model by its hub id, not the local folder it was read from
+        _name_base_model(out / "adapter_config.json", DEMO_MODEL_HUB_ID)
     print(f"wrote {out}/adapter_config.json and {out}/adapter_model.safetensors")
     if args.show:
         for question in ("What is the capital of Italy?", "Name three colours."):
             _show(model, tokenizer, question)
     return 0
+
+
+def _name_base_model(config_path: Path, base_model: str) -> None:
+    """Set base_model_name_or_path after saving: set before, PEFT's save would look the id up on the hub."""
+    import json
+
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = base_model
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _example(tokenizer, question: str, answer: str, greeting: str) -> tuple[list[int], int]:

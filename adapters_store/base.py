@@ -48,7 +48,7 @@ from adapters_store.names import (
     is_valid_name,
     parse_ref,
 )
-from adapters_store.record import AdapterRecord, utc_now_iso
+from adapters_store.record import AdapterRecord, recorded_base_model, utc_now_iso
 from adapters_store.streams import CHUNK_BYTES
 from adapters_store.validate import CheckedAdapter, check_folder
 from adapters_store.versions import TOMBSTONE_FILE, scan_versions, sweepable
@@ -90,7 +90,10 @@ class AdapterStore(ABC):
             created_at = utc_now_iso()
             self._sweep_name(tenant, name)
             record = self._commit(
-                tenant, name, folder, lambda version: _record(name, version, checked, created_at)
+                tenant,
+                name,
+                folder,
+                lambda version: _record(name, version, checked, created_at, self.config.served_model),
             )
         log.info(
             "stored adapter %s/%s (rank %d, %d bytes)", tenant, record.ref, record.rank, record.size_bytes
@@ -361,7 +364,9 @@ def _mismatch(tenant: str, record: AdapterRecord, filename: str, how: str) -> st
     )
 
 
-def _record(name: str, version: int, checked: CheckedAdapter, created_at: str) -> AdapterRecord:
+def _record(
+    name: str, version: int, checked: CheckedAdapter, created_at: str, served_model: str | None
+) -> AdapterRecord:
     adapter = checked.adapter
     return AdapterRecord(
         name=name,
@@ -369,7 +374,7 @@ def _record(name: str, version: int, checked: CheckedAdapter, created_at: str) -
         rank=adapter.rank,
         alpha=adapter.alpha,
         target_modules=adapter.target_modules,
-        base_model=adapter.base_model,
+        base_model=recorded_base_model(adapter.base_model, served_model),
         sha256=checked.sha256,
         size_bytes=checked.size_bytes,
         created_at=created_at,

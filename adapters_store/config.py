@@ -87,6 +87,9 @@ class StoreConfig:
     # The local disk cache in front of the store (see DiskCache).
     cache_dir: str = ".loraserve/cache/adapters"
     cache_max_bytes: int = 10 * GiB
+    # The served base model's id: an upload's record names it as `base_model` when the adapter's
+    # base_model_name_or_path is a local path (see adapters_store.record.recorded_base_model).
+    served_model: str | None = None
 
     def __post_init__(self) -> None:
         parse_store_url(self.url)

@@ -36,6 +36,7 @@ from loraserve.settings import (
 )
 
 ENV_PREFIX = "LORASERVE_"
+IMAGE_VARIANT_ENV = "IMAGE_VARIANT"  # cuda or cpu, set by deploy/Dockerfile
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _SERVE_FIELDS = (
@@ -353,6 +354,7 @@ def serve(settings: ServerSettings, log_level: str = "info") -> int:
     from loraserve.app import create_app, shutdown_of  # the app pulls in torch: only for `serve`
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_device(settings.device, os.environ.get(IMAGE_VARIANT_ENV))
     app = create_app(settings)
     config = uvicorn.Config(
         app,
@@ -369,6 +371,26 @@ def serve(settings: ServerSettings, log_level: str = "info") -> int:
         logging.getLogger("loraserve").error("exiting: %s", shutdown.fatal_error)
         return 1
     return 0
+
+
+def check_device(device: str, image_variant: str | None) -> None:
+    """Refuse --device cuda without a visible GPU, before anything loads (the CUDA image sets it, so it
+    never quietly serves from the CPU); say so when this is the CPU image."""
+    log = logging.getLogger("loraserve")
+    if image_variant == "cpu":
+        log.warning("this is the CPU image (no CUDA): fine for trying loraserve, slow for serving")
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        where = (
+            "run the container with --gpus all (needs the NVIDIA Container Toolkit on the host), use the "
+            "CPU image, or set LORASERVE_DEVICE=cpu"
+            if image_variant
+            else "pass --device cpu (or auto) to serve from the CPU"
+        )
+        raise SystemExit(f"--device {device}: no CUDA device is visible to this process; {where}")
 
 
 def listening_sockets(settings: ServerSettings, config: uvicorn.Config) -> list[socket.socket]:

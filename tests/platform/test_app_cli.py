@@ -235,3 +235,17 @@ def test_a_lora_module_for_another_base_model_stops_the_start(tmp_path):
 
     with pytest.raises(ValueError, match="base_model_name 'other-model' is not the served model 'tiny'"):
         asyncio.run(start())
+
+
+def test_cuda_without_a_visible_gpu_is_refused_before_anything_loads(monkeypatch, caplog):
+    import torch
+    from loraserve.cli import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--device cuda: no CUDA device is visible.*--gpus all"):
+        check_device("cuda", "cuda")  # the CUDA image run without --gpus
+    with pytest.raises(SystemExit, match="--device cuda:1: no CUDA device.*pass --device cpu"):
+        check_device("cuda:1", None)
+    check_device("auto", None)  # auto falls back to the CPU, as documented
+    check_device("cpu", "cpu")
+    assert "this is the CPU image" in caplog.text

@@ -36,11 +36,23 @@ class ReadyStatus(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
 
 
 class Readiness:
-    def __init__(self, interval_s: float = STORE_CHECK_INTERVAL_S) -> None:
+    def __init__(self, interval_s: float = STORE_CHECK_INTERVAL_S, model: str = "") -> None:
         self._interval_s = interval_s
         self._checked_at = -float("inf")
         self._check: asyncio.Task[None] | None = None
         self.adapter_store_up = True  # the last background check's result
+        # Until the services exist (the model converting or loading), what /ready reports.
+        self.model = model
+        self.loading_step = "starting"
+
+    def loading(self, step: str) -> None:
+        """The server listens while it loads the model; /ready names the step it is at."""
+        self.loading_step = step
+
+    def not_loaded(self) -> ReadyStatus:
+        return ReadyStatus(
+            ready=False, model=self.model, reasons=[f"model not loaded yet: {self.loading_step}"]
+        )
 
     async def check(self, services: Services) -> ReadyStatus:
         reasons = []

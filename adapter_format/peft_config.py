@@ -150,7 +150,9 @@ def check_adapter_config(config: Mapping, max_lora_rank: int) -> LoraSettings:
         )
     targets = _string_list(config, "target_modules", allow_string=True)
     if isinstance(targets, tuple):
-        unsupported = sorted(set(targets) - set(TARGET_MODULES))
+        # PEFT matches a listed name as the module's name or its dotted suffix ("q_proj", or
+        # "model.layers.0.self_attn.q_proj" as it saves them with exclude_modules): the last part decides.
+        unsupported = sorted(t for t in set(targets) if t.rpartition(".")[2] not in TARGET_MODULES)
         if unsupported:
             raise AdapterError(
                 "unsupported_target",

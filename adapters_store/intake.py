@@ -82,7 +82,7 @@ def stage_upload(
         if source.folder is not None:
             return source.folder
         folder = source.archive.parent / "adapter"
-        folder.mkdir()
+        folder.mkdir(exist_ok=True)  # UploadIntake makes it (empty when an archive was sent)
         unpack_archive(source.archive, folder, config, shape)
         source.archive.unlink()  # the adapter files are all that stays on disk
         return folder

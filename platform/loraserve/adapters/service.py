@@ -14,9 +14,10 @@ from typing import Any, Literal
 from litestar import Request
 
 from adapters_store import parse_ref
+from adapters_store.upload_intake import UploadIntake
 from loraserve.adapters.multipart_reader import read_upload_body
 from loraserve.adapters.schemas import Adapter, AdapterDeleted, AdapterDetail, AdapterList
-from loraserve.adapters.upload_form import read_upload_form
+from loraserve.adapters.upload_form import UploadForm
 from loraserve.config_store import ConfigStoreError
 from loraserve.name_conflicts import check_not_base_model, refuse_breaking_routes
 from loraserve.routing.in_use import variants_needing
@@ -27,14 +28,22 @@ log = logging.getLogger(__name__)
 
 
 async def upload_adapter(services: Services, principal: Principal, request: Request) -> Adapter:
-    """Validate and store the form's adapter as the next version of its name."""
+    """Validate and store the form's adapter as the next version of its name.
+
+    The form's files are written into a staging folder as they arrive (one copy on disk, bad weights
+    refused at their header), then checked whole and stored; the folder goes whatever happens."""
     require_admin(principal)  # before reading the body: a user key gets its 403 without uploading
-    form = await read_upload_body(request)
-    try:
-        upload = read_upload_form(form)
-        return await store_adapter(services, principal, upload.name, upload.source)
-    finally:
-        await form.close()  # removes the spooled parts
+    store = services.adapter_store
+    async with services.upload_slots.acquire(principal.tenant):  # 429 past the tenant's parallel uploads
+        staging_block = store.staging()
+        staging = await asyncio.to_thread(staging_block.__enter__)
+        try:
+            form = UploadForm(await asyncio.to_thread(UploadIntake, staging, store.config, store.shape))
+            await read_upload_body(request, form)
+            upload = form.result()
+            return await store_adapter(services, principal, upload.name, upload.source)
+        finally:
+            await asyncio.to_thread(staging_block.__exit__, None, None, None)
 
 
 async def store_adapter(services: Services, principal: Principal, name: str, source: Any) -> Adapter:

@@ -80,13 +80,15 @@ async def delete_adapter(services: Services, principal: Principal, ref: str) -> 
     tenant = principal.tenant
     name, version = parse_ref(ref)
     store = services.adapter_store
-    existing = [r.version for r in await services.adapter_lookup.call(store.versions, tenant, name)]
-    deleted = existing if version is None else [version]
-    remaining = [v for v in existing if v not in deleted]
-    routes = await services.config_store.list_routes(tenant)
-    refuse_breaking_routes(ref, variants_needing(routes, name, deleted, remaining))
-    records = await asyncio.to_thread(store.delete, tenant, name, version)
-    services.adapter_lookup.invalidate(tenant, name, deleted=True)
+    # No route write naming this adapter lands while it is deleted, and the routes are read after that
+    # guard is up, from the config store itself: a route written concurrently is seen, never left dangling.
+    async with services.config_store.adapter_deletion(tenant, name) as current_routes:
+        existing = [r.version for r in await services.adapter_lookup.call(store.versions, tenant, name)]
+        deleted = existing if version is None else [version]
+        remaining = [v for v in existing if v not in deleted]
+        refuse_breaking_routes(ref, variants_needing(await current_routes(), name, deleted, remaining))
+        records = await asyncio.to_thread(store.delete, tenant, name, version)
+        services.adapter_lookup.invalidate(tenant, name, deleted=True)
     await _announce(services, tenant, name, "delete")
     for record in records:
         if services.engine is not None:

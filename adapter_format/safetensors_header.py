@@ -4,7 +4,8 @@ Layout: 8 bytes little-endian header length N, N bytes of JSON
 `{"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`, then the data.
 Every field is bounds-checked here (lengths, offsets, sizes), so a file that passes is one
 `safetensors.safe_open` accepts, and a pickle renamed to .safetensors is refused with a clear message.
-Both the adapter store (on uploads) and the engine (before `safe_open`, on every load) run it.
+Both the adapter store (on uploads, from the stream before the data is written: `header_length` and
+`parse_header` on the bytes as they arrive) and the engine (before `safe_open`, on every load) run it.
 """
 
 from __future__ import annotations

@@ -98,7 +98,8 @@ class UploadIntake:
 
     def __init__(self, staging: Path, config: StoreConfig, shape: ModelShape | None):
         self.folder = staging / "adapter"
-        self.folder.mkdir()
+        with disk_full_is_an_error("the upload"):
+            self.folder.mkdir()
         self._archive_path = staging / ARCHIVE_FILE
         self._config = config
         self._shape = shape

@@ -50,3 +50,10 @@ class ModelShape:
         if module not in dims:
             raise ValueError(f"unknown projection {module!r}; supported: {', '.join(TARGET_MODULES)}")
         return dims[module]
+
+
+def module_key(layer: int, module: str) -> str:
+    """A projection's name among the base model's modules, as PEFT matches config patterns against it
+    (`model.layers.3.self_attn.q_proj`)."""
+    block = "self_attn" if module in ATTENTION_MODULES else "mlp"
+    return f"model.layers.{layer}.{block}.{module}"

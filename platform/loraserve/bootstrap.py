@@ -30,6 +30,7 @@ from loraserve.routing import Router
 from loraserve.services import Services, engine_adapter_id
 from loraserve.settings import ServerSettings
 from loraserve.tenancy import DEFAULT_TENANT, Authenticator, ConcurrencyLimiter, load_api_keys
+from loraserve.tenancy.upload_slots import UploadSlots
 
 log = logging.getLogger("loraserve")
 
@@ -40,6 +41,8 @@ def store_config(settings: ServerSettings) -> StoreConfig:
         max_lora_rank=settings.max_lora_rank,
         cache_dir=str(settings.cache_dir),
         served_model=announced_model_id(settings),
+        cache_max_bytes=settings.adapter_cache_max_bytes,
+        cache_min_free_bytes=settings.adapter_cache_min_free_bytes,
     )
 
 
@@ -109,7 +112,9 @@ async def open_services(
     store = open_store(config, shape)
     await asyncio.to_thread(store.check)
     threading.Thread(target=sweep_quietly, args=(store,), name="adapter-store-sweep", daemon=True).start()
-    disk_cache = DiskCache(store, config.cache_dir, config.cache_max_bytes)
+    disk_cache = DiskCache(
+        store, config.cache_dir, config.cache_max_bytes, min_free_bytes=config.cache_min_free_bytes
+    )
     config_store = CachedConfigStore(
         open_config_store(settings.config_store or str(settings.state_dir / "config"))
     )
@@ -157,6 +162,8 @@ async def open_services(
             adapter_lookup=adapter_lookup,
             tokenizer=engine.tokenizer,
             allowed_lora_paths=settings.allowed_lora_paths,
+            upload_slots=UploadSlots(settings.max_concurrent_uploads_per_tenant),
+            max_routes_per_tenant=settings.max_routes_per_tenant,
             max_model_len=engine.max_model_len,
             sampling_defaults=sampling_defaults,
             max_logprobs=settings.max_logprobs,

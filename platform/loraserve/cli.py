@@ -20,6 +20,7 @@ from types import FrameType
 
 import uvicorn
 
+from adapters_store.config import parse_size
 from loraserve.ops.shutdown import Shutdown
 from loraserve.settings import (
     ADAPTER_LOADERS,
@@ -69,6 +70,10 @@ _SERVE_FIELDS = (
     "lora_pool_rank_budget",
     "allowed_lora_paths",
     "adapter_store",
+    "adapter_cache_max_bytes",
+    "adapter_cache_min_free_bytes",
+    "max_concurrent_uploads_per_tenant",
+    "max_routes_per_tenant",
     "config_store",
     "api_keys",
     "shutdown_timeout",
@@ -207,6 +212,34 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_ADAPTER_STORE,
         help="file:///dir, file://./dir or s3://bucket/prefix",
     )
+    add(
+        "--adapter-cache-max-bytes",
+        type=_size,
+        default=10 * GiB,
+        metavar="SIZE",
+        help="most bytes of adapter files kept in the local disk cache (STATE_DIR/cache/adapters), e.g. 10GiB "
+        "or 500MiB; least recently used versions are evicted beyond it (default 10GiB)",
+    )
+    add(
+        "--adapter-cache-min-free-bytes",
+        type=_size,
+        default=0,
+        metavar="SIZE",
+        help="free space the adapter cache leaves on its disk: cached versions are evicted to keep it, as they "
+        "are whenever the disk is full (default 0: evict only when a write finds the disk full)",
+    )
+    add(
+        "--max-concurrent-uploads-per-tenant",
+        type=int,
+        default=2,
+        help="adapter uploads one tenant may run at once; more get 429 (default 2)",
+    )
+    add(
+        "--max-routes-per-tenant",
+        type=int,
+        default=1000,
+        help="A/B routes one tenant may hold; creating more gets 403 (default 1000)",
+    )
     add("--config-store", help="redis://host:6379/0 (default: embedded, under STATE_DIR/config)")
     add(
         "--api-keys",
@@ -257,6 +290,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(uploads and deletes reach every replica at once through the config store's events)",
     )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _size(raw: str) -> int:
+    try:
+        return parse_size(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _metrics_port(raw: str) -> int:

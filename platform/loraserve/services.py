@@ -19,6 +19,7 @@ from loraserve.config_store import ConfigStore
 from loraserve.ops.shutdown import Shutdown
 from loraserve.routing import Router
 from loraserve.tenancy import Authenticator, ConcurrencyLimiter, TokenRateLimiter
+from loraserve.tenancy.upload_slots import UploadSlots
 
 
 def engine_adapter_id(tenant: str, name: str, version: int) -> str:
@@ -120,6 +121,9 @@ class Services:
     # vLLM's --max-logprobs: the most top logprobs a request may ask for; -1: the whole vocabulary.
     max_logprobs: int = 20
     tensor_parallel_size: int = 1  # above 1, prompt logprobs are refused (the engine cannot compute them yet)
+    # Per-tenant cap on adapter uploads at once (--max-concurrent-uploads-per-tenant): 429 beyond it.
+    upload_slots: UploadSlots = field(default_factory=UploadSlots)
+    max_routes_per_tenant: int = 1000  # --max-routes-per-tenant: creating a route past it is 403
     # Folders POST /v1/load_lora_adapter may read from (--allowed-lora-paths); empty: runtime loading off.
     allowed_lora_paths: tuple[str, ...] = ()
     # Built on the first structured-output request (loraserve.inference.structured): checks specs for 400s.

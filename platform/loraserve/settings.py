@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from adapters_store.config import DEFAULT_URL as DEFAULT_ADAPTER_STORE
-from adapters_store.config import parse_store_url
+from adapters_store.config import GiB, parse_store_url
 from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_STATE_DIR = Path(".loraserve")
@@ -67,6 +67,13 @@ class ServerSettings:
     # Folders under which POST /v1/load_lora_adapter may read adapters; empty: runtime loading is off.
     allowed_lora_paths: tuple[str, ...] = ()
     adapter_store: str = DEFAULT_ADAPTER_STORE
+    # The local disk cache of adapter files: its byte budget, and the free space to keep on its disk
+    # (entries are evicted to keep it, and to make room when the disk is full).
+    adapter_cache_max_bytes: int = 10 * GiB
+    adapter_cache_min_free_bytes: int = 0
+    # Adapter uploads one tenant may run at once (429 beyond), and A/B routes one tenant may hold (403 beyond).
+    max_concurrent_uploads_per_tenant: int = 2
+    max_routes_per_tenant: int = 1000
     config_store: str | None = None  # None: embedded under ./.loraserve/config
     api_keys: str | None = None  # JSON or YAML file of key -> {tenant, role}
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
@@ -153,6 +160,14 @@ class ServerSettings:
             parse_store_url(self.adapter_store)
         except ValueError as exc:
             raise ValueError(f"--adapter-store: {exc}") from None
+        for flag, value, low in (
+            ("--adapter-cache-max-bytes", self.adapter_cache_max_bytes, 1),
+            ("--adapter-cache-min-free-bytes", self.adapter_cache_min_free_bytes, 0),
+            ("--max-concurrent-uploads-per-tenant", self.max_concurrent_uploads_per_tenant, 1),
+            ("--max-routes-per-tenant", self.max_routes_per_tenant, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{flag} must be an integer >= {low} (got {value!r})")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds (got {self.shutdown_timeout})")
         limit = self.max_concurrent_requests_per_tenant

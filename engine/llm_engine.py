@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 AdapterSourceFactory = Callable[[ModelShape, int], AdapterSource]
 # "cumulative": each output holds everything generated so far; "delta": only what is new since the last.
 OUTPUT_KINDS = ("cumulative", "delta")
+PRELOAD_LEVELS = ("cpu", "gpu")  # where preload_adapters brings adapters
 
 
 class LLMEngine:
@@ -290,19 +291,50 @@ class LLMEngine:
         reason = f"adapter {adapter_id!r} was deleted before this request started"
         self.requests.fail_waiting(adapter_id, reason, include_preempted=False)
 
-    def preload_adapters(self, adapters: Iterable[str]) -> None:
-        """Start loading adapters into the CPU tier before any request asks for them (a server's
-        `--lora-modules`), so the first requests on a fresh replica do not wait for the disk or the store.
-        Best effort and non-blocking: an adapter that cannot be resolved is logged and skipped, one that
-        fails to load fails the requests that later ask for it, as it would without the preload."""
+    def preload_adapters(self, adapters: Iterable[str], level: str = "cpu", pin: bool = False) -> None:
+        """Load adapters before any request asks for them: into the CPU tier (a server's `--lora-modules`),
+        or with `level="gpu"` into a GPU slot, behind every waiting request's adapter, and with `pin` kept
+        there until `unpin_adapters` (an operator's placement; engine/lora/placements.py).
+
+        So the first requests on a replica do not wait for the disk or the store. Best effort and
+        non-blocking: an adapter that cannot be resolved is logged and skipped, one that fails to load
+        fails the requests that later ask for it, as it would without the preload. No lookup is counted
+        (the hit and miss counters count requests)."""
+        if level not in PRELOAD_LEVELS:
+            raise ValueError(f"level must be one of {', '.join(PRELOAD_LEVELS)} (got {level!r})")
+        if pin and level != "gpu":
+            raise ValueError("only an adapter preloaded into a GPU slot (level='gpu') can be pinned")
         for adapter in adapters:
             try:
                 adapter_id = checks.resolve_adapter(self.lora, adapter)
             except (AdapterError, RequestError) as exc:
                 logger.warning("adapter %r not preloaded: %s", adapter, exc)
                 continue
-            if adapter_id is not None:
-                self.lora.prefetch(adapter_id)
+            if adapter_id is None:
+                continue
+            if level == "gpu":
+                self.lora.place(adapter_id, pin)
+            else:
+                self.lora.load_to_cpu(adapter_id)
+
+    def unpin_adapters(self, adapters: Iterable[str], unload: bool = False) -> None:
+        """Undo `preload_adapters(..., pin=True)`: the adapters stay resident but evictable; with `unload`
+        their GPU slots and CPU-tier rows are freed too, unless a request holds them. Unknown or unpinned
+        adapters are ignored."""
+        for adapter in adapters:
+            try:
+                adapter_id = self.lora.resolve(adapter)
+            except AdapterError:
+                continue
+            self.lora.unplace(adapter_id, unload)
+
+    def advance_adapters(self) -> None:
+        """What an idle engine does each poll: collect finished loads, give placed adapters their GPU
+        slots and copies (the steps do it otherwise), so preloads land with no request running."""
+        self.poll_adapters()
+        if not self.has_unfinished_requests():
+            self.lora.stage(())
+            self.lora.start_copies()
 
     def poll_adapters(self) -> None:
         """Collect finished background loads; a failed one fails the requests waiting for it (reported at

@@ -36,6 +36,8 @@ from engine.core.step_outputs import (
 )
 from engine.fairness import DEFAULT_TENANT
 from engine.kv_cache import KVCacheManager
+from engine.kv_events import KVEventRecorder
+from engine.kv_events.publisher import ZmqEventPublisher
 from engine.logits_processors import apply_logits_processors
 from engine.lora.manager import AdapterManager, AdapterSource
 from engine.lora.registry import AdapterRegistry
@@ -145,6 +147,7 @@ class LLMEngine:
             detokenizer_tokenizer=self.tokenizer if detokenize else None,
             delta_outputs=self._delta_outputs,
         )
+        self.kv_events = self._open_kv_events(config)  # last: a failed start leaves no socket open
         self.mark_ready()
 
     # -- requests -------------------------------------------------------------------------------
@@ -248,6 +251,7 @@ class LLMEngine:
             outputs.extend(self._update(finished))
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
+        self.publish_kv_events()
         return merge_deltas(outputs) if self._delta_outputs else latest_per_request(outputs)
 
     def _sampling_rows(self, scheduled) -> list[Request]:
@@ -330,11 +334,40 @@ class LLMEngine:
 
     def advance_adapters(self) -> None:
         """What an idle engine does each poll: collect finished loads, give placed adapters their GPU
-        slots and copies (the steps do it otherwise), so preloads land with no request running."""
+        slots and copies (the steps do it otherwise), so preloads land with no request running; and
+        publish the KV events of anything done between steps (aborts free blocks)."""
         self.poll_adapters()
         if not self.has_unfinished_requests():
             self.lora.stage(())
             self.lora.start_copies()
+        self.publish_kv_events()
+
+    # -- the prefix cache ---------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); False, changing nothing, while any
+        request holds blocks. Published as AllBlocksCleared when KV events are on."""
+        reset = self.kv_cache.reset_prefix_cache()
+        self.publish_kv_events()
+        return reset
+
+    def publish_kv_events(self) -> None:
+        """Send the prefix cache's changes since the last call as one KV event batch (if any)."""
+        if self.kv_events is not None:
+            recorder, publisher = self.kv_events
+            events = recorder.take()
+            if events:
+                publisher.publish(events)
+
+    def _open_kv_events(self, config: EngineConfig) -> tuple[KVEventRecorder, ZmqEventPublisher] | None:
+        settings = config.kv_events_config
+        if settings is None or not settings.publishes:
+            return None
+        if not config.enable_prefix_caching:
+            logger.warning("KV events need prefix caching, which is off: no block will ever be reported")
+        recorder = KVEventRecorder(config.block_size, settings.event_encoding)
+        self.kv_cache.record_events(recorder)
+        return recorder, ZmqEventPublisher(settings)
 
     def poll_adapters(self) -> None:
         """Collect finished background loads; a failed one fails the requests waiting for it (reported at
@@ -346,6 +379,9 @@ class LLMEngine:
         """Stop the adapter loaders (threads and processes); the engine serves no adapter loads after it."""
         self.lora.shutdown()
         self.runner.shutdown()
+        if self.kv_events is not None:
+            self.kv_events[1].close()
+            self.kv_events = None
 
     def mark_ready(self) -> None:
         """From now on every Triton compile is unexpected: counted in stats() and logged as a warning.

@@ -57,6 +57,10 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    def cached_hashes(self) -> set[bytes]:
+        """The hashes of every block registered in the prefix cache (in use or free)."""
+        return set(self._cached)
+
     @property
     def usage(self) -> float:
         """Fraction of blocks in use (ref_cnt > 0)."""

@@ -24,6 +24,7 @@ from loraserve.openapi import openapi_config
 from loraserve.ops.controller import OpsController
 from loraserve.ops.metrics_access import MetricsAccess
 from loraserve.ops.readiness import Readiness
+from loraserve.ops.residency_controller import ResidencyController
 from loraserve.ops.shutdown import Shutdown
 from loraserve.routes import RoutesController
 from loraserve.services import Services
@@ -39,7 +40,9 @@ MAX_REQUEST_BODY_BYTES = 16 << 20
 def create_app(settings: ServerSettings, *, services: Services | None = None) -> Litestar:
     shutdown = Shutdown(settings.shutdown_timeout)
     config = services.adapter_store.config if services is not None else store_config(settings)
-    metrics_access = MetricsAccess(port=settings.metrics_listen_port, key=settings.metrics_key)
+    metrics_access = MetricsAccess(
+        port=settings.metrics_listen_port, key=settings.metrics_key, placement_key=settings.placement_key
+    )
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -60,6 +63,7 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
             RoutesController,
             UsageController,
             OpsController,
+            ResidencyController,
         ],
         dependencies=DEPENDENCIES,
         exception_handlers=EXCEPTION_HANDLERS,

@@ -68,11 +68,12 @@ class Residency(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ResidencyController(Controller):
-    path = "/v1/residency"
+    # Whole paths on the handlers, no controller prefix: the metrics listener admits handlers by their
+    # own paths (ops/metrics_access.py).
     tags = ["ops"]
     include_in_schema = False  # the operator's port, not the tenant API
 
-    @get("", summary="Adapters in GPU slots and the CPU tier, with their pins")
+    @get("/v1/residency", summary="Adapters in GPU slots and the CPU tier, with their pins")
     async def show(
         self,
         request: Request,
@@ -98,7 +99,10 @@ class ResidencyController(Controller):
         )
 
     @post(
-        "/preload", status_code=202, guards=[require_json_body], summary="Load an adapter without a request"
+        "/v1/residency/preload",
+        status_code=202,
+        guards=[require_json_body],
+        summary="Load an adapter without a request",
     )
     async def preload(
         self,
@@ -123,7 +127,9 @@ class ResidencyController(Controller):
         services.engine.preload_adapters([adapter_id], data.level, data.pin)
         return PlacementDone(adapter=adapter_id, adapter_name=router_name(adapter_id))
 
-    @post("/unpin", status_code=200, guards=[require_json_body], summary="Drop an operator's pin")
+    @post(
+        "/v1/residency/unpin", status_code=200, guards=[require_json_body], summary="Drop an operator's pin"
+    )
     async def unpin(
         self,
         request: Request,

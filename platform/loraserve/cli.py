@@ -423,6 +423,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add_serve_arguments(serve_parser)
     apply_env_defaults(serve_parser, os.environ if environ is None else environ)
     _add_client_commands(commands)
+    from loraserve.placement.command import add_placement_command  # httpx and prometheus_client only
+
+    add_placement_command(
+        commands, lambda p, _: apply_env_defaults(p, os.environ if environ is None else environ)
+    )
     return parser
 
 

@@ -97,6 +97,22 @@ R = [view("r0", gpu={"a"}), view("r1"), view("r2", cpu={"c"})]
             1,
             {"r0": set(), "r1": {"b"}},
         ),
+        # hysteresis: a pin among the band (twice what fits) stays, though hotter adapters have none...
+        (
+            [view("r0", placed={"c"}), view("r1")],
+            {"a": 9, "b": 5, "c": 2, "d": 1, "e": 0.5},
+            1,
+            1,
+            {"r0": {"c"}, "r1": {"a"}},
+        ),
+        # ...and one pushed out of the band is unpinned
+        (
+            [view("r0", placed={"e"}), view("r1")],
+            {"a": 9, "b": 5, "c": 2, "d": 1, "e": 0.5},
+            1,
+            1,
+            {"r0": {"a"}, "r1": {"b"}},
+        ),
         # equal rates: by name, so every round plans the same
         ([view("r0"), view("r1")], {"y": 1, "x": 1}, 1, 1, {"r0": {"x"}, "r1": {"y"}}),
     ],

@@ -1,21 +1,27 @@
 """Which adapters to keep pinned on which replicas: pure functions over the replicas' views.
 
 Demand is each adapter's requests per round, summed over replicas (the deltas of
-`loraserve_lora_requests_total`) and smoothed: `rate = s * this_round + (1 - s) * rate`. The plan takes
-the hot adapters, hottest first, and gives each `copies` replicas, as long as replicas have pin budget
-left (`budget` per replica, never more than `max_loras - 1`):
+`loraserve_lora_requests_total`) and smoothed: `rate = s * this_round + (1 - s) * rate`. Adapters at
+`min_rate` or more are hot. Each replica pins at most `budget` adapters (never more than `max_loras - 1`),
+so the pins fit `P = sum of budgets` and about `P / copies` adapters get their `copies` replicas:
 
-- a replica that already pins it comes first (no churn), then one that holds it on the GPU, then in the
-  CPU tier (no load, or a copy only), then the replica with the fewest pins so far (spread), then the
-  order replicas were given in;
-- an adapter whose rate fell below `min_rate` is not hot: wherever it was pinned it is unpinned.
+1. Keep: a replica keeps the pins it has for adapters still among the `2 * P / copies` hottest (a band
+   twice what fits, so adapters near the edge do not flap in and out between rounds).
+2. Fill: the hottest adapters, in order, get replicas until they have `copies`: first one that holds
+   the adapter on the GPU (no load), then in the CPU tier (a copy only), then the one with the fewest
+   pins (spread), then the order the replicas were given in.
+3. Everything else pinned is unpinned: cold adapters, and those pushed out of the band.
 
-Worked example: three replicas of 4 slots (3 pins each), `copies=2`, `budget=2`, rates a=9, b=5, c=2,
-d=0.05, a already on replica 0's GPU, c in replica 2's CPU tier:
+Worked example: three replicas of 4 slots (3 pins each), `copies=2`, `budget=2` (P = 6, band: the 6
+hottest), rates a=9, b=5, c=2, d=0.05, a on replica 0's GPU, c in replica 2's CPU tier, nothing pinned:
 
     a -> r0 (GPU), r1 (fewest pins, first)      b -> r2 (fewest), r0 (then first of r0, r1)
-    c -> r2 (CPU tier), r1                      d -> too cold: pinned nowhere
+    c -> r2 (CPU tier), r1                      d -> below min_rate: pinned nowhere
     pins: r0 {a, b}, r1 {a, c}, r2 {b, c}
+
+Which `copies` fits: where routing follows residency (llm-d's lora-load-state-scorer), 1 or 2 (the router
+sends an adapter's requests where it is resident); where it does not (a plain Service, the stock
+lora-affinity-scorer at low concurrency), the number of replicas (every replica sees every adapter).
 """
 
 from __future__ import annotations
@@ -62,16 +68,22 @@ def plan(
     pins: dict[str, set[str]] = {v.url: set() for v in views}
     order = {v.url: i for i, v in enumerate(views)}
     hot = sorted((n for n, r in rates.items() if r >= min_rate), key=lambda n: (-rates[n], n))
-    for name in hot:
-        free = [v for v in views if len(pins[v.url]) < capacity[v.url]]
-        if not free:
-            break
+    rank = {name: i for i, name in enumerate(hot)}
+    band = set(hot[: -(-2 * sum(capacity.values()) // copies)])
+    for view in views:  # 1. keep
+        for name in sorted(view.placed & band, key=rank.__getitem__)[: capacity[view.url]]:
+            pins[view.url].add(name)
+    for name in hot:  # 2. fill
+        holders = sum(name in names for names in pins.values())
+        free = [v for v in views if len(pins[v.url]) < capacity[v.url] and name not in pins[v.url]]
+        if holders >= copies or not free:
+            continue
 
         def preference(view: ReplicaView, name: str = name) -> tuple:
             tier = 0 if name in view.gpu else 1 if name in view.cpu else 2
-            return (name not in view.placed, tier, len(pins[view.url]), order[view.url])
+            return (tier, len(pins[view.url]), order[view.url])
 
-        for view in sorted(free, key=preference)[:copies]:
+        for view in sorted(free, key=preference)[: copies - holders]:
             pins[view.url].add(name)
     return {url: frozenset(names) for url, names in pins.items()}
 

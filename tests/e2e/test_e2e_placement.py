@@ -4,7 +4,7 @@ cuts cold starts and adapter loads, and every answer is the same (greedy).
 The replicas share one adapter store (two GPU slots and two CPU-tier rows each) and are reached round
 robin, as a plain Kubernetes Service does (routing that does not follow residency: the case placement is
 for; docs/OPERATIONS.md, "Placement"). One arm runs the placement loop (`copies=3, budget=1`: the
-hottest adapter pinned on every replica) every 15 requests after 15 requests of warm-up; the other runs
+hottest adapter pinned on every replica) every 12 requests after 12 requests of warm-up; the other runs
 the same requests without it. Each arm has its own copies of the adapters (same weights, other names),
 so neither arm inherits the other's caches or counters. Requests are sequential and routing is fixed,
 so the residency each request meets is the same on every run. Cold starts are the replicas' GPU misses
@@ -44,7 +44,7 @@ pytestmark = pytest.mark.slow
 KEY = "placement-key-0123456789"
 OPERATOR = {"authorization": f"Bearer {KEY}"}
 NUM_ADAPTERS, ZIPF_S, SEED = 30, 1.5, 13  # a fixed Zipf sequence: the hottest adapter takes ~40%
-NUM_REQUESTS, WARM_UP, EVERY = 60, 15, 15
+NUM_REQUESTS, WARM_UP, EVERY = 48, 12, 12
 GPU_MISS = ("loraserve_adapter_cache_misses_total", {"tier": "gpu"})
 CPU_LOADS = ("vllm:lora_adapter_load_seconds_count", {})
 GPU_COPIES = ("loraserve_adapter_load_seconds_count", {"tier": "cpu"})
@@ -117,7 +117,7 @@ def run_arm(servers, arm: str, sequence, prompts, loop: PlacementLoop | None) ->
         body = {
             "model": f"{arm}-{index}",
             "prompt": prompt,
-            "max_tokens": 3,
+            "max_tokens": 2,
             "temperature": 0,
             "ignore_eos": True,
         }
@@ -196,6 +196,7 @@ def test_placement_cuts_cold_starts_and_loads_with_the_same_answers(tmp_path):
     assert all(pins == {url: [hottest] for url in urls} for pins in placed.pins), placed.pins
     assert placed.answers == plain.answers  # same weights, same prompts, greedy: same text on any replica
     report = f"with placement {placed.totals}, without {plain.totals}"
+    print(report)
     assert placed.totals["cold starts"] < plain.totals["cold starts"], report
     assert placed.totals["CPU-tier loads"] < plain.totals["CPU-tier loads"], report
     assert placed.totals["GPU copies"] < plain.totals["GPU copies"], report

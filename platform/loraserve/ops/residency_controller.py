@@ -68,12 +68,16 @@ class Residency(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ResidencyController(Controller):
+    # Not in the API schema: the operator's port, not the tenant API.
     # Whole paths on the handlers, no controller prefix: the metrics listener admits handlers by their
     # own paths (ops/metrics_access.py).
     tags = ["ops"]
-    include_in_schema = False  # the operator's port, not the tenant API
 
-    @get("/v1/residency", summary="Adapters in GPU slots and the CPU tier, with their pins")
+    @get(
+        "/v1/residency",
+        include_in_schema=False,
+        summary="Adapters in GPU slots and the CPU tier, with their pins",
+    )
     async def show(
         self,
         request: Request,
@@ -100,6 +104,7 @@ class ResidencyController(Controller):
 
     @post(
         "/v1/residency/preload",
+        include_in_schema=False,
         status_code=202,
         guards=[require_json_body],
         summary="Load an adapter without a request",
@@ -128,7 +133,11 @@ class ResidencyController(Controller):
         return PlacementDone(adapter=adapter_id, adapter_name=router_name(adapter_id))
 
     @post(
-        "/v1/residency/unpin", status_code=200, guards=[require_json_body], summary="Drop an operator's pin"
+        "/v1/residency/unpin",
+        include_in_schema=False,
+        status_code=200,
+        guards=[require_json_body],
+        summary="Drop an operator's pin",
     )
     async def unpin(
         self,

@@ -164,8 +164,8 @@ def test_placement_cuts_cold_starts_and_loads_with_the_same_answers(tmp_path):
     consumer = None
     loop = None
     try:
-        for server in servers:
-            server.wait_ready()
+        for server in servers:  # three engines start at once: give a busy machine longer than one needs
+            server.wait_ready(timeout_s=600)
         consumer = Consumer(events, f"{events}-replay")
         urls = [s.metrics_url for s in servers]
         loop = PlacementLoop(lambda: urls, PlacementSettings(copies=3, budget=1, min_rate=1.0), KEY)

@@ -139,6 +139,8 @@ def test_a_round_calls_the_residency_endpoints_and_skips_a_dead_replica():
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "dead":
             raise httpx.ConnectError("refused", request=request)
+        if request.url.host == "nokey" and request.url.path == "/v1/residency":
+            return httpx.Response(404, json={})
         key = "scrape-key" if request.url.path == "/metrics" else "placement-key-0123456789"
         assert request.headers.get("authorization") == f"Bearer {key}"
         if request.url.path == "/metrics":
@@ -150,7 +152,7 @@ def test_a_round_calls_the_residency_endpoints_and_skips_a_dead_replica():
         return httpx.Response(202 if request.url.path.endswith("preload") else 200, json={})
 
     loop = PlacementLoop(
-        lambda: ["http://r0", "http://r1", "http://dead"],
+        lambda: ["http://r0", "http://r1", "http://dead", "http://nokey"],
         PlacementSettings(copies=2, budget=1, unload_cold=True),
         "placement-key-0123456789",
         "scrape-key",
@@ -159,6 +161,10 @@ def test_a_round_calls_the_residency_endpoints_and_skips_a_dead_replica():
     result = loop.run_once()
     assert [v.url for v in result.views] == ["http://r0", "http://r1"]
     assert result.unreachable[0].startswith("http://dead: ")
+    assert (
+        result.unreachable[1]
+        == "http://nokey: it serves no residency endpoints: start it with --placement-key"
+    )
     assert calls == [
         ("r1", "/v1/residency/unpin", {"adapter": "t/cold", "unload": True}),
         ("r0", "/v1/residency/preload", {"adapter": "t/hot", "level": "gpu", "pin": True}),

@@ -107,6 +107,10 @@ class PlacementLoop:
         metrics = self._client.get(f"{url}/metrics", headers=self._scraper)
         metrics.raise_for_status()
         residency = self._client.get(f"{url}/v1/residency", headers=self._operator)
+        if residency.status_code == 404:
+            raise ValueError("it serves no residency endpoints: start it with --placement-key")
+        if residency.status_code == 401:
+            raise ValueError("it refuses the placement key: give the loop the replicas' --placement-key")
         residency.raise_for_status()
         return parse_view(url, metrics.text, residency.json())
 

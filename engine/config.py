@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_events.config import KVEventsConfig
 from engine.model.fp8_checkpoint import QUANTIZATIONS
 from engine.model.fp8_linear import FP8_GEMMS
 from engine.model.kv_quant import FP8_DTYPE
@@ -104,9 +105,14 @@ class EngineConfig:
     # as a dict, JSON text or SpeculativeConfig (engine/spec_decode/config.py); None: no speculation.
     # With it, async_scheduling is turned off: each step's kept tokens decide the next step.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # vLLM's kv_events_config: {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", ...} as a dict,
+    # JSON text or KVEventsConfig (engine/kv_events/config.py): the prefix cache's changes published over
+    # ZeroMQ for cluster routers. None: no events.
+    kv_events_config: KVEventsConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         if self.speculative_config is not None and self.async_scheduling is True:
             # A step's kept tokens (1 to k + 1) must be known before the next step is scheduled, so
             # speculative decoding runs steps one at a time (vLLM v1 started so too).

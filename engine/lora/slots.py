@@ -105,9 +105,14 @@ class SlotImage:
         return self.weights.view(self.layout.max_pages, self.layout.page_numel)
 
     @property
+    def rank(self) -> int:
+        """The adapter's largest rank over layers and projections."""
+        return int(self.table[:, _RANKS].max())
+
+    @property
     def num_pages(self) -> int:
-        """Pages the adapter fills: its largest rank over layers and projections, in pages."""
-        return pages_for_rank(int(self.table[:, _RANKS].max()), PAGE_RANK)
+        """Pages the adapter fills: its rank, in pages."""
+        return pages_for_rank(self.rank, PAGE_RANK)
 
     @property
     def num_bytes(self) -> int:

@@ -60,6 +60,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         quantization=settings.quantization,
         tensor_parallel_size=settings.tensor_parallel_size,
         speculative_config=settings.speculative_config,
+        kv_events_config=settings.kv_events_config,
         enforce_eager=settings.enforce_eager,
         async_scheduling=settings.async_scheduling,
         attention_backend=settings.attention_backend,

@@ -57,6 +57,7 @@ _SERVE_FIELDS = (
     "quantization",
     "tensor_parallel_size",
     "speculative_config",
+    "kv_events_config",
     "enable_prefix_caching",
     "enforce_eager",
     "async_scheduling",
@@ -83,6 +84,7 @@ _SERVE_FIELDS = (
     "metrics_port",
     "metrics_host",
     "metrics_key",
+    "placement_key",
     "adapter_lookup_ttl",
 )
 GiB = 1 << 30
@@ -139,6 +141,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", "model": PATH, '
         '"num_speculative_tokens": 4} (docs/OPERATIONS.md, "Speculative decoding")',
+    )
+    add(
+        "--kv-events-config",
+        metavar="JSON",
+        help='KV-cache events for cluster routers, vLLM\'s keys: {"enable_kv_cache_events": true, '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv@POD@MODEL"} '
+        '(docs/OPERATIONS.md, "KV events")',
     )
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     add(
@@ -281,6 +290,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-key",
         help="scrapers must send 'Authorization: Bearer KEY' for /metrics; with a key the main port "
         "serves /metrics too (prefer the environment variable LORASERVE_METRICS_KEY)",
+    )
+    add(
+        "--placement-key",
+        help="turns on the residency endpoints (/v1/residency: preload, pin, unpin adapters) on the "
+        "metrics listener, for `loraserve placement`; callers send 'Authorization: Bearer KEY' "
+        "(prefer the environment variable LORASERVE_PLACEMENT_KEY)",
     )
     add(
         "--adapter-lookup-ttl",
@@ -470,6 +485,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add_serve_arguments(serve_parser)
     apply_env_defaults(serve_parser, os.environ if environ is None else environ)
     _add_client_commands(commands)
+    from loraserve.placement.command import add_placement_command  # httpx and prometheus_client only
+
+    add_placement_command(
+        commands, lambda p, _: apply_env_defaults(p, os.environ if environ is None else environ)
+    )
     return parser
 
 

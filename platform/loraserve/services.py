@@ -59,6 +59,12 @@ class EngineClient(Protocol):
     def stats(self) -> Any:
         """The latest engine.EngineStats (`resident_adapters` tells resolution which need no store call)."""
 
+    def preload_adapters(self, adapter_ids: list[str], level: str = "cpu", pin: bool = False) -> None:
+        """Load adapters without a request, into the CPU tier or a GPU slot (`pin`: keep the slot)."""
+
+    def unpin_adapters(self, adapter_ids: list[str], unload: bool = False) -> None:
+        """Drop an operator's pins; `unload` frees the adapters' slots and CPU-tier rows too."""
+
 
 class Tokenizer(Protocol):
     """The part of the base model's tokenizer the handlers use (transformers' tokenizers fit)."""
@@ -91,6 +97,9 @@ class RequestMetrics(Protocol):
 
     def count_finished(self, finish_reasons: list[str]) -> None:
         """vllm:request_success_total: completions that ended (stop, length, abort, error), once each."""
+
+    def adapter_request(self, adapter_id: str) -> None:
+        """A request resolved to this engine adapter id (counted per adapter for the placement loop)."""
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

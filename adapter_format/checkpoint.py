@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from adapter_format.errors import AdapterError, show_value
 from adapter_format.files import WEIGHTS_FILE
-from adapter_format.model_shape import ATTENTION_MODULES, TARGET_MODULES, ModelShape
+from adapter_format.model_shape import ModelShape
 from adapter_format.peft_config import (
     PATTERN_MATCH_BUDGET_S,
     LoraSettings,
@@ -66,7 +66,7 @@ def check_adapter(
     max_lora_rank: int,
 ) -> PeftAdapter:
     """Validate a config and its tensors' names and shapes against the base model (no tensor data read)."""
-    settings = check_adapter_config(config, max_lora_rank)
+    settings = check_adapter_config(config, max_lora_rank, shape)
     pairs: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
     for name, tensor_shape in tensor_shapes.items():
         match = _TENSOR_NAME.match(name) if len(name) <= MAX_TENSOR_NAME_CHARS else None
@@ -74,13 +74,14 @@ def check_adapter(
             raise AdapterError(
                 "unexpected_tensor",
                 f"tensor {show_value(name)} is not a LoRA weight of a decoder-layer projection "
-                f"({', '.join(TARGET_MODULES)}); embedding, lm_head, bias and DoRA tensors are not supported",
+                f"({', '.join(shape.targets)}); embedding, lm_head, bias and DoRA tensors are not supported",
             )
         layer, module = int(match["layer"]), match["module"]
-        if module not in TARGET_MODULES:
+        if module not in shape.targets:
             raise AdapterError(
                 "unsupported_target",
-                f"tensor {name!r} targets {module!r}; supported: {', '.join(TARGET_MODULES)}",
+                f"tensor {name!r} targets {module!r}; LoRA on {shape.model_name} may target "
+                f"{', '.join(shape.targets)}{shape.unsupported_targets_hint([module])}",
             )
         if layer >= shape.num_layers:
             raise AdapterError(
@@ -119,9 +120,9 @@ def check_adapter(
                 f"layer {layer} {module} has rank {rank}, above max_lora_rank {max_lora_rank}",
             )
         modules[(layer, module)] = ModuleLoRA(
-            rank=rank, scale=_scaling(settings, layer, module, rank, deadline)
+            rank=rank, scale=_scaling(settings, shape, layer, module, rank, deadline)
         )
-    targets = tuple(sorted({module for _, module in modules}, key=TARGET_MODULES.index))
+    targets = tuple(sorted({module for _, module in modules}, key=shape.targets.index))
     return PeftAdapter(
         rank=max(m.rank for m in modules.values()),
         alpha=settings.alpha,
@@ -131,10 +132,11 @@ def check_adapter(
     )
 
 
-def _scaling(settings: LoraSettings, layer: int, module: str, rank: int, deadline: float) -> float:
+def _scaling(
+    settings: LoraSettings, shape: ModelShape, layer: int, module: str, rank: int, deadline: float
+) -> float:
     """PEFT's per-module scaling, honouring alpha_pattern and use_rslora."""
-    block = "self_attn" if module in ATTENTION_MODULES else "mlp"
-    alpha = settings.alpha_for(f"model.layers.{layer}.{block}.{module}", deadline)
+    alpha = settings.alpha_for(f"model.layers.{layer}.{shape.block(module)}.{module}", deadline)
     return alpha / math.sqrt(rank) if settings.use_rslora else alpha / rank
 
 

@@ -18,7 +18,7 @@ import regex
 from adapter_format.bounded_json import loads_bounded
 from adapter_format.errors import AdapterError, show_value
 from adapter_format.files import CONFIG_FILE
-from adapter_format.model_shape import TARGET_MODULES
+from adapter_format.model_shape import ModelShape
 
 # A PEFT config is a few hundred bytes, nested three levels at most (layer_replication's lists).
 MAX_CONFIG_BYTES = 1 << 20
@@ -29,7 +29,8 @@ MAX_ALPHA = 1e6
 DEFAULT_ALPHA = 8  # PEFT's LoraConfig default
 MAX_PATTERN_ENTRIES = 1024
 MAX_PATTERN_KEY_CHARS = 256
-MAX_TARGET_MODULES = 64
+# `target_modules="all-linear"` saves every projection's full path: 7 per layer, 1,000 for a deep model.
+MAX_TARGET_MODULES = 8192
 MAX_BASE_MODEL_CHARS = 1024  # base_model_name_or_path is stored in the adapter's record
 BIAS_MODES = ("none", "all", "lora_only")
 # alpha_pattern keys are regular expressions (PEFT's rule); a hostile one must not hang a load. Matching
@@ -100,8 +101,10 @@ def parse_adapter_config(data: bytes) -> dict:
     return config
 
 
-def check_adapter_config(config: Mapping, max_lora_rank: int) -> LoraSettings:
-    """Refuse configs the engine cannot serve faithfully; AdapterError with `field` set names the key."""
+def check_adapter_config(config: Mapping, max_lora_rank: int, shape: ModelShape | None = None) -> LoraSettings:
+    """Refuse configs the engine cannot serve faithfully; AdapterError with `field` set names the key.
+
+    `shape` gives the projections LoRA may target (the seven of a Llama-family layer when None)."""
     peft_type = config.get("peft_type")
     if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
         raise AdapterError(
@@ -170,13 +173,7 @@ def check_adapter_config(config: Mapping, max_lora_rank: int) -> LoraSettings:
         )
     targets = _string_list(config, "target_modules", allow_string=True)
     if isinstance(targets, tuple):
-        unsupported = sorted(set(targets) - set(TARGET_MODULES))
-        if unsupported:
-            raise AdapterError(
-                "unsupported_target",
-                f"target modules {unsupported} are not supported; LoRA may target {', '.join(TARGET_MODULES)}",
-                "target_modules",
-            )
+        check_target_names(targets, shape or ModelShape(1, 1, 1, 1, 1, 1))
     base_model = config.get("base_model_name_or_path")
     if base_model is not None and not (
         isinstance(base_model, str) and len(base_model) <= MAX_BASE_MODEL_CHARS
@@ -196,6 +193,20 @@ def check_adapter_config(config: Mapping, max_lora_rank: int) -> LoraSettings:
         target_modules=targets,
         base_model=base_model,
     )
+
+
+def check_target_names(targets: tuple[str, ...], shape: ModelShape) -> None:
+    """A list of target_modules as PEFT matches them: a name or a dotted path ending in one
+    ("model.layers.0.self_attn.qkv_proj", as `target_modules="all-linear"` saves them)."""
+    unsupported = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in shape.targets})
+    if unsupported:
+        named = [t.rsplit(".", 1)[-1] for t in unsupported]
+        raise AdapterError(
+            "unsupported_target",
+            f"target modules {[t if len(t) <= 60 else t[:57] + '...' for t in unsupported[:8]]} are not supported; LoRA on "
+            f"{shape.model_name} may target {', '.join(shape.targets)}{shape.unsupported_targets_hint(named)}",
+            "target_modules",
+        )
 
 
 def _is_rank(value: object) -> bool:

@@ -6,13 +6,13 @@ layers differ (Gemma 3: local layers at base 10,000, global ones at 1,000,000 wi
 one table per layer type. Only the first `rotary_dim` dims of a head rotate (`partial_rotary_factor`,
 Phi-4-mini's 0.75); the rest pass through.
 
-LongRoPE (Phi-3's `longrope`, formerly `su`): transformers rotates a forward pass whose longest sequence
-exceeds `original_max_position_embeddings` with the long factors, otherwise the short ones. Here each
-position has one rotation: short below `original_max_position_embeddings`, long from there on, so a
-token's cached K never changes. That equals transformers' for every sequence whose prompt fits in the
-original length (its later tokens switch to the long factors as they do there), and keeps prefix
-caching and CUDA graphs exact; a longer prompt's first tokens keep the short factors where transformers
-re-rotates the whole prompt with the long ones.
+LongRoPE (Phi-3's `longrope`, formerly `su`): transformers rotates a sequence longer than
+`original_max_position_embeddings` with the long factors and a shorter one with the short factors,
+recomputing the whole sequence when it crosses over. A paged KV cache cannot re-rotate cached keys, so,
+as vLLM does, the factors are chosen once from the context the engine serves: long when `max_model_len`
+exceeds `original_max_position_embeddings`, short otherwise. Sequences then match transformers exactly
+when max_model_len fits the original length, and when it does not, every sequence longer than the
+original length; shorter ones are rotated with the long factors that transformers keeps for long ones.
 """
 
 from __future__ import annotations
@@ -81,10 +81,9 @@ class RotaryEmbedding:
             freqs = torch.outer(positions, inv_freq.float())  # [max_positions, rotary_dim / 2]
         elif rope_type == "longrope":
             original = params.get("original_max_position_embeddings") or config.original_max_position_embeddings
-            short, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
-            long, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=original + 1, **kwargs)
-            inv_freq = torch.where((positions < original)[:, None], short.float()[None, :], long.float()[None, :])
-            freqs = positions[:, None] * inv_freq
+            seq_len = max_positions if max_positions > original else None  # None: the short factors
+            inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len, **kwargs)
+            freqs = torch.outer(positions, inv_freq.float())
         else:
             inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
             freqs = torch.outer(positions, inv_freq.float())

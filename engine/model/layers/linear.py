@@ -228,7 +228,7 @@ class RowParallelLinear(_ParallelLinear):
         check_shape(tensor, (self.out_features,))
         if tensor.is_float8:
             refuse_float8(tensor)
-        param.data.copy_(tensor.read())
+        param.data.copy_(tensor.rows(0, self.out_features))
         param.loaded.add(None)
 
     def _load_scale(self, param, tensor, shard) -> None:

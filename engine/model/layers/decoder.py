@@ -190,6 +190,10 @@ class DecoderModel(nn.Module):
         return len(self.model.layers)
 
     @property
+    def num_heads(self) -> int:  # this rank's
+        return self.model.layers[0].self_attn.num_heads
+
+    @property
     def num_kv_heads(self) -> int:  # this rank's
         return self.model.layers[0].self_attn.num_kv_heads
 

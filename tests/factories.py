@@ -42,7 +42,7 @@ _CONFIGS = {
 }
 # What makes each newer family itself at C1's size, every feature switched on: a window shorter than the
 # prompts over alternating local and global layers, soft caps small enough to bite, Gemma 3's global layers
-# at another RoPE base with linear scaling, Phi-3's LongRoPE (long factors from position 32 on) over a
+# at another RoPE base with linear scaling, Phi-3's LongRoPE (long factors past 16 positions) over a
 # partial rotary width. Special ids inside the vocabulary.
 FAMILY_SIZES = {
     "qwen3": dict(head_dim=16),
@@ -70,7 +70,7 @@ FAMILY_SIZES = {
         },
     ),
     "phi3": dict(
-        original_max_position_embeddings=32,
+        original_max_position_embeddings=16,
         rope_parameters={
             "rope_type": "longrope",
             "rope_theta": 10000.0,

@@ -1,0 +1,116 @@
+"""Qwen3, Gemma 2, Gemma 3 and Phi-3 against transformers + PEFT on tiny random checkpoints (float32, CPU):
+greedy tokens identical with adapters of different ranks and target sets (one `target_modules="all-linear"`)
+mixed in one batch with requests that use none, through chunked prefill with prefix-cache hits, through
+preemption, and on the Triton path (interpreted). Gemma's prompts are longer than its 8-token window, so
+its local layers mask; Phi-3's adapters target its fused qkv_proj and gate_up_proj."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from factories import load_peft_reference, make_adapter, make_model, reference_greedy
+
+from adapter_format.checkpoint import load_peft_adapter
+from engine import LLM, SamplingParams, model_shape
+from engine.model.loader import load_config
+
+FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3")
+NUM_NEW_TOKENS = 10
+ARGS = dict(max_loras=3, max_lora_rank=16, block_size=4, max_model_len=64, dtype="float32")
+SETTINGS = {
+    # 8 tokens a step: every prompt is prefilled in chunks beside other requests' decodes; the prompts
+    # sharing a 12-token prefix find its blocks cached.
+    "chunked_prefill_prefix_cache": dict(max_num_seqs=8, max_num_batched_tokens=8, enable_prefix_caching=True),
+    # 12 blocks of 4 tokens cannot hold 8 sequences of up to 40 tokens: requests are preempted.
+    "preemption": dict(max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=12, max_model_len=48),
+}
+
+
+def family_adapters(arch: str) -> dict[str, dict]:
+    """Three adapters of ranks 4, 8, 16 over different targets: attention only, MLP only, all-linear."""
+    fused = arch == "phi3"  # its checkpoint (and so PEFT) names the fused projections
+    return {
+        "attn_r4": dict(r=4, lora_alpha=8, target_modules=["qkv_proj"] if fused else ["q_proj", "v_proj"]),
+        "mlp_r8": dict(
+            r=8,
+            lora_alpha=16,
+            use_rslora=True,
+            target_modules=["gate_up_proj", "down_proj"] if fused else ["up_proj", "down_proj"],
+        ),
+        "all_r16": dict(r=16, lora_alpha=16, target_modules="all-linear"),
+    }
+
+
+def greedy(max_tokens: int = NUM_NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def case(request, tmp_path_factory):
+    arch = request.param
+    root = tmp_path_factory.mktemp(f"models-{arch}")
+    model_dir = make_model(root / "model", arch=arch, seed=1)
+    adapters = {
+        name: make_adapter(model_dir, root / name, seed=10 + i, **kwargs)
+        for i, (name, kwargs) in enumerate(family_adapters(arch).items())
+    }
+    rng = random.Random(arch)
+    shared = [rng.randrange(3, 512) for _ in range(12)]
+    # 8 prompts of 17..30 tokens (past Gemma's window and Phi-3's original 16 positions); 4 share a prefix.
+    prompts = [
+        (shared if i % 2 else []) + [rng.randrange(3, 512) for _ in range(rng.randrange(17, 31) - 12 * (i % 2))]
+        for i in range(8)
+    ]
+    names = [*adapters, None]
+    assigned = [names[i % len(names)] for i in range(len(prompts))]
+    reference = load_peft_reference(model_dir, adapters)
+    expected = [reference_greedy(reference, p, a, NUM_NEW_TOKENS) for p, a in zip(prompts, assigned)]
+    return dict(
+        arch=arch, model_dir=model_dir, adapters=adapters, prompts=prompts, assigned=assigned, expected=expected
+    )
+
+
+def generate(llm, case, params=None, count=None):
+    prompts, assigned = case["prompts"][:count], case["assigned"][:count]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params or greedy(), adapters=assigned)
+    assert all(o.error is None for o in outputs), [o.error for o in outputs]
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def make_llm(case, **kwargs):
+    lora_modules = {k: str(v) for k, v in case["adapters"].items()}
+    return LLM(model=str(case["model_dir"]), lora_modules=lora_modules, **{**ARGS, **kwargs})
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_greedy_matches_transformers_peft(case, setting):
+    llm = make_llm(case, **SETTINGS[setting])
+    assert generate(llm, case) == case["expected"]
+    if setting == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0, "the tiny KV cache was meant to force preemption"
+    else:
+        assert llm.engine.stats().num_prefix_cache_hits > 0, "the shared prefix was meant to hit the cache"
+
+
+@pytest.mark.interpreted
+def test_triton_path_matches(case):
+    """The fused kernels (q/k norm with RoPE, Gemma's norms, GeGLU, partial rotary, soft caps) and the
+    Triton attention with its sliding window, interpreted: the tokens of the torch path."""
+    llm = make_llm(case, attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=64)
+    assert generate(llm, case, greedy(3), count=2) == [e[:3] for e in case["expected"][:2]]
+
+
+def test_all_linear_adapter_targets_every_projection(case):
+    """PEFT saves "all-linear" as every projection's full path; the adapter covers all the family's targets."""
+    config = json.loads((case["adapters"]["all_r16"] / "adapter_config.json").read_text())
+    assert any(t.startswith("model.layers.") for t in config["target_modules"])
+    shape = model_shape(load_config(case["model_dir"]))
+    fused = case["arch"] == "phi3"
+    assert shape.targets == (
+        ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        if fused
+        else ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    )
+    assert load_peft_adapter(case["adapters"]["all_r16"], shape, 16).target_modules == shape.targets

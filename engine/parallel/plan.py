@@ -66,7 +66,7 @@ class ShardPlan:
             for module in ROW_PARALLEL:
                 split = plan.input_split(module)
                 if split.local_size(world_size) % BLOCK:
-                    raise ValueError(block_cut_message(split.size, world_size))
+                    raise ValueError(block_cut_message(module, split.size, world_size))
         return plan
 
     @property

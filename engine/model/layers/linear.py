@@ -195,7 +195,7 @@ class RowParallelLinear(_ParallelLinear):
         self.inputs, self.out_features = inputs, out_features
         self.in_start, self.in_end = inputs.range(tp.rank, tp.world_size)
         if ctx.fp8 is not None and ctx.fp8.blocked and tp.world_size > 1 and self.in_start % BLOCK:
-            raise ValueError(block_cut_message(inputs.size, tp.world_size))
+            raise ValueError(block_cut_message("a row-parallel projection", inputs.size, tp.world_size))
         in_local = self.in_end - self.in_start
         super().__init__(out_features, in_local, ctx, out_features if bias else None, (None,))
         if ctx.fp8 is not None:  # the checkpoint's groups: 128 columns of the whole input, or all of it
@@ -241,9 +241,9 @@ class RowParallelLinear(_ParallelLinear):
         param.loaded_from_file.add(None)
 
 
-def block_cut_message(in_features: int, world_size: int) -> str:
+def block_cut_message(projection: str, in_features: int, world_size: int) -> str:
     return (
-        f"tensor_parallel_size {world_size} cuts a row-parallel projection's {in_features} input columns "
+        f"tensor_parallel_size {world_size} cuts {projection}'s {in_features} input columns "
         f"into shards of {in_features // world_size}, inside the checkpoint's {BLOCK}x{BLOCK} scale blocks; "
         f"block-scaled FP8 needs shards of whole blocks (a multiple of {BLOCK} columns): choose another "
         "tensor_parallel_size, or quantization='fp8' on the bf16 checkpoint"

@@ -101,7 +101,9 @@ def parse_adapter_config(data: bytes) -> dict:
     return config
 
 
-def check_adapter_config(config: Mapping, max_lora_rank: int, shape: ModelShape | None = None) -> LoraSettings:
+def check_adapter_config(
+    config: Mapping, max_lora_rank: int, shape: ModelShape | None = None
+) -> LoraSettings:
     """Refuse configs the engine cannot serve faithfully; AdapterError with `field` set names the key.
 
     `shape` gives the projections LoRA may target (the seven of a Llama-family layer when None)."""

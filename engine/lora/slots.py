@@ -38,7 +38,6 @@ PAGE_RANK = 8
 FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-
 def lora_launches(targets: tuple[str, ...]) -> list[tuple[str, ...]]:
     """The groups of targets a layer applies LoRA to, one kernel launch each, in order: q/k/v, o, gate/up,
     down for the seven Llama-family targets; qkv_proj, o_proj, gate_up_proj, down_proj for Phi-3."""
@@ -228,7 +227,9 @@ def build_image(
         pairs = adapter.modules.values()
         scales = table[:, : len(layout.targets)].view(torch.float32)
         scales[layers, modules] = torch.tensor([p.scale for p in pairs])
-        table[:, layout.rank_columns][layers, modules] = torch.tensor([p.rank for p in pairs], dtype=torch.int32)
+        table[:, layout.rank_columns][layers, modules] = torch.tensor(
+            [p.rank for p in pairs], dtype=torch.int32
+        )
     for group, bound in image.rank_bounds.items():
         bound.copy_(torch.stack([image.ranks[m] for m in group]).amax(0))
     return image

@@ -25,7 +25,6 @@ from collections.abc import Mapping
 import torch
 
 from engine.model.fp8_linear import BLOCK, FP8_GEMMS, Fp8Linear, scaled_mm_problem
-from engine.model.kv_quant import FP8_DTYPE
 
 QUANTIZATIONS = (None, "fp8")
 ON_THE_FLY = "fp8 (on the fly)"

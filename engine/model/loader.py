@@ -96,6 +96,8 @@ def load_model(
             tensors.extend(CheckpointTensor(handle, name) for name in handle.keys())
         model.load_weights(tensors, str(path))
     if fp8 is not None:
-        gemms = sorted({m.kernel.gemm for m in model.modules() if isinstance(getattr(m, "kernel", None), Fp8Linear)})
+        gemms = sorted(
+            {m.kernel.gemm for m in model.modules() if isinstance(getattr(m, "kernel", None), Fp8Linear)}
+        )
         logger.info("FP8 weights: %s, GEMM %s", scheme, ", ".join(gemms))
     return model

@@ -26,7 +26,11 @@ def _classes() -> tuple[dict[str, type[DecoderModel]], dict[str, type[DecoderMod
     for info in pkgutil.iter_modules(architectures.__path__):
         module = importlib.import_module(f"{architectures.__name__}.{info.name}")
         for value in vars(module).values():
-            if isinstance(value, type) and issubclass(value, DecoderModel) and value.__module__ == module.__name__:
+            if (
+                isinstance(value, type)
+                and issubclass(value, DecoderModel)
+                and value.__module__ == module.__name__
+            ):
                 for name in value.architectures:
                     if name in by_architecture:
                         raise RuntimeError(f"{name} is served by both {by_architecture[name]} and {value}")

@@ -80,9 +80,13 @@ class RotaryEmbedding:
             inv_freq, attention_scaling = 1.0 / (params["rope_theta"] ** exponents), 1.0
             freqs = torch.outer(positions, inv_freq.float())  # [max_positions, rotary_dim / 2]
         elif rope_type == "longrope":
-            original = params.get("original_max_position_embeddings") or config.original_max_position_embeddings
+            original = (
+                params.get("original_max_position_embeddings") or config.original_max_position_embeddings
+            )
             seq_len = max_positions if max_positions > original else None  # None: the short factors
-            inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len, **kwargs)
+            inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](
+                config, "cpu", seq_len=seq_len, **kwargs
+            )
             freqs = torch.outer(positions, inv_freq.float())
         else:
             inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)

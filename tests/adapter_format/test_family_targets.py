@@ -37,7 +37,9 @@ def test_fused_projections_have_the_sizes_of_their_parts():
 
 
 def test_each_family_takes_its_own_adapters():
-    phi = check_adapter(config(["qkv_proj", "gate_up_proj"]), tensors(PHI, ["qkv_proj", "gate_up_proj"]), PHI, 16)
+    phi = check_adapter(
+        config(["qkv_proj", "gate_up_proj"]), tensors(PHI, ["qkv_proj", "gate_up_proj"]), PHI, 16
+    )
     assert phi.target_modules == ("qkv_proj", "gate_up_proj") and phi.rank == 4
     llama = check_adapter(config(["q_proj", "v_proj"]), tensors(LLAMA, ["q_proj", "v_proj"]), LLAMA, 16)
     assert llama.target_modules == ("q_proj", "v_proj")
@@ -54,8 +56,16 @@ def test_all_linear_paths_are_read_by_their_last_name():
     [
         (PHI, ["q_proj", "v_proj"], "Phi3ForCausalLM stores q_proj, k_proj, v_proj fused as qkv_proj"),
         (PHI, ["gate_proj"], "stores gate_proj, up_proj fused as gate_up_proj"),
-        (LLAMA, ["qkv_proj"], "LlamaForCausalLM has separate q_proj, k_proj, v_proj where this adapter targets"),
-        (LLAMA, ["embed_tokens"], r"\['embed_tokens'\] are not supported; LoRA on LlamaForCausalLM may target"),
+        (
+            LLAMA,
+            ["qkv_proj"],
+            "LlamaForCausalLM has separate q_proj, k_proj, v_proj where this adapter targets",
+        ),
+        (
+            LLAMA,
+            ["embed_tokens"],
+            r"\['embed_tokens'\] are not supported; LoRA on LlamaForCausalLM may target",
+        ),
     ],
 )
 def test_the_other_form_is_refused_naming_what_fits(shape, modules, message):

@@ -50,7 +50,9 @@ def files(folder) -> AdapterFiles:
 @pytest.fixture
 def phi_store(tmp_path, fast_retries):
     shape = model_shape(Phi3Config(**TINY_PHI, architectures=["Phi3ForCausalLM"]))
-    config = StoreConfig(url=f"file://{tmp_path / 'store'}", staging_dir=str(tmp_path / "staging"), **fast_retries)
+    config = StoreConfig(
+        url=f"file://{tmp_path / 'store'}", staging_dir=str(tmp_path / "staging"), **fast_retries
+    )
     return open_store(config, shape, CountingMetrics())
 
 
@@ -70,6 +72,8 @@ def test_a_phi3_store_refuses_a_llama_style_adapter(phi_store, keys_of, make_pef
 
 @pytest.mark.parametrize("backend", ["local"])
 def test_a_llama_store_refuses_a_phi3_adapter(store, keys_of, phi_adapters):
-    with pytest.raises(InvalidAdapter, match="has separate q_proj, k_proj, v_proj where this adapter targets"):
+    with pytest.raises(
+        InvalidAdapter, match="has separate q_proj, k_proj, v_proj where this adapter targets"
+    ):
         store.put("acme", "phi", files(phi_adapters["fused"]))
     assert keys_of(store) == []

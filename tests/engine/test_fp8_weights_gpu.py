@@ -268,7 +268,7 @@ def next_token_argmax(
             )
             hidden = model.forward(torch.tensor(ids, device="cuda"), meta, caches, None)
             results.append(model.compute_logits(hidden).argmax(dim=-1).cpu())
-    del model, weights
+    del model
     free_cuda()
     return results
 

@@ -206,4 +206,6 @@ def test_partial_rotary_rope_leaves_the_tail_of_each_head():
     fused_ops.apply_rope_(qkv, positions, rope.cos, rope.sin, heads, kv_heads, head_dim)
     torch.testing.assert_close(qkv[:, :q_size], torch_q.reshape(tokens, -1))
     torch.testing.assert_close(qkv[:, q_size : q_size + kv_size], torch_k.reshape(tokens, -1))
-    assert torch.equal(qkv[:, :q_size].view(tokens, heads, head_dim)[..., 12:], q.view(tokens, heads, 16)[..., 12:])
+    assert torch.equal(
+        qkv[:, :q_size].view(tokens, heads, head_dim)[..., 12:], q.view(tokens, heads, 16)[..., 12:]
+    )

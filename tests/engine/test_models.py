@@ -22,7 +22,9 @@ ARGS = dict(max_loras=3, max_lora_rank=16, block_size=4, max_model_len=64, dtype
 SETTINGS = {
     # 8 tokens a step: every prompt is prefilled in chunks beside other requests' decodes; the prompts
     # sharing a 12-token prefix find its blocks cached.
-    "chunked_prefill_prefix_cache": dict(max_num_seqs=8, max_num_batched_tokens=8, enable_prefix_caching=True),
+    "chunked_prefill_prefix_cache": dict(
+        max_num_seqs=8, max_num_batched_tokens=8, enable_prefix_caching=True
+    ),
     # 12 blocks of 4 tokens cannot hold 8 sequences of up to 40 tokens: requests are preempted.
     "preemption": dict(max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=12, max_model_len=48),
 }
@@ -60,7 +62,8 @@ def case(request, tmp_path_factory):
     shared = [rng.randrange(3, 512) for _ in range(12)]
     # 8 prompts of 17..30 tokens (past Gemma's window and Phi-3's original 16 positions); 4 share a prefix.
     prompts = [
-        (shared if i % 2 else []) + [rng.randrange(3, 512) for _ in range(rng.randrange(17, 31) - 12 * (i % 2))]
+        (shared if i % 2 else [])
+        + [rng.randrange(3, 512) for _ in range(rng.randrange(17, 31) - 12 * (i % 2))]
         for i in range(8)
     ]
     names = [*adapters, None]
@@ -68,7 +71,12 @@ def case(request, tmp_path_factory):
     reference = load_peft_reference(model_dir, adapters)
     expected = [reference_greedy(reference, p, a, NUM_NEW_TOKENS) for p, a in zip(prompts, assigned)]
     return dict(
-        arch=arch, model_dir=model_dir, adapters=adapters, prompts=prompts, assigned=assigned, expected=expected
+        arch=arch,
+        model_dir=model_dir,
+        adapters=adapters,
+        prompts=prompts,
+        assigned=assigned,
+        expected=expected,
     )
 
 

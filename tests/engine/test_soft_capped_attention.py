@@ -70,8 +70,12 @@ def test_triton_kernel_caps_scores(name):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_torch_path_caps_scores(name):
     batch, scale, window, _ = batch_for(name)
-    out = paged_attention(batch.q, batch.key_cache, batch.value_cache, metadata(batch), scale, window, softcap=CAP)
-    torch.testing.assert_close(out.double(), reference_attention(batch, scale, window, softcap=CAP), atol=1e-5, rtol=0)
+    out = paged_attention(
+        batch.q, batch.key_cache, batch.value_cache, metadata(batch), scale, window, softcap=CAP
+    )
+    torch.testing.assert_close(
+        out.double(), reference_attention(batch, scale, window, softcap=CAP), atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.interpreted
@@ -88,6 +92,13 @@ def test_a_cap_must_be_positive():
     seq_lens, starts = batch.device_meta()
     with pytest.raises(ValueError, match="softcap must be positive"):
         paged_attention_triton(
-            batch.q, batch.key_cache, batch.value_cache, batch.block_tables, seq_lens, starts, 1, scale,
+            batch.q,
+            batch.key_cache,
+            batch.value_cache,
+            batch.block_tables,
+            seq_lens,
+            starts,
+            1,
+            scale,
             softcap=0.0,
         )

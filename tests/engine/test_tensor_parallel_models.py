@@ -62,9 +62,15 @@ def test_two_ranks_match_peft(tmp_path, arch):
     fused = arch == "phi3"
     adapters = {
         "qkv": make_adapter(
-            model_dir, tmp_path / "qkv", seed=3, r=8, target_modules=["qkv_proj"] if fused else ["q_proj", "k_proj", "v_proj"]
+            model_dir,
+            tmp_path / "qkv",
+            seed=3,
+            r=8,
+            target_modules=["qkv_proj"] if fused else ["q_proj", "k_proj", "v_proj"],
         ),
-        "all": make_adapter(model_dir, tmp_path / "all", seed=4, r=16, lora_alpha=32, target_modules="all-linear"),
+        "all": make_adapter(
+            model_dir, tmp_path / "all", seed=4, r=16, lora_alpha=32, target_modules="all-linear"
+        ),
     }
     prompts = random_prompts(arch)
     assigned = ["qkv", None, "all", "qkv"]
@@ -104,9 +110,7 @@ def fp8_models(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize(
-    "model, quantization", [("block_phi3", None), ("channel", None), ("plain", "fp8")]
-)
+@pytest.mark.parametrize("model, quantization", [("block_phi3", None), ("channel", None), ("plain", "fp8")])
 def test_fp8_weights_over_two_ranks_match_one(fp8_models, model, quantization):
     prompts = random_prompts(model, low=5, high=20)
     with engine(fp8_models[model], quantization=quantization) as llm:

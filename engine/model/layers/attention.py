@@ -54,7 +54,9 @@ class Attention(nn.Module):
         self.head_dim = spec.head_dim
         self.q_size = self.num_heads * spec.head_dim
         self.kv_size = self.num_kv_heads * spec.head_dim
-        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, [heads, kv_heads, kv_heads], ctx, spec.qkv_bias)
+        self.qkv_proj = ColumnParallelLinear(
+            spec.hidden_size, [heads, kv_heads, kv_heads], ctx, spec.qkv_bias
+        )
         self.o_proj = RowParallelLinear(heads, spec.hidden_size, ctx, spec.o_bias)
         self.q_norm = self.k_norm = None
         if spec.qk_norm_eps is not None:

@@ -46,7 +46,9 @@ LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, attention: Attention, mlp: nn.Module, hidden_size: int, eps: float, ctx, offset, sandwich):
+    def __init__(
+        self, attention: Attention, mlp: nn.Module, hidden_size: int, eps: float, ctx, offset, sandwich
+    ):
         super().__init__()
         self.self_attn = attention
         self.mlp = mlp
@@ -98,7 +100,7 @@ class DecoderModel(nn.Module):
     # -- per-architecture hooks ------------------------------------------------------------------------
 
     def layer_type(self, config, layer: int) -> str:
-        """"sliding_attention" (local) or "full_attention" (global)."""
+        """ "sliding_attention" (local) or "full_attention" (global)."""
         layer_types = getattr(config, "layer_types", None)
         if layer_types:
             return layer_types[layer]
@@ -126,7 +128,11 @@ class DecoderModel(nn.Module):
     def build_mlp(self, config, layer: int, ctx: BuildContext) -> nn.Module:
         activation = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
         return GatedMLP(
-            config.hidden_size, config.intermediate_size, activation, ctx, bool(getattr(config, "mlp_bias", False))
+            config.hidden_size,
+            config.intermediate_size,
+            activation,
+            ctx,
+            bool(getattr(config, "mlp_bias", False)),
         )
 
     def embedding_scale(self, config) -> float | None:
@@ -144,7 +150,9 @@ class DecoderModel(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.total_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         # The Triton path runs norms, residual adds, RoPE and act-and-mul as one kernel each (fused_ops).
-        fused = ctx.attention_backend == "triton" and fused_ops.supports_fused_rope(rotary_dim(config, self.head_dim))
+        fused = ctx.attention_backend == "triton" and fused_ops.supports_fused_rope(
+            rotary_dim(config, self.head_dim)
+        )
         ctx = replace(ctx, fused=fused)
         self.ctx = ctx
         ropes: dict[str | None, RotaryEmbedding] = {}
@@ -152,7 +160,9 @@ class DecoderModel(nn.Module):
         for i in range(config.num_hidden_layers):
             key = self.rope_layer_type(config, i)
             if key not in ropes:
-                ropes[key] = RotaryEmbedding(config, self.head_dim, ctx.max_positions, ctx.device, ctx.dtype, key)
+                ropes[key] = RotaryEmbedding(
+                    config, self.head_dim, ctx.max_positions, ctx.device, ctx.dtype, key
+                )
             attention = Attention(self.attention_spec(config, i, ropes[key]), ctx)
             layer = DecoderLayer(
                 attention,
@@ -171,7 +181,9 @@ class DecoderModel(nn.Module):
         self.model.layers = nn.ModuleList(layers)
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx, self.norm_offset)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(self.model.embed_tokens, ctx, self.tied, self.final_logit_softcap(config))
+        self.lm_head = ParallelLMHead(
+            self.model.embed_tokens, ctx, self.tied, self.final_logit_softcap(config)
+        )
         targets = self.lora_targets()
         for name, module in self.named_modules():
             if isinstance(module, _ParallelLinear):
@@ -274,7 +286,11 @@ class DecoderModel(nn.Module):
             missing = sorted(param.required - param.loaded, key=lambda p: -1 if p is None else p)
             if missing:
                 name = self.checkpoint_name(param_name, missing[0])
-                scale = " (or weight_scale_inv: a float8 weight needs its scale)" if name.endswith("_scale") else ""
+                scale = (
+                    " (or weight_scale_inv: a float8 weight needs its scale)"
+                    if name.endswith("_scale")
+                    else ""
+                )
                 raise ValueError(f"checkpoint {source} lacks tensor {name!r}{scale}")
         if unused:
             raise ValueError(f"checkpoint {source} has tensors this model does not use: {sorted(unused)[:5]}")
@@ -288,7 +304,9 @@ class DecoderModel(nn.Module):
         order = {name: i for i, name in enumerate(params)}
         float8 = [t.name for t in tensors if t.is_float8]
         if float8:
-            first = min(float8, key=lambda n: (order.get(self.map_name(n)[0], len(order)), self.map_name(n)[1] or 0))
+            first = min(
+                float8, key=lambda n: (order.get(self.map_name(n)[0], len(order)), self.map_name(n)[1] or 0)
+            )
             raise ValueError(
                 f"checkpoint {source} stores {first!r} as float8 but config.json's quantization_config does "
                 "not describe it (only the linear projections of a supported FP8 format are read)"
@@ -301,4 +319,6 @@ def _kv_scale_targets(name: str) -> list[tuple[str, int]]:
     prefix, sep, rest = name.partition(".self_attn.")
     if not sep:
         return []
-    return [(f"{prefix}.self_attn.{p}", names.index(rest)) for p, names in KV_SCALE_NAMES.items() if rest in names]
+    return [
+        (f"{prefix}.self_attn.{p}", names.index(rest)) for p, names in KV_SCALE_NAMES.items() if rest in names
+    ]

@@ -29,7 +29,9 @@ from engine.model.layers.context import BuildContext
 from engine.model.layers.sharding import Split
 
 
-def new_param(shape, dtype: torch.dtype, device: torch.device, loader, parts: Sequence = (None,)) -> nn.Parameter:
+def new_param(
+    shape, dtype: torch.dtype, device: torch.device, loader, parts: Sequence = (None,)
+) -> nn.Parameter:
     """An uninitialised parameter with its loader and the shards it needs before the model may run."""
     param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
     param.weight_loader = loader
@@ -66,11 +68,15 @@ class _ParallelLinear(nn.Module):
         self.kernel: torch.Tensor | Fp8Linear | None = None  # set by finish_loading
         fp8 = ctx.fp8
         if fp8 is None:
-            self.weight = new_param((out_features, in_features), ctx.dtype, ctx.device, self._load_weight, parts)
+            self.weight = new_param(
+                (out_features, in_features), ctx.dtype, ctx.device, self._load_weight, parts
+            )
         else:
             self.group_size = BLOCK if fp8.blocked and in_features > BLOCK else in_features
             groups = -(-in_features // self.group_size)
-            self.weight = new_param((out_features, in_features), FP8_DTYPE, ctx.device, self._load_weight, parts)
+            self.weight = new_param(
+                (out_features, in_features), FP8_DTYPE, ctx.device, self._load_weight, parts
+            )
             self.weight_scale = new_param(
                 (out_features, groups), torch.float32, ctx.device, self._load_scale, parts
             )

@@ -95,6 +95,21 @@ C1_ADAPTERS = {
 }
 
 
+def family_adapters(arch: str) -> dict[str, dict]:
+    """Three adapters of ranks 4, 8, 16 over different targets: attention only, MLP only, all-linear."""
+    fused = arch == "phi3"  # its checkpoint (and so PEFT) names the fused projections
+    return {
+        "attn_r4": dict(r=4, lora_alpha=8, target_modules=["qkv_proj"] if fused else ["q_proj", "v_proj"]),
+        "mlp_r8": dict(
+            r=8,
+            lora_alpha=16,
+            use_rslora=True,
+            target_modules=["gate_up_proj", "down_proj"] if fused else ["up_proj", "down_proj"],
+        ),
+        "all_r16": dict(r=16, lora_alpha=16, target_modules="all-linear"),
+    }
+
+
 def make_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a random model of `arch` (a key of _CONFIGS) as config.json + safetensors."""
     torch.manual_seed(seed)

@@ -10,7 +10,7 @@ import json
 import random
 
 import pytest
-from factories import load_peft_reference, make_adapter, make_model, reference_greedy
+from factories import family_adapters, load_peft_reference, make_adapter, make_model, reference_greedy
 
 from adapter_format.checkpoint import load_peft_adapter
 from engine import LLM, SamplingParams, model_shape
@@ -28,21 +28,6 @@ SETTINGS = {
     # 12 blocks of 4 tokens cannot hold 8 sequences of up to 40 tokens: requests are preempted.
     "preemption": dict(max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=12, max_model_len=48),
 }
-
-
-def family_adapters(arch: str) -> dict[str, dict]:
-    """Three adapters of ranks 4, 8, 16 over different targets: attention only, MLP only, all-linear."""
-    fused = arch == "phi3"  # its checkpoint (and so PEFT) names the fused projections
-    return {
-        "attn_r4": dict(r=4, lora_alpha=8, target_modules=["qkv_proj"] if fused else ["q_proj", "v_proj"]),
-        "mlp_r8": dict(
-            r=8,
-            lora_alpha=16,
-            use_rslora=True,
-            target_modules=["gate_up_proj", "down_proj"] if fused else ["up_proj", "down_proj"],
-        ),
-        "all_r16": dict(r=16, lora_alpha=16, target_modules="all-linear"),
-    }
 
 
 def greedy(max_tokens: int = NUM_NEW_TOKENS) -> SamplingParams:

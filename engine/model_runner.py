@@ -65,6 +65,7 @@ class ModelRunner:
                 self.attention_backend,
                 config.quantization,
                 config.fp8_gemm,
+                load_format=config.load_format,
             )
             # Allocated before the KV cache is sized, so the adapter pool counts in gpu_memory_utilization.
             self.lora_slots = LoRAPool(

@@ -15,7 +15,7 @@ from transformers import AutoConfig
 from engine.model.fp8_checkpoint import fp8_scheme, is_block_scaled
 from engine.model.fp8_linear import FP8_GEMMS, Fp8Linear
 from engine.model.layers.checkpoint_tensor import CheckpointTensor
-from engine.model.layers.context import BuildContext, Fp8Settings
+from engine.model.layers.context import LOAD_FORMATS, BuildContext, Fp8Settings
 from engine.model.layers.decoder import DecoderModel
 from engine.model.layers.sharding import SINGLE, TensorParallel
 from engine.model.registry import model_class
@@ -75,13 +75,15 @@ def load_model(
     quantization: str | None = None,
     fp8_gemm: str = "auto",
     tp: TensorParallel = SINGLE,
+    load_format: str = "auto",
 ) -> DecoderModel:
     """The architecture's model (engine/model/registry.py) with this rank's shard of every weight.
 
     Each parameter reads only its own rows or columns of each checkpoint tensor (safetensors slices),
     so a rank never holds a whole tensor it shards. With FP8 (`quantization="fp8"`, or a checkpoint in a
     supported FP8 format) the linear projections hold float8 weights with float32 scales
-    (engine/model/fp8_checkpoint.py); everything else keeps `dtype`."""
+    (engine/model/fp8_checkpoint.py); everything else keeps `dtype`. `load_format="dummy"` reads no
+    weights: random ones, made on the device (a model's shape for benchmarks, from config.json alone)."""
     cls = model_class(config)
     scheme = fp8_scheme(config, quantization)
     fp8 = None if scheme is None else Fp8Settings(scheme, is_block_scaled(config), fp8_gemm)
@@ -89,6 +91,11 @@ def load_model(
         raise ValueError(f"fp8_gemm must be one of {', '.join(FP8_GEMMS)} (got {fp8_gemm!r})")
     ctx = BuildContext(dtype, device, tp, fp8, attention_backend, max_positions)
     model = cls(config, ctx)
+    if load_format == "dummy":
+        model.fill_dummy_weights()
+        return model
+    if load_format != "auto":
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)} (got {load_format!r})")
     with ExitStack() as files:
         tensors = []
         for file in _weight_files(path):

@@ -109,6 +109,7 @@ class TensorParallelRank:
                 config.quantization,
                 config.fp8_gemm,
                 tp,
+                config.load_format,
             )
         except BaseException:
             self.shutdown()  # rank 0: no worker outlives a start-up that failed, and the group is left

@@ -110,3 +110,22 @@ def test_all_linear_adapter_targets_every_projection(case):
         else ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     )
     assert load_peft_adapter(case["adapters"]["all_r16"], shape, 16).target_modules == shape.targets
+
+
+def test_dummy_weights_need_only_the_config(tmp_path):
+    """vLLM's load_format="dummy": a shape to benchmark from config.json alone, FP8 included."""
+    model_dir = make_model(tmp_path / "model", arch="gemma3", seed=0)
+    for weights in model_dir.glob("*.safetensors"):
+        weights.unlink()
+    for quantization in (None, "fp8"):
+        llm = LLM(
+            model=str(model_dir),
+            load_format="dummy",
+            quantization=quantization,
+            dtype="float32",
+            block_size=4,
+        )
+        outputs = llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(3))
+        assert outputs[0].error is None and len(outputs[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="load_format must be one of auto, dummy"):
+        LLM(model=str(model_dir), load_format="pt")

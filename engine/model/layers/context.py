@@ -8,6 +8,9 @@ import torch
 
 from engine.model.layers.sharding import SINGLE, TensorParallel
 
+# vLLM's names: "auto" reads the checkpoint; "dummy" fills random weights and reads nothing.
+LOAD_FORMATS = ("auto", "dummy")
+
 
 @dataclass(frozen=True)
 class Fp8Settings:

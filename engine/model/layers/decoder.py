@@ -299,6 +299,30 @@ class DecoderModel(nn.Module):
             if module is not self and hasattr(module, "finish_loading"):
                 module.finish_loading()
 
+    @torch.no_grad()
+    def fill_dummy_weights(self, seed: int = 0) -> None:
+        """vLLM's load_format="dummy": weights drawn on the device (std 0.02), norms at their identity (1, or
+        0 for Gemma's 1 + w), KV scales 1; FP8 projections quantize their draws. Nothing is read."""
+        gen = torch.Generator(device=self.ctx.device).manual_seed(seed)
+        for module in self.modules():
+            if isinstance(module, _ParallelLinear):
+                module.fill_dummy(gen)
+        for name, param in self.named_parameters():
+            if (
+                param.dtype.is_floating_point
+                and param.dtype.itemsize > 1
+                and not param.loaded
+                and param.required
+            ):
+                if name.endswith("norm.weight"):
+                    param.data.fill_(0.0 if self.norm_offset else 1.0)
+                else:
+                    param.data.normal_(0.0, 0.02, generator=gen)
+            param.loaded |= param.required
+        for module in self.modules():
+            if module is not self and hasattr(module, "finish_loading"):
+                module.finish_loading()
+
     def _refuse_unlabelled_float8(self, tensors, params, source: str) -> None:
         """A float8 tensor with no quantization_config to say how to read it: the first in model order."""
         order = {name: i for i, name in enumerate(params)}

@@ -111,6 +111,26 @@ class _ParallelLinear(nn.Module):
         self.weight_scale.loaded.add(part)
         self._float_parts.add(part)
 
+    def fill_dummy(self, gen: torch.Generator) -> None:
+        """Random weights (std 0.02) for load_format="dummy", quantized if this projection is FP8."""
+        shape = self.weight.shape
+        for part in sorted(self.weight.required, key=lambda p: -1 if p is None else p):
+            rows = slice(None) if part is None else self._part_rows(part)
+            num_rows = len(range(*rows.indices(shape[0])))
+            values = torch.empty(num_rows, shape[1], device=self.ctx.device, dtype=self.ctx.dtype)
+            values.normal_(0.0, 0.02, generator=gen)
+            source = _Drawn()
+            self._put_weight(rows, values, source, part)
+            self.weight.loaded.add(part)
+            if self.ctx.fp8 is not None:
+                self.weight_scale.loaded.add(part)
+        if self.bias is not None:
+            self.bias.data.zero_()
+            self.bias.loaded |= self.bias.required
+
+    def _part_rows(self, part: int) -> slice:
+        return slice(None)
+
     def finish_loading(self) -> None:
         """Check what the checkpoint gave and build the kernel (an Fp8Linear resolves its GEMM here)."""
         if self.ctx.fp8 is None:
@@ -162,6 +182,10 @@ class ColumnParallelLinear(_ParallelLinear):
             offset += self.parts[p].size
         check_shape(tensor, (offset, *columns))
         return pieces
+
+    def _part_rows(self, part: int) -> slice:
+        start, end = self.parts[part].range(self.tp.rank, self.tp.world_size)
+        return self._local_rows(part, start, end)
 
     def _local_rows(self, part: int, start: int, end: int) -> slice:
         first = self.local_offsets[part]
@@ -245,6 +269,13 @@ class RowParallelLinear(_ParallelLinear):
         param.data.copy_(full)
         param.loaded.add(None)
         param.loaded_from_file.add(None)
+
+
+class _Drawn:
+    """The stand-in checkpoint tensor of a random draw (load_format="dummy")."""
+
+    name = "random weights"
+    is_float8 = False
 
 
 def block_cut_message(projection: str, in_features: int, world_size: int) -> str:

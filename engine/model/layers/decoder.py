@@ -202,6 +202,15 @@ class DecoderModel(nn.Module):
         return len(self.model.layers)
 
     @property
+    def attention_backend(self) -> str:
+        return self.ctx.attention_backend
+
+    @property
+    def fused(self) -> bool:
+        """Whether the Triton path's fused element-wise kernels run (norms, RoPE, act-and-mul)."""
+        return self.ctx.fused
+
+    @property
     def num_heads(self) -> int:  # this rank's
         return self.model.layers[0].self_attn.num_heads
 

@@ -12,8 +12,11 @@ import random
 import pytest
 from factories import family_adapters, load_peft_reference, make_adapter, make_model, reference_greedy
 
+import engine.model.layers.attention as attention_block
 from adapter_format.checkpoint import load_peft_adapter
 from engine import LLM, SamplingParams, model_shape
+from engine.model.attention import write_kv
+from engine.model.kv_quant import dequantize_fp8, quantize_fp8
 from engine.model.loader import load_config
 
 FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3")
@@ -129,3 +132,28 @@ def test_dummy_weights_need_only_the_config(tmp_path):
         assert outputs[0].error is None and len(outputs[0].outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match="load_format must be one of auto, dummy"):
         LLM(model=str(model_dir), load_format="pt")
+
+
+def test_speculative_decoding_keeps_the_greedy_tokens(case):
+    """n-gram proposals verified with each request's adapter (Gemma's soft caps and windows included)."""
+    prompts = [p[:6] + [7, 8, 9, 10] * 4 for p in case["prompts"][:4]]  # the last tokens occurred before
+    repetitive = {**case, "prompts": prompts}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)  # no min_tokens
+    plain = generate(make_llm(case, max_num_seqs=4), repetitive, params, count=4)
+    llm = make_llm(case, max_num_seqs=4, speculative_config=spec)
+    assert generate(llm, repetitive, params, count=4) == plain
+    assert llm.engine.speculator.stats().num_draft_tokens > 0
+
+
+def test_fp8_kv_cache_computes_what_a_rounded_cache_does(case, monkeypatch):
+    """An fp8 KV cache gives the tokens of the model-dtype cache holding K/V rounded through e4m3."""
+    fp8 = generate(make_llm(case, max_num_seqs=4, kv_cache_dtype="fp8"), case, count=4)
+
+    def write_rounded(key_cache, value_cache, k, v, slots, k_scale, v_scale):
+        k = dequantize_fp8(quantize_fp8(k, k_scale), k_scale, k.dtype)
+        v = dequantize_fp8(quantize_fp8(v, v_scale), v_scale, v.dtype)
+        write_kv(key_cache, value_cache, k, v, slots)
+
+    monkeypatch.setattr(attention_block, "write_kv", write_rounded)
+    assert generate(make_llm(case, max_num_seqs=4), case, count=4) == fp8

@@ -30,7 +30,7 @@ from engine.model.fp8_checkpoint import DROPPED_NAMES
 from engine.model.layers.attention import Attention, AttentionSpec
 from engine.model.layers.context import BuildContext
 from engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.model.layers.linear import _ParallelLinear
+from engine.model.layers.linear import ParallelLinear
 from engine.model.layers.mlp import GatedMLP
 from engine.model.layers.norm import RMSNorm
 from engine.model.rope import RotaryEmbedding, rotary_dim
@@ -186,7 +186,7 @@ class DecoderModel(nn.Module):
         )
         targets = self.lora_targets()
         for name, module in self.named_modules():
-            if isinstance(module, _ParallelLinear):
+            if isinstance(module, ParallelLinear):
                 short = name.rsplit(".", 1)[-1]
                 modules = self.packed_modules_mapping.get(short, (short,))
                 module.name = name
@@ -314,7 +314,7 @@ class DecoderModel(nn.Module):
         0 for Gemma's 1 + w), KV scales 1; FP8 projections quantize their draws. Nothing is read."""
         gen = torch.Generator(device=self.ctx.device).manual_seed(seed)
         for module in self.modules():
-            if isinstance(module, _ParallelLinear):
+            if isinstance(module, ParallelLinear):
                 module.fill_dummy(gen)
         for name, param in self.named_parameters():
             if (

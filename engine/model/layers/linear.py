@@ -55,7 +55,7 @@ def refuse_float8(tensor) -> None:
     )
 
 
-class _ParallelLinear(nn.Module):
+class ParallelLinear(nn.Module):
     """The parameters, FP8 handling and `kernel` (what forward multiplies by) of both kinds."""
 
     def __init__(self, out_features: int, in_features: int, ctx: BuildContext, bias_size: int | None, parts):
@@ -153,7 +153,7 @@ class _ParallelLinear(nn.Module):
         raise NotImplementedError
 
 
-class ColumnParallelLinear(_ParallelLinear):
+class ColumnParallelLinear(ParallelLinear):
     """y = x W^T (+ b), W's rows split by part over the ranks: [sum of local parts, in]."""
 
     def __init__(self, in_features: int, parts: Sequence[Split], ctx: BuildContext, bias: bool = False):
@@ -217,7 +217,7 @@ class ColumnParallelLinear(_ParallelLinear):
             offset += self.parts[p].size
 
 
-class RowParallelLinear(_ParallelLinear):
+class RowParallelLinear(ParallelLinear):
     """y = sum over ranks of x_r W_r^T (+ b), W's columns split over the ranks: [out, in_local]."""
 
     def __init__(self, inputs: Split, out_features: int, ctx: BuildContext, bias: bool = False):

@@ -128,7 +128,11 @@ def test_fp8_block_checkpoint_over_two_gpus(tmp_path):
 
     sizes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     plain = make_model(
-        tmp_path / "plain", arch="phi3", seed=3, rope_parameters={"rope_type": "default"}, **sizes
+        tmp_path / "plain",
+        arch="phi3",
+        seed=3,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        **sizes,
     )
     checkpoint = write_block_fp8(plain, tmp_path / "fp8")
     rng = random.Random(5)

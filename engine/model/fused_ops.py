@@ -241,6 +241,45 @@ def apply_rope_(
 
 
 @triton.jit
+def _norm_rotate_heads(
+    base,  # pointer to the token's first head of this group
+    weight_ptr,  # [HEAD_DIM]: this group's norm weight
+    cos1,
+    cos2,
+    sin1,
+    sin2,  # [1, BLOCK_HALF] float32 each
+    eps,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    OFFSET: tl.constexpr,
+):
+    half: tl.constexpr = HEAD_DIM // 2
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < NUM_HEADS) & (dims < half)
+    ptr = base + heads * HEAD_DIM + dims
+    first = tl.load(ptr, mask=mask, other=0.0)
+    second = tl.load(ptr + half, mask=mask, other=0.0)
+    dtype = first.dtype
+    f1, f2 = first.to(tl.float32), second.to(tl.float32)
+    inv = tl.math.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM + eps)[:, None]
+    w1 = tl.load(weight_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)
+    w2 = tl.load(weight_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)
+    if OFFSET:  # Gemma: x * (1 + w) in float32, rounded once
+        x1 = (f1 * inv * (1.0 + w1)).to(dtype).to(tl.float32)
+        x2 = (f2 * inv * (1.0 + w2)).to(dtype).to(tl.float32)
+    else:  # Llama: normalised, rounded, then times w, rounded
+        x1 = (w1 * (f1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (f2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    out1 = ((x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)).to(dtype)
+    out2 = ((x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(ptr, out1, mask=mask)
+    tl.store(ptr + half, out2, mask=mask)
+
+
+@triton.jit
 def _head_norm_rope_kernel(
     qkv_ptr,  # [tokens, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM], row stride stride_t; q and k in place
     cos_ptr,  # [max_positions, HEAD_DIM], contiguous
@@ -252,39 +291,39 @@ def _head_norm_rope_kernel(
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_KV_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     OFFSET: tl.constexpr,
 ):
-    """One (token, head) per program: RMSNorm over the head (Qwen3's and Gemma 3's q/k norm), then RoPE."""
+    """One token per program: RMSNorm over each q and k head (Qwen3's and Gemma 3's q/k norm), then RoPE."""
     token = tl.program_id(0)
-    head = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
-    dims = tl.arange(0, BLOCK_HALF)
-    mask = dims < half
-    weight_ptr += (head >= NUM_HEADS).to(tl.int32) * HEAD_DIM
-    ptr = qkv_ptr + token * stride_t + head * HEAD_DIM + dims
-    first = tl.load(ptr, mask=mask, other=0.0)
-    second = tl.load(ptr + half, mask=mask, other=0.0)
-    dtype = first.dtype
-    f1, f2 = first.to(tl.float32), second.to(tl.float32)
-    inv = tl.math.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM + eps)
-    w1 = tl.load(weight_ptr + dims, mask=mask, other=0.0).to(tl.float32)
-    w2 = tl.load(weight_ptr + half + dims, mask=mask, other=0.0).to(tl.float32)
-    if OFFSET:  # Gemma: x * (1 + w) in float32, rounded once
-        x1 = (f1 * inv * (1.0 + w1)).to(dtype).to(tl.float32)
-        x2 = (f2 * inv * (1.0 + w2)).to(dtype).to(tl.float32)
-    else:  # Llama: normalised, rounded, then times w, rounded
-        x1 = (w1 * (f1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x2 = (w2 * (f2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    dim_mask = dims < half
     row = tl.load(positions_ptr + token) * HEAD_DIM
-    cos1 = tl.load(cos_ptr + row + dims, mask=mask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + row + half + dims, mask=mask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + row + dims, mask=mask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + row + half + dims, mask=mask, other=0.0).to(tl.float32)
-    out1 = ((x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)).to(dtype)
-    out2 = ((x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)).to(dtype)
-    tl.store(ptr, out1, mask=mask)
-    tl.store(ptr + half, out2, mask=mask)
+    cos1 = tl.load(cos_ptr + row + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + row + half + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + row + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + row + half + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    base = qkv_ptr + token * stride_t
+    _norm_rotate_heads(
+        base, weight_ptr, cos1, cos2, sin1, sin2, eps, NUM_HEADS, HEAD_DIM, BLOCK_HEADS, BLOCK_HALF, OFFSET
+    )
+    _norm_rotate_heads(
+        base + NUM_HEADS * HEAD_DIM,
+        weight_ptr + HEAD_DIM,
+        cos1,
+        cos2,
+        sin1,
+        sin2,
+        eps,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        BLOCK_KV_HEADS,
+        BLOCK_HALF,
+        OFFSET,
+    )
 
 
 def head_norm_rope_(
@@ -299,13 +338,14 @@ def head_norm_rope_(
     head_dim: int,
     offset: bool,
 ) -> None:
-    """Per-head RMSNorm of q and k (q_norm, k_norm), then RoPE, in one kernel; v is left alone."""
+    """Per-head RMSNorm of q and k (q_norm, k_norm), then RoPE, in one kernel (a program per token, all its
+    heads at once); v is left alone."""
     tokens = qkv.shape[0]
     if not tokens:
         return
     if qkv.stride(1) != 1 or cos.shape[1] != head_dim or not cos.is_contiguous() or not sin.is_contiguous():
         raise ValueError("head_norm_rope_ needs contiguous rows and a full-width rotary table")
-    _head_norm_rope_kernel[(tokens, num_heads + num_kv_heads)](
+    _head_norm_rope_kernel[(tokens,)](
         qkv,
         cos,
         sin,
@@ -316,6 +356,8 @@ def head_norm_rope_(
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
+        BLOCK_HEADS=triton.next_power_of_2(num_heads),
+        BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         OFFSET=offset,
     )

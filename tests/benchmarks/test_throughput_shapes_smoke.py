@@ -40,7 +40,9 @@ def test_several_shapes_in_one_invocation_with_dummy_weights():
     assert "Qwen3ForCausalLM" in headers[0] and "Gemma3ForCausalLM" in headers[1]
     assert all("load_format dummy" in h for h in headers)
     rows = [line for line in result.stdout.splitlines() if line.startswith("| engine")]
-    assert len(rows) == 6 and all(float(row.split("|")[9]) > 0 for row in rows)  # no LoRA, N=1, N=2; step / floor
+    assert len(rows) == 6 and all(
+        float(row.split("|")[9]) > 0 for row in rows
+    )  # no LoRA, N=1, N=2; step / floor
 
 
 def test_a_family_checkpoint_is_written_as_the_engine_reads_it(tmp_path):

@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from adapter_format.errors import AdapterError, show_value
 from adapter_format.files import WEIGHTS_FILE
-from adapter_format.model_shape import TARGET_MODULES, ModelShape, module_key
+from adapter_format.model_shape import ModelShape, module_key
 from adapter_format.module_patterns import new_deadline
 from adapter_format.peft_config import LoraSettings, check_adapter_config, read_adapter_config
 from adapter_format.safetensors_header import DTYPE_BYTES, TensorSpan, read_tensor_spans
@@ -63,7 +63,7 @@ def check_adapter(
     max_lora_rank: int,
 ) -> PeftAdapter:
     """Validate a config and its tensors' names and shapes against the base model (no tensor data read)."""
-    settings = check_adapter_config(config, max_lora_rank)
+    settings = check_adapter_config(config, max_lora_rank, shape)
     deadline = new_deadline()  # bounds all the pattern matching of this adapter
     pairs: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
     prefixes: dict[str, str] = {}  # tensor name prefix -> the first tensor under it
@@ -73,13 +73,14 @@ def check_adapter(
             raise AdapterError(
                 "unexpected_tensor",
                 f"tensor {show_value(name)} is not a LoRA weight of a decoder-layer projection "
-                f"({', '.join(TARGET_MODULES)}); embedding, lm_head, bias and DoRA tensors are not supported",
+                f"({', '.join(shape.targets)}); embedding, lm_head, bias and DoRA tensors are not supported",
             )
         layer, module, ab = int(match["layer"]), match["module"], match["ab"]
-        if module not in TARGET_MODULES:
+        if module not in shape.targets:
             raise AdapterError(
                 "unsupported_target",
-                f"tensor {name!r} targets {module!r}; supported: {', '.join(TARGET_MODULES)}",
+                f"tensor {name!r} targets {module!r}; LoRA on {shape.model_name} may target "
+                f"{', '.join(shape.targets)}{shape.unsupported_targets_hint([module])}",
             )
         if layer >= shape.num_layers:
             raise AdapterError(
@@ -149,7 +150,7 @@ def check_adapter(
                 field,
             )
         modules[(layer, module)] = ModuleLoRA(rank=rank, scale=_scaling(settings, key, rank, deadline))
-    targets = tuple(sorted({module for _, module in modules}, key=TARGET_MODULES.index))
+    targets = tuple(sorted({module for _, module in modules}, key=shape.targets.index))
     return PeftAdapter(
         rank=max(m.rank for m in modules.values()),
         alpha=settings.alpha,

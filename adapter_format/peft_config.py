@@ -19,7 +19,7 @@ import regex
 from adapter_format.bounded_json import loads_bounded
 from adapter_format.errors import AdapterError, show_value
 from adapter_format.files import CONFIG_FILE
-from adapter_format.model_shape import TARGET_MODULES
+from adapter_format.model_shape import ModelShape
 from adapter_format.module_patterns import compile_pattern, search
 from adapter_format.peft_features import check_features, check_peft_type, check_task_type
 from adapter_format.peft_targets import Targets, read_targets
@@ -33,7 +33,8 @@ MAX_ALPHA = 1e6
 DEFAULT_ALPHA = 8  # PEFT's LoraConfig default
 MAX_PATTERN_ENTRIES = 1024
 MAX_PATTERN_KEY_CHARS = 256
-MAX_TARGET_MODULES = 64
+# `target_modules="all-linear"` saves every projection's full path: 7 per layer, 1,000 for a deep model.
+MAX_TARGET_MODULES = 8192
 MAX_BASE_MODEL_CHARS = 1024  # base_model_name_or_path is stored in the adapter's record
 BIAS_MODES = ("none", "all", "lora_only")
 
@@ -100,8 +101,12 @@ def parse_adapter_config(data: bytes) -> dict:
     return config
 
 
-def check_adapter_config(config: Mapping, max_lora_rank: int) -> LoraSettings:
-    """Refuse configs the engine cannot serve faithfully; AdapterError with `field` set names the key."""
+def check_adapter_config(
+    config: Mapping, max_lora_rank: int, shape: ModelShape | None = None
+) -> LoraSettings:
+    """Refuse configs the engine cannot serve faithfully; AdapterError with `field` set names the key.
+
+    `shape` gives the projections LoRA may target (the seven of a Llama-family layer when None)."""
     check_peft_type(config)
     check_task_type(config)
     check_features(config)
@@ -150,15 +155,7 @@ def check_adapter_config(config: Mapping, max_lora_rank: int) -> LoraSettings:
         )
     targets = _string_list(config, "target_modules", allow_string=True)
     if isinstance(targets, tuple):
-        # PEFT matches a listed name as the module's name or its dotted suffix ("q_proj", or
-        # "model.layers.0.self_attn.q_proj" as it saves them with exclude_modules): the last part decides.
-        unsupported = sorted(t for t in set(targets) if t.rpartition(".")[2] not in TARGET_MODULES)
-        if unsupported:
-            raise AdapterError(
-                "unsupported_target",
-                f"target modules {unsupported} are not supported; LoRA may target {', '.join(TARGET_MODULES)}",
-                "target_modules",
-            )
+        check_target_names(targets, shape or ModelShape(1, 1, 1, 1, 1, 1))
     base_model = config.get("base_model_name_or_path")
     if base_model is not None and not (
         isinstance(base_model, str) and len(base_model) <= MAX_BASE_MODEL_CHARS
@@ -187,6 +184,20 @@ def _compiled(patterns: dict, field_name: str, convert) -> tuple:
     return tuple(
         (compile_pattern(key, field_name, r"(.*\.)?({})$"), convert(v)) for key, v in patterns.items()
     )
+
+
+def check_target_names(targets: tuple[str, ...], shape: ModelShape) -> None:
+    """A list of target_modules as PEFT matches them: a name or a dotted path ending in one
+    ("model.layers.0.self_attn.qkv_proj", as `target_modules="all-linear"` saves them)."""
+    unsupported = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in shape.targets})
+    if unsupported:
+        named = [t.rsplit(".", 1)[-1] for t in unsupported]
+        raise AdapterError(
+            "unsupported_target",
+            f"target modules {[t if len(t) <= 60 else t[:57] + '...' for t in unsupported[:8]]} are not supported; LoRA on "
+            f"{shape.model_name} may target {', '.join(shape.targets)}{shape.unsupported_targets_hint(named)}",
+            "target_modules",
+        )
 
 
 def _is_rank(value: object) -> bool:

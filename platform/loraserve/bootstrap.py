@@ -18,7 +18,7 @@ from pathlib import Path
 
 from adapters_store import AdapterNotFound, AdapterStore, DiskCache, StoreConfig, open_store
 from adapters_store.engine_source import StoreAdapterSource
-from engine import AsyncLLM, EngineConfig, ModelShape
+from engine import AsyncLLM, EngineConfig, model_shape
 from engine.generation_config import load_generation_defaults
 from engine.model.loader import load_config, resolve_model_path
 from loraserve.adapter_lookup import AdapterLookup
@@ -107,7 +107,7 @@ async def open_services(
                 f"--lora-modules {module[0]}: base_model_name {base!r} is not the served model {model_id!r}"
             )
     model_path = resolve_model_path(model)
-    shape = ModelShape.from_hf_config(load_config(model_path))
+    shape = model_shape(load_config(model_path))  # sizes and the architecture's LoRA targets
     sampling_defaults = load_generation_defaults(model_path, settings.generation_config)
     config = store_config(settings)
     store = open_store(config, shape)

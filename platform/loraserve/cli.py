@@ -94,7 +94,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add(
         "--model",
-        help="local folder or Hugging Face id of a Llama-family model (default: the bundled demo, "
+        help="local folder or Hugging Face id of a supported model: Llama, Mistral, Qwen2/3, Gemma 2/3, "
+        "Phi-3/4 (docs/MODELS.md; default: the bundled demo, "
         "SmolLM2-135M-Instruct, converted once under STATE_DIR/models)",
     )
     add("--served-model-name", help="the base model's name in requests and /v1/models (default: --model)")

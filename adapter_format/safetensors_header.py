@@ -55,31 +55,48 @@ def read_tensor_spans(path: Path, label: str | None = None) -> dict[str, TensorS
     label = label or path.name
     file_size = path.stat().st_size
     with open(path, "rb") as f:
-        head = f.read(8)
-        # A pickle (b"\x80\x02".. protocol marks) or a zipped torch.save (b"PK") fails one of the next
-        # checks; the magic only picks the message, since a valid header length may begin with the same bytes.
-        pickled = head[:2] == b"PK" or (
-            head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+        return _parse_spans(f.read, file_size, label)
+
+
+def buffer_tensor_spans(data: bytes | bytearray | memoryview, label: str) -> dict[str, TensorSpan]:
+    """`read_tensor_spans` of a safetensors file held in memory (offsets into `data`)."""
+    view = memoryview(data).cast("B")
+    position = 0
+
+    def read(count: int) -> bytes:
+        nonlocal position
+        chunk = bytes(view[position : position + count])
+        position += len(chunk)
+        return chunk
+
+    return _parse_spans(read, len(view), label)
+
+
+def _parse_spans(read, file_size: int, label: str) -> dict[str, TensorSpan]:
+    """The header's checks over `read(count) -> bytes` from the start of a file of `file_size` bytes."""
+    head = read(8)
+    # A pickle (b"\x80\x02".. protocol marks) or a zipped torch.save (b"PK") fails one of the next
+    # checks; the magic only picks the message, since a valid header length may begin with the same bytes.
+    pickled = head[:2] == b"PK" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
+    if len(head) < 8:
+        _fail(
+            label,
+            _PICKLE_HINT if pickled else f"it is {file_size} bytes, too short for a safetensors header",
         )
-        if len(head) < 8:
-            _fail(
-                label,
-                _PICKLE_HINT if pickled else f"it is {file_size} bytes, too short for a safetensors header",
-            )
-        (header_len,) = struct.unpack("<Q", head)
-        if pickled and header_len > min(MAX_HEADER_BYTES, file_size - 8):
-            _fail(label, _PICKLE_HINT)
-        if header_len > file_size - 8:
-            _fail(
-                label,
-                f"its header claims {header_len} bytes, but the file holds {file_size} (truncated or corrupt)",
-            )
-        if header_len > MAX_HEADER_BYTES:
-            _fail(
-                label,
-                f"its header is {header_len} bytes; an adapter's header is far below {MAX_HEADER_BYTES}",
-            )
-        raw = f.read(header_len)
+    (header_len,) = struct.unpack("<Q", head)
+    if pickled and header_len > min(MAX_HEADER_BYTES, file_size - 8):
+        _fail(label, _PICKLE_HINT)
+    if header_len > file_size - 8:
+        _fail(
+            label,
+            f"its header claims {header_len} bytes, but the file holds {file_size} (truncated or corrupt)",
+        )
+    if header_len > MAX_HEADER_BYTES:
+        _fail(
+            label,
+            f"its header is {header_len} bytes; an adapter's header is far below {MAX_HEADER_BYTES}",
+        )
+    raw = read(header_len)
     try:
         header = loads_bounded(raw, MAX_HEADER_DEPTH, object_pairs_hook=_no_duplicates)
     except ValueError as exc:

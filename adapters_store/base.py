@@ -341,21 +341,21 @@ class AdapterStore(ABC):
         weights = filename == WEIGHTS_FILE  # its size is known: one buffer, filled in place
 
         def once() -> bytearray:
-            buffer = bytearray(limit) if weights else bytearray()
-            view = memoryview(buffer)
+            if not weights:
+                buffer = bytearray()
+                with self._open(key) as body:
+                    size, sha256 = _stream(body, buffer.extend, limit, tenant, record, filename)
+                return buffer
+            buffer = bytearray(limit)
             position = 0
 
             def sink(chunk: bytes) -> None:
                 nonlocal position
-                if weights:
-                    view[position : position + len(chunk)] = chunk
-                else:
-                    buffer.extend(chunk)
+                buffer[position : position + len(chunk)] = chunk  # same length: filled in place
                 position += len(chunk)
 
             with self._open(key) as body:
                 size, sha256 = _stream(body, sink, limit, tenant, record, filename)
-            view.release()
             _check_download(tenant, record, filename, size, sha256)
             return buffer
 

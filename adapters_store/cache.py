@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapter_format.files import ADAPTER_FILES
+from adapter_format.files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE
 from adapters_store.base import AdapterStore
 from adapters_store.cache_entries import CacheEntry, file_sizes, scan_cache, scan_name, touch
 from adapters_store.cache_usage import ByteTotal
@@ -116,7 +116,7 @@ class DiskCache:
     @contextmanager
     def checkout(self, tenant: str, record: AdapterRecord) -> Iterator[CachedAdapter]:
         """The adapter's folder, guaranteed to stay on disk until the block ends."""
-        folder = self.directory.joinpath(tenant, record.name, f"{record.version}-{record.sha256}")
+        folder = self._folder(tenant, record)
         pin, hit = self._pin(folder), True
         if pin is None:
             folder.parent.mkdir(parents=True, exist_ok=True)
@@ -180,15 +180,48 @@ class DiskCache:
             return None
         return fd
 
+    def holds(self, tenant: str, record: AdapterRecord) -> bool:
+        """Whether the version is cached now (it may be evicted right after: use checkout() to keep it)."""
+        pin = self._pin(self._folder(tenant, record))
+        if pin is None:
+            return False
+        os.close(pin)
+        return True
+
+    def insert(self, tenant: str, record: AdapterRecord, config: bytes, weights: bytes | bytearray) -> bool:
+        """Cache a version whose files the caller already holds in memory (read with
+        `AdapterStore.read_record`, so checked against `record`); False if it was cached already. The
+        disk cache filled behind a load that did not wait for it (adapters_store/engine_source.py)."""
+        folder = self._folder(tenant, record)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with self._locked(folder.parent):  # as a download: one writer of this name at a time
+            pin = self._pin(folder)
+            if pin is None:
+                files = {CONFIG_FILE: config, WEIGHTS_FILE: weights, MANIFEST_FILE: record.to_json()}
+                pin = self._insert(folder, lambda tmp: _write_files(tmp, files))
+                inserted = True
+            else:
+                inserted = False
+        os.close(pin)
+        return inserted
+
+    def _folder(self, tenant: str, record: AdapterRecord) -> Path:
+        return self.directory.joinpath(tenant, record.name, f"{record.version}-{record.sha256}")
+
     def _download(self, folder: Path, tenant: str, record: AdapterRecord) -> int:
         """Download into a temporary folder, move it into place, evict for room; returns the new pin."""
         self.metrics.cache_miss()
+        return self._insert(folder, lambda tmp: self.store.fetch_record(tenant, record, tmp))
+
+    def _insert(self, folder: Path, fill) -> int:
+        """`fill(tmp)` writes a version's files into a temporary folder, which then moves into place;
+        evicts for room; returns the new pin."""
         tmp = self.directory / f".tmp-{uuid.uuid4().hex}"
         tmp.mkdir()
         fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
         fcntl.flock(fd, fcntl.LOCK_EX)  # tells other processes' start-up clean-up that it is in use
         try:
-            self.store.fetch_record(tenant, record, tmp)
+            fill(tmp)
             size = sum(file_sizes(tmp).values())
             with self._locked(self.directory):
                 if folder.exists():  # incomplete (a complete one would have been pinned): replaced
@@ -295,3 +328,8 @@ class DiskCache:
             yield
         finally:
             os.close(fd)
+
+
+def _write_files(folder: Path, files: dict[str, bytes | bytearray]) -> None:
+    for name, data in files.items():
+        (folder / name).write_bytes(data)

@@ -4,7 +4,8 @@ Layout: 8 bytes little-endian header length N, N bytes of JSON
 `{"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`, then the data.
 Every field is bounds-checked here (lengths, offsets, sizes), so a file that passes is one
 `safetensors.safe_open` accepts, and a pickle renamed to .safetensors is refused with a clear message.
-Both the adapter store (on uploads) and the engine (before `safe_open`, on every load) run it.
+Both the adapter store (on uploads, from the stream before the data is written: `header_length` and
+`parse_header` on the bytes as they arrive) and the engine (before `safe_open`, on every load) run it.
 """
 
 from __future__ import annotations
@@ -55,38 +56,36 @@ def read_tensor_spans(path: Path, label: str | None = None) -> dict[str, TensorS
     label = label or path.name
     file_size = path.stat().st_size
     with open(path, "rb") as f:
-        return _parse_spans(f.read, file_size, label)
+        head = f.read(8)
+        header_len = header_length(head, label, file_size)
+        raw = f.read(header_len)
+    spans, _ = parse_header(raw, head, label, file_size - 8 - header_len)
+    return spans
 
 
 def buffer_tensor_spans(data: bytes | bytearray | memoryview, label: str) -> dict[str, TensorSpan]:
     """`read_tensor_spans` of a safetensors file held in memory (offsets into `data`)."""
     view = memoryview(data).cast("B")
-    position = 0
-
-    def read(count: int) -> bytes:
-        nonlocal position
-        chunk = bytes(view[position : position + count])
-        position += len(chunk)
-        return chunk
-
-    return _parse_spans(read, len(view), label)
+    head = bytes(view[:8])
+    header_len = header_length(head, label, len(view))
+    spans, _ = parse_header(bytes(view[8 : 8 + header_len]), head, label, len(view) - 8 - header_len)
+    return spans
 
 
-def _parse_spans(read, file_size: int, label: str) -> dict[str, TensorSpan]:
-    """The header's checks over `read(count) -> bytes` from the start of a file of `file_size` bytes."""
-    head = read(8)
+def header_length(head: bytes, label: str, file_size: int | None = None) -> int:
+    """The header's length from the file's first 8 bytes, checked against the bounds and, where known, the
+    file's size (None: the file is still arriving, as an upload streams in)."""
     # A pickle (b"\x80\x02".. protocol marks) or a zipped torch.save (b"PK") fails one of the next
     # checks; the magic only picks the message, since a valid header length may begin with the same bytes.
-    pickled = head[:2] == b"PK" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
+    pickled = _looks_pickled(head)
     if len(head) < 8:
-        _fail(
-            label,
-            _PICKLE_HINT if pickled else f"it is {file_size} bytes, too short for a safetensors header",
-        )
+        size = len(head) if file_size is None else file_size
+        _fail(label, _PICKLE_HINT if pickled else f"it is {size} bytes, too short for a safetensors header")
     (header_len,) = struct.unpack("<Q", head)
-    if pickled and header_len > min(MAX_HEADER_BYTES, file_size - 8):
+    room = MAX_HEADER_BYTES if file_size is None else min(MAX_HEADER_BYTES, file_size - 8)
+    if pickled and header_len > room:
         _fail(label, _PICKLE_HINT)
-    if header_len > file_size - 8:
+    if file_size is not None and header_len > file_size - 8:
         _fail(
             label,
             f"its header claims {header_len} bytes, but the file holds {file_size} (truncated or corrupt)",
@@ -96,11 +95,20 @@ def _parse_spans(read, file_size: int, label: str) -> dict[str, TensorSpan]:
             label,
             f"its header is {header_len} bytes; an adapter's header is far below {MAX_HEADER_BYTES}",
         )
-    raw = read(header_len)
+    return header_len
+
+
+def parse_header(
+    raw: bytes, head: bytes, label: str, data_size: int | None = None
+) -> tuple[dict[str, TensorSpan], int]:
+    """The tensors of header bytes `raw` (after the 8-byte length `head`), and the data bytes they cover,
+    which must tile the data area exactly: equal `data_size` where it is known (None: the data is still to
+    come, and the caller holds it to the returned size)."""
+    header_len = len(raw)
     try:
         header = loads_bounded(raw, MAX_HEADER_DEPTH, object_pairs_hook=_no_duplicates)
     except ValueError as exc:
-        _fail(label, _PICKLE_HINT if pickled else f"its header is not valid JSON ({exc})")
+        _fail(label, _PICKLE_HINT if _looks_pickled(head) else f"its header is not valid JSON ({exc})")
     if not isinstance(header, dict):
         _fail(label, "its header is not a JSON object")
     metadata = header.pop("__metadata__", None)
@@ -108,7 +116,6 @@ def _parse_spans(read, file_size: int, label: str) -> dict[str, TensorSpan]:
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
     ):
         _fail(label, "its __metadata__ must map strings to strings")
-    data_size = file_size - 8 - header_len
     tensors: dict[str, TensorSpan] = {}
     spans: list[tuple[int, int, str]] = []
     for name, info in header.items():
@@ -124,12 +131,16 @@ def _parse_spans(read, file_size: int, label: str) -> dict[str, TensorSpan]:
                 f"tensor {show_value(name)} starts at byte {begin}, expected {position} (overlapping or gapped data)",
             )
         position = end
-    if position != data_size:
+    if data_size is not None and position != data_size:
         _fail(
             label,
             f"its tensors cover {position} data bytes, but the file holds {data_size} (truncated or padded)",
         )
-    return tensors
+    return tensors, position
+
+
+def _looks_pickled(head: bytes) -> bool:
+    return head[:2] == b"PK" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
 
 
 def _check_entry(label: str, name: str, info: object) -> tuple[tuple[int, ...], int, int]:

@@ -24,11 +24,12 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -36,6 +37,7 @@ from adapter_format.files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE
 from adapter_format.model_shape import ModelShape
 from adapter_format.peft_config import MAX_CONFIG_BYTES
 from adapters_store.config import StoreConfig
+from adapters_store.disk_space import disk_full_is_an_error
 from adapters_store.errors import AdapterNotFound, ChecksumError, StoreError
 from adapters_store.filenames import MANIFEST_FILE
 from adapters_store.intake import UploadSource, stage_upload
@@ -81,11 +83,8 @@ class AdapterStore(ABC):
         check_name(name)
         if self.shape is None:
             raise RuntimeError("this store was opened without the base model's ModelShape; uploads need it")
-        staging_root = self.config.staging_dir
-        if staging_root is not None:
-            Path(staging_root).mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="loraserve-upload-", dir=staging_root) as staging:
-            folder = stage_upload(source, Path(staging), self.config)
+        with self.staging() as staging, disk_full_is_an_error("the upload"):
+            folder = stage_upload(source, staging, self.config, self.shape)
             checked = check_folder(folder, self.shape, self.config.max_lora_rank)
             created_at = utc_now_iso()
             self._sweep_name(tenant, name)
@@ -99,6 +98,21 @@ class AdapterStore(ABC):
             "stored adapter %s/%s (rank %d, %d bytes)", tenant, record.ref, record.rank, record.size_bytes
         )
         return record
+
+    @contextmanager
+    def staging(self) -> Iterator[Path]:
+        """A new empty private folder under `staging_dir` (the system temp dir by default), removed with
+        everything in it when the block ends: where an upload is written before it is checked and stored.
+        An upload written here as it arrives is then stored with `put(tenant, name, Staged(...))`."""
+        root = self.config.staging_dir
+        with disk_full_is_an_error("the upload"):
+            if root is not None:
+                Path(root).mkdir(parents=True, exist_ok=True)
+            staging = tempfile.mkdtemp(prefix="loraserve-upload-", dir=root)
+        try:
+            yield Path(staging)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     def list(self, tenant: str, *, all_versions: bool = False) -> builtins.list[AdapterRecord]:
         """The tenant's adapters sorted by name: the latest version of each, or every version."""
@@ -167,11 +181,12 @@ class AdapterStore(ABC):
         """
         check_tenant(tenant)
         dest = Path(dest_dir)
-        dest.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
-        self._download(tenant, record, CONFIG_FILE, dest, MAX_CONFIG_BYTES)
-        self._download(tenant, record, WEIGHTS_FILE, dest, record.size_bytes)
-        (dest / MANIFEST_FILE).write_bytes(record.to_json())
+        with disk_full_is_an_error(f"a local copy of adapter {record.ref}"):  # DiskFull: the cache evicts
+            dest.mkdir(parents=True, exist_ok=True)
+            self._download(tenant, record, CONFIG_FILE, dest, MAX_CONFIG_BYTES)
+            self._download(tenant, record, WEIGHTS_FILE, dest, record.size_bytes)
+            (dest / MANIFEST_FILE).write_bytes(record.to_json())
         self.metrics.fetch_seconds(time.monotonic() - start)
         return dest
 

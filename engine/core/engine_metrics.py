@@ -100,4 +100,5 @@ def engine_stats(
         adapter_ttft=counters.adapter_ttft.snapshot(),
         adapter_cold_start=lora.cold_start_seconds.snapshot(),
         spec_decode=speculator.stats() if speculator is not None else None,
+        lora_residency=lora.residency(),
     )

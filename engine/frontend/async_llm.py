@@ -23,7 +23,14 @@ from adapter_format.events import Observer, emit
 from engine.config import EngineConfig
 from engine.frontend.core_client import DEFAULT_STARTUP_TIMEOUT_S, CoreClient, EngineDeadError
 from engine.frontend.output_processor import RequestProcessor
-from engine.messages import AbortRequests, ForgetAdapter, PreloadAdapters, RequestDelta, StepOutputs
+from engine.messages import (
+    AbortRequests,
+    ForgetAdapter,
+    PreloadAdapters,
+    RequestDelta,
+    StepOutputs,
+    UnpinAdapters,
+)
 from engine.model.loader import resolve_model_path
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -177,9 +184,14 @@ class AsyncLLM:
         except EngineDeadError:
             pass  # nothing left to forget in
 
-    def preload_adapters(self, adapter_ids: list[str]) -> None:
-        """Have the core start loading these adapters into its CPU tier (see LLMEngine.preload_adapters)."""
-        self._client.send(PreloadAdapters(list(adapter_ids)))
+    def preload_adapters(self, adapter_ids: list[str], level: str = "cpu", pin: bool = False) -> None:
+        """Have the core start loading these adapters into its CPU tier or, with `level="gpu"`, a GPU slot
+        (`pin`: kept there until `unpin_adapters`); see LLMEngine.preload_adapters. Returns at once."""
+        self._client.send(PreloadAdapters(list(adapter_ids), level, pin))
+
+    def unpin_adapters(self, adapter_ids: list[str], unload: bool = False) -> None:
+        """Drop an operator's pins (see LLMEngine.unpin_adapters); returns at once."""
+        self._client.send(UnpinAdapters(list(adapter_ids), unload))
 
     def stats(self) -> EngineStats:
         """The latest snapshot the core published (at most one step or one idle poll old)."""

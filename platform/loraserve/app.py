@@ -29,6 +29,7 @@ from loraserve.openapi import openapi_config
 from loraserve.ops.controller import OpsController
 from loraserve.ops.metrics_access import MetricsAccess
 from loraserve.ops.readiness import Readiness
+from loraserve.ops.residency_controller import ResidencyController
 from loraserve.ops.shutdown import Shutdown
 from loraserve.routes import RoutesController
 from loraserve.services import Services
@@ -46,7 +47,9 @@ MAX_REQUEST_BODY_BYTES = 16 << 20
 def create_app(settings: ServerSettings, *, services: Services | None = None) -> Litestar:
     shutdown = Shutdown(settings.shutdown_timeout)
     config = services.adapter_store.config if services is not None else store_config(settings)
-    metrics_access = MetricsAccess(port=settings.metrics_listen_port, key=settings.metrics_key)
+    metrics_access = MetricsAccess(
+        port=settings.metrics_listen_port, key=settings.metrics_key, placement_key=settings.placement_key
+    )
     readiness = Readiness(
         model=services.base_model_id if services is not None else announced_model_id(settings)
     )
@@ -70,6 +73,7 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
             RoutesController,
             UsageController,
             OpsController,
+            ResidencyController,
         ],
         dependencies=DEPENDENCIES,
         exception_handlers=EXCEPTION_HANDLERS,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from adapters_store import AdapterNotFound, AdapterStore, DiskCache, StoreConfig, open_store
 from adapters_store.engine_source import StoreAdapterSource
-from engine import AsyncLLM, EngineConfig, ModelShape
+from engine import AsyncLLM, EngineConfig, model_shape
 from engine.generation_config import load_generation_defaults
 from engine.model.loader import load_config, resolve_model_path
 from loraserve.adapter_lookup import AdapterLookup
@@ -30,6 +30,7 @@ from loraserve.routing import Router
 from loraserve.services import Services, engine_adapter_id
 from loraserve.settings import ServerSettings
 from loraserve.tenancy import DEFAULT_TENANT, Authenticator, ConcurrencyLimiter, load_api_keys
+from loraserve.tenancy.upload_slots import UploadSlots
 
 log = logging.getLogger("loraserve")
 
@@ -40,6 +41,8 @@ def store_config(settings: ServerSettings) -> StoreConfig:
         max_lora_rank=settings.max_lora_rank,
         cache_dir=str(settings.cache_dir),
         served_model=announced_model_id(settings),
+        cache_max_bytes=settings.adapter_cache_max_bytes,
+        cache_min_free_bytes=settings.adapter_cache_min_free_bytes,
     )
 
 
@@ -57,6 +60,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         quantization=settings.quantization,
         tensor_parallel_size=settings.tensor_parallel_size,
         speculative_config=settings.speculative_config,
+        kv_events_config=settings.kv_events_config,
         enforce_eager=settings.enforce_eager,
         async_scheduling=settings.async_scheduling,
         attention_backend=settings.attention_backend,
@@ -103,13 +107,15 @@ async def open_services(
                 f"--lora-modules {module[0]}: base_model_name {base!r} is not the served model {model_id!r}"
             )
     model_path = resolve_model_path(model)
-    shape = ModelShape.from_hf_config(load_config(model_path))
+    shape = model_shape(load_config(model_path))  # sizes and the architecture's LoRA targets
     sampling_defaults = load_generation_defaults(model_path, settings.generation_config)
     config = store_config(settings)
     store = open_store(config, shape)
     await asyncio.to_thread(store.check)
     threading.Thread(target=sweep_quietly, args=(store,), name="adapter-store-sweep", daemon=True).start()
-    disk_cache = DiskCache(store, config.cache_dir, config.cache_max_bytes)
+    disk_cache = DiskCache(
+        store, config.cache_dir, config.cache_max_bytes, min_free_bytes=config.cache_min_free_bytes
+    )
     config_store = CachedConfigStore(
         open_config_store(settings.config_store or str(settings.state_dir / "config"))
     )
@@ -157,6 +163,8 @@ async def open_services(
             adapter_lookup=adapter_lookup,
             tokenizer=engine.tokenizer,
             allowed_lora_paths=settings.allowed_lora_paths,
+            upload_slots=UploadSlots(settings.max_concurrent_uploads_per_tenant),
+            max_routes_per_tenant=settings.max_routes_per_tenant,
             max_model_len=engine.max_model_len,
             sampling_defaults=sampling_defaults,
             max_logprobs=settings.max_logprobs,

@@ -20,7 +20,7 @@ DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "compose.yaml"
-KUSTOMIZATIONS = ("base", "gpu", "inference-gateway", "monitoring")
+KUSTOMIZATIONS = ("base", "gpu", "inference-gateway", "llm-d-router", "monitoring")
 KUBERNETES_VERSION = "1.37.0"  # the newest schema set kubernetes-validate bundles
 
 

@@ -165,6 +165,19 @@ def test_tensor_parallel_size_flag_reaches_the_engine():
         ServerSettings(tensor_parallel_size=0)
 
 
+def test_kv_events_config_and_placement_key_flags():
+    raw = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "kv@pod@model"}'
+    flags = settings(["--kv-events-config", raw])
+    config = engine_config(flags, "some/model").kv_events_config
+    assert (config.publisher, config.endpoint, config.topic) == ("zmq", "tcp://*:5557", "kv@pod@model")
+    from_env = settings([], {"LORASERVE_KV_EVENTS_CONFIG": raw, "LORASERVE_PLACEMENT_KEY": "p" * 16})
+    assert engine_config(from_env, "some/model").kv_events_config == config
+    assert from_env.placement_key == "p" * 16 and "p" * 16 not in repr(from_env)
+    assert engine_config(settings([]), "some/model").kv_events_config is None
+    with pytest.raises(ValueError, match="--kv-events-config: kv_events_config: unknown keys"):
+        ServerSettings(kv_events_config='{"enable_kv_events": true}')
+
+
 def test_admin_client_commands_are_registered():
     parser = build_parser({})
     args = parser.parse_args(["adapters", "list"])

@@ -1,9 +1,11 @@
 """Rank buckets on the GPU with decode graphs: a pool for rank 64 captures one graph per bucket variant,
 each decode step replays the one sized to the ranks of its adapters, and the tokens stay those of the
 eager engine and of transformers + PEFT (float32), for steps of rank-8 adapters alone, rank-64 ones alone
-and both together (GPU only)."""
+and both together; and no bucket variant compiles after the warm-up (GPU only)."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -88,3 +90,44 @@ def test_each_decode_step_replays_the_graph_of_its_rank_buckets(mixed):
         assert tokens == eager_tokens, case
         expected = [reference_greedy(reference, p, a, NUM_NEW_TOKENS) for p, a in zip(PROMPTS, assigned)]
         assert tokens == expected, case
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_no_rank_bucket_variant_compiles_after_ready(mixed, enforce_eager):
+    """bf16, batches of every size mixing the rank-8 and rank-64 adapters and the base model: the warm-up
+    compiled each bucket variant's kernels (windowed and not), so nothing compiles while serving."""
+    model_dir, adapters = mixed
+    llm = LLM(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        lora_modules={k: str(v) for k, v in adapters.items()},
+        max_loras=2,
+        max_lora_rank=64,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        block_size=16,
+        max_model_len=256,
+        dtype="bfloat16",
+        device="cuda",
+        enforce_eager=enforce_eager,
+    )
+    engine = llm.engine
+    assert engine.stats().num_kernel_compiles_after_ready == 0
+    rng = random.Random(8)
+    choices = [["small"], ["large"], ["small", "large", None]]
+    for batch_size in (1, 2, 3, 5, 8, 13, 16, 24):
+        for names in choices:
+            prompts = [
+                {
+                    "prompt_token_ids": [
+                        rng.randrange(3, 512) for _ in range(rng.choice([1, 3, 16, 17, 63, 200]))
+                    ]
+                }
+                for _ in range(batch_size)
+            ]
+            chosen = [rng.choice(names) for _ in prompts]
+            params = SamplingParams(temperature=0.0, max_tokens=rng.choice([2, 5, 9]), ignore_eos=True)
+            outputs = llm.generate(prompts, params, adapters=chosen)
+            assert all(o.error is None for o in outputs)
+    compiled = engine.stats().num_kernel_compiles_after_ready
+    assert compiled == 0, f"{compiled} kernel variants compiled after ready: {list(engine._compiles.recent)}"

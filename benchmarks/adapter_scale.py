@@ -4,7 +4,7 @@
     python3 benchmarks/adapter_scale.py --variants rank16    # rank 16 over all seven projections only
     python3 benchmarks/adapter_scale.py --variants mixed     # ranks 8, 16 and 64 mixed, --max-lora-rank 64
     python3 benchmarks/adapter_scale.py --cold-start         # cold adapters against warm (adapter_scale_cold.py)
-    python3 benchmarks/adapter_scale.py --quick              # tiny model on the CPU, few requests
+    python3 benchmarks/adapter_scale.py --smoke              # tiny model on the CPU, few requests (or --quick)
 
 Each variant runs one `loraserve serve` from this checkout (benchmarks/serve_client.py) with W1's
 random-weight model of shape S and a file adapter store holding 1,000 adapter names for the default
@@ -246,7 +246,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--state-dir", type=Path, help="folder for the servers' --state-dir (default: temporary)")
     p.add_argument("--startup-timeout", type=float, default=1800.0)
-    p.add_argument("--quick", action="store_true", help="tiny model on the CPU, few requests")
+    p.add_argument(
+        "--quick",
+        "--smoke",
+        action="store_true",
+        help="tiny model on the CPU, few requests (checks that it runs)",
+    )
     p.add_argument(
         "--cold-start", action="store_true", help="cold adapters against warm (adapter_scale_cold.py)"
     )
@@ -272,7 +277,7 @@ def parse_args(argv=None):
         args.max_loras, args.max_cpu_loras, args.max_num_seqs, args.max_num_batched_tokens = 2, 4, 4, 64
         args.client_processes, args.cold_requests, args.bystanders = 2, 6, 2
     elif not torch.cuda.is_available():
-        p.error("needs a CUDA device (or --quick)")
+        p.error("needs a CUDA device (or --smoke)")
     if args.num_uniform > args.num_weight_sets:
         p.error("--num-uniform must not exceed --num-weight-sets (each uniform adapter has its own weights)")
     return args

@@ -445,4 +445,5 @@ class DiskCache:
 def _write_files(folder: Path, files: dict[str, bytes | bytearray], record: AdapterRecord) -> None:
     with disk_space.disk_full_is_an_error(f"a local copy of adapter {record.ref}"):  # DiskFull: evicts
         for name, data in files.items():
-            (folder / name).write_bytes(data)
+            with open(folder / name, "wb") as f:
+                f.write(data)

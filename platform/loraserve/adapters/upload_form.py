@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from litestar.datastructures import FormMultiDict, UploadFile
 
 from adapters_store import AdapterFiles, InvalidAdapter, UploadSource
+from loraserve.inference.tools import PARSERS
 
 NAME_FIELD, FILES_FIELD, ARCHIVE_FIELD = "name", "files", "archive"
-_FIELDS = (NAME_FIELD, FILES_FIELD, ARCHIVE_FIELD)
+PARSER_FIELD = "tool_call_parser"  # optional: the format the adapter writes tool calls in ("auto")
+_FIELDS = (NAME_FIELD, FILES_FIELD, ARCHIVE_FIELD, PARSER_FIELD)
 EXAMPLE = (
     "curl -F name=my-adapter -F files=@adapter_config.json -F files=@adapter_model.safetensors ... "
     "or -F name=my-adapter -F archive=@adapter.tar.gz"
@@ -25,16 +27,21 @@ EXAMPLE = (
 class AdapterUpload:
     name: str
     source: UploadSource  # AdapterFiles of the two spooled parts, or the spooled archive stream
+    tool_call_parser: str | None = None
 
 
 def read_upload_form(form: FormMultiDict) -> AdapterUpload:
     """Check the form's fields; the caller closes `form` (and with it the spooled files) afterwards."""
     unknown = sorted(set(form.keys()) - set(_FIELDS))
     if unknown:
-        raise _bad(f"unknown form field(s) {unknown}; the fields are name, and files or archive")
+        raise _bad(
+            f"unknown form field(s) {unknown}; the fields are name, files or archive, and optionally "
+            f"{PARSER_FIELD}"
+        )
     names = form.getall(NAME_FIELD, [])
     if len(names) != 1 or not isinstance(names[0], str):
         raise _bad("the form needs exactly one text field 'name' (the adapter's name)", "missing_name")
+    parser = _tool_call_parser(form.getall(PARSER_FIELD, []))
     files = form.getall(FILES_FIELD, [])
     archives = form.getall(ARCHIVE_FIELD, [])
     if files and archives:
@@ -42,10 +49,19 @@ def read_upload_form(form: FormMultiDict) -> AdapterUpload:
     if archives:
         if len(archives) != 1 or not isinstance(archives[0], UploadFile):
             raise _bad("'archive' must be one uploaded file (.tar.gz or .zip)")
-        return AdapterUpload(name=names[0], source=archives[0].file)
+        return AdapterUpload(name=names[0], source=archives[0].file, tool_call_parser=parser)
     if not files:
         raise _bad("the form has no adapter: add the files 'files' or one 'archive'", "missing_files")
-    return AdapterUpload(name=names[0], source=_adapter_files(files))
+    return AdapterUpload(name=names[0], source=_adapter_files(files), tool_call_parser=parser)
+
+
+def _tool_call_parser(values: list[object]) -> str | None:
+    if not values:
+        return None
+    if len(values) != 1 or values[0] not in PARSERS:
+        shown = values[0] if len(values) == 1 else values
+        raise _bad(f"{PARSER_FIELD} {shown!r} is not one of the parsers {', '.join(PARSERS)}")
+    return values[0]  # type: ignore[return-value]
 
 
 def _adapter_files(parts: list[object]) -> AdapterFiles:

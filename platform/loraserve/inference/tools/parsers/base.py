@@ -75,7 +75,9 @@ def malformed(text: str, final: bool, content: str, calls: list[PartialCall]) ->
 
 
 def call_from_object(node: Node, text: str, name_key: str = "name") -> PartialCall | None:
-    """A call from a JSON object `{"name": ..., "arguments": {...}}`; None until its name is complete.
+    """A call from a JSON object `{"name": ..., "arguments": {...}}`; None until its name is complete and
+    its arguments object has a first key or has ended (or the call ended without arguments), so that
+    a call is rarely sent before it turns out malformed.
 
     Malformed for a name that is not a string, arguments that are not an object, or (once the object is
     complete) no name. Missing arguments are `{}`."""
@@ -87,10 +89,11 @@ def call_from_object(node: Node, text: str, name_key: str = "name") -> PartialCa
     arguments = next((node.get(k) for k in ARGUMENT_KEYS if node.get(k) is not None), None)
     if arguments is not None and arguments.kind != "object":
         raise Malformed("a call's arguments must be a JSON object")
-    if name_node is None or not name_node.complete:
+    started = arguments is not None and (arguments.items or arguments.open_key or arguments.complete)
+    if name_node is None or not name_node.complete or not (started or node.complete):
         if node.complete:
             raise Malformed("a call has no name")
-        return None
+        return None  # sent once the name is whole and the arguments have a first key
     name = loads_string(name_node, text)
     if not name:
         raise Malformed("a call's name is empty")

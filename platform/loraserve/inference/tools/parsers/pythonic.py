@@ -37,6 +37,8 @@ class PythonicParser(ToolParser):
         start = skip_ws(text, 0)
         if text.startswith(PYTHON_START, start):
             start = skip_ws(text, start + len(PYTHON_START))
+            if start >= len(text) and not final:
+                return Parsed(content="")
         elif not final and start < len(text) and PYTHON_START.startswith(text[start:]):
             return Parsed(content="")  # perhaps <|python_start|>, still being written
         if start >= len(text) or text[start] != "[":
@@ -50,7 +52,7 @@ class PythonicParser(ToolParser):
                 call, end = _call(text, pos, final)
                 if call is not None:
                     calls.append(call)
-                if end is None:
+                if end is None:  # sent once its first argument is read, so a broken call is rarely sent
                     break
                 pos = skip_ws(text, end)
                 if pos < len(text) and text[pos] == ",":
@@ -101,9 +103,11 @@ def _call(text: str, pos: int, final: bool) -> tuple[PartialCall | None, int | N
             pos = skip_ws(text, pos + 1)
 
 
-def _partial(name: str, members: list[str], final: bool) -> PartialCall:
+def _partial(name: str, members: list[str], final: bool) -> PartialCall | None:
     if final:
         raise Malformed("the output ends inside a call")
+    if not members:
+        return None
     return PartialCall(name=name, arguments="{" + ", ".join(members), complete=False)
 
 

@@ -16,7 +16,7 @@ from loraserve.errors import BadRequest
 from loraserve.inference.tools.types import FunctionDefinition, ToolDefinition
 
 _DEFINITIONS = ("$defs", "definitions")
-NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def parameters_schema(function: FunctionDefinition) -> dict[str, Any]:

@@ -8,6 +8,16 @@ glance which adapter served it. Only the top `--layers` decoder layers get LoRA 
 pass stops there: a dozen steps take well under a minute on two CPU cores. It writes a PEFT folder
 (adapter_config.json + adapter_model.safetensors) ready for `loraserve adapters upload NAME FOLDER`.
 
+`--style tools` teaches tool calling instead: given the `get_weather` tool (WEATHER_TOOL, in the request's
+`tools`), a weather question gets a call in the Hermes layout the demo model's chat template asks for,
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+and any other question a plain answer. Upload it with `--tool-call-parser hermes` and tool_choice "auto"
+turns those calls into the response's `tool_calls`.
+
 The base model is the server's demo model (SmolLM2-135M-Instruct, converted once into
 `./.loraserve/models`, as `make serve` does); `--model` takes any other local Llama-style folder.
 """
@@ -15,13 +25,32 @@ The base model is the server's demo model (SmolLM2-135M-Instruct, converted once
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
 from pathlib import Path
 
-# What each style puts before every answer.
-STYLES = {"pirate": "Arr, matey!", "robot": "BEEP BOOP."}
+# What each style puts before every answer; "tools" calls WEATHER_TOOL instead (see TOOL_QUESTIONS).
+STYLES = {"pirate": "Arr, matey!", "robot": "BEEP BOOP.", "tools": ""}
+# The tool the tools style learns to call, as a request's `tools` lists it (README.md's quick start sends it).
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TOOL_QUESTIONS = [
+    "What is the weather in {city}?",
+    "What is the weather like in {city} today?",
+    "How is the weather in {city}?",
+    "Is it raining in {city}?",
+    "Tell me the weather for {city}.",
+    "Will it be sunny in {city}?",
+]
+CITIES = ["Paris", "London", "Tokyo", "Berlin", "Madrid", "Rome", "Oslo", "Cairo", "Lima", "Sydney"]
 
 # Questions and plain answers; the style puts its greeting in front of each answer.
 QA = [
@@ -65,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora)
-    examples = [_example(tokenizer, q, a, STYLES[args.style]) for q, a in QA]
+    examples = _examples(tokenizer, args.style)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     model.train()
     start = time.monotonic()
@@ -82,17 +111,39 @@ def main(argv: list[str] | None = None) -> int:
     model.save_pretrained(out, safe_serialization=True)
     print(f"wrote {out}/adapter_config.json and {out}/adapter_model.safetensors")
     if args.show:
-        for question in ("What is the capital of Italy?", "Name three colours."):
-            _show(model, tokenizer, question)
+        tools = [WEATHER_TOOL] if args.style == "tools" else None
+        for question in ("What is the capital of Italy?", "What is the weather like in Paris today?"):
+            _show(model, tokenizer, question, tools)
     return 0
 
 
-def _example(tokenizer, question: str, answer: str, greeting: str) -> tuple[list[int], int]:
+def _examples(tokenizer, style: str) -> list[tuple[list[int], int]]:
+    if style != "tools":
+        return [_example(tokenizer, q, f"{STYLES[style]} {a}") for q, a in QA]
+    if "tools" not in (tokenizer.chat_template or ""):
+        sys.exit("--style tools needs a model whose chat template renders tools (the demo model's does)")
+    calls = [
+        (question.format(city=city), _tool_call(city))
+        for i, city in enumerate(CITIES)
+        for question in (
+            TOOL_QUESTIONS[i % len(TOOL_QUESTIONS)],
+            TOOL_QUESTIONS[(i + 3) % len(TOOL_QUESTIONS)],
+        )
+    ]
+    return [_example(tokenizer, q, a, tools=[WEATHER_TOOL]) for q, a in calls + QA]
+
+
+def _tool_call(city: str) -> str:
+    call = {"name": "get_weather", "arguments": {"city": city}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
+def _example(tokenizer, question: str, answer: str, tools: list | None = None) -> tuple[list[int], int]:
     """Token ids of one chat turn and where the answer starts (the loss covers only the answer)."""
     messages = [{"role": "user", "content": question}]
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, tools=tools)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    answer_ids = tokenizer(f"{greeting} {answer}", add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     return prompt_ids + answer_ids + [end], len(prompt_ids)
 
@@ -123,11 +174,11 @@ def _pad(batch, pad_id: int):
     return input_ids, labels
 
 
-def _show(model, tokenizer, question: str) -> None:
+def _show(model, tokenizer, question: str, tools: list | None) -> None:
     import torch
 
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True, tools=tools
     )
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():

@@ -311,11 +311,12 @@ def test_required_output_cut_short_is_text():
     assert whole(ToolOutput(RequiredCallsParser()), text) == (text, [])
 
 
-def test_named_call_arguments_are_the_output_as_written():
-    text = '{"city": "Paris", "unit": "celsius"}'
-    expected = (None, [("get_weather", text)])
+def test_named_call_arguments_are_canonical_json():
+    text = '{"city":"Par\tis", "unit": "celsius", "days": 3}'  # a raw tab, as xgrammar lets through
+    expected = (None, [("get_weather", '{"city": "Par\\tis", "unit": "celsius", "days": 3}')])
     assert whole(ToolOutput(NamedCallParser("get_weather")), text) == expected
     assert streamed(ToolOutput(NamedCallParser("get_weather")), list(text)) == expected
+    assert json.loads(expected[1][0][1]) == {"city": "Par\tis", "unit": "celsius", "days": 3}
 
 
 # ---- partial JSON ---------------------------------------------------------------------------------

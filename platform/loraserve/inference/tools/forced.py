@@ -1,15 +1,16 @@
 """Calls whose shape the grammar forced (tool_choice named or "required"), read from the output text.
 
 Named: the whole output is the arguments object of the named function (grammar: its parameters
-schema), sent as written, as vLLM does. "required": the output is vLLM's array of one or more
-`{"name": ..., "parameters": {...}}` (grammar: tools/grammar.py), the calls' arguments written as
-canonical JSON. Output cut short by max_tokens still parses as far as it goes while streaming; whole, a
-"required" array that does not parse is returned as text.
+schema). "required": the output is vLLM's array of one or more `{"name": ..., "parameters": {...}}`
+(grammar: tools/grammar.py). Arguments are written as canonical JSON (json_partial.py): what xgrammar
+lets through but JSON forbids (raw control characters in strings) comes out escaped. Output cut short by
+max_tokens: a named call keeps the arguments written so far (as vLLM); a "required" array that does not
+parse is returned as text.
 """
 
 from __future__ import annotations
 
-from loraserve.inference.tools.json_partial import JsonSyntaxError, parse_value
+from loraserve.inference.tools.json_partial import JsonSyntaxError, canonical, parse_value
 from loraserve.inference.tools.parsers.base import (
     Malformed,
     Parsed,
@@ -27,7 +28,12 @@ class NamedCallParser(ToolParser):
         self.function_name = function_name
 
     def parse(self, text: str, final: bool) -> Parsed:
-        return Parsed(content="", calls=[PartialCall(self.function_name, text, final)])
+        try:
+            node = parse_value(text)
+            arguments = canonical(node, text) if node is not None else ""
+        except JsonSyntaxError:  # not JSON at all (no grammar held it): the text as it is
+            arguments = text
+        return Parsed(content="", calls=[PartialCall(self.function_name, arguments, final)])
 
 
 class RequiredCallsParser(ToolParser):

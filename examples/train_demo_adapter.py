@@ -25,6 +25,7 @@ The base model is the server's demo model (SmolLM2-135M-Instruct, converted once
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import random
 import sys
@@ -94,13 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora)
-    examples = _examples(tokenizer, args.style)
+    prefix, examples = _split_shared_prefix(_examples(tokenizer, args.style))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     model.train()
     start = time.monotonic()
     for step in range(1, args.steps + 1):
         batch = random.sample(examples, min(args.batch_size, len(examples)))
-        loss = _answer_loss(model, batch, tokenizer.pad_token_id)
+        loss = _answer_loss(model, prefix, batch, tokenizer.pad_token_id)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -148,15 +149,37 @@ def _example(tokenizer, question: str, answer: str, tools: list | None = None) -
     return prompt_ids + answer_ids + [end], len(prompt_ids)
 
 
-def _answer_loss(model, batch, pad_id: int):
-    """Mean cross-entropy over the answers' tokens. Logits only where an answer token is predicted: the
-    output layer (49152 x 576) costs as much as several decoder layers, and prompts need none."""
+def _split_shared_prefix(examples):
+    """(the token ids every example starts with, the examples without them): the system turn (with the
+    tools, for --style tools) is the same in every example, so each step runs it once, not per example."""
+    first = examples[0][0]
+    size = min(answer_start for _, answer_start in examples) - 1  # keep a token before every answer
+    for ids, _ in examples:
+        size = next((i for i in range(size) if ids[i] != first[i]), size)
+    return first[:size], [(ids[size:], answer_start - size) for ids, answer_start in examples]
+
+
+def _answer_loss(model, prefix: list[int], batch, pad_id: int):
+    """Mean cross-entropy over the answers' tokens. The shared prefix runs once (batch 1) and its KV cache
+    is repeated for the batch; logits only where an answer token is predicted: the output layer
+    (49152 x 576) costs as much as several decoder layers, and prompts need none."""
     import torch
 
+    # transformers 5.2x calls the KV cache `cache`, earlier versions `past_key_values`
+    name = (
+        "cache"
+        if "cache" in inspect.signature(model.get_base_model().forward).parameters
+        else "past_key_values"
+    )
+    cached = {}
+    if prefix:
+        out = model(input_ids=torch.tensor([prefix]), use_cache=True, logits_to_keep=1)
+        cached = {name: getattr(out, name)}
+        cached[name].batch_repeat_interleave(len(batch))
     input_ids, labels = _pad(batch, pad_id)
     start = min(answer_start for _, answer_start in batch)
     keep = torch.arange(start - 1, input_ids.shape[1] - 1)  # position p predicts token p + 1
-    logits = model(input_ids=input_ids, logits_to_keep=keep).logits  # [batch, len(keep), vocab]
+    logits = model(input_ids=input_ids, logits_to_keep=keep, **cached).logits  # [batch, len(keep), vocab]
     return torch.nn.functional.cross_entropy(
         logits.flatten(0, 1), labels[:, start:].flatten(), ignore_index=-100
     )

@@ -39,6 +39,7 @@ def test_the_commands_are_the_ones_a_newcomer_needs():
     assert "adapters upload my-adapter ./my-adapter-v1" in commands
     assert "adapters upload my-adapter ./my-adapter-v2" in commands
     assert "--variant my-adapter@1=90 --variant my-adapter@2=10" in commands
+    assert "--style tools" in commands and "--tool-call-parser hermes" in commands
     assert "path/to" not in commands  # no placeholders
 
 
@@ -89,3 +90,5 @@ def test_readme_quick_start_runs_verbatim(start_server, tmp_path):
     assert [model for model, _ in routed] == ["my-adapter@1"] * 5 + ["my-adapter@2"]
     assert all(text.startswith("Arr, matey!") for _, text in routed[:5]), routed
     assert routed[5][1].startswith("BEEP BOOP."), routed
+    # The tools adapter called the weather tool for Paris, read by its own parser (the server has none).
+    assert re.search(r'^get_weather \{"city": "Paris"\}$', result.stdout, flags=re.M), result.stdout[-2000:]

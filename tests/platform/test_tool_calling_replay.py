@@ -277,3 +277,25 @@ def test_an_adapter_uploaded_with_a_parser_uses_its_own(tmp_path, peft_adapters,
         else:  # hermes finds no call in pythonic text
             assert other.choices[0].message.content == RECORDED["pythonic"]
             assert other.choices[0].message.tool_calls is None
+
+
+def test_each_choice_of_n_is_parsed_on_its_own(tmp_path):
+    async def scenario(client, engine, services):
+        engine.text = RECORDED["hermes"]
+        body = dict(model="tiny-llama", messages=ASK, tools=TOOLS, n=2)
+        whole = await client.chat.completions.create(**body)
+        calls: dict[int, dict[int, list]] = {0: {}, 1: {}}
+        async for chunk in await client.chat.completions.create(stream=True, **body):
+            for choice in chunk.choices:
+                for call in choice.delta.tool_calls or []:
+                    entry = calls[choice.index].setdefault(call.index, [call.function.name, ""])
+                    entry[1] += call.function.arguments or ""
+        return whole, calls
+
+    whole, calls = replay(tmp_path, scenario, tool_call_parser="hermes")
+    assert [c.index for c in whole.choices] == [0, 1]
+    for choice in whole.choices:
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == CALLS
+        assert [tuple(call) for _, call in sorted(calls[choice.index].items())] == CALLS
+    ids = [c.id for choice in whole.choices for c in choice.message.tool_calls]
+    assert len(set(ids)) == len(ids)

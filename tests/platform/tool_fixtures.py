@@ -130,7 +130,8 @@ def make_tools_model(folder: Path, seed: int = 5) -> Path:
 
 
 class ReplayEngine:
-    """An EngineClient that answers every request with `self.text`, one token per delta; it keeps each
+    """An EngineClient that answers every request with `self.text` (each of its `n` completions), one token per
+    delta; it keeps each
     request's (params, adapter) so tests can check what the server asked for."""
 
     def __init__(self, tokenizer: Any) -> None:
@@ -149,15 +150,18 @@ class ReplayEngine:
             decoded = self.tokenizer.decode(ids[: i + 1], skip_special_tokens=params.skip_special_tokens)
             last = i == len(ids) - 1
             piece, sent = decoded[len(sent) :], decoded
-            output = CompletionOutput(
-                index=0,
-                text=piece,
-                token_ids=[ids[i]],
-                cumulative_logprob=None,
-                logprobs=None,
-                finish_reason=self.finish_reason if last else None,
-            )
-            yield RequestOutput(request_id, None, list(prompt), [output], finished=last)
+            outputs = [
+                CompletionOutput(
+                    index=index,
+                    text=piece,
+                    token_ids=[ids[i]],
+                    cumulative_logprob=None,
+                    logprobs=None,
+                    finish_reason=self.finish_reason if last else None,
+                )
+                for index in range(params.n)
+            ]
+            yield RequestOutput(request_id, None, list(prompt), outputs, finished=last)
 
     async def abort(self, request_id: str) -> None:
         pass

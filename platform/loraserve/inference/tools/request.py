@@ -48,7 +48,11 @@ class ToolPlan:
             schema = required_schema(self.tools, self.parallel_tool_calls)
         else:
             return params
-        return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
+        try:
+            grammar = StructuredOutputsParams(json=schema)
+        except ValueError as exc:  # e.g. schemas too large to compile
+            raise BadRequest(f"the tools' parameters schemas cannot be used: {exc}", param="tools") from None
+        return dataclasses.replace(params, structured_outputs=grammar)
 
     def output(self, auto_parser: str | None) -> ToolOutput | None:
         """How to read the output into calls; `auto_parser` is the adapter's or the server's parser name."""

@@ -18,11 +18,9 @@ from typing import Any
 import httpx
 import openai
 from api_env import build_services
-from app_fixtures import CORPUS, EOS
-from factories import make_model
+from app_fixtures import CORPUS, make_text_model, make_tokenizer
 from loraserve.app import create_app
 from loraserve.settings import ServerSettings
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from engine import CompletionOutput, RequestOutput
@@ -92,41 +90,16 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @functools.cache
 def make_tools_tokenizer() -> PreTrainedTokenizerFast:
-    """app_fixtures' byte-level BPE and special tokens, trained also on tool definitions and calls (so a
-    prompt with tools takes hundreds of tokens, not thousands), with TOOLS_TEMPLATE."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1024,
-        special_tokens=[EOS, "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    """app_fixtures' tokenizer, trained also on tool definitions and calls (so a prompt with tools takes a
+    few hundred tokens, not a thousand), with TOOLS_TEMPLATE."""
     calls = [json.dumps({"name": "get_weather", "arguments": {"city": c, "unit": "celsius"}}) for c in "xyz"]
     corpus = CORPUS + [json.dumps(TOOLS), TOOLS_TEMPLATE, *calls, "<tool_call> </tool_call> <tool_response>"]
-    tokenizer.train_from_iterator(corpus * 4, trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token=EOS, clean_up_tokenization_spaces=False
-    )
-    wrapped.chat_template = TOOLS_TEMPLATE
-    return wrapped
+    return make_tokenizer(TOOLS_TEMPLATE, corpus=corpus * 4, vocab_size=1024)
 
 
 def make_tools_model(folder: Path, seed: int = 5) -> Path:
-    """A C1-sized random Llama with the tiny tokenizer, TOOLS_TEMPLATE and a context of MAX_MODEL_LEN."""
-    tokenizer = make_tools_tokenizer()
-    make_model(
-        folder,
-        arch="llama",
-        seed=seed,
-        vocab_size=len(tokenizer),
-        eos_token_id=0,
-        bos_token_id=None,
-        max_position_embeddings=MAX_MODEL_LEN,
-    )
-    tokenizer.save_pretrained(folder)
-    return folder
+    """A C1-sized random Llama with the tools tokenizer and template and a context of MAX_MODEL_LEN."""
+    return make_text_model(folder, seed, tokenizer=make_tools_tokenizer(), max_model_len=MAX_MODEL_LEN)
 
 
 class ReplayEngine:

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
+import instructor
 import jsonschema
+import langchain_openai
 import openai
 import pytest
 
@@ -208,7 +210,6 @@ def weather_model():
 
 
 def test_langchain_bind_tools_and_structured_output(server):
-    langchain_openai = pytest.importorskip("langchain_openai")
     llm = langchain_openai.ChatOpenAI(
         base_url=f"{server.url}/v1", api_key="none", model="helper", max_tokens=MAX_TOKENS, temperature=0.9,
         seed=4, max_retries=0, timeout=600,
@@ -227,7 +228,6 @@ def test_langchain_bind_tools_and_structured_output(server):
 
 
 def test_instructor_tools_mode(server):
-    instructor = pytest.importorskip("instructor")
     client = instructor.from_openai(
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600),
         mode=instructor.Mode.TOOLS,

@@ -299,3 +299,25 @@ def test_each_choice_of_n_is_parsed_on_its_own(tmp_path):
         assert [tuple(call) for _, call in sorted(calls[choice.index].items())] == CALLS
     ids = [c.id for choice in whole.choices for c in choice.message.tool_calls]
     assert len(set(ids)) == len(ids)
+
+
+def test_a_schema_xgrammar_cannot_compile_is_a_400_naming_tools(tmp_path):
+    broken = [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 5}}}
+    ]
+    named = {"type": "function", "function": {"name": "f"}}
+
+    async def scenario(client, engine, services):
+        errors = []
+        for choice in (named, "required"):
+            with pytest.raises(openai.BadRequestError) as error:
+                await client.chat.completions.create(
+                    model="tiny-llama", messages=ASK, tools=broken, tool_choice=choice
+                )
+            errors.append(error.value.body)
+        return errors, engine.requests
+
+    errors, requests = replay(tmp_path, scenario)
+    for body in errors:
+        assert body["param"] == "tools" and "properties must be an object" in body["message"]
+    assert requests == []

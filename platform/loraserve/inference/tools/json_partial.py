@@ -23,8 +23,10 @@ _WS = " \t\n\r"
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _NUMBER_CHARS = frozenset("+-0123456789.eE")
 _LITERALS = ("true", "false", "null")
-_ESCAPES = frozenset('"\\/bfnrtu')
 _HEX = frozenset("0123456789abcdefABCDEF")
+# String characters: anything but a quote or a backslash (raw control characters too, as xgrammar's
+# strings allow them), or a complete escape.
+_STRING_BODY = re.compile(r'(?:[^"\\]+|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
 
 
 class JsonSyntaxError(ValueError):
@@ -169,29 +171,17 @@ def _container(text: str, pos: int, depth: int, kind: str) -> Node:
 
 
 def _string(text: str, pos: int) -> Node:
-    i = pos + 1
-    while i < len(text):
-        char = text[i]
-        if char == '"':
-            return Node("string", pos, i + 1)
-        if char == "\\":
-            if i + 1 >= len(text):
-                break
-            escape = text[i + 1]
-            if escape not in _ESCAPES:
-                raise JsonSyntaxError(f"invalid escape \\{escape} at {i}", i)
-            if escape == "u":
-                digits = text[i + 2 : i + 6]
-                if any(d not in _HEX for d in digits):
-                    raise JsonSyntaxError(f"invalid \\u escape at {i}", i)
-                if len(digits) < 4:
-                    break
-                i += 6
-            else:
-                i += 2
-            continue
-        i += 1  # raw control characters are taken (xgrammar's strings allow them); canonical escapes them
-    return Node("string", pos)
+    body = _STRING_BODY.match(text, pos + 1)  # in C: the longest run of characters and valid escapes
+    i = body.end()
+    if i >= len(text):
+        return Node("string", pos)
+    if text[i] == '"':
+        return Node("string", pos, i + 1)
+    # a backslash that starts no valid escape: one the text stops inside, else an error
+    rest = text[i + 1 : i + 6]
+    if not rest or (rest[0] == "u" and len(rest) < 5 and all(d in _HEX for d in rest[1:])):
+        return Node("string", pos)
+    raise JsonSyntaxError(f"invalid escape at {i}", i)
 
 
 def _number(text: str, pos: int) -> Node:
@@ -260,7 +250,9 @@ def _escaped(body: str, index: int) -> bool:
 
 def _dumps_text(body: str, closed: bool) -> str:
     value = json.loads(f'"{body}"', strict=False)
-    if any("\ud800" <= c <= "\udfff" for c in value):
-        raise JsonSyntaxError("a string holds a lone surrogate escape")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise JsonSyntaxError("a string holds a lone surrogate escape") from None
     dumped = json.dumps(value, ensure_ascii=False)
     return dumped if closed else dumped[:-1]

@@ -74,7 +74,7 @@ def malformed(text: str, final: bool, content: str, calls: list[PartialCall]) ->
     return Parsed(content=settled_text(text, (), final))
 
 
-def call_from_object(node: Node, text: str, name_key: str = "name") -> PartialCall | None:
+def call_from_object(node: Node, text: str) -> PartialCall | None:
     """A call from a JSON object `{"name": ..., "arguments": {...}}`; None until its name is complete and
     its arguments object has a first key or has ended (or the call ended without arguments), so that
     a call is rarely sent before it turns out malformed.
@@ -83,13 +83,15 @@ def call_from_object(node: Node, text: str, name_key: str = "name") -> PartialCa
     complete) no name. Missing arguments are `{}`."""
     if node.kind != "object":
         raise Malformed("a call must be a JSON object")
-    name_node = node.get(name_key)
+    name_node = node.get("name")
     if name_node is not None and name_node.kind != "string":
         raise Malformed("a call's name must be a string")
     arguments = next((node.get(k) for k in ARGUMENT_KEYS if node.get(k) is not None), None)
     if arguments is not None and arguments.kind != "object":
         raise Malformed("a call's arguments must be a JSON object")
-    started = arguments is not None and (arguments.items or arguments.open_key or arguments.complete)
+    started = arguments is not None and (
+        bool(arguments.items) or arguments.open_key is not None or arguments.complete
+    )
     if name_node is None or not name_node.complete or not (started or node.complete):
         if node.complete:
             raise Malformed("a call has no name")

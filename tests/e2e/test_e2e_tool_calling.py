@@ -178,7 +178,8 @@ def test_forced_and_free_requests_share_a_batch(client):
     ]
 
     def ask(extra):
-        max_tokens = MAX_TOKENS if "tool_choice" in extra or "response_format" in extra else 16
+        forced = extra.get("tool_choice", "none") != "none" or "response_format" in extra
+        max_tokens = MAX_TOKENS if forced else 16
         return client.chat.completions.create(
             messages=ASK, max_tokens=max_tokens, temperature=0.9, seed=5, **extra
         )

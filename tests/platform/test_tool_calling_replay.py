@@ -245,6 +245,12 @@ def test_an_adapter_uploaded_with_a_parser_uses_its_own(tmp_path, peft_adapters,
             files=files,
             headers=client.auth_headers,
         )
+        as_file = await http.post(
+            "/v1/adapters",
+            data={"name": "y"},
+            files=[*files, ("tool_call_parser", ("parser.txt", b"hermes"))],
+            headers=client.auth_headers,
+        )
         listed = (await http.get("/v1/adapters/caller", headers=client.auth_headers)).json()
         engine.text = RECORDED["pythonic"]
         adapter = await client.chat.completions.create(model="caller", messages=ASK, tools=TOOLS)
@@ -255,9 +261,9 @@ def test_an_adapter_uploaded_with_a_parser_uses_its_own(tmp_path, peft_adapters,
                 others.append(await client.chat.completions.create(model=model, messages=ASK, tools=TOOLS))
             except openai.BadRequestError as exc:
                 others.append(exc)
-        return upload, plain, bad, listed, adapter, streamed, others
+        return upload, plain, (bad, as_file), listed, adapter, streamed, others
 
-    upload, plain, bad, listed, adapter, streamed, others = replay(
+    upload, plain, (bad, as_file), listed, adapter, streamed, others = replay(
         tmp_path, scenario, tool_call_parser=server_parser
     )
     assert upload.status_code == 201 and upload.json()["tool_call_parser"] == "pythonic"
@@ -265,6 +271,7 @@ def test_an_adapter_uploaded_with_a_parser_uses_its_own(tmp_path, peft_adapters,
     assert (
         bad.status_code == 422 and "'nope' is not one of the parsers hermes" in bad.json()["error"]["message"]
     )
+    assert as_file.status_code == 422 and "must be a text field" in as_file.json()["error"]["message"]
     assert listed["latest"]["tool_call_parser"] == "pythonic"
     assert adapter.model == "caller@1"
     assert [(c.function.name, c.function.arguments) for c in adapter.choices[0].message.tool_calls] == CALLS

@@ -38,7 +38,7 @@ from adapter_format.model_shape import ModelShape
 from adapter_format.peft_config import MAX_CONFIG_BYTES
 from adapters_store.config import StoreConfig
 from adapters_store.disk_space import disk_full_is_an_error
-from adapters_store.errors import AdapterNotFound, ChecksumError, StoreError
+from adapters_store.errors import AdapterNotFound, ChecksumError, InvalidAdapter, StoreError
 from adapters_store.filenames import MANIFEST_FILE
 from adapters_store.intake import UploadSource, stage_upload
 from adapters_store.link_digests import LinkDigests
@@ -50,7 +50,7 @@ from adapters_store.names import (
     is_valid_name,
     parse_ref,
 )
-from adapters_store.record import AdapterRecord, recorded_base_model, utc_now_iso
+from adapters_store.record import AdapterRecord, check_parser_name, recorded_base_model, utc_now_iso
 from adapters_store.streams import CHUNK_BYTES
 from adapters_store.validate import CheckedAdapter, check_folder
 from adapters_store.versions import TOMBSTONE_FILE, scan_versions, sweepable
@@ -77,10 +77,18 @@ class AdapterStore(ABC):
 
     # ---- public API -------------------------------------------------------------------------------
 
-    def put(self, tenant: str, name: str, source: UploadSource) -> AdapterRecord:
-        """Validate `source` completely, then store it as the next version of `name`."""
+    def put(
+        self, tenant: str, name: str, source: UploadSource, *, tool_call_parser: str | None = None
+    ) -> AdapterRecord:
+        """Validate `source` completely, then store it as the next version of `name` (with the tool-call
+        parser its record names, if any)."""
         check_tenant(tenant)
         check_name(name)
+        if tool_call_parser is not None:
+            try:
+                check_parser_name(tool_call_parser)
+            except ValueError as exc:
+                raise InvalidAdapter(str(exc), "bad_upload") from None
         if self.shape is None:
             raise RuntimeError("this store was opened without the base model's ModelShape; uploads need it")
         with self.staging() as staging, disk_full_is_an_error("the upload"):
@@ -92,7 +100,9 @@ class AdapterStore(ABC):
                 tenant,
                 name,
                 folder,
-                lambda version: _record(name, version, checked, created_at, self.config.served_model),
+                lambda version: _record(
+                    name, version, checked, created_at, self.config.served_model, tool_call_parser
+                ),
             )
         log.info(
             "stored adapter %s/%s (rank %d, %d bytes)", tenant, record.ref, record.rank, record.size_bytes
@@ -426,7 +436,12 @@ def _mismatch(tenant: str, record: AdapterRecord, filename: str, how: str) -> st
 
 
 def _record(
-    name: str, version: int, checked: CheckedAdapter, created_at: str, served_model: str | None
+    name: str,
+    version: int,
+    checked: CheckedAdapter,
+    created_at: str,
+    served_model: str | None,
+    tool_call_parser: str | None = None,
 ) -> AdapterRecord:
     adapter = checked.adapter
     return AdapterRecord(
@@ -439,4 +454,5 @@ def _record(
         sha256=checked.sha256,
         size_bytes=checked.size_bytes,
         created_at=created_at,
+        tool_call_parser=tool_call_parser,
     )

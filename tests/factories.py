@@ -12,9 +12,11 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 # Workload C1 (docs/ARCHITECTURE.md, Reference workloads): hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 512.
@@ -39,6 +41,8 @@ _CONFIGS = {
     "gemma2": Gemma2Config,
     "gemma3": Gemma3TextConfig,
     "phi3": Phi3Config,
+    "qwen3_moe": Qwen3MoeConfig,
+    "mixtral": MixtralConfig,
 }
 # What makes each newer family itself at C1's size, every feature switched on: a window shorter than the
 # prompts over alternating local and global layers, soft caps small enough to bite, Gemma 3's global layers
@@ -69,6 +73,11 @@ FAMILY_SIZES = {
             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
         },
     ),
+    # 8 experts, top 2 (Qwen3-MoE renormalizes here as Qwen3-30B-A3B does; Mixtral always does).
+    "qwen3_moe": dict(
+        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+    ),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
     "phi3": dict(
         original_max_position_embeddings=16,
         rope_parameters={

@@ -1,0 +1,77 @@
+"""What every mixture-of-experts architecture adds to the decoder (engine/model/layers/decoder.py): MoE
+layers built from the config, the checkpoint names of their experts in both layouts, and the routed
+experts as LoRA targets.
+
+Checkpoint layouts, both loaded as they are:
+- per expert, as on the hub: `mlp.experts.E.gate_proj.weight`, `up_proj`, `down_proj` (Mixtral:
+  `block_sparse_moe.experts.E.w1/w3/w2.weight`, `block_sparse_moe.gate.weight`), each filling one
+  expert's part of the stacked parameters;
+- fused, as transformers 5 holds them: `mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
+  [E, H, I], each a whole stacked parameter.
+LoRA targets: the attention projections and the routed experts' stacked `experts.gate_up_proj` and `experts.down_proj`, which PEFT adapts with
+`target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from engine.model.layers.decoder import DecoderModel
+from engine.model.layers.moe import EXPERT_PARTS, MoESpec, SparseMoE
+
+EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.weight$")
+
+
+class MoEDecoderModel(DecoderModel):
+    # Checkpoint names of an expert's parts where the family differs from gate_proj/up_proj/down_proj.
+    expert_part_names: dict[str, str] = {}
+
+    @classmethod
+    def lora_targets(cls) -> tuple[str, ...]:
+        """The attention projections and the routed experts (a dense layer's MLP, Qwen3-MoE's
+        mlp_only_layers, takes none: the pool would hold its pairs in every layer)."""
+        attention = tuple(m for m in super().lora_targets() if m not in ("gate_proj", "up_proj", "down_proj"))
+        return (*attention, *EXPERT_TARGETS)
+
+    def moe_spec(self, config) -> MoESpec:
+        raise NotImplementedError
+
+    def is_moe_layer(self, config, layer: int) -> bool:
+        return True
+
+    def build_mlp(self, config, layer, ctx):
+        if not self.is_moe_layer(config, layer):
+            return super().build_mlp(config, layer, ctx)
+        return SparseMoE(self.moe_spec(config), config.hidden_size, ctx)
+
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.layer = i
+
+    def rename(self, name: str) -> str:
+        """A checkpoint name in this family's older spelling -> the transformers 5 one."""
+        return name
+
+    def map_name(self, name: str) -> tuple[str, int | tuple | None]:
+        name = self.rename(name)
+        match = _PER_EXPERT.match(name)
+        if match is not None:
+            part = self.expert_part_names.get(match["part"], match["part"])
+            if part in EXPERT_PARTS:
+                target = "gate_up_proj" if part != "down_proj" else "down_proj"
+                return f"{match['prefix']}.{target}", (int(match["expert"]), EXPERT_PARTS[part])
+        return super().map_name(name)
+
+    def checkpoint_name(self, param: str, part) -> str:
+        if isinstance(part, tuple):
+            expert, which = part
+            name = "down_proj" if which is None else ("gate_proj", "up_proj")[which]
+            prefix = param.rsplit(".", 1)[0]
+            return f"{prefix}.{expert}.{name}.weight"
+        return super().checkpoint_name(param, part)
+
+
+

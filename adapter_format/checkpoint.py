@@ -20,8 +20,9 @@ import torch
 from safetensors import safe_open
 
 from adapter_format.errors import AdapterError, show_value
+from adapter_format.expert_lora import EXPERT_TENSOR, expert_module, expert_pair
 from adapter_format.files import WEIGHTS_FILE
-from adapter_format.model_shape import ModelShape, module_key
+from adapter_format.model_shape import EXPERT_MODULES, ModelShape, module_key
 from adapter_format.module_patterns import new_deadline
 from adapter_format.peft_config import LoraSettings, check_adapter_config, read_adapter_config
 from adapter_format.safetensors_header import DTYPE_BYTES, TensorSpan, read_tensor_spans
@@ -69,14 +70,17 @@ def check_adapter(
     prefixes: dict[str, str] = {}  # tensor name prefix -> the first tensor under it
     for name, tensor_shape in tensor_shapes.items():
         match = _TENSOR_NAME.match(name) if len(name) <= MAX_TENSOR_NAME_CHARS else None
+        if match is None and shape.num_experts and len(name) <= MAX_TENSOR_NAME_CHARS:
+            match = EXPERT_TENSOR.match(name)  # target_parameters on the stacked experts: (layer, nesting)
         if match is None:
             raise AdapterError(
                 "unexpected_tensor",
                 f"tensor {show_value(name)} is not a LoRA weight of a decoder-layer projection "
                 f"({', '.join(shape.targets)}); embedding, lm_head, bias and DoRA tensors are not supported",
             )
-        layer, module, ab = int(match["layer"]), match["module"], match["ab"]
-        if module not in shape.targets:
+        layer, ab = int(match["layer"]), match["ab"]
+        module = match["module"] if "module" in match.groupdict() else f"experts{match['nest']}"
+        if module not in shape.targets and not module.startswith("experts"):
             raise AdapterError(
                 "unsupported_target",
                 f"tensor {name!r} targets {module!r}; LoRA on {shape.model_name} may target "
@@ -110,6 +114,11 @@ def check_adapter(
             raise AdapterError(
                 "incomplete_pair", f"layer {layer} {module}: lora_A and lora_B must both be present"
             )
+        if module.startswith("experts"):
+            module = expert_module(shape, ab["A"], ab["B"], f"layer {layer} mlp.{module}")
+            if (layer, module) in modules:
+                raise AdapterError("duplicate_tensor", f"layer {layer} mlp.{module} is adapted twice")
+            ab = {"A": (ab["A"][0] // shape.num_experts, ab["A"][1]), "B": (ab["B"][0], ab["B"][1] // shape.num_experts)}
         in_features, out_features = shape.module_dims(module)
         rank = ab["A"][0] if len(ab["A"]) == 2 else 0
         if rank < 1:
@@ -131,7 +140,10 @@ def check_adapter(
                 f"layer {layer} {module} has rank {rank}, above max_lora_rank {max_lora_rank}",
             )
         key = module_key(layer, module)
-        refusal = settings.targets.refusal(layer, module, deadline) if settings.targets else None
+        if module in EXPERT_MODULES:  # PEFT wraps the parameters target_parameters names, in every layer
+            refusal = None if module in settings.target_parameters else ("target_parameters", "target_parameters does not name it")
+        else:
+            refusal = settings.targets.refusal(layer, module, deadline) if settings.targets else None
         if refusal is not None:
             field, why = refusal
             raise AdapterError(
@@ -180,7 +192,7 @@ def load_peft_adapter(
         raise AdapterError(
             "bad_weights", f"{label or weights} is not a readable safetensors file: {exc}"
         ) from None
-    return _with_tensors(adapter, tensors)
+    return _with_tensors(adapter, tensors, shape)
 
 
 def map_peft_adapter(
@@ -204,7 +216,7 @@ def map_peft_adapter(
         raise AdapterError(
             "bad_weights", f"{label or weights} is not a readable safetensors file: {exc}"
         ) from None
-    return _with_tensors(adapter, tensors)
+    return _with_tensors(adapter, tensors, shape)
 
 
 # The torch dtype of each safetensors dtype the header check accepts (safetensors_header.DTYPE_BYTES).
@@ -242,14 +254,23 @@ def _check_folder(
     return weights, check_adapter(config, shapes, shape, max_lora_rank), spans
 
 
-def _with_tensors(adapter: PeftAdapter, tensors: Mapping[str, torch.Tensor]) -> PeftAdapter:
+def _with_tensors(
+    adapter: PeftAdapter, tensors: Mapping[str, torch.Tensor], shape: ModelShape | None = None
+) -> PeftAdapter:
     """The checked adapter with its tensors (as stored: the slot image converts them once), whose values
     are checked here, so every load checks them."""
     check_weight_values(tensors)
     loaded: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
-        match = _TENSOR_NAME.match(name)
-        loaded.setdefault((int(match["layer"]), match["module"]), {})[match["ab"]] = tensor
+        match = _TENSOR_NAME.match(name) or EXPERT_TENSOR.match(name)
+        module = match["module"] if "module" in match.groupdict() else f"experts{match['nest']}"
+        loaded.setdefault((int(match["layer"]), module), {})[match["ab"]] = tensor
+    if shape is not None and shape.num_experts:  # wrappers by nesting -> stacked weights, per expert
+        for layer, nested in [k for k in loaded if k[1].startswith("experts")]:
+            ab = loaded.pop((layer, nested))
+            module = expert_module(shape, tuple(ab["A"].shape), tuple(ab["B"].shape), nested)
+            a, b = expert_pair(ab["A"], ab["B"], shape.num_experts)
+            loaded[(layer, module)] = {"A": a, "B": b}
     modules = {
         key: ModuleLoRA(rank=m.rank, scale=m.scale, lora_a=loaded[key]["A"], lora_b=loaded[key]["B"])
         for key, m in adapter.modules.items()

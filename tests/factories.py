@@ -174,3 +174,25 @@ def reference_greedy(model, prompt_ids: list[int], adapter: str | None, max_new_
         **kwargs,
     )
     return out[0, len(prompt_ids) :].tolist()
+
+
+# Adapters of a mixture of experts: attention only, the routed experts only (PEFT's target_parameters on
+# the stacked expert weights), and both, at ranks 4, 8 and 16.
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+MOE_ADAPTERS = {
+    "attn_r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "experts_r8": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=[], target_parameters=EXPERTS),
+    "both_r16": dict(
+        r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], target_parameters=EXPERTS
+    ),
+}
+
+
+def per_adapter_reference(model_dir: Path, adapters: dict[str, Path]):
+    """{name or None: model}: one transformers (+ PEFT) model per adapter. PEFT's target_parameters
+    wrappers refuse mixed-adapter batches (`adapter_names=`), so each adapter is its own model."""
+    models = {None: load_peft_reference(model_dir, {})}
+    for name, path in adapters.items():
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        models[name] = PeftModel.from_pretrained(base, path).eval()
+    return models

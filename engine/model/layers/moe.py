@@ -151,8 +151,9 @@ class SparseMoE(nn.Module):
         self.gate = Router(spec.num_experts, hidden_size, ctx)
         self.experts = Experts(spec, hidden_size, ctx, ctx.expert_parallel)
         self.layer: int | None = None  # set by the model: the LoRA pool's layer index
-        # The Triton kernels on CUDA (or interpreted when asked for); the torch path elsewhere.
-        self.backend = backend or ("triton" if ctx.device.type == "cuda" else "torch")
+        # The Triton kernels on CUDA and on the Triton path (interpreted on the CPU); the torch path elsewhere.
+        triton_path = ctx.device.type == "cuda" or ctx.attention_backend == "triton"
+        self.backend = backend or ("triton" if triton_path else "torch")
         self.routed_tokens: torch.Tensor | None = None  # [E] tokens routed per expert, last forward
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +174,7 @@ class SparseMoE(nn.Module):
         local = ids - experts.expert_start
         local = torch.where((local >= 0) & (local < experts.num_local), local, experts.num_local).reshape(-1)
         flat_weights = weights.reshape(-1)  # float32
-        expert_lora = None if lora is None else lora.experts(self, x, ids.reshape(-1), local)
+        expert_lora = None if lora is None else lora.experts(self, x, local)
         gate_up_delta = None if expert_lora is None else expert_lora.gate_up()
         if self.backend == "triton" and (x.is_cuda or interpreting()):
             block_m = moe_kernels.block_rows(local.numel(), experts.num_local)

@@ -105,6 +105,10 @@ class EngineConfig:
     # GPUs one model is split over (Megatron-style, engine/parallel/): one worker process per rank beyond
     # the first; NCCL on CUDA, gloo on the CPU. 1: no worker, no collective.
     tensor_parallel_size: int = 1
+    # vLLM's enable_expert_parallel: a mixture of experts' layers hold whole experts per rank (experts
+    # [r E/n, (r+1) E/n) on rank r) instead of a slice of every expert; attention stays tensor-parallel.
+    # No effect on a dense model or at tensor_parallel_size 1.
+    enable_expert_parallel: bool = False
     # vLLM's speculative_config: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     # as a dict, JSON text or SpeculativeConfig (engine/spec_decode/config.py); None: no speculation.
     # With it, async_scheduling is turned off: each step's kept tokens decide the next step.

@@ -40,7 +40,7 @@ def align_by_expert(
     max_rows = -(-max_rows // block_m) * block_m
     device = ids.device
     ids = ids.long()
-    counts = torch.bincount(ids, minlength=num_experts + 1)[:num_experts]  # [E]
+    counts = expert_counts(ids, num_experts + 1)[:num_experts]  # [E]
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)  # [E]
     starts = ends - padded
@@ -56,6 +56,13 @@ def align_by_expert(
     block_expert = torch.searchsorted(ends, block_starts, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     return rows[:max_rows], block_expert
+
+
+def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[num_experts] int64 pairs per expert; unlike bincount, its size never depends on the data (no sync,
+    so it captures in a CUDA graph)."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, ids.reshape(-1).long(), torch.ones_like(ids.reshape(-1), dtype=torch.int64))
 
 
 @triton.jit

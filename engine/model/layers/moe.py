@@ -169,7 +169,7 @@ class SparseMoE(nn.Module):
         num_tokens = x.shape[0]
         top_k = self.spec.top_k
         weights, ids = self.route(x)
-        self.routed_tokens = torch.bincount(ids.reshape(-1), minlength=self.spec.num_experts)
+        self.routed_tokens = moe_kernels.expert_counts(ids, self.spec.num_experts)
         experts = self.experts
         local = ids - experts.expert_start
         local = torch.where((local >= 0) & (local < experts.num_local), local, experts.num_local).reshape(-1)

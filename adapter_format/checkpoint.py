@@ -118,7 +118,10 @@ def check_adapter(
             module = expert_module(shape, ab["A"], ab["B"], f"layer {layer} mlp.{module}")
             if (layer, module) in modules:
                 raise AdapterError("duplicate_tensor", f"layer {layer} mlp.{module} is adapted twice")
-            ab = {"A": (ab["A"][0] // shape.num_experts, ab["A"][1]), "B": (ab["B"][0], ab["B"][1] // shape.num_experts)}
+            ab = {
+                "A": (ab["A"][0] // shape.num_experts, ab["A"][1]),
+                "B": (ab["B"][0], ab["B"][1] // shape.num_experts),
+            }
         in_features, out_features = shape.module_dims(module)
         rank = ab["A"][0] if len(ab["A"]) == 2 else 0
         if rank < 1:
@@ -141,7 +144,11 @@ def check_adapter(
             )
         key = module_key(layer, module)
         if module in EXPERT_MODULES:  # PEFT wraps the parameters target_parameters names, in every layer
-            refusal = None if module in settings.target_parameters else ("target_parameters", "target_parameters does not name it")
+            refusal = (
+                None
+                if module in settings.target_parameters
+                else ("target_parameters", "target_parameters does not name it")
+            )
         else:
             refusal = settings.targets.refusal(layer, module, deadline) if settings.targets else None
         if refusal is not None:

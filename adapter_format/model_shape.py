@@ -64,7 +64,9 @@ class ModelShape:
             architecture=architectures[0],
             num_experts=num_experts,
             moe_intermediate_size=(
-                getattr(config, "moe_intermediate_size", None) or config.intermediate_size if num_experts else 0
+                getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+                if num_experts
+                else 0
             ),
         )
 

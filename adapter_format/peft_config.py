@@ -113,7 +113,9 @@ def check_adapter_config(
     check_peft_type(config)
     check_task_type(config)
     check_features(config, allowed=("target_parameters",) if shape is not None and shape.num_experts else ())
-    target_parameters = read_target_parameters(config, shape) if shape is not None and shape.num_experts else ()
+    target_parameters = (
+        read_target_parameters(config, shape) if shape is not None and shape.num_experts else ()
+    )
     rank = config.get("r")
     if not _is_rank(rank):
         raise _bad("bad_rank", "r", f"must be a positive integer (got {show_value(rank)})")

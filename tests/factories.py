@@ -183,7 +183,10 @@ MOE_ADAPTERS = {
     "attn_r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     "experts_r8": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=[], target_parameters=EXPERTS),
     "both_r16": dict(
-        r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], target_parameters=EXPERTS
+        r=16,
+        lora_alpha=32,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        target_parameters=EXPERTS,
     ),
 }
 

@@ -22,7 +22,9 @@ CHUNK = 1024
 
 
 class ExpertLoRA:
-    def __init__(self, context, layer: int, x: torch.Tensor, local_ids: torch.Tensor, top_k: int, num_local: int):
+    def __init__(
+        self, context, layer: int, x: torch.Tensor, local_ids: torch.Tensor, top_k: int, num_local: int
+    ):
         pool = context.slots
         self.slots = pool.layers[layer]
         self.page_table = pool.page_table  # [max_loras, max_pages]

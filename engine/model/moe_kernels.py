@@ -67,15 +67,15 @@ def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr,  # [num_tokens, H]
-    w_ptr,  # [E, 2 * I, H]
-    out_ptr,  # [num_pairs, I]
-    delta_ptr,  # [num_pairs, 2 * I] LoRA's gate/up update (HAS_DELTA)
+    x_ptr,  # [num_tokens, hidden]
+    w_ptr,  # [E, 2 * inter, hidden]
+    out_ptr,  # [num_pairs, inter]
+    delta_ptr,  # [num_pairs, 2 * inter] LoRA's gate/up update (HAS_DELTA)
     rows_ptr,  # [max_rows] int32 pair ids sorted by expert
     block_expert_ptr,  # [num_blocks] int32
     num_pairs,
-    H,
-    I,
+    hidden,
+    inter,
     stride_xt,
     stride_we,
     stride_wn,
@@ -99,13 +99,13 @@ def _gate_up_kernel(
     valid = pairs < num_pairs
     tokens = tl.where(valid, pairs // TOP_K, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
+    n_ok = offs_n < inter
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(K_ITERS):
         offs_k = i * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < H
+        k_ok = offs_k < hidden
         a = tl.load(
             x_ptr + tokens[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
             mask=valid[:, None] & k_ok[None, :],
@@ -113,7 +113,7 @@ def _gate_up_kernel(
         )
         w_mask = k_ok[:, None] & n_ok[None, :]
         wg = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
-        wu = tl.load(w_base + (offs_n[None, :] + I) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+        wu = tl.load(w_base + (offs_n[None, :] + inter) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
         if DOT_FP32:
             a = a.to(tl.float32)
             acc_gate = tl.dot(a, wg.to(tl.float32), acc_gate, input_precision="ieee")
@@ -126,7 +126,7 @@ def _gate_up_kernel(
     if HAS_DELTA:
         delta = delta_ptr + safe[:, None] * stride_dt + offs_n[None, :]
         acc_gate += tl.load(delta, mask=mask, other=0.0).to(tl.float32)
-        acc_up += tl.load(delta + I, mask=mask, other=0.0).to(tl.float32)
+        acc_up += tl.load(delta + inter, mask=mask, other=0.0).to(tl.float32)
     act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU(gate) * up
     out = out_ptr + safe[:, None] * stride_ot + offs_n[None, :]
     tl.store(out, act.to(out_ptr.dtype.element_ty), mask=mask)
@@ -134,16 +134,16 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    a_ptr,  # [num_pairs, I]
-    w_ptr,  # [E, H, I]
+    a_ptr,  # [num_pairs, inter]
+    w_ptr,  # [E, hidden, inter]
     weights_ptr,  # [num_pairs] float32 routing weights
-    out_ptr,  # [num_pairs, H]
-    delta_ptr,  # [num_pairs, H] LoRA's down update (HAS_DELTA)
+    out_ptr,  # [num_pairs, hidden]
+    delta_ptr,  # [num_pairs, hidden] LoRA's down update (HAS_DELTA)
     rows_ptr,
     block_expert_ptr,
     num_pairs,
-    H,
-    I,
+    hidden,
+    inter,
     stride_at,
     stride_we,
     stride_wn,
@@ -166,14 +166,16 @@ def _down_kernel(
     valid = pairs < num_pairs
     safe = tl.where(valid, pairs, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < H
+    n_ok = offs_n < hidden
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(K_ITERS):
         offs_k = i * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < I
+        k_ok = offs_k < inter
         a = tl.load(
-            a_ptr + safe[:, None] * stride_at + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0
+            a_ptr + safe[:, None] * stride_at + offs_k[None, :],
+            mask=valid[:, None] & k_ok[None, :],
+            other=0.0,
         )
         w = tl.load(
             w_base + offs_n[None, :] * stride_wn + offs_k[:, None],

@@ -108,7 +108,9 @@ class ShardPlan:
             num_heads=self.heads_per_rank,
             num_kv_heads=self.kv_heads_per_rank,
             num_experts=s.num_experts // n if self.expert_parallel else s.num_experts,
-            moe_intermediate_size=s.moe_intermediate_size if self.expert_parallel else s.moe_intermediate_size // n,
+            moe_intermediate_size=s.moe_intermediate_size
+            if self.expert_parallel
+            else s.moe_intermediate_size // n,
         )
 
     def expert_range(self, rank: int) -> tuple[int, int]:

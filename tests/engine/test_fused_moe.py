@@ -48,7 +48,9 @@ def inputs(tokens, hidden, inter, experts, top_k, seed, foreign=False):
     w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
     w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
     weights = torch.rand(tokens, top_k, generator=gen)
-    ids = torch.stack([torch.randperm(experts + (1 if foreign else 0), generator=gen)[:top_k] for _ in range(tokens)])
+    ids = torch.stack(
+        [torch.randperm(experts + (1 if foreign else 0), generator=gen)[:top_k] for _ in range(tokens)]
+    )
     return x, w13, w2, weights, ids
 
 

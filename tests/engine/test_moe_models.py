@@ -79,7 +79,8 @@ def case(request, tmp_path_factory):
     rng = random.Random(arch)
     shared = [rng.randrange(3, 512) for _ in range(10)]
     prompts = [
-        (shared if i % 2 else []) + [rng.randrange(3, 512) for _ in range(rng.randrange(12, 20) - 10 * (i % 2))]
+        (shared if i % 2 else [])
+        + [rng.randrange(3, 512) for _ in range(rng.randrange(12, 20) - 10 * (i % 2))]
         for i in range(8)
     ]
     names = [*adapters, None]
@@ -135,5 +136,7 @@ def test_triton_path_matches(case):
     short = {**case, "prompts": [p[:8] for p in case["prompts"]]}
     count = 4  # one request per adapter and one without
     torch_path = generate(make_llm(case, max_num_seqs=4), short, greedy(3), count=count)
-    triton_path = generate(make_llm(case, max_num_seqs=4, attention_backend="triton"), short, greedy(3), count)
+    triton_path = generate(
+        make_llm(case, max_num_seqs=4, attention_backend="triton"), short, greedy(3), count
+    )
     assert triton_path == torch_path

@@ -179,9 +179,7 @@ class SparseMoE(nn.Module):
         if self.backend == "triton" and (x.is_cuda or interpreting()):
             block_m = moe_kernels.block_rows(local.numel(), experts.num_local)
             rows, block_expert = moe_kernels.align_by_expert(local, experts.num_local, block_m)
-            inter = moe_kernels.gate_up_act(
-                x, experts.gate_up_proj, rows, block_expert, top_k, gate_up_delta
-            )
+            inter = moe_kernels.gate_up_act(x, experts.gate_up_proj, rows, block_expert, top_k, gate_up_delta)
             down_delta = None if expert_lora is None else expert_lora.down(inter)
             out = moe_kernels.down_weighted(
                 inter, experts.down_proj, flat_weights, rows, block_expert, down_delta

@@ -72,6 +72,3 @@ class MoEDecoderModel(DecoderModel):
             prefix = param.rsplit(".", 1)[0]
             return f"{prefix}.{expert}.{name}.weight"
         return super().checkpoint_name(param, part)
-
-
-

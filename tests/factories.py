@@ -73,9 +73,16 @@ FAMILY_SIZES = {
             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
         },
     ),
-    # 8 experts, top 2 (Qwen3-MoE renormalizes here as Qwen3-30B-A3B does; Mixtral always does).
+    # 8 experts, top 2 (Qwen3-MoE renormalizes here as Qwen3-30B-A3B does; Mixtral always does); Qwen3-MoE
+    # with a dense middle layer (mlp_only_layers).
     "qwen3_moe": dict(
-        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],
     ),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
     "phi3": dict(

@@ -116,7 +116,11 @@ def test_adapters_on_experts_are_read_per_expert(case):
     pair = adapter.modules[(0, "experts.gate_up_proj")]
     assert pair.lora_a.shape == (8, 16, shape.hidden_size)
     assert pair.lora_b.shape == (8, 2 * shape.moe_intermediate_size, 16)
-    assert adapter.modules[(1, "experts.down_proj")].lora_a.shape == (8, 16, shape.moe_intermediate_size)
+    assert adapter.modules[(shape.num_layers - 1, "experts.down_proj")].lora_a.shape == (
+        8,
+        16,
+        shape.moe_intermediate_size,
+    )
 
 
 def test_greedy_matches_transformers_peft(case):

@@ -29,12 +29,21 @@ from torch import nn
 
 from engine.model import moe_kernels
 from engine.model.layers.context import BuildContext
-from engine.model.layers.linear import check_shape, new_param, refuse_float8
+from engine.model.layers.linear import check_shape, new_param
 from engine.model.layers.sharding import Split
 from lora_kernels.tiles import interpreting
 
 # The parts of one expert's gated MLP in a per-expert checkpoint, by its name for them.
 EXPERT_PARTS = {"gate_proj": 0, "up_proj": 1, "down_proj": None}
+
+
+def refuse_float8_experts(tensor) -> None:
+    if tensor.is_float8:
+        raise ValueError(
+            f"checkpoint tensor {tensor.name!r} is float8: FP8 mixture-of-experts layers are not served yet; "
+            "serve the bf16 checkpoint (quantization='fp8' then quantizes the attention projections, the "
+            "experts stay bf16)"
+        )
 
 
 @dataclass(frozen=True)
@@ -55,8 +64,7 @@ class Router(nn.Module):
 
     def _load(self, param, tensor, shard) -> None:
         check_shape(tensor, tuple(param.shape))
-        if tensor.is_float8:
-            refuse_float8(tensor)
+        refuse_float8_experts(tensor)
         param.data.copy_(tensor.read())
         param.loaded.add(None)
 
@@ -92,8 +100,7 @@ class Experts(nn.Module):
         return expert - self.expert_start if self.expert_start <= expert < self.expert_end else None
 
     def _load_gate_up(self, param, tensor, shard) -> None:
-        if tensor.is_float8:
-            refuse_float8(tensor)
+        refuse_float8_experts(tensor)
         inter, local_i = self.spec.intermediate_size, self.row_end - self.row_start
         if shard is None:  # the fused [E, 2I, H] tensor
             check_shape(tensor, (self.spec.num_experts, 2 * inter, self.hidden_size))
@@ -114,8 +121,7 @@ class Experts(nn.Module):
         param.loaded.add(shard)
 
     def _load_down(self, param, tensor, shard) -> None:
-        if tensor.is_float8:
-            refuse_float8(tensor)
+        refuse_float8_experts(tensor)
         inter = self.spec.intermediate_size
         if shard is None:  # the fused [E, H, I] tensor
             check_shape(tensor, (self.spec.num_experts, self.hidden_size, inter))

@@ -59,10 +59,12 @@ def align_by_expert(
 
 
 def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[num_experts] int64 pairs per expert; unlike bincount, its size never depends on the data (no sync,
-    so it captures in a CUDA graph)."""
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    return counts.scatter_add_(0, ids.reshape(-1).long(), torch.ones_like(ids.reshape(-1), dtype=torch.int64))
+    """[num_experts] int64 pairs per expert (ids of -1 not counted); unlike bincount, its size never
+    depends on the data (no sync, so it captures in a CUDA graph)."""
+    ids = ids.reshape(-1).long()
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, torch.where(ids < 0, num_experts, ids), torch.ones_like(ids))
+    return counts[:num_experts]
 
 
 @triton.jit

@@ -144,3 +144,18 @@ def test_triton_path_matches(case):
         make_llm(case, max_num_seqs=4, attention_backend="triton"), short, greedy(3), count
     )
     assert triton_path == torch_path
+
+
+def test_routing_counts_every_token_each_moe_layer_routes(case):
+    """Tokens per expert since the start (the metrics' source): each forwarded token counts top_k times
+    per MoE layer (Qwen3-MoE's dense layer counts nothing)."""
+    llm = make_llm(case, max_num_seqs=4, enable_prefix_caching=False)
+    prompts = case["prompts"][:3]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(4))
+    assert all(o.error is None for o in outputs)
+    model = llm.engine.runner.model
+    forwarded = sum(len(p) for p in prompts) + len(prompts) * (4 - 1)  # the last token is never fed back
+    stats = llm.engine.stats()
+    assert len(stats.moe_expert_tokens) == 8
+    assert sum(stats.moe_expert_tokens) == forwarded * 2 * len(model.moe_layers)
+    assert stats.moe_load_imbalance >= 1.0

@@ -160,7 +160,10 @@ class SparseMoE(nn.Module):
         # The Triton kernels on CUDA and on the Triton path (interpreted on the CPU); the torch path elsewhere.
         triton_path = ctx.device.type == "cuda" or ctx.attention_backend == "triton"
         self.backend = backend or ("triton" if triton_path else "torch")
-        self.routed_tokens: torch.Tensor | None = None  # [E] tokens routed per expert, last forward
+        # [E] int64: tokens routed to each expert since the start (a row of the model's RoutingCounts);
+        # `count_mask` [T] bool leaves out CUDA-graph padding rows (set per forward by the model).
+        self.routed_tokens: torch.Tensor | None = None
+        self.count_mask: torch.Tensor | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, K] float32, expert ids [T, K]) of each token's top-k experts."""
@@ -175,7 +178,9 @@ class SparseMoE(nn.Module):
         num_tokens = x.shape[0]
         top_k = self.spec.top_k
         weights, ids = self.route(x)
-        self.routed_tokens = moe_kernels.expert_counts(ids, self.spec.num_experts)
+        if self.routed_tokens is not None:
+            counted = ids if self.count_mask is None else torch.where(self.count_mask[:, None], ids, -1)
+            self.routed_tokens.add_(moe_kernels.expert_counts(counted, self.spec.num_experts))
         experts = self.experts
         local = ids - experts.expert_start
         local = torch.where((local >= 0) & (local < experts.num_local), local, experts.num_local).reshape(-1)

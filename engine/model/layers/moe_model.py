@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from engine.model.layers.decoder import DecoderModel
 from engine.model.layers.moe import EXPERT_PARTS, MoESpec, SparseMoE
 
@@ -47,9 +49,20 @@ class MoEDecoderModel(DecoderModel):
 
     def __init__(self, config, ctx):
         super().__init__(config, ctx)
+        self.moe_layers = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
         for i, layer in enumerate(self.model.layers):
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.layer = i
+        self.routing = RoutingCounts(self.moe_layers, ctx.device)
+
+    def forward(self, input_ids, meta, kv_caches, lora):
+        # In a captured decode step the rows past the batch are padding, at position 0, where no real
+        # decode token sits (eager steps have no padding): they are not counted as routed.
+        capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        mask = meta.positions > 0 if capturing else None
+        for moe in self.moe_layers:
+            moe.count_mask = mask
+        return super().forward(input_ids, meta, kv_caches, lora)
 
     def rename(self, name: str) -> str:
         """A checkpoint name in this family's older spelling -> the transformers 5 one."""
@@ -72,3 +85,22 @@ class MoEDecoderModel(DecoderModel):
             prefix = param.rsplit(".", 1)[0]
             return f"{prefix}.{expert}.{name}.weight"
         return super().checkpoint_name(param, part)
+
+
+class RoutingCounts:
+    """Tokens routed to each expert of each MoE layer since the start, for metrics (the router runs on
+    every rank, so rank 0's counts cover every token). `read()` never waits for the GPU: it returns the
+    counts copied at the previous call (one step behind at most) and starts the next copy."""
+
+    def __init__(self, layers: list, device: torch.device):
+        num_experts = layers[0].spec.num_experts if layers else 0
+        self.counts = torch.zeros(len(layers), num_experts, dtype=torch.int64, device=device)
+        for i, moe in enumerate(layers):
+            moe.routed_tokens = self.counts[i]
+        pinned = device.type == "cuda"
+        self._host = torch.zeros(self.counts.shape, dtype=torch.int64, pin_memory=pinned)
+
+    def read(self) -> torch.Tensor:  # [moe layers, E] int64 on the CPU
+        snapshot = self._host.clone()
+        self._host.copy_(self.counts, non_blocking=True)
+        return snapshot if self.counts.device.type == "cuda" else self._host.clone()

@@ -124,20 +124,28 @@ def warm_up(runner, sampler) -> None:  # sampler: the engine's, for its type onl
     shape = runner.shape if runner.parallel is None else runner.parallel.plan.local_shape
     groups = lora_groups(shape)
 
+    # A mixture of experts' kernels compile per rows-per-block too (engine/model/moe_kernels.py).
+    moe_key = getattr(runner.model, "kernel_key", None)
+
     def key(num_tokens: int) -> tuple:
-        return lora_key(
+        lora = lora_key(
             num_tokens, groups, config.max_loras, runner.lora_slots.kernel_rank, runner.dtype, runner.device
         )
+        return lora if moe_key is None else (lora, moe_key(num_tokens))
 
     batches = WarmupBatches(runner)
     max_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * (runner.max_model_len - 1))
     counts = eager_token_counts(max_tokens, key)
     steps = [batches.mixed(n, use_lora=True) for n in counts]
     steps.append(batches.mixed(max_tokens, use_lora=False))
+    if moe_key is not None:  # the fused-MoE kernels without LoRA's deltas, at every rows-per-block
+        steps += [batches.mixed(n, use_lora=False) for n in counts]
     if runner.graphs is None:
         sizes = decode_batch_sizes(config.max_num_seqs, key, runner.model.num_kv_heads, runner.device)
         steps += [batches.decode(n, use_lora=True) for n in sizes]
         steps.append(batches.decode(1, use_lora=False))
+        if moe_key is not None:
+            steps += [batches.decode(n, use_lora=False) for n in sizes]
     # Eager variants only: steps a verification graph could serve (a few tokens per request) must run
     # eagerly here too, since steps too large for its buckets run them so later (capture compiled its own).
     verify_graphs, runner.verify_graphs = runner.verify_graphs, None

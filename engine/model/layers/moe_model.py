@@ -20,6 +20,7 @@ import torch
 
 from engine.model.layers.decoder import DecoderModel
 from engine.model.layers.moe import EXPERT_PARTS, MoESpec, SparseMoE
+from engine.model.moe_kernels import block_rows
 
 EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.weight$")
@@ -63,6 +64,13 @@ class MoEDecoderModel(DecoderModel):
         for moe in self.moe_layers:
             moe.count_mask = mask
         return super().forward(input_ids, meta, kv_caches, lora)
+
+    def kernel_key(self, num_tokens: int) -> int | None:
+        """What the fused-MoE kernels of a step of `num_tokens` tokens compile per (engine/warmup.py)."""
+        if not self.moe_layers:
+            return None
+        moe = self.moe_layers[0]
+        return block_rows(num_tokens * moe.spec.top_k, moe.experts.num_local)
 
     def rename(self, name: str) -> str:
         """A checkpoint name in this family's older spelling -> the transformers 5 one."""

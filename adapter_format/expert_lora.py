@@ -15,6 +15,7 @@ rank-major. `expert_pair` turns them into [E, r, in] and [E, out, r].
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 
@@ -101,3 +102,129 @@ def expert_pair(
     a = lora_a.view(num_experts, rank, lora_a.shape[1])
     b = lora_b.view(lora_b.shape[0], rank, num_experts).permute(2, 0, 1)
     return a, b
+
+
+# -- per-expert target_modules (PEFT on transformers 4, whose experts were separate Linear modules) -----
+#
+#   ...layers.3.mlp.experts.5.gate_proj.lora_A.weight [r, H]   (Mixtral: block_sparse_moe.experts.5.w1)
+#
+# Expert e's gate and up pairs fold into one pair of the stacked gate_up_proj, block-diagonally (rank
+# r_gate + r_up): A = [A_gate; A_up], B = [[B_gate, 0], [0, B_up]], exact; down's pair is down_proj's.
+
+PER_EXPERT_TENSOR = re.compile(
+    r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
+    r"(?P<part>\w+?)\.lora_(?P<ab>[AB])\.weight$"
+)
+# An expert's projections by their names (Qwen's; Mixtral's w1, w3, w2): 0 gate, 1 up, 2 down.
+EXPERT_PART_NAMES = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
+
+
+def part_module(part: str) -> str:
+    return "experts.down_proj" if EXPERT_PART_NAMES[part] == 2 else "experts.gate_up_proj"
+
+
+def fold_per_expert(
+    tensors: dict[tuple[int, int, str], dict[str, torch.Tensor]], shape: ModelShape, ranks: dict
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """{(layer, expert, part): {"A", "B"}} -> {(layer, module): (A [E, R, in], B [E, out, R])}, R the
+    folded rank `ranks[(layer, module)]` (experts without a pair, and ranks past an expert's, zero)."""
+    inter, experts = shape.moe_intermediate_size, shape.num_experts
+    out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), rank in ranks.items():
+        in_features, out_features = shape.module_dims(module)
+        dtype = next(iter(tensors.values()))["A"].dtype
+        out[(layer, module)] = (
+            torch.zeros(experts, rank, in_features, dtype=dtype),
+            torch.zeros(experts, out_features, rank, dtype=dtype),
+        )
+    used: dict[tuple[int, int], int] = {}  # (layer, expert) -> gate_up ranks filled so far
+    for (layer, expert, part), ab in sorted(
+        tensors.items(), key=lambda kv: (kv[0][0], kv[0][1], EXPERT_PART_NAMES[kv[0][2]])
+    ):
+        which = EXPERT_PART_NAMES[part]
+        a, b = out[(layer, part_module(part))]
+        r = ab["A"].shape[0]
+        if which == 2:
+            a[expert, :r], b[expert, :, :r] = ab["A"], ab["B"]
+            continue
+        first = used.get((layer, expert), 0)
+        used[(layer, expert)] = first + r
+        a[expert, first : first + r] = ab["A"]
+        b[expert, which * inter : (which + 1) * inter, first : first + r] = ab["B"]
+    return out
+
+
+def check_per_expert(
+    pairs: dict[tuple[int, str, int, str], dict[str, tuple[int, ...]]],
+    shape: ModelShape,
+    settings,
+    max_lora_rank: int,
+    deadline: float,
+) -> dict[tuple[int, str], tuple[int, float]]:
+    """Validate per-expert pairs {(layer, block, expert, part): {"A", "B": shape}} as PEFT would load them;
+    {(layer, stacked module): (folded rank, scale)}. Gate and up of a layer's experts fold into one
+    pair, so their scalings must agree (they do unless alpha_pattern or rank_pattern tell them apart)."""
+    h, inter = shape.hidden_size, shape.moe_intermediate_size
+    ranks: dict[tuple[int, str], int] = {}
+    scales: dict[tuple[int, str], float] = {}
+    filled: dict[tuple[int, int], int] = {}
+    for (layer, block, expert, part), ab in sorted(pairs.items()):
+        where = f"layer {layer} expert {expert} {part}"
+        if set(ab) != {"A", "B"}:
+            raise AdapterError("incomplete_pair", f"{where}: lora_A and lora_B must both be present")
+        if layer >= shape.num_layers or expert >= shape.num_experts:
+            raise AdapterError(
+                "layer_out_of_range",
+                f"{where}: the base model has {shape.num_layers} layers of {shape.num_experts} experts",
+            )
+        down = EXPERT_PART_NAMES[part] == 2
+        in_features, out_features = (inter, h) if down else (h, inter)
+        rank = ab["A"][0] if len(ab["A"]) == 2 else 0
+        if rank < 1 or ab["A"] != (rank, in_features) or ab["B"] != (out_features, rank):
+            raise AdapterError(
+                "shape_mismatch",
+                f"{where}: lora_A {list(ab['A'])} / lora_B {list(ab['B'])} do not fit the base model's expert, "
+                f"which needs [r, {in_features}] / [{out_features}, r]",
+            )
+        key = f"model.layers.{layer}.{block}.experts.{expert}.{part}"
+        refusal = settings.targets.refusal(layer, part, deadline, key) if settings.targets else None
+        if refusal is not None:
+            raise AdapterError(
+                "tensor_not_targeted",
+                f"adapter_model.safetensors holds {where}, but {refusal[1]} ({key}): PEFT would not apply "
+                "those tensors",
+                refusal[0],
+            )
+        configured = settings.rank_for(key, deadline)
+        if rank != configured:
+            raise AdapterError(
+                "rank_mismatch",
+                f"{where} has rank {rank}, but adapter_config.json gives it rank {configured}; PEFT refuses "
+                "to load such an adapter",
+                "r" if configured == settings.rank else "rank_pattern",
+            )
+        alpha = settings.alpha_for(key, deadline)
+        scale = alpha / (math.sqrt(rank) if settings.use_rslora else rank)
+        module = part_module(part)
+        if scales.setdefault((layer, module), scale) != scale:
+            raise AdapterError(
+                "feature_unsupported",
+                f"{where}: its scaling {scale:g} differs from other {module} pairs of layer {layer} "
+                f"({scales[(layer, module)]:g}); per-expert adapters are served with one scaling per layer "
+                "for gate/up and one for down",
+                "alpha_pattern",
+            )
+        total = rank if down else filled.get((layer, expert), 0) + rank
+        if not down:
+            filled[(layer, expert)] = total
+        ranks[(layer, module)] = max(ranks.get((layer, module), 0), total)
+    for (layer, module), rank in ranks.items():
+        if rank > max_lora_rank:
+            raise AdapterError(
+                "rank_too_large",
+                f"layer {layer}: the experts' gate_proj and up_proj pairs fold into one {module} pair of rank "
+                f"{rank} (their ranks added), above max_lora_rank {max_lora_rank}; start the server with "
+                f"--max-lora-rank {rank} or more",
+                "r",
+            )
+    return {key: (rank, scales[key]) for key, rank in ranks.items()}

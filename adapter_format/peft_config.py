@@ -18,7 +18,7 @@ import regex
 
 from adapter_format.bounded_json import loads_bounded
 from adapter_format.errors import AdapterError, show_value
-from adapter_format.expert_lora import read_target_parameters
+from adapter_format.expert_lora import EXPERT_PART_NAMES, read_target_parameters
 from adapter_format.files import CONFIG_FILE
 from adapter_format.model_shape import ModelShape
 from adapter_format.module_patterns import compile_pattern, search
@@ -196,7 +196,8 @@ def _compiled(patterns: dict, field_name: str, convert) -> tuple:
 def check_target_names(targets: tuple[str, ...], shape: ModelShape) -> None:
     """A list of target_modules as PEFT matches them: a name or a dotted path ending in one
     ("model.layers.0.self_attn.qkv_proj", as `target_modules="all-linear"` saves them)."""
-    unsupported = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in shape.targets})
+    allowed = set(shape.targets) | (set(EXPERT_PART_NAMES) if shape.num_experts else set())
+    unsupported = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in allowed})
     if unsupported:
         named = [t.rsplit(".", 1)[-1] for t in unsupported]
         raise AdapterError(

@@ -123,3 +123,33 @@ def test_pool_pages_follow_the_adapters_rank():
         b = image.page_b["experts.down_proj"][1]  # [max_pages, E, out, PAGE_RANK]
         torch.testing.assert_close(a.transpose(0, 1).flatten(1, 2)[:, :rank], pair.lora_a)
         torch.testing.assert_close(b.permute(1, 2, 0, 3).flatten(2)[:, :, :rank], pair.lora_b)
+
+
+def per_expert_tensors(
+    rank: int = 4, parts=("gate_proj", "up_proj", "down_proj")
+) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for expert in (0, 3):
+        for part in parts:
+            cols, out = (32, 64) if part == "down_proj" else (64, 32)
+            prefix = f"base_model.model.model.layers.1.mlp.experts.{expert}.{part}"
+            shapes[f"{prefix}.lora_A.weight"], shapes[f"{prefix}.lora_B.weight"] = (rank, cols), (out, rank)
+    return shapes
+
+
+def test_per_expert_pairs_fold_gate_and_up():
+    cfg = {
+        "peft_type": "LORA",
+        "r": 4,
+        "lora_alpha": 8,
+        "target_modules": ["gate_proj", "up_proj", "down_proj"],
+    }
+    adapter = check_adapter(cfg, per_expert_tensors(), MOE, 16)
+    assert adapter.modules[(1, "experts.gate_up_proj")].rank == 8  # gate's 4 + up's 4
+    assert adapter.modules[(1, "experts.down_proj")].rank == 4
+    with pytest.raises(AdapterError, match="fold into one experts.gate_up_proj pair of rank 16") as error:
+        check_adapter({**cfg, "r": 8}, per_expert_tensors(rank=8), MOE, 8)
+    assert error.value.code == "rank_too_large"
+    with pytest.raises(AdapterError, match="target_modules does not name it") as error:
+        check_adapter({**cfg, "target_modules": ["gate_proj", "down_proj"]}, per_expert_tensors(), MOE, 16)
+    assert error.value.code == "tensor_not_targeted"

@@ -159,3 +159,68 @@ def test_routing_counts_every_token_each_moe_layer_routes(case):
     assert len(stats.moe_expert_tokens) == 8
     assert sum(stats.moe_expert_tokens) == forwarded * 2 * len(model.moe_layers)
     assert stats.moe_load_imbalance >= 1.0
+
+
+def write_per_expert_adapter(case, path, rank=4, alpha=8):
+    """An adapter as PEFT saved it on transformers 4, whose experts were Linear modules: a pair per expert
+    and projection (Mixtral's w1/w3/w2 under block_sparse_moe), on every other expert. Returns it and the
+    per-expert updates {(layer, expert, 0 gate | 1 up | 2 down): scale * B @ A}."""
+    import json
+
+    config = load_config(case["model_dir"])
+    mixtral = case["arch"] == "mixtral"
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    block = "block_sparse_moe" if mixtral else "mlp"
+    h = config.hidden_size
+    inter = config.intermediate_size if mixtral else config.moe_intermediate_size
+    gen = torch.Generator().manual_seed(99)
+    tensors, updates = {}, {}
+    moe_layers = [
+        i
+        for i in range(config.num_hidden_layers)
+        if i not in (getattr(config, "mlp_only_layers", None) or [])
+    ]
+    for layer in moe_layers:
+        for expert in range(0, 8, 2):
+            for part, name in enumerate(names):
+                cols, out = (inter, h) if part == 2 else (h, inter)
+                a = torch.randn(rank, cols, generator=gen) * 0.3
+                b = torch.randn(out, rank, generator=gen) * 0.3
+                prefix = f"base_model.model.model.layers.{layer}.{block}.experts.{expert}.{name}"
+                tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
+                updates[(layer, expert, part)] = alpha / rank * b @ a
+    path.mkdir()
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    adapter_config = dict(
+        peft_type="LORA", task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, target_modules=list(names)
+    )
+    (path / "adapter_config.json").write_text(json.dumps(adapter_config))
+    return path, updates
+
+
+def test_per_expert_target_modules_of_older_peft(case):
+    """Per-expert pairs (older PEFT) fold into the stacked experts' pairs: the tokens of transformers with
+    each update merged into its expert's weights, mixed with base-model requests."""
+    from transformers import AutoModelForCausalLM
+
+    path, updates = write_per_expert_adapter(case, case["root"] / "per_expert")
+    merged = AutoModelForCausalLM.from_pretrained(case["model_dir"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        for (layer, expert, part), delta in updates.items():
+            experts = merged.model.layers[layer].mlp.experts
+            if part == 2:
+                experts.down_proj[expert] += delta
+            else:
+                inter = delta.shape[0]
+                experts.gate_up_proj[expert, part * inter : (part + 1) * inter] += delta
+    prompts = case["prompts"][:4]
+    assigned = ["old", None, "old", "old"]
+    references = per_adapter_reference(case["model_dir"], {})
+    expected = [
+        expected_tokens(merged if a else references[None], p, NUM_NEW_TOKENS)
+        for p, a in zip(prompts, assigned)
+    ]
+    assert expected[0] != expected_tokens(references[None], prompts[0], NUM_NEW_TOKENS)
+    llm = LLM(model=str(case["model_dir"]), lora_modules={"old": str(path)}, **{**ARGS, "max_num_seqs": 4})
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), adapters=assigned)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

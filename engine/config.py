@@ -140,6 +140,10 @@ class EngineConfig:
                 f"max_logprobs must be -1 (no cap) or a non-negative integer (got {self.max_logprobs!r})"
             )
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(
+                f"enable_expert_parallel must be true or false (got {self.enable_expert_parallel!r})"
+            )
         if self.lora_pool_rank_budget is not None:
             _positive("lora_pool_rank_budget", self.lora_pool_rank_budget)
             if self.lora_pool_rank_budget < self.max_lora_rank:

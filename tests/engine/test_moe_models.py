@@ -136,7 +136,10 @@ def test_fused_checkpoint_layout(case):
 
 @pytest.mark.interpreted
 def test_triton_path_matches(case):
-    """The fused-MoE kernels (interpreted) with the expert LoRA deltas: the tokens of the torch path."""
+    """The fused-MoE kernels (interpreted) with the expert LoRA deltas: the tokens of the torch path.
+    (Mixtral's layers run the same kernels; interpreting costs CI time.)"""
+    if case["arch"] == "mixtral":
+        pytest.skip("Qwen3-MoE runs the same kernels")
     short = {**case, "prompts": [p[:8] for p in case["prompts"]]}
     count = 4  # one request per adapter and one without
     torch_path = generate(make_llm(case, max_num_seqs=4), short, greedy(3), count=count)

@@ -10,14 +10,13 @@ to (expected distinct experts of B tokens drawing top-k of E at random: E (1 - (
 plus attention, router and LM head weights, the KV of every sequence, and the LoRA pairs the step
 touches (attention's per adapter, experts' per adapter and expert hit).
 
-    python3 benchmarks/moe.py                                  # one GPU, bf16, N = 0 and 8 adapters
-    python3 benchmarks/moe.py --adapters 0 16 --rank 8 --max-loras 16
-    python3 benchmarks/moe.py --tensor-parallel-size 2 --enable-expert-parallel   # EP over two GPUs
+    python3 benchmarks/moe.py --layers 24                      # one H100 (80 GB), bf16, N = 0 and 16
+    python3 benchmarks/moe.py --tensor-parallel-size 2 --enable-expert-parallel   # all 48 layers, EP 2
     python3 benchmarks/moe.py --smoke                          # tiny shape on the CPU (checks it runs)
 
-Expert LoRA is large: rank r on every expert of every layer is E r (3H + 3I) elements per layer (rank 16
-at this shape: 1.26 GB per adapter in bf16), so the pool holds --max-loras of them; the adapter files are
---distinct-adapters random ones registered under N names.
+Expert LoRA is large: rank r on every expert of every layer is E r (3H + 3I) elements per layer (rank 8
+at this shape: 0.63 GB per adapter in bf16), so the pool holds --max-loras of them; the adapter files are
+--distinct-adapters random ones registered under N names. The 48 layers' weights alone take 61 GB.
 """
 
 from __future__ import annotations
@@ -184,9 +183,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, help="fewer layers than the shape's (memory)")
-    parser.add_argument("--adapters", type=int, nargs="+", default=[0, 8])
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--max-loras", type=int, default=8)
+    parser.add_argument("--adapters", type=int, nargs="+", default=[0, 16])
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--max-loras", type=int, default=16)
     parser.add_argument("--distinct-adapters", type=int, default=2, help="adapter files written")
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)

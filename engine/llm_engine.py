@@ -403,4 +403,5 @@ class LLMEngine:
             counters=self.counters,
             config=self.config,
             cache_config=self._cache_config,
+            routing=getattr(self.runner.model, "routing", None),
         )

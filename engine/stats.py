@@ -82,6 +82,11 @@ class EngineStats:
     adapter_cold_start: tuple[tuple[str, HistogramCounts], ...] = ()
     # Every adapter in a GPU slot or the CPU tier, by id (vllm:lora_adapter_loaded and its counts)
     lora_residency: tuple[AdapterResidency, ...] = ()
+    # A mixture of experts' routing since the start (empty for a dense model): tokens routed to each
+    # expert, summed over the MoE layers; and the worst layer's imbalance, its busiest expert's tokens over
+    # its mean (1.0: even). loraserve_moe_expert_tokens_total, loraserve_moe_load_imbalance.
+    moe_expert_tokens: tuple[int, ...] = ()
+    moe_load_imbalance: float = 0.0
 
 
 @dataclass(frozen=True)

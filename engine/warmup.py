@@ -129,23 +129,30 @@ def warm_up(runner, sampler) -> None:  # sampler: the engine's, for its type onl
     # The kernel ranks a step's LoRA kernels may be sized to (engine/lora/pool.py, rank buckets); each
     # one compiles its own variants. Under tensor parallelism, only the pool's kernel rank.
     variants = pool.bucket_variants() if runner.parallel is None else [(pool.kernel_rank,)]
+    # A mixture of experts' kernels compile per rows-per-block too (engine/model/moe_kernels.py).
+    moe_key = getattr(runner.model, "kernel_key", None)
 
     def key(num_tokens: int) -> tuple:
-        return tuple(
+        lora = tuple(
             lora_key(num_tokens, groups, pool.max_loras, rank, runner.dtype, runner.device)
             for variant in variants
             for rank in variant
         )
+        return lora if moe_key is None else (lora, moe_key(num_tokens))
 
     batches = WarmupBatches(runner)
     max_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * (runner.max_model_len - 1))
     counts = eager_token_counts(max_tokens, key)
     lora_steps = [batches.mixed(n, use_lora=True) for n in counts]
     steps = [batches.mixed(max_tokens, use_lora=False)]
+    if moe_key is not None:  # the fused-MoE kernels without LoRA's deltas, at every rows-per-block
+        steps += [batches.mixed(n, use_lora=False) for n in counts]
     if runner.graphs is None:
         sizes = decode_batch_sizes(config.max_num_seqs, key, runner.model.num_kv_heads, runner.device)
         lora_steps += [batches.decode(n, use_lora=True) for n in sizes]
         steps.append(batches.decode(1, use_lora=False))
+        if moe_key is not None:
+            steps += [batches.decode(n, use_lora=False) for n in sizes]
     # Eager variants only: steps a verification graph could serve (a few tokens per request) must run
     # eagerly here too, since steps too large for its buckets run them so later (capture compiled its own).
     verify_graphs, runner.verify_graphs = runner.verify_graphs, None

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from engine.config import EngineConfig
 from engine.lora.cold_starts import TierHistograms
 from engine.output_processor import RequestState
@@ -74,6 +76,7 @@ def engine_stats(
     counters: EngineCounters,
     config: EngineConfig,
     cache_config: tuple[tuple[str, str], ...],
+    routing=None,  # the model's RoutingCounts (a mixture of experts), else None
 ) -> EngineStats:
     """The engine's load right now, read from its scheduler, KV cache, adapter manager and counters."""
     return EngineStats(
@@ -101,4 +104,15 @@ def engine_stats(
         adapter_cold_start=lora.cold_start_seconds.snapshot(),
         spec_decode=speculator.stats() if speculator is not None else None,
         lora_residency=lora.residency(),
+        **_routing(routing),
     )
+
+
+def _routing(routing) -> dict:
+    """EngineStats' MoE fields from the counts per layer and expert."""
+    if routing is None or routing.counts.numel() == 0:
+        return {}
+    counts = routing.read()  # [layers, E]
+    mean = counts.double().mean(dim=1)
+    worst = (counts.amax(dim=1) / mean.clamp(min=1e-9)).where(mean > 0, torch.ones_like(mean))
+    return dict(moe_expert_tokens=tuple(counts.sum(dim=0).tolist()), moe_load_imbalance=float(worst.max()))

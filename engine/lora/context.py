@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 import lora_kernels
+from engine.lora.expert_lora import ExpertLoRA
 from engine.lora.pool import LoRAPool
 from lora_kernels import tiles
 from lora_kernels.meta import LoRABatchMeta
@@ -44,6 +45,13 @@ class LoRAContext:
             rank_buckets=self.rank_buckets,
             meta=self._segments(),
         )
+
+    def experts(self, moe, x: torch.Tensor, local_ids: torch.Tensor):
+        """The routed experts' LoRA updates of one MoE layer (engine/lora/expert_lora.py), or None where
+        the model has no expert targets."""
+        if moe.layer is None or "experts.gate_up_proj" not in self.slots.layers[moe.layer]:
+            return None
+        return ExpertLoRA(self, moe.layer, x, local_ids, moe.spec.top_k, moe.experts.num_local)
 
     def _segments(self) -> LoRABatchMeta | None:
         """The tokens grouped by slot for the segmented kernels: the same in every layer, so built once a

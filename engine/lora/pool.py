@@ -21,6 +21,7 @@ of the row, but never address weights through them, since they stop at the adapt
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,7 +50,7 @@ def kernel_rank_buckets(kernel_rank: int) -> tuple[int, ...]:
 class ModuleSlots:
     """One projection of one layer (views into `LoRAPool`'s tensors)."""
 
-    lora_a: torch.Tensor  # [num_pages, PAGE_RANK, in], page stride page_numel
+    lora_a: torch.Tensor  # [num_pages, PAGE_RANK, in], page stride page_numel ([num_pages, E, ...]: experts)
     lora_b: torch.Tensor  # [num_pages, out, PAGE_RANK], likewise
     scales: torch.Tensor  # [max_loras] float32; 0 where the slot's adapter does not target this module
     ranks: torch.Tensor  # [max_loras] int32; 0 where untargeted
@@ -90,11 +91,10 @@ class LoRAPool:
             self.num_pages, dtype=torch.int32, device=device
         )  # copied, never synced
         views: dict[tuple[str, str], list[torch.Tensor]] = {}
-        for (module, kind), (offset, (_, rows, cols)) in self.layout.blocks().items():
+        for (module, kind), (offset, (_, *dims)) in self.layout.blocks().items():
+            size = math.prod(dims)
             views[module, kind] = [
-                self.weights[:, offset + i * rows * cols : offset + (i + 1) * rows * cols].unflatten(
-                    1, (rows, cols)
-                )
+                self.weights[:, offset + i * size : offset + (i + 1) * size].unflatten(1, dims)
                 for i in range(n)
             ]
         # module -> [num_layers, max_loras]; each layer's row is contiguous, as the kernels need.

@@ -59,6 +59,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         kv_cache_dtype=settings.kv_cache_dtype,
         quantization=settings.quantization,
         tensor_parallel_size=settings.tensor_parallel_size,
+        enable_expert_parallel=settings.enable_expert_parallel,
         speculative_config=settings.speculative_config,
         kv_events_config=settings.kv_events_config,
         enforce_eager=settings.enforce_eager,

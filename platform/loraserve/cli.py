@@ -57,6 +57,7 @@ _SERVE_FIELDS = (
     "kv_cache_dtype",
     "quantization",
     "tensor_parallel_size",
+    "enable_expert_parallel",
     "speculative_config",
     "kv_events_config",
     "enable_prefix_caching",
@@ -138,6 +139,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="GPUs of this host one model is split over (Megatron-style, one worker process per GPU "
         "beyond the first); 1: one GPU",
+    )
+    add(
+        "--enable-expert-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="mixture-of-experts models: whole experts per GPU instead of a slice of every expert "
+        "(attention stays tensor-parallel); with --tensor-parallel-size above 1",
     )
     add(
         "--speculative-config",

@@ -51,6 +51,7 @@ class ServerSettings:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None  # engine.EngineConfig.quantization
     tensor_parallel_size: int = 1  # engine.EngineConfig.tensor_parallel_size
+    enable_expert_parallel: bool = False  # engine.EngineConfig.enable_expert_parallel
     # vLLM's --speculative-config: JSON text of engine.spec_decode.config.SpeculativeConfig; None: off
     speculative_config: str | None = None
     # vLLM's --kv-events-config: JSON text of engine.kv_events.config.KVEventsConfig; None: no KV events

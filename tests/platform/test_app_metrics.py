@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 from app_fixtures import make_text_model
@@ -227,6 +228,15 @@ def test_adapter_latency_histograms_carry_the_source_tier_and_no_names():
         for key, _ in labels
     }
     assert labels == {"model_name", "source_tier", "le"}  # bounded: never an adapter or tenant name
+
+
+def test_moe_routing_is_exported_per_expert():
+    stats = replace(engine_stats((), ()), moe_expert_tokens=(5, 0, 7), moe_load_imbalance=1.75)
+    found = samples(Metrics("tiny", engine_stats=lambda: stats).render().decode())
+    assert value(found, "loraserve_moe_expert_tokens_total", model_name="tiny", expert="2") == 7
+    assert value(found, "loraserve_moe_load_imbalance", model_name="tiny") == 1.75
+    dense = samples(Metrics("tiny", engine_stats=lambda: engine_stats((), ())).render().decode())
+    assert not [name for name, _ in dense if name.startswith("loraserve_moe")]
 
 
 def test_lora_requests_info_names_a_running_adapter_as_requests_name_it(tmp_path, model_dir, adapter_dir):

@@ -319,6 +319,8 @@ class _StateCollector(Collector):
         if stats.spec_decode is not None:
             yield from _spec_decode_families(stats, model)
         yield from _adapter_latency_families(stats, model)
+        if stats.moe_expert_tokens:
+            yield from _moe_families(stats, model)
         capacity = GaugeMetricFamily("loraserve_lora_slots", "GPU adapter slots (max_loras).")
         capacity.add_metric([], stats.max_loras)
         yield capacity
@@ -414,6 +416,24 @@ def _spec_decode_families(stats: EngineStats, model: list[str]) -> Iterator[Metr
     for position, count in enumerate(spec.num_accepted_tokens_per_pos):
         per_position.add_metric([*model, str(position)], count)
     yield per_position
+
+
+def _moe_families(stats: EngineStats, model: list[str]) -> Iterator[Metric]:
+    """A mixture of experts' routing, so imbalance shows: tokens per expert, and the worst layer's skew."""
+    routed = CounterMetricFamily(
+        "loraserve_moe_expert_tokens",
+        "Tokens routed to each expert since start, summed over the MoE layers.",
+        labels=["model_name", "expert"],
+    )
+    for expert, count in enumerate(stats.moe_expert_tokens):
+        routed.add_metric([*model, str(expert)], count)
+    yield routed
+    yield _gauge(
+        "loraserve_moe_load_imbalance",
+        "The most imbalanced MoE layer's busiest expert's tokens over its mean since start (1: even).",
+        stats.moe_load_imbalance,
+        model,
+    )
 
 
 def _tenant_families(stats: EngineStats) -> Iterator[Metric]:

@@ -25,12 +25,19 @@ from adapter_format.model_shape import ModelShape, module_key
 from adapter_format.module_patterns import new_deadline
 from adapter_format.peft_config import LoraSettings, check_adapter_config, read_adapter_config
 from adapter_format.safetensors_header import DTYPE_BYTES, TensorSpan, read_tensor_spans
-from adapter_format.weight_values import check_weight_values
+from adapter_format.weight_values import check_magnitude_values, check_weight_values
 
-# e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (any prefix before `layers.`).
+# e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (any prefix before `layers.`), and
+# DoRA's magnitude vector, `...q_proj.lora_magnitude_vector` (PEFT >= 0.12 may add `.weight`; it reads both).
 _TENSOR_NAME = re.compile(
-    r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<module>\w+?)\.lora_(?P<ab>[AB])\.weight$"
+    r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<module>\w+?)\."
+    r"(?:lora_(?P<ab>[AB])\.weight|(?P<magnitude>lora_magnitude_vector)(?:\.weight)?)$"
 )
+MAGNITUDE = "M"  # a module's DoRA magnitude among its tensors (next to "A" and "B")
+
+
+def _part(match: re.Match) -> str:
+    return MAGNITUDE if match["magnitude"] else match["ab"]
 # PEFT's names are under 100 characters; longer ones are refused before the pattern or int() see them.
 MAX_TENSOR_NAME_CHARS = 512
 
@@ -43,6 +50,9 @@ class ModuleLoRA:
     scale: float  # PEFT's scaling: alpha / r, or alpha / sqrt(r) with use_rslora
     lora_a: torch.Tensor | None = None  # [rank, in]
     lora_b: torch.Tensor | None = None  # [out, rank]
+    # DoRA (use_dora): the magnitude vector [out]; the output row n is scaled by
+    # magnitude[n] / ||W[n] + scale * (B A)[n]|| (engine/lora/dora.py)
+    magnitude: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,12 @@ class PeftAdapter:
     target_modules: tuple[str, ...]
     base_model: str | None
     modules: dict[tuple[int, str], ModuleLoRA]
+    use_dora: bool = False
+
+    @property
+    def format(self) -> str:
+        """What `/v1/adapters` shows: "lora" or "dora"."""
+        return "dora" if self.use_dora else "lora"
 
 
 def check_adapter(
@@ -73,9 +89,10 @@ def check_adapter(
             raise AdapterError(
                 "unexpected_tensor",
                 f"tensor {show_value(name)} is not a LoRA weight of a decoder-layer projection "
-                f"({', '.join(shape.targets)}); embedding, lm_head, bias and DoRA tensors are not supported",
+                f"({', '.join(shape.targets)}) or its DoRA magnitude; embedding, lm_head and bias tensors are "
+                "not supported",
             )
-        layer, module, ab = int(match["layer"]), match["module"], match["ab"]
+        layer, module, ab = int(match["layer"]), match["module"], _part(match)
         if module not in shape.targets:
             raise AdapterError(
                 "unsupported_target",
@@ -97,8 +114,9 @@ def check_adapter(
             )
         pair = pairs.setdefault((layer, module), {})
         if ab in pair:
+            what = "lora_magnitude_vector" if ab == MAGNITUDE else f"lora_{ab}"
             raise AdapterError(
-                "duplicate_tensor", f"layer {layer} {module}: lora_{ab} appears twice ({show_value(name)})"
+                "duplicate_tensor", f"layer {layer} {module}: {what} appears twice ({show_value(name)})"
             )
         pair[ab] = tuple(tensor_shape)
     if not pairs:
@@ -106,10 +124,11 @@ def check_adapter(
 
     modules: dict[tuple[int, str], ModuleLoRA] = {}
     for (layer, module), ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
+        if not {"A", "B"} <= set(ab):
             raise AdapterError(
                 "incomplete_pair", f"layer {layer} {module}: lora_A and lora_B must both be present"
             )
+        _check_magnitude(settings, layer, module, ab.get(MAGNITUDE), shape)
         in_features, out_features = shape.module_dims(module)
         rank = ab["A"][0] if len(ab["A"]) == 2 else 0
         if rank < 1:
@@ -157,7 +176,39 @@ def check_adapter(
         target_modules=targets,
         base_model=settings.base_model,
         modules=modules,
+        use_dora=settings.use_dora,
     )
+
+
+def _check_magnitude(
+    settings: LoraSettings, layer: int, module: str, magnitude: tuple[int, ...] | None, shape: ModelShape
+) -> None:
+    """DoRA: each pair needs its magnitude vector [out] (PEFT would start a missing one at the base
+    weight's norm and serve something else); without use_dora PEFT ignores a magnitude, so it is refused."""
+    out_features = shape.module_dims(module)[1]
+    if not settings.use_dora:
+        if magnitude is not None:
+            raise AdapterError(
+                "unexpected_tensor",
+                f"layer {layer} {module} has a lora_magnitude_vector (DoRA), but adapter_config.json does not "
+                "set use_dora: PEFT would ignore it; set use_dora to true or remove the tensor",
+                "use_dora",
+            )
+        return
+    if magnitude is None:
+        raise AdapterError(
+            "missing_magnitude",
+            f"layer {layer} {module}: use_dora is set but its lora_magnitude_vector is missing from "
+            "adapter_model.safetensors (PeftModel.save_pretrained saves it)",
+            "use_dora",
+        )
+    if magnitude != (out_features,):
+        raise AdapterError(
+            "shape_mismatch",
+            f"layer {layer} {module}: lora_magnitude_vector has shape {list(magnitude)}, but the base model "
+            f"needs [{out_features}] (one magnitude per output feature); was the adapter trained on another model?",
+            "lora_magnitude_vector",
+        )
 
 
 def _scaling(settings: LoraSettings, key: str, rank: int, deadline: float) -> float:
@@ -249,9 +300,19 @@ def _with_tensors(adapter: PeftAdapter, tensors: Mapping[str, torch.Tensor]) -> 
     loaded: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         match = _TENSOR_NAME.match(name)
-        loaded.setdefault((int(match["layer"]), match["module"]), {})[match["ab"]] = tensor
+        loaded.setdefault((int(match["layer"]), match["module"]), {})[_part(match)] = tensor
+        if match["magnitude"]:
+            check_magnitude_values(name, tensor)
     modules = {
-        key: ModuleLoRA(rank=m.rank, scale=m.scale, lora_a=loaded[key]["A"], lora_b=loaded[key]["B"])
+        key: ModuleLoRA(
+            rank=m.rank,
+            scale=m.scale,
+            lora_a=loaded[key]["A"],
+            lora_b=loaded[key]["B"],
+            magnitude=loaded[key].get(MAGNITUDE),
+        )
         for key, m in adapter.modules.items()
     }
-    return PeftAdapter(adapter.rank, adapter.alpha, adapter.target_modules, adapter.base_model, modules)
+    return PeftAdapter(
+        adapter.rank, adapter.alpha, adapter.target_modules, adapter.base_model, modules, adapter.use_dora
+    )

@@ -40,6 +40,17 @@ def _slice_of_block(pid_n, tiles0, tiles1, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _dora_scales(g_ptr, dora_ptr, stride_gs, slot, col0, offs_n, n_ok, HAS_DORA: tl.constexpr):
+    """DoRA's per-column scale of the slot's adapter, magnitude / ||W + s B A|| per output row (1.0 for a
+    slot without DoRA, whose row is then not read at all: the load is masked off)."""
+    g = tl.full(offs_n.shape, 1.0, tl.float32)
+    if HAS_DORA:
+        is_dora = tl.load(dora_ptr + slot) != 0
+        g = tl.load(g_ptr + slot.to(tl.int64) * stride_gs + col0 + offs_n, mask=n_ok & is_dora, other=1.0)
+    return g
+
+
+@triton.jit
 def _load_b(
     b0_ptr,
     b1_ptr,
@@ -116,6 +127,9 @@ def _expand_gathered_kernel(
     slot_ranks_ptr,  # [num_slots] int32, read only if HAS_RANKS
     page_table_ptr,  # [num_slots, max_pages] int32, read only if PAGED
     page_table_stride,
+    g_ptr,  # [num_slots, sum(output_slices)] float32 DoRA column scales, read only if HAS_DORA
+    dora_ptr,  # [num_slots] int32: 1 where the slot holds a DoRA adapter, read only if HAS_DORA
+    stride_gs,
     w0,
     w1,
     w2,  # output_slices
@@ -137,6 +151,7 @@ def _expand_gathered_kernel(
     HAS_RANKS: tl.constexpr,
     PAGED: tl.constexpr,  # B in pages of PAGE ranks through the page table (else dense stacks)
     PAGE: tl.constexpr,
+    HAS_DORA: tl.constexpr,  # scale each output column by g[slot] after the update (DoRA slots only)
     USE_PDL: tl.constexpr,
 ):
     """One program per (output block, token); rank is tiny, so a broadcast-multiply-sum beats tl.dot."""
@@ -179,6 +194,7 @@ def _expand_gathered_kernel(
     if NUM_SLICES > 1:
         scale_ptr = pick(slice_id, s0_ptr, s1_ptr, s2_ptr)
     scale = tl.load(scale_ptr + slot)
+    g = _dora_scales(g_ptr, dora_ptr, stride_gs, slot, col0, offs_n, n_ok, HAS_DORA)
     if USE_PDL:
         gdc_wait()  # h is written by the shrink grid
     offs_r = tl.arange(0, BLOCK_R)
@@ -187,7 +203,10 @@ def _expand_gathered_kernel(
     for k in tl.static_range(SPLIT_K):  # unrolled: the partials' loads issue together, not in turn
         hv += tl.load(h_row + k * stride_hk, mask=offs_r < r_limit, other=0.0)
     out = tl.sum(b.to(tl.float32) * hv[None, :], axis=1)
-    tl.store(y_row, (yv.to(tl.float32) + scale * out).to(y_ptr.dtype.element_ty), mask=n_ok)
+    result = yv.to(tl.float32) + scale * out
+    if HAS_DORA:
+        result = result * g
+    tl.store(y_row, result.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -207,6 +226,9 @@ def _expand_segmented_kernel(
     tile_slot_ptr,  # [max_tiles] int32
     tile_start_ptr,  # [max_tiles] int32
     tile_len_ptr,  # [max_tiles] int32
+    g_ptr,  # DoRA, as above
+    dora_ptr,
+    stride_gs,
     w0,
     w1,
     w2,
@@ -230,6 +252,7 @@ def _expand_segmented_kernel(
     PAGED: tl.constexpr,
     PAGE: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    HAS_DORA: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One program per (output block, tile of one slot's tokens): B's block is read once per tile."""
@@ -278,6 +301,7 @@ def _expand_segmented_kernel(
     if NUM_SLICES > 1:
         scale_ptr = pick(slice_id, s0_ptr, s1_ptr, s2_ptr)
     scale = tl.load(scale_ptr + slot)
+    g = _dora_scales(g_ptr, dora_ptr, stride_gs, slot, col0, offs_n, offs_n < width, HAS_DORA)
     if USE_PDL:
         gdc_wait()
     h_tile = h_ptr + slice_id * stride_hs + tokens[:, None] * stride_ht + offs_r[None, :]
@@ -297,14 +321,29 @@ def _expand_segmented_kernel(
         lo = (hv - hi.to(tl.float32)).to(b.dtype)
         out = tl.dot(hi, tl.trans(b))
         out = tl.dot(lo, tl.trans(b), out)
-    tl.store(y_tile, (yv.to(tl.float32) + scale * out).to(y_ptr.dtype.element_ty), mask=y_mask)
+    result = yv.to(tl.float32) + scale * out
+    if HAS_DORA:
+        result = result * g[None, :]
+    tl.store(y_tile, result.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def launch_expand(
-    y, h, lora_bs, scales, token_slots, slot_ranks, output_slices, meta, path, config, page_table=None
+    y,
+    h,
+    lora_bs,
+    scales,
+    token_slots,
+    slot_ranks,
+    output_slices,
+    meta,
+    path,
+    config,
+    page_table=None,
+    dora=None,
 ) -> None:
     """Launch one expand kernel for all slices; `config` is an ExpandConfig from tiles.py. With a
-    `page_table` ([num_slots, max_pages] int32), `lora_bs` are pools of B pages [num_pages, out, PAGE]."""
+    `page_table` ([num_slots, max_pages] int32), `lora_bs` are pools of B pages [num_pages, out, PAGE].
+    `dora`: (scales [num_slots, sum(output_slices)] float32, flags [num_slots] int32) or None."""
     num_slices = len(lora_bs)
     b = list(lora_bs) + [lora_bs[0]] * (3 - num_slices)
     s = list(scales) + [scales[0]] * (3 - num_slices)
@@ -325,6 +364,7 @@ def launch_expand(
         HAS_RANKS=slot_ranks is not None,
         PAGED=paged,
         PAGE=lora_bs[0].shape[2] if paged else 1,
+        HAS_DORA=dora is not None,
         USE_PDL=config.use_pdl,
         num_warps=config.num_warps,
     )
@@ -333,9 +373,14 @@ def launch_expand(
     slot_strides = [t.stride(0) // align for t in b]
     tail = (*widths, *slot_strides, tiles[0], tiles[1], y.stride(0), h.stride(0), h.stride(1), h.stride(2))
     paging = (table, table.stride(0) if paged else 0)
+    # Without DoRA the pointers are never read: any int32 tensor stands in.
+    g, flags = dora if dora is not None else (ranks, ranks)
+    dora_args = (g, flags, g.stride(0) if dora is not None else 0)
     if path == "gathered":
         grid = (sum(tiles), y.shape[0])
-        _expand_gathered_kernel[grid](y, h, *b, *s, token_slots, ranks, *paging, *tail, **common)
+        _expand_gathered_kernel[grid](
+            y, h, *b, *s, token_slots, ranks, *paging, *dora_args, *tail, **common
+        )
     else:
         grid = (sum(tiles), meta.num_tiles)
         _expand_segmented_kernel[grid](
@@ -349,6 +394,7 @@ def launch_expand(
             meta.tile_slot,
             meta.tile_start,
             meta.tile_len,
+            *dora_args,
             *tail,
             BLOCK_M=meta.block_m,
             DOT_FP32=config.dot_fp32,

@@ -233,6 +233,8 @@ def add_lora_paged(
     output_slices: Sequence[int],
     slot_ranks: torch.Tensor,  # [num_slots] int32: rows read per slot; pages past them are never touched
     *,
+    dora_scales: torch.Tensor | None = None,  # [num_slots, sum(output_slices)] float32, unit column stride
+    dora_slots: torch.Tensor | None = None,  # [num_slots] int32: nonzero where dora_scales applies
     meta: LoRABatchMeta | None = None,
     path: str = "auto",
     backend: str = "auto",
@@ -240,6 +242,10 @@ def add_lora_paged(
 ) -> torch.Tensor:
     """`add_lora_multi` over adapters kept in pages: an adapter of rank r holds ceil(r / page) pages, so
     memory follows each adapter's rank instead of the largest one (engine/lora/pool.py lays them out).
+
+    With `dora_scales` and `dora_slots` (DoRA), a token of a slot s with `dora_slots[s] != 0` gets
+    `y[t] = (y[t] + update) * dora_scales[s]` instead, in the same expand kernel (its epilogue): the
+    column-wise magnitude / weight-norm factor of each DoRA adapter (engine/lora/dora.py computes it).
 
     Pages need not be contiguous; the kernels read a slot's page ids once per program, before the K loop.
     As `add_lora` needs B zero past each rank, B must be zero past a slot's rank up to the end of its
@@ -258,10 +264,11 @@ def add_lora_paged(
     checks.check_slots(token_slots, scales, slot_ranks, x.shape[0], num_slots, max_rank, x.device, validate)
     if validate or x.device.type == "cpu":
         checks.check_page_values(page_table, slot_ranks, pool_as[0].shape[1], pool_as[0].shape[0])
+    dora = checks.check_dora(dora_scales, dora_slots, num_slots, sum(output_slices), x.device)
     backend, path = _resolve(x.device, backend, path, x.shape[0])
     if backend == "torch":
         return reference.add_lora_paged(
-            y, x, pool_as, pool_bs, page_table, token_slots, scales, output_slices, slot_ranks
+            y, x, pool_as, pool_bs, page_table, token_slots, scales, output_slices, slot_ranks, dora
         )
     if x.shape[0] == 0:
         return y
@@ -274,6 +281,17 @@ def add_lora_paged(
     h = torch.empty(shape, dtype=torch.float32, device=x.device)[:, :, :num_tokens]
     launch_shrink(h, x, pool_as, token_slots, slot_ranks, meta, path, conf.shrink, page_table)
     launch_expand(
-        y, h, pool_bs, scales, token_slots, slot_ranks, output_slices, meta, path, conf.expand, page_table
+        y,
+        h,
+        pool_bs,
+        scales,
+        token_slots,
+        slot_ranks,
+        output_slices,
+        meta,
+        path,
+        conf.expand,
+        page_table,
+        dora,
     )
     return y

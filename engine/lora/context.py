@@ -38,6 +38,8 @@ class LoRAContext:
             [t.scales for t in targets],
             [t.lora_b.shape[1] for t in targets],
             self.slots.slot_ranks(layer, modules),
+            dora_scales=self.slots.dora_view(layer, modules),
+            dora_slots=self.slots.dora_slots[layer],
             meta=self._segments(),
         )
 

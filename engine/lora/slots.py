@@ -27,6 +27,7 @@ from functools import cached_property
 import torch
 
 from adapter_format.checkpoint import PeftAdapter
+from adapter_format.errors import AdapterError
 from adapter_format.model_shape import ModelShape
 from engine.lora.pages import pages_for_rank
 
@@ -66,6 +67,9 @@ class SlotLayout:
 
     shape: ModelShape
     max_rank: int
+    # Whether the pool serves DoRA adapters: False under tensor parallelism, whose row-parallel shards
+    # hold only part of each weight row whose norm DoRA needs.
+    dora: bool = True
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -92,8 +96,28 @@ class SlotLayout:
         return slice(len(self.targets), 2 * len(self.targets))
 
     @property
-    def table_columns(self) -> int:
+    def dora_column(self) -> int:
+        """1 in every layer where the adapter is DoRA (its output rows scaled by magnitude / norm)."""
         return 2 * len(self.targets) + len(self.fused_groups)
+
+    @property
+    def table_columns(self) -> int:
+        return self.dora_column + 1
+
+    @cached_property
+    def output_columns(self) -> dict[str, tuple[int, int]]:
+        """module -> [start, end) of its outputs in a layer's row of DoRA magnitudes and scales: the
+        targets' outputs one after another, so each launch group's columns are contiguous, as in y."""
+        columns, start = {}, 0
+        for module in self.targets:
+            width = self.shape.module_dims(module)[1]
+            columns[module] = (start, start + width)
+            start += width
+        return columns
+
+    @property
+    def output_width(self) -> int:
+        return max(end for _, end in self.output_columns.values())
 
     def blocks(self) -> dict[tuple[str, str], tuple[int, tuple[int, int, int]]]:
         """(module, "a" or "b") -> (offset, dims) inside a page: A [num_layers, PAGE_RANK, in], B
@@ -116,9 +140,13 @@ class SlotLayout:
         return pages_for_rank(self.max_rank, PAGE_RANK)
 
     @property
-    def numel(self) -> int:
-        """Elements of an image: pages for max_rank."""
+    def pages_numel(self) -> int:
         return self.max_pages * self.page_numel
+
+    @property
+    def numel(self) -> int:
+        """Elements of an image: pages for max_rank, then DoRA magnitudes [num_layers, output_width]."""
+        return self.pages_numel + self.shape.num_layers * self.output_width
 
 
 @dataclass
@@ -136,7 +164,15 @@ class SlotImage:
 
     @property
     def pages(self) -> torch.Tensor:  # [max_pages, page_numel]
-        return self.weights.view(self.layout.max_pages, self.layout.page_numel)
+        return self.weights[: self.layout.pages_numel].view(self.layout.max_pages, self.layout.page_numel)
+
+    @property
+    def magnitudes(self) -> torch.Tensor:  # [num_layers, output_width]: DoRA's, zeros for plain LoRA
+        return self.weights[self.layout.pages_numel :].view(self.layout.shape.num_layers, -1)
+
+    @property
+    def use_dora(self) -> bool:
+        return bool(self.table[0, self.layout.dora_column])
 
     @property
     def rank(self) -> int:
@@ -210,6 +246,13 @@ def build_image(
     the CPU tier, overwritten whole), or into new tensors, page-locked with `pin_memory`."""
     if adapter.rank > layout.max_rank:
         raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {layout.max_rank}")
+    if adapter.use_dora and not layout.dora:
+        raise AdapterError(
+            "dora_unsupported",
+            "DoRA adapters (use_dora) are not served with tensor_parallel_size > 1 yet; serve this adapter "
+            "from a server with tensor_parallel_size 1",
+            "use_dora",
+        )
     if out is None:
         weights = torch.zeros(layout.numel, dtype=dtype, pin_memory=pin_memory)
         table = torch.zeros(
@@ -237,4 +280,9 @@ def build_image(
         )
     for group, bound in image.rank_bounds.items():
         bound.copy_(torch.stack([image.ranks[m] for m in group]).amax(0))
+    if adapter.use_dora:
+        table[:, layout.dora_column] = 1
+        for (layer, module), pair in adapter.modules.items():
+            start, end = layout.output_columns[module]
+            image.magnitudes[layer, start:end] = pair.magnitude
     return image

@@ -52,7 +52,7 @@ class RankZeroLoRASlots(LoRAPool):
         super().__init__(plan.local_shape, max_loras, max_rank, dtype, device, rank_budget)
         self.plan = plan
         self.local_layout = self.layout
-        self.layout = SlotLayout(plan.shape, max_rank)
+        self.layout = SlotLayout(plan.shape, max_rank, dora=False)
         self.shape = plan.shape
         # (slot, pages, shard of worker 1, 2, ...)
         self._pending: list[tuple[int, list[int], list[SlotImage]]] = []

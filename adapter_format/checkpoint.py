@@ -38,6 +38,8 @@ MAGNITUDE = "M"  # a module's DoRA magnitude among its tensors (next to "A" and 
 
 def _part(match: re.Match) -> str:
     return MAGNITUDE if match["magnitude"] else match["ab"]
+
+
 # PEFT's names are under 100 characters; longer ones are refused before the pattern or int() see them.
 MAX_TENSOR_NAME_CHARS = 512
 

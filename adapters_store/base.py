@@ -393,4 +393,5 @@ def _record(
         sha256=checked.sha256,
         size_bytes=checked.size_bytes,
         created_at=created_at,
+        format=adapter.format,
     )

@@ -38,6 +38,7 @@ class AdapterRecord:
     sha256: str
     size_bytes: int
     created_at: str  # ISO 8601 UTC, e.g. 2025-01-31T12:00:00Z
+    format: str = "lora"  # "lora" or "dora" (adapter_format.checkpoint.PeftAdapter.format)
 
     @property
     def ref(self) -> str:
@@ -71,6 +72,7 @@ class AdapterRecord:
                 sha256=str(raw["sha256"]),
                 size_bytes=int(raw["size_bytes"]),
                 created_at=str(raw["created_at"]),
+                format=str(raw.get("format", "lora")),  # manifests written before formats were recorded
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"manifest is missing or mistypes a field: {exc}") from None

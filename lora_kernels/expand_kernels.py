@@ -378,9 +378,7 @@ def launch_expand(
     dora_args = (g, flags, g.stride(0) if dora is not None else 0)
     if path == "gathered":
         grid = (sum(tiles), y.shape[0])
-        _expand_gathered_kernel[grid](
-            y, h, *b, *s, token_slots, ranks, *paging, *dora_args, *tail, **common
-        )
+        _expand_gathered_kernel[grid](y, h, *b, *s, token_slots, ranks, *paging, *dora_args, *tail, **common)
     else:
         grid = (sum(tiles), meta.num_tiles)
         _expand_segmented_kernel[grid](

@@ -85,5 +85,10 @@ class DoraBase:
             lora_b = slots.lora_b[pages].transpose(0, 1).flatten(1)[:, :rank]  # [out, rank]
             start, end = self.layout.output_columns[target]
             scales[layer, start:end] = column_scales(
-                linear.kernel, rows, lora_a, lora_b, module_scales[layer][column], magnitudes[layer, start:end]
+                linear.kernel,
+                rows,
+                lora_a,
+                lora_b,
+                module_scales[layer][column],
+                magnitudes[layer, start:end],
             )

@@ -14,7 +14,10 @@ from engine import LLM, SamplingParams
 NUM_NEW_TOKENS = 12
 ADAPTERS = {
     "dora_qv_r4": (make_dora_adapter, dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])),
-    "dora_all_r8": (make_dora_adapter, dict(r=8, lora_alpha=16, target_modules="all-linear", use_rslora=True)),
+    "dora_all_r8": (
+        make_dora_adapter,
+        dict(r=8, lora_alpha=16, target_modules="all-linear", use_rslora=True),
+    ),
     "dora_mlp_r16": (make_dora_adapter, dict(r=16, lora_alpha=8, target_modules=["gate_proj", "down_proj"])),
     "lora_r8": (make_adapter, dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "o_proj"])),
 }

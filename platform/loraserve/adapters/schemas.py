@@ -21,6 +21,7 @@ class Adapter(msgspec.Struct, frozen=True, kw_only=True):
     sha256: str  # of adapter_model.safetensors
     size_bytes: int
     created_at: str  # ISO 8601 UTC
+    format: str = "lora"  # "lora" or "dora" (use_dora)
     object: Literal["adapter"] = "adapter"
 
     @classmethod

@@ -80,6 +80,7 @@ class LoRAPool:
         self.dora_slots = self.table[:, layout.dora_column]  # [num_layers, max_loras] int32
         self.dora_base = None  # engine.lora.dora.DoraBase, attached by the model runner
         self._dora_views: dict[tuple[int, tuple[str, ...]], torch.Tensor] = {}
+        self._output_columns = layout.output_columns  # this pool's own (a rank's shard's) widths
         self._page_ids = torch.arange(
             self.num_pages, dtype=torch.int32, device=device
         )  # copied, never synced
@@ -111,10 +112,10 @@ class LoRAPool:
         contiguous, in y's order; the slot stride is the whole row)."""
         view = self._dora_views.get((layer, modules))
         if view is None:
-            columns = self.layout.output_columns
+            columns = self._output_columns
             start, end = columns[modules[0]][0], columns[modules[-1]][1]
             if end - start != sum(columns[m][1] - columns[m][0] for m in modules):
-                raise ValueError(f"LoRA targets {modules} are not consecutive in {self.layout.targets}")
+                raise ValueError(f"LoRA targets {modules} are not consecutive in {self.shape.targets}")
             view = self._dora_views[layer, modules] = self.dora_scales[layer, :, start:end]
         return view
 
@@ -149,6 +150,12 @@ class LoRAPool:
             if self.dora_base is None:
                 raise ValueError("this adapter pool serves no DoRA adapters (no base weights attached)")
             self.dora_base.fill_scales(self, slot, image)
+
+    def finish_dora(self) -> None:
+        """Tensor parallelism: make the DoRA scales of the slots loaded since the last call (every rank
+        calls it at the same point of a step: engine/lora/dora.py)."""
+        if self.dora_base is not None:
+            self.dora_base.finish(self)
 
     def snapshot(self, slot: int) -> SlotImage:
         """What `slot` holds, gathered into a new CPU image (tests and debugging; it syncs)."""

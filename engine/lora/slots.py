@@ -27,7 +27,6 @@ from functools import cached_property
 import torch
 
 from adapter_format.checkpoint import PeftAdapter
-from adapter_format.errors import AdapterError
 from adapter_format.model_shape import ModelShape
 from engine.lora.pages import pages_for_rank
 
@@ -67,9 +66,6 @@ class SlotLayout:
 
     shape: ModelShape
     max_rank: int
-    # Whether the pool serves DoRA adapters: False under tensor parallelism, whose row-parallel shards
-    # hold only part of each weight row whose norm DoRA needs.
-    dora: bool = True
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -246,13 +242,6 @@ def build_image(
     the CPU tier, overwritten whole), or into new tensors, page-locked with `pin_memory`."""
     if adapter.rank > layout.max_rank:
         raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {layout.max_rank}")
-    if adapter.use_dora and not layout.dora:
-        raise AdapterError(
-            "dora_unsupported",
-            "DoRA adapters (use_dora) are not served with tensor_parallel_size > 1 yet; serve this adapter "
-            "from a server with tensor_parallel_size 1",
-            "use_dora",
-        )
     if out is None:
         weights = torch.zeros(layout.numel, dtype=dtype, pin_memory=pin_memory)
         table = torch.zeros(

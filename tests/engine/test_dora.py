@@ -1,5 +1,7 @@
 """DoRA adapters served in one batch with plain LoRA adapters and the base model: greedy tokens identical
-to transformers + PEFT in float32 (Llama, and Qwen2 whose q/k/v biases DoRA must leave unscaled)."""
+to transformers + PEFT in float32 (Llama, and Qwen2 whose q/k/v biases DoRA must leave unscaled), also
+over 2 tensor-parallel ranks (gloo), where each row-parallel norm is summed over the ranks, and with
+fewer slots than adapters (DoRA slots refilled by plain ones and back)."""
 
 from __future__ import annotations
 
@@ -65,3 +67,30 @@ def test_dora_mixed_with_lora_and_base_matches_peft(dora_case, max_num_batched_t
     for output, expected, adapter in zip(outputs, dora_case["expected"], dora_case["assigned"]):
         assert output.error is None
         assert output.outputs[0].token_ids == expected, f"adapter {adapter}"
+
+
+@pytest.mark.parametrize("tp, max_loras", [(2, 2)])
+def test_dora_over_tensor_parallel_ranks_matches_peft(dora_case, tp, max_loras):
+    llm = LLM(
+        model=str(dora_case["model_dir"]),
+        lora_modules={k: str(v) for k, v in dora_case["adapters"].items()},
+        tensor_parallel_size=tp,
+        max_loras=max_loras,
+        max_lora_rank=16,
+        block_size=8,
+        max_model_len=128,
+        dtype="float32",
+        max_num_seqs=16,
+        max_num_batched_tokens=16,
+    )
+    workers = llm.engine.runner.parallel.workers.processes
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in dora_case["prompts"]], params, adapters=dora_case["assigned"]
+        )
+        assert [o.outputs[0].token_ids for o in outputs] == dora_case["expected"]
+        assert llm.engine.lora.allocator.num_evictions > 0, "DoRA slots were meant to be refilled"
+    finally:
+        llm.engine.shutdown()
+        assert not [p for p in workers if p.is_alive()], "a worker outlived the engine"

@@ -24,15 +24,23 @@ def make_dora_adapter(model_dir: Path, path: Path, seed: int = 0, **lora_kwargs)
 
 
 @torch.inference_mode()
-def peft_greedy(model_dir: Path, adapter: Path | None, prompts: list[list[int]], max_new_tokens: int):
+def peft_greedy(
+    model_dir: Path,
+    adapter: Path | None,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+):
     """transformers + PEFT greedy tokens of each prompt under one adapter (None: the base model). One
     adapter per model: PEFT refuses mixed-adapter batches (`adapter_names`) with DoRA."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter).eval()
+    model = model.to(device, dtype)
     outputs = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=device)
         out = model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
@@ -43,3 +51,15 @@ def peft_greedy(model_dir: Path, adapter: Path | None, prompts: list[list[int]],
         )
         outputs.append(out[0, len(prompt) :].tolist())
     return outputs
+
+
+def greedy_by_adapter(model_dir, adapters: dict, prompts, assigned, max_new_tokens, **kwargs):
+    """`peft_greedy` of each prompt under its assigned adapter name (None: the base model), in order."""
+    expected = [None] * len(prompts)
+    for name in {*assigned}:
+        rows = [i for i, a in enumerate(assigned) if a == name]
+        path = adapters[name] if name is not None else None
+        tokens = peft_greedy(model_dir, path, [prompts[i] for i in rows], max_new_tokens, **kwargs)
+        for i, t in zip(rows, tokens):
+            expected[i] = t
+    return expected

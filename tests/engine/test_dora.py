@@ -9,7 +9,7 @@ import random
 
 import pytest
 from factories import make_adapter, make_model
-from formats_fixtures import make_dora_adapter, peft_greedy
+from formats_fixtures import greedy_by_adapter, make_dora_adapter
 
 from engine import LLM, SamplingParams
 
@@ -38,12 +38,7 @@ def dora_case(request, tmp_path_factory):
     names = [*adapters, None]
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(3, 30))] for _ in range(10)]
     assigned = [names[i % len(names)] for i in range(len(prompts))]
-    expected = [None] * len(prompts)
-    for name in names:
-        rows = [i for i, a in enumerate(assigned) if a == name]
-        path = adapters[name] if name else None
-        for i, tokens in zip(rows, peft_greedy(model_dir, path, [prompts[i] for i in rows], NUM_NEW_TOKENS)):
-            expected[i] = tokens
+    expected = greedy_by_adapter(model_dir, adapters, prompts, assigned, NUM_NEW_TOKENS)
     return dict(model_dir=model_dir, adapters=adapters, prompts=prompts, assigned=assigned, expected=expected)
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from engine.lora.slots import PAGE_RANK, SlotImage
+from engine.model.fp8_linear import expand_scale
 
 # Rows of W + s B A formed at once (float32): bounds the temporary to ~64 MiB for a 4096-wide input.
 ROWS_PER_CHUNK = 4096
@@ -28,8 +29,8 @@ def dense_rows(kernel, start: int, end: int) -> torch.Tensor:
     caller adds to it), dequantized if it is FP8."""
     if isinstance(kernel, torch.Tensor):
         return kernel[start:end].to(torch.float32, copy=True)
-    weight, scale = kernel.weight[start:end].float(), kernel.scale[start:end]  # Fp8Linear
-    return weight * scale.repeat_interleave(kernel.group_size, dim=1)[:, : weight.shape[1]]
+    weight = kernel.weight[start:end].float()  # an Fp8Linear
+    return weight * expand_scale(kernel.scale[start:end], weight.shape[1], kernel.group_size)
 
 
 def squared_norms(

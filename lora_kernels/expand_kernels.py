@@ -1,5 +1,9 @@
 """Expand, `y += scale * h @ B[slot]^T` per token: the gathered and segmented kernels.
 
+With DoRA scales (HAS_DORA), a token of a DoRA slot stores `(y + scale * h @ B^T) * g[slot]` instead: g is
+the slot's float32 column scale (magnitude / weight-row norm, engine/lora/dora.py), loaded next to y; a
+slot whose DoRA flag is 0 masks the load off, so plain adapters pay one flag load per program.
+
 h arrives as float32 split-K partials `[split_k, num_slices, num_tokens, max_rank]` (split_k = 1 for a
 plain h) and is summed here. The output blocks of all slices of a fused projection form one grid axis:
 block ids [0, tiles0) are slice 0, [tiles0, tiles0 + tiles1) slice 1, the rest slice 2.

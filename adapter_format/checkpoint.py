@@ -34,6 +34,10 @@ _TENSOR_NAME = re.compile(
     r"(?:lora_(?P<ab>[AB])\.weight|(?P<magnitude>lora_magnitude_vector)(?:\.weight)?)$"
 )
 MAGNITUDE = "M"  # a module's DoRA magnitude among its tensors (next to "A" and "B")
+# A whole embedding or output head (modules_to_save, or saved because the vocabulary was resized).
+_FULL_MODULE = re.compile(
+    r"(?:^|\.)(embed_tokens|lm_head)(?:\.modules_to_save\.\w+|\.original_module)?\.weight$"
+)
 
 
 def _part(match: re.Match) -> str:
@@ -87,6 +91,14 @@ def check_adapter(
     prefixes: dict[str, str] = {}  # tensor name prefix -> the first tensor under it
     for name, tensor_shape in tensor_shapes.items():
         match = _TENSOR_NAME.match(name) if len(name) <= MAX_TENSOR_NAME_CHARS else None
+        if match is None and len(name) <= MAX_TENSOR_NAME_CHARS and _FULL_MODULE.search(name):
+            raise AdapterError(
+                "full_module_unsupported",
+                f"tensor {show_value(name)} {list(tensor_shape)} is a whole {_FULL_MODULE.search(name)[1]} "
+                "matrix: PEFT saves one for modules_to_save or when the tokenizer added tokens (resized "
+                "embeddings); the server serves LoRA pairs of the decoder projections only, with the base "
+                "model's own vocabulary: retrain without modules_to_save and new tokens",
+            )
         if match is None:
             raise AdapterError(
                 "unexpected_tensor",

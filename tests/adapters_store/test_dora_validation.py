@@ -72,3 +72,14 @@ def test_use_dora_that_is_not_a_boolean_is_refused(store, keys_of, copy_adapter,
     assert json.loads((dora_dir / "adapter_config.json").read_text())["use_dora"] is True
     assert any(n.endswith("lora_magnitude_vector") for n in load_file(dora_dir / WEIGHTS))
     assert torch.is_tensor(next(iter(load_file(dora_dir / WEIGHTS).values())))
+
+
+def test_a_resized_embedding_is_refused_naming_it(store, keys_of, copy_adapter, dora_dir):
+    """PEFT saves the whole embedding when the tokenizer added tokens (save_embedding_layers)."""
+    folder = copy_adapter(dora_dir)
+    tensors = load_file(folder / WEIGHTS)
+    tensors["base_model.model.model.embed_tokens.weight"] = torch.zeros(130, 32)
+    save_file(tensors, folder / WEIGHTS)
+    refused(
+        store, keys_of, folder, "full_module_unsupported", r"whole embed_tokens matrix: .*resized embeddings"
+    )

@@ -86,6 +86,8 @@ def test_dora_mixed_with_lora_and_base_matches_peft(dora_case, max_num_batched_t
 
 @pytest.mark.parametrize("tp, max_loras", [(2, 2)])
 def test_dora_over_tensor_parallel_ranks_matches_peft(dora_case, tp, max_loras):
+    if dora_case["arch"] == "qwen2":
+        pytest.skip("CI time: Llama's split and Phi-3's fused projections cover the shards")
     llm = LLM(
         model=str(dora_case["model_dir"]),
         lora_modules={k: str(v) for k, v in dora_case["adapters"].items()},

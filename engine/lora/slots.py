@@ -61,8 +61,8 @@ def _align(n: int) -> int:
 @dataclass(frozen=True)
 class SlotLayout:
     """Where each projection's A and B^T sit inside one page, how many pages an image has room for, and
-    the columns of the per-layer table: a scale (float32 bits) and a rank per target (the architecture's
-    `shape.targets`, in order), then each fused group's largest rank."""
+    the columns of the per-layer table: a scale (float32 bits) per target (the architecture's
+    `shape.targets`, in order), the DoRA flag, a rank per target, then each fused group's largest rank."""
 
     shape: ModelShape
     max_rank: int
@@ -79,26 +79,27 @@ class SlotLayout:
     def scale_column(self) -> dict[str, int]:
         return {m: i for i, m in enumerate(self.targets)}
 
+    @property
+    def dora_column(self) -> int:
+        """1 in every layer where the adapter is DoRA (its output rows scaled by magnitude / norm); before
+        the ranks, so that every column from `rank_columns.start` on is a rank the kernels read."""
+        return len(self.targets)
+
     @cached_property
     def rank_column(self) -> dict[str, int]:
-        return {m: len(self.targets) + i for i, m in enumerate(self.targets)}
+        return {m: len(self.targets) + 1 + i for i, m in enumerate(self.targets)}
 
     @cached_property
     def bound_column(self) -> dict[tuple[str, ...], int]:
-        return {g: 2 * len(self.targets) + i for i, g in enumerate(self.fused_groups)}
+        return {g: 2 * len(self.targets) + 1 + i for i, g in enumerate(self.fused_groups)}
 
     @property
     def rank_columns(self) -> slice:
-        return slice(len(self.targets), 2 * len(self.targets))
-
-    @property
-    def dora_column(self) -> int:
-        """1 in every layer where the adapter is DoRA (its output rows scaled by magnitude / norm)."""
-        return 2 * len(self.targets) + len(self.fused_groups)
+        return slice(len(self.targets) + 1, 2 * len(self.targets) + 1)
 
     @property
     def table_columns(self) -> int:
-        return self.dora_column + 1
+        return 2 * len(self.targets) + 1 + len(self.fused_groups)
 
     @cached_property
     def output_columns(self) -> dict[str, tuple[int, int]]:

@@ -226,3 +226,10 @@ def check_dora(
     if dora_scales.device != device or dora_slots.device != device:
         _fail(f"dora_scales and dora_slots must be on {device}")
     return dora_scales, dora_slots
+
+
+def check_bucket_ranks(token_slots: torch.Tensor, slot_ranks: torch.Tensor, top: int) -> None:
+    """Every token's slot rank fits the largest rank bucket (a host sync: the CPU, or validate=True)."""
+    used = token_slots[token_slots >= 0].long()
+    if used.numel() and int(slot_ranks[used].max()) > top:
+        _fail(f"a token's slot has rank {int(slot_ranks[used].max())}, above the largest rank bucket {top}")

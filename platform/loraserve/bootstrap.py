@@ -169,6 +169,7 @@ async def open_services(
             sampling_defaults=sampling_defaults,
             max_logprobs=settings.max_logprobs,
             tensor_parallel_size=settings.tensor_parallel_size,
+            tool_call_parser=settings.auto_tool_call_parser,
         )
     finally:
         if engine is not None:
@@ -237,6 +238,11 @@ def _demo_model(settings: ServerSettings) -> Path:
 
 def _log_startup(settings: ServerSettings, model_id: str, model: str, open_mode: bool) -> None:
     log.info("model: %s (from %s)", model_id, model)
+    if settings.tool_call_parser and not settings.enable_auto_tool_choice:
+        log.warning(
+            'tool_choice "auto" is off: --tool-call-parser %s needs --enable-auto-tool-choice',
+            settings.tool_call_parser,
+        )
     log.info("adapter store: %s", settings.adapter_store)
     if settings.metrics_listen_port is None and settings.metrics_key is None:
         log.warning("no metrics listener and no --metrics-key: /metrics is not served")

@@ -21,6 +21,7 @@ from types import FrameType
 import uvicorn
 
 from adapters_store.config import parse_size
+from loraserve.inference.tools import PARSERS
 from loraserve.ops.shutdown import Shutdown
 from loraserve.settings import (
     ADAPTER_LOADERS,
@@ -86,6 +87,8 @@ _SERVE_FIELDS = (
     "metrics_key",
     "placement_key",
     "adapter_lookup_ttl",
+    "enable_auto_tool_choice",
+    "tool_call_parser",
 )
 GiB = 1 << 30
 
@@ -304,6 +307,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds an adapter name's resolved version is trusted before the store is asked again "
         "(uploads and deletes reach every replica at once through the config store's events)",
+    )
+    add(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help='vLLM\'s: tool_choice "auto" (the default when a request has tools) reads tool calls from the '
+        "output with --tool-call-parser (adapters uploaded with a tool_call_parser use their own)",
+    )
+    add(
+        "--tool-call-parser",
+        help=f"the format models write tool calls in, by vLLM's names: {', '.join(PARSERS)} "
+        '(docs/API.md, "Tool calling")',
     )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 

@@ -44,12 +44,25 @@ from adapter_format.safetensors_header import (
     buffer_tensor_spans,
     read_tensor_spans,
 )
-from adapter_format.weight_values import check_weight_values
+from adapter_format.weight_values import check_magnitude_values, check_weight_values
 
-# e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (any prefix before `layers.`).
+# e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (any prefix before `layers.`), and
+# DoRA's magnitude vector, `...q_proj.lora_magnitude_vector` (PEFT >= 0.12 may add `.weight`; it reads both).
 _TENSOR_NAME = re.compile(
-    r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<module>\w+?)\.lora_(?P<ab>[AB])\.weight$"
+    r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<module>\w+?)\."
+    r"(?:lora_(?P<ab>[AB])\.weight|(?P<magnitude>lora_magnitude_vector)(?:\.weight)?)$"
 )
+MAGNITUDE = "M"  # a module's DoRA magnitude among its tensors (next to "A" and "B")
+# A whole embedding or output head (modules_to_save, or saved because the vocabulary was resized).
+_FULL_MODULE = re.compile(
+    r"(?:^|\.)(embed_tokens|lm_head)(?:\.modules_to_save\.\w+|\.original_module)?\.weight$"
+)
+
+
+def _part(match: re.Match) -> str:
+    return MAGNITUDE if match.groupdict().get("magnitude") else match["ab"]
+
+
 # PEFT's names are under 100 characters; longer ones are refused before the pattern or int() see them.
 MAX_TENSOR_NAME_CHARS = 512
 
@@ -62,6 +75,9 @@ class ModuleLoRA:
     scale: float  # PEFT's scaling: alpha / r, or alpha / sqrt(r) with use_rslora
     lora_a: torch.Tensor | None = None  # [rank, in]
     lora_b: torch.Tensor | None = None  # [out, rank]
+    # DoRA (use_dora): the magnitude vector [out]; the output row n is scaled by
+    # magnitude[n] / ||W[n] + scale * (B A)[n]|| (engine/lora/dora.py)
+    magnitude: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,12 @@ class PeftAdapter:
     target_modules: tuple[str, ...]
     base_model: str | None
     modules: dict[tuple[int, str], ModuleLoRA]
+    use_dora: bool = False
+
+    @property
+    def format(self) -> str:
+        """What `/v1/adapters` shows: "lora" or "dora"."""
+        return "dora" if self.use_dora else "lora"
 
 
 def check_adapter(
@@ -101,13 +123,22 @@ def check_adapter(
             continue
         if match is None and shape.num_experts and len(name) <= MAX_TENSOR_NAME_CHARS:
             match = EXPERT_TENSOR.match(name)  # target_parameters on the stacked experts: (layer, nesting)
+        if match is None and len(name) <= MAX_TENSOR_NAME_CHARS and _FULL_MODULE.search(name):
+            raise AdapterError(
+                "full_module_unsupported",
+                f"tensor {show_value(name)} {list(tensor_shape)} is a whole {_FULL_MODULE.search(name)[1]} "
+                "matrix: PEFT saves one for modules_to_save or when the tokenizer added tokens (resized "
+                "embeddings); the server serves LoRA pairs of the decoder projections only, with the base "
+                "model's own vocabulary: retrain without modules_to_save and new tokens",
+            )
         if match is None:
             raise AdapterError(
                 "unexpected_tensor",
                 f"tensor {show_value(name)} is not a LoRA weight of a decoder-layer projection "
-                f"({', '.join(shape.targets)}); embedding, lm_head, bias and DoRA tensors are not supported",
+                f"({', '.join(shape.targets)}) or its DoRA magnitude; embedding, lm_head and bias tensors are "
+                "not supported",
             )
-        layer, ab = int(match["layer"]), match["ab"]
+        layer, ab = int(match["layer"]), _part(match)
         module = match["module"] if "module" in match.groupdict() else f"experts{match['nest']}"
         if module not in shape.targets and not module.startswith("experts"):
             raise AdapterError(
@@ -130,16 +161,19 @@ def check_adapter(
             )
         pair = pairs.setdefault((layer, module), {})
         if ab in pair:
+            what = "lora_magnitude_vector" if ab == MAGNITUDE else f"lora_{ab}"
             raise AdapterError(
-                "duplicate_tensor", f"layer {layer} {module}: lora_{ab} appears twice ({show_value(name)})"
+                "duplicate_tensor", f"layer {layer} {module}: {what} appears twice ({show_value(name)})"
             )
         pair[ab] = tuple(tensor_shape)
     if not pairs and not per_expert:
         raise AdapterError("no_lora_weights", "adapter_model.safetensors holds no LoRA weights")
+    if per_expert and settings.use_dora:
+        raise _no_dora_on_experts()
 
     modules: dict[tuple[int, str], ModuleLoRA] = {}
     for (layer, module), ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
+        if not {"A", "B"} <= set(ab):
             raise AdapterError(
                 "incomplete_pair", f"layer {layer} {module}: lora_A and lora_B must both be present"
             )
@@ -147,10 +181,14 @@ def check_adapter(
             module = expert_module(shape, ab["A"], ab["B"], f"layer {layer} mlp.{module}")
             if (layer, module) in modules:
                 raise AdapterError("duplicate_tensor", f"layer {layer} mlp.{module} is adapted twice")
+            if settings.use_dora:
+                raise _no_dora_on_experts()
             ab = {
                 "A": (ab["A"][0] // shape.num_experts, ab["A"][1]),
                 "B": (ab["B"][0], ab["B"][1] // shape.num_experts),
             }
+        else:
+            _check_magnitude(settings, layer, module, ab.get(MAGNITUDE), shape)
         in_features, out_features = shape.module_dims(module)
         rank = ab["A"][0] if len(ab["A"]) == 2 else 0
         if rank < 1:
@@ -211,6 +249,15 @@ def check_adapter(
         target_modules=targets,
         base_model=settings.base_model,
         modules=modules,
+        use_dora=settings.use_dora,
+    )
+
+
+def _no_dora_on_experts() -> AdapterError:
+    return AdapterError(
+        "dora_unsupported",
+        "DoRA on a mixture of experts' expert weights is not served; train the expert adapter without use_dora",
+        "use_dora",
     )
 
 
@@ -220,6 +267,37 @@ def _per_expert(name: str, shape: ModelShape):
         return None
     match = PER_EXPERT_TENSOR.match(name)
     return match if match is not None and match["part"] in EXPERT_PART_NAMES else None
+
+
+def _check_magnitude(
+    settings: LoraSettings, layer: int, module: str, magnitude: tuple[int, ...] | None, shape: ModelShape
+) -> None:
+    """DoRA: each pair needs its magnitude vector [out] (PEFT would start a missing one at the base
+    weight's norm and serve something else); without use_dora PEFT ignores a magnitude, so it is refused."""
+    out_features = shape.module_dims(module)[1]
+    if not settings.use_dora:
+        if magnitude is not None:
+            raise AdapterError(
+                "unexpected_tensor",
+                f"layer {layer} {module} has a lora_magnitude_vector (DoRA), but adapter_config.json does not "
+                "set use_dora: PEFT would ignore it; set use_dora to true or remove the tensor",
+                "use_dora",
+            )
+        return
+    if magnitude is None:
+        raise AdapterError(
+            "missing_magnitude",
+            f"layer {layer} {module}: use_dora is set but its lora_magnitude_vector is missing from "
+            "adapter_model.safetensors (PeftModel.save_pretrained saves it)",
+            "use_dora",
+        )
+    if magnitude != (out_features,):
+        raise AdapterError(
+            "shape_mismatch",
+            f"layer {layer} {module}: lora_magnitude_vector has shape {list(magnitude)}, but the base model "
+            f"needs [{out_features}] (one magnitude per output feature); was the adapter trained on another model?",
+            "lora_magnitude_vector",
+        )
 
 
 def _scaling(settings: LoraSettings, key: str, rank: int, deadline: float) -> float:
@@ -338,7 +416,9 @@ def _with_tensors(
             continue
         match = _TENSOR_NAME.match(name) or EXPERT_TENSOR.match(name)
         module = match["module"] if "module" in match.groupdict() else f"experts{match['nest']}"
-        loaded.setdefault((int(match["layer"]), module), {})[match["ab"]] = tensor
+        loaded.setdefault((int(match["layer"]), module), {})[_part(match)] = tensor
+        if match.groupdict().get("magnitude"):
+            check_magnitude_values(name, tensor)
     if shape is not None and shape.num_experts:  # wrappers by nesting -> stacked weights, per expert
         for layer, nested in [k for k in loaded if k[1].startswith("experts")]:
             ab = loaded.pop((layer, nested))
@@ -350,7 +430,15 @@ def _with_tensors(
         for key, (a, b) in fold_per_expert(per_expert, shape, folded).items():
             loaded[key] = {"A": a, "B": b}
     modules = {
-        key: ModuleLoRA(rank=m.rank, scale=m.scale, lora_a=loaded[key]["A"], lora_b=loaded[key]["B"])
+        key: ModuleLoRA(
+            rank=m.rank,
+            scale=m.scale,
+            lora_a=loaded[key]["A"],
+            lora_b=loaded[key]["B"],
+            magnitude=loaded[key].get(MAGNITUDE),
+        )
         for key, m in adapter.modules.items()
     }
-    return PeftAdapter(adapter.rank, adapter.alpha, adapter.target_modules, adapter.base_model, modules)
+    return PeftAdapter(
+        adapter.rank, adapter.alpha, adapter.target_modules, adapter.base_model, modules, adapter.use_dora
+    )

@@ -51,6 +51,7 @@ class LoraSettings:
     alpha_pattern: dict[str, float]
     target_modules: str | tuple[str, ...] | None  # PEFT's regex, a list, or None (PEFT's defaults)
     base_model: str | None  # base_model_name_or_path, informative only
+    use_dora: bool = False  # DoRA: every LoRA pair comes with a magnitude vector (checkpoint.py)
     # Which (layer, projection) pairs PEFT wraps: tensors for any other are refused (peft_targets.py).
     targets: Targets | None = field(default=None, repr=False, compare=False)
     # The stacked expert weights target_parameters adapts (a mixture of experts; expert_lora.py).
@@ -139,8 +140,7 @@ def check_adapter_config(
             key,
         )
     use_rslora = _flag(config, "use_rslora")
-    if _flag(config, "use_dora"):
-        raise AdapterError("dora_unsupported", "DoRA adapters (use_dora) are not supported", "use_dora")
+    use_dora = _flag(config, "use_dora")
     bias = config.get("bias")
     if bias is not None and bias not in BIAS_MODES:
         raise _bad("bad_config", "bias", f"must be one of {', '.join(BIAS_MODES)} (got {show_value(bias)})")
@@ -179,6 +179,7 @@ def check_adapter_config(
         alpha_pattern=alpha_pattern,
         target_modules=targets,
         base_model=base_model,
+        use_dora=use_dora,
         targets=read_targets(config, targets),
         target_parameters=target_parameters,
         rank_regexes=_compiled(rank_pattern, "rank_pattern", int),

@@ -1,5 +1,6 @@
 """adapter_config.json keys that decide whether PEFT would load the adapter as a causal-LM LoRA at all, or
-would run it differently from a plain sum of low-rank products, which is all the engine computes.
+would run it differently from what the engine computes: a sum of low-rank products, scaled per output
+column for DoRA (use_dora, checked in peft_config.py and checkpoint.py).
 
 - peft_type must be "LORA" exactly: PEFT looks the type up case-sensitively and refuses "lora".
 - task_type must be "CAUSAL_LM" or absent: other tasks (SEQ_CLS, ...) are adapters for other heads, and

@@ -39,3 +39,14 @@ def check_weight_values(tensors: Mapping[str, torch.Tensor]) -> None:
             f"tensor {show_value(name)} of adapter_model.safetensors {problem}: no trained LoRA weight does, and "
             "serving it would turn every output into NaN; retrain or re-export the adapter",
         )
+
+
+def check_magnitude_values(name: str, magnitude: torch.Tensor) -> None:
+    """A DoRA magnitude is the norm of a weight row: training starts it at the base weight's row norms and
+    never drives it to zero or below (a zero row would erase that output, a negative one flip it)."""
+    if magnitude.numel() and float(magnitude.min()) <= 0.0:
+        raise AdapterError(
+            "bad_weight_values",
+            f"tensor {show_value(name)} of adapter_model.safetensors holds {float(magnitude.min()):.3g}: a DoRA "
+            "magnitude is a weight row's norm and must be positive; retrain or re-export the adapter",
+        )

@@ -455,4 +455,5 @@ def _record(
         size_bytes=checked.size_bytes,
         created_at=created_at,
         tool_call_parser=tool_call_parser,
+        format=adapter.format,
     )

@@ -42,6 +42,7 @@ class AdapterRecord:
     # The tool-call format the adapter writes (a parser name of the server's, e.g. "hermes"), given at
     # upload; left out of the manifest when None.
     tool_call_parser: str | None = None
+    format: str = "lora"  # "lora" or "dora" (adapter_format.checkpoint.PeftAdapter.format)
 
     @property
     def ref(self) -> str:
@@ -78,6 +79,7 @@ class AdapterRecord:
                 size_bytes=int(raw["size_bytes"]),
                 created_at=str(raw["created_at"]),
                 tool_call_parser=_optional_parser(raw.get("tool_call_parser")),
+                format=str(raw.get("format", "lora")),  # manifests written before formats were recorded
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"manifest is missing or mistypes a field: {exc}") from None

@@ -48,5 +48,7 @@ def check_folder(folder: Path, shape: ModelShape, max_lora_rank: int) -> Checked
         mapped = map_peft_adapter(folder, shape, max_lora_rank, label=WEIGHTS_FILE)
     except AdapterError as exc:
         raise InvalidAdapter.from_adapter_error(exc) from None
-    summary = PeftAdapter(mapped.rank, mapped.alpha, mapped.target_modules, mapped.base_model, {})
+    summary = PeftAdapter(
+        mapped.rank, mapped.alpha, mapped.target_modules, mapped.base_model, {}, mapped.use_dora
+    )
     return CheckedAdapter(adapter=summary, sha256=sha256_file(weights), size_bytes=weights.stat().st_size)

@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs
 from engine.input_batch import InputBatch
 from engine.lora.context import LoRAContext
+from engine.lora.dora import DoraBase
 from engine.lora.pool import LoRAPool
 from engine.lora.slots import PAGE_RANK
 from engine.model.attention import AttentionMetadata
@@ -77,6 +78,7 @@ class ModelRunner:
                 self.device,
                 config.lora_pool_rank_budget,
             )
+            self.lora_slots.dora_base = DoraBase(self.model, self.lora_slots.layout)
         else:
             self.model, self.lora_slots = parallel.build(
                 config, model_path, hf_config, self.dtype, max_model_len, self.attention_backend

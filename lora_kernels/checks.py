@@ -201,6 +201,33 @@ def check_page_values(page_table: torch.Tensor, slot_ranks: torch.Tensor, page: 
         _fail(f"page_table row {slot} points outside the pool's {num_pages} pages for its rank")
 
 
+def check_dora(
+    dora_scales: torch.Tensor | None,
+    dora_slots: torch.Tensor | None,
+    num_slots: int,
+    num_columns: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """DoRA's column scales [num_slots, num_columns] float32 (unit column stride) and slot flags
+    [num_slots] int32, both or neither; returns the pair or None."""
+    if dora_scales is None and dora_slots is None:
+        return None
+    if dora_scales is None or dora_slots is None:
+        _fail("dora_scales and dora_slots go together: pass both or neither")
+    if dora_scales.dtype != torch.float32 or tuple(dora_scales.shape) != (num_slots, num_columns):
+        _fail(
+            f"dora_scales must be float32 [{num_slots}, {num_columns}] (slots, output columns), got "
+            f"{dora_scales.dtype} {tuple(dora_scales.shape)}"
+        )
+    if num_columns > 1 and dora_scales.stride(1) != 1:
+        _fail(f"dora_scales must have unit column stride, got strides {dora_scales.stride()}")
+    if dora_slots.dtype != torch.int32 or tuple(dora_slots.shape) != (num_slots,):
+        _fail(f"dora_slots must be int32 [{num_slots}], got {dora_slots.dtype} {tuple(dora_slots.shape)}")
+    if dora_scales.device != device or dora_slots.device != device:
+        _fail(f"dora_scales and dora_slots must be on {device}")
+    return dora_scales, dora_slots
+
+
 def check_bucket_ranks(token_slots: torch.Tensor, slot_ranks: torch.Tensor, top: int) -> None:
     """Every token's slot rank fits the largest rank bucket (a host sync: the CPU, or validate=True)."""
     used = token_slots[token_slots >= 0].long()

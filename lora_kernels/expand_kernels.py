@@ -1,5 +1,9 @@
 """Expand, `y += scale * h @ B[slot]^T` per token: the gathered and segmented kernels.
 
+With DoRA scales (HAS_DORA), a token of a DoRA slot stores `(y + scale * h @ B^T) * g[slot]` instead: g is
+the slot's float32 column scale (magnitude / weight-row norm, engine/lora/dora.py), loaded next to y; a
+slot whose DoRA flag is 0 masks the load off, so plain adapters pay one flag load per program.
+
 h arrives as float32 split-K partials `[split_k, num_slices, num_tokens, max_rank]` (split_k = 1 for a
 plain h) and is summed here. The output blocks of all slices of a fused projection form one grid axis:
 block ids [0, tiles0) are slice 0, [tiles0, tiles0 + tiles1) slice 1, the rest slice 2.
@@ -37,6 +41,17 @@ def _slice_of_block(pid_n, tiles0, tiles1, BLOCK_N: tl.constexpr):
     past0 = (pid_n >= tiles0).to(tl.int32)
     past1 = (pid_n >= tiles0 + tiles1).to(tl.int32)
     return past0 + past1, (pid_n - past0 * tiles0 - past1 * tiles1) * BLOCK_N
+
+
+@triton.jit
+def _dora_scales(g_ptr, dora_ptr, stride_gs, slot, col0, offs_n, n_ok, HAS_DORA: tl.constexpr):
+    """DoRA's per-column scale of the slot's adapter, magnitude / ||W + s B A|| per output row (1.0 for a
+    slot without DoRA, whose row is then not read at all: the load is masked off)."""
+    g = tl.full(offs_n.shape, 1.0, tl.float32)
+    if HAS_DORA:
+        is_dora = tl.load(dora_ptr + slot) != 0
+        g = tl.load(g_ptr + slot.to(tl.int64) * stride_gs + col0 + offs_n, mask=n_ok & is_dora, other=1.0)
+    return g
 
 
 @triton.jit
@@ -116,6 +131,9 @@ def _expand_gathered_kernel(
     slot_ranks_ptr,  # [num_slots] int32, read only if HAS_RANKS
     page_table_ptr,  # [num_slots, max_pages] int32, read only if PAGED
     page_table_stride,
+    g_ptr,  # [num_slots, sum(output_slices)] float32 DoRA column scales, read only if HAS_DORA
+    dora_ptr,  # [num_slots] int32: 1 where the slot holds a DoRA adapter, read only if HAS_DORA
+    stride_gs,
     w0,
     w1,
     w2,  # output_slices
@@ -137,6 +155,7 @@ def _expand_gathered_kernel(
     HAS_RANKS: tl.constexpr,
     PAGED: tl.constexpr,  # B in pages of PAGE ranks through the page table (else dense stacks)
     PAGE: tl.constexpr,
+    HAS_DORA: tl.constexpr,  # scale each output column by g[slot] after the update (DoRA slots only)
     USE_PDL: tl.constexpr,
     RANK_WINDOW: tl.constexpr = False,  # only tokens whose slot rank is in (rank_lo, MAX_RANK]
     rank_lo=0,
@@ -185,6 +204,7 @@ def _expand_gathered_kernel(
     if NUM_SLICES > 1:
         scale_ptr = pick(slice_id, s0_ptr, s1_ptr, s2_ptr)
     scale = tl.load(scale_ptr + slot)
+    g = _dora_scales(g_ptr, dora_ptr, stride_gs, slot, col0, offs_n, n_ok, HAS_DORA)
     if USE_PDL:
         gdc_wait()  # h is written by the shrink grid
     offs_r = tl.arange(0, BLOCK_R)
@@ -193,7 +213,10 @@ def _expand_gathered_kernel(
     for k in tl.static_range(SPLIT_K):  # unrolled: the partials' loads issue together, not in turn
         hv += tl.load(h_row + k * stride_hk, mask=offs_r < r_limit, other=0.0)
     out = tl.sum(b.to(tl.float32) * hv[None, :], axis=1)
-    tl.store(y_row, (yv.to(tl.float32) + scale * out).to(y_ptr.dtype.element_ty), mask=n_ok)
+    result = yv.to(tl.float32) + scale * out
+    if HAS_DORA:
+        result = result * g
+    tl.store(y_row, result.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -213,6 +236,9 @@ def _expand_segmented_kernel(
     tile_slot_ptr,  # [max_tiles] int32
     tile_start_ptr,  # [max_tiles] int32
     tile_len_ptr,  # [max_tiles] int32
+    g_ptr,  # DoRA, as above
+    dora_ptr,
+    stride_gs,
     w0,
     w1,
     w2,
@@ -236,6 +262,7 @@ def _expand_segmented_kernel(
     PAGED: tl.constexpr,
     PAGE: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    HAS_DORA: tl.constexpr,
     USE_PDL: tl.constexpr,
     RANK_WINDOW: tl.constexpr = False,  # only tiles whose slot rank is in (rank_lo, MAX_RANK]
     rank_lo=0,
@@ -290,6 +317,7 @@ def _expand_segmented_kernel(
     if NUM_SLICES > 1:
         scale_ptr = pick(slice_id, s0_ptr, s1_ptr, s2_ptr)
     scale = tl.load(scale_ptr + slot)
+    g = _dora_scales(g_ptr, dora_ptr, stride_gs, slot, col0, offs_n, offs_n < width, HAS_DORA)
     if USE_PDL:
         gdc_wait()
     h_tile = h_ptr + slice_id * stride_hs + tokens[:, None] * stride_ht + offs_r[None, :]
@@ -309,7 +337,10 @@ def _expand_segmented_kernel(
         lo = (hv - hi.to(tl.float32)).to(b.dtype)
         out = tl.dot(hi, tl.trans(b))
         out = tl.dot(lo, tl.trans(b), out)
-    tl.store(y_tile, (yv.to(tl.float32) + scale * out).to(y_ptr.dtype.element_ty), mask=y_mask)
+    result = yv.to(tl.float32) + scale * out
+    if HAS_DORA:
+        result = result * g[None, :]
+    tl.store(y_tile, result.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def launch_expand(
@@ -325,10 +356,12 @@ def launch_expand(
     config,
     page_table=None,
     rank_lo=None,
+    dora=None,
 ) -> None:
     """Launch one expand kernel for all slices; `config` is an ExpandConfig from tiles.py. With a
     `page_table` ([num_slots, max_pages] int32), `lora_bs` are pools of B pages [num_pages, out, PAGE].
-    With `rank_lo`, only tokens whose slot rank lies in (rank_lo, max_rank] are updated."""
+    With `rank_lo`, only tokens whose slot rank lies in (rank_lo, max_rank] are updated.
+    `dora`: (scales [num_slots, sum(output_slices)] float32, flags [num_slots] int32) or None."""
     num_slices = len(lora_bs)
     b = list(lora_bs) + [lora_bs[0]] * (3 - num_slices)
     s = list(scales) + [scales[0]] * (3 - num_slices)
@@ -349,6 +382,7 @@ def launch_expand(
         HAS_RANKS=slot_ranks is not None,
         PAGED=paged,
         PAGE=lora_bs[0].shape[2] if paged else 1,
+        HAS_DORA=dora is not None,
         USE_PDL=config.use_pdl,
         num_warps=config.num_warps,
     )
@@ -359,9 +393,12 @@ def launch_expand(
     slot_strides = [t.stride(0) // align for t in b]
     tail = (*widths, *slot_strides, tiles[0], tiles[1], y.stride(0), h.stride(0), h.stride(1), h.stride(2))
     paging = (table, table.stride(0) if paged else 0)
+    # Without DoRA the pointers are never read: any int32 tensor stands in.
+    g, flags = dora if dora is not None else (ranks, ranks)
+    dora_args = (g, flags, g.stride(0) if dora is not None else 0)
     if path == "gathered":
         grid = (sum(tiles), y.shape[0])
-        _expand_gathered_kernel[grid](y, h, *b, *s, token_slots, ranks, *paging, *tail, **common)
+        _expand_gathered_kernel[grid](y, h, *b, *s, token_slots, ranks, *paging, *dora_args, *tail, **common)
     else:
         grid = (sum(tiles), meta.num_tiles)
         _expand_segmented_kernel[grid](
@@ -375,6 +412,7 @@ def launch_expand(
             meta.tile_slot,
             meta.tile_start,
             meta.tile_len,
+            *dora_args,
             *tail,
             BLOCK_M=meta.block_m,
             DOT_FP32=config.dot_fp32,

@@ -234,6 +234,8 @@ def add_lora_paged(
     slot_ranks: torch.Tensor,  # [num_slots] int32: rows read per slot; pages past them are never touched
     *,
     rank_buckets: Sequence[int] | None = None,  # ascending kernel ranks, multiples of the page: see below
+    dora_scales: torch.Tensor | None = None,  # [num_slots, sum(output_slices)] float32, unit column stride
+    dora_slots: torch.Tensor | None = None,  # [num_slots] int32: nonzero where dora_scales applies
     meta: LoRABatchMeta | None = None,
     path: str = "auto",
     backend: str = "auto",
@@ -241,6 +243,10 @@ def add_lora_paged(
 ) -> torch.Tensor:
     """`add_lora_multi` over adapters kept in pages: an adapter of rank r holds ceil(r / page) pages, so
     memory follows each adapter's rank instead of the largest one (engine/lora/pool.py lays them out).
+
+    With `dora_scales` and `dora_slots` (DoRA), a token of a slot s with `dora_slots[s] != 0` gets
+    `y[t] = (y[t] + update) * dora_scales[s]` instead, in the same expand kernel (its epilogue): the
+    column-wise magnitude / weight-norm factor of each DoRA adapter (engine/lora/dora.py computes it).
 
     Pages need not be contiguous; the kernels read a slot's page ids once per program, before the K loop.
     As `add_lora` needs B zero past each rank, B must be zero past a slot's rank up to the end of its
@@ -269,10 +275,11 @@ def add_lora_paged(
         checks.check_page_values(page_table, slot_ranks, page, pool_as[0].shape[0])
         if rank_buckets is not None:
             checks.check_bucket_ranks(token_slots, slot_ranks, windows[-1][1])
+    dora = checks.check_dora(dora_scales, dora_slots, num_slots, sum(output_slices), x.device)
     backend, path = _resolve(x.device, backend, path, x.shape[0])
     if backend == "torch":
         return reference.add_lora_paged(
-            y, x, pool_as, pool_bs, page_table, token_slots, scales, output_slices, slot_ranks
+            y, x, pool_as, pool_bs, page_table, token_slots, scales, output_slices, slot_ranks, dora
         )
     if x.shape[0] == 0:
         return y
@@ -299,6 +306,7 @@ def add_lora_paged(
             conf.expand,
             table,
             rank_lo,
+            dora,
         )
     return y
 

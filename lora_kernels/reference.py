@@ -110,8 +110,10 @@ def add_lora_paged(
     scales: Sequence[torch.Tensor],  # num_slices x [num_slots] float32
     output_slices: Sequence[int],
     slot_ranks: torch.Tensor,  # [num_slots] int
+    dora: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([num_slots, out] scales, [num_slots] flags)
 ) -> torch.Tensor:
-    """`add_lora_multi` over paged weights: each slot present gathers its pages into dense A and B."""
+    """`add_lora_multi` over paged weights: each slot present gathers its pages into dense A and B.
+    A DoRA slot's tokens become `(y + update) * dora_scales[slot]`."""
     page = pool_as[0].shape[1]
     slots = token_slots.to(torch.long)
     for slot in torch.unique(slots[slots >= 0]).tolist():
@@ -130,5 +132,10 @@ def add_lora_paged(
             [s[slot : slot + 1] for s in scales],
             output_slices,
         )
-        y.index_add_(0, rows, delta)
+        if dora is not None and int(dora[1][slot]) != 0:
+            compute_dtype = torch.promote_types(y.dtype, torch.float32)
+            updated = (y.index_select(0, rows).to(compute_dtype) + delta) * dora[0][slot].to(compute_dtype)
+            y.index_copy_(0, rows, updated.to(y.dtype))
+        else:
+            y.index_add_(0, rows, delta)
     return y

@@ -43,6 +43,8 @@ class LoRAContext:
             [t.lora_b.shape[1] for t in targets],
             self.slots.slot_ranks(layer, modules),
             rank_buckets=self.rank_buckets,
+            dora_scales=self.slots.dora_view(layer, modules),
+            dora_slots=self.slots.dora_slots[layer],
             meta=self._segments(),
         )
 

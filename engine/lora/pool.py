@@ -13,7 +13,9 @@ adapters of rank 16 (slot 0), 64 (slot 1) and 8 (slot 2):
 
     weights     [num_pages, page_numel]   pages 0-1: slot 0, 2-9: slot 1, 10: slot 2, 11: free
     page_table  [max_loras, max_pages]    row 0 = [0, 1, ...], row 1 = [2..9], row 2 = [10, ...]
-    table       [num_layers, table_columns, max_loras]  scales and ranks per layer and slot
+    table       [num_layers, table_columns, max_loras]  scales and ranks per layer and slot, DoRA flags
+    dora_scales [num_layers, max_loras, output_width]  float32: DoRA's magnitude / ||W + s B A|| per
+                output row of every target (read only for slots whose DoRA flag is set)
 
 (past an adapter's pages its page-table row holds stale ids: the kernels may load them, with the rest
 of the row, but never address weights through them, since they stop at the adapter's rank).
@@ -87,6 +89,13 @@ class LoRAPool:
         self.weights = torch.zeros(self.num_pages, self.layout.page_numel, dtype=dtype, device=device)
         self.page_table = torch.zeros(max_loras, max_pages, dtype=torch.int32, device=device)
         self.table = torch.zeros(n, layout.table_columns, max_loras, dtype=torch.int32, device=device)
+        # DoRA: made per slot when a DoRA adapter is loaded (engine/lora/dora.py); one row per slot and
+        # layer, however many adapters are DoRA, so CUDA graphs read the same buffer whatever loads.
+        self.dora_scales = torch.ones(n, max_loras, layout.output_width, dtype=torch.float32, device=device)
+        self.dora_slots = self.table[:, layout.dora_column]  # [num_layers, max_loras] int32
+        self.dora_base = None  # engine.lora.dora.DoraBase, attached by the model runner
+        self._dora_views: dict[tuple[int, tuple[str, ...]], torch.Tensor] = {}
+        self._output_columns = layout.output_columns  # this pool's own (a rank's shard's) widths
         self._page_ids = torch.arange(
             self.num_pages, dtype=torch.int32, device=device
         )  # copied, never synced
@@ -116,6 +125,18 @@ class LoRAPool:
         self.rank_buckets = kernel_rank_buckets(self.kernel_rank)
         self.slot_buckets = np.zeros(max_loras, np.int64)  # host side, set by `load`
 
+    def dora_view(self, layer: int, modules: tuple[str, ...]) -> torch.Tensor:
+        """[max_loras, sum of the modules' outputs]: the DoRA scales of one launch group (its columns are
+        contiguous, in y's order; the slot stride is the whole row)."""
+        view = self._dora_views.get((layer, modules))
+        if view is None:
+            columns = self._output_columns
+            start, end = columns[modules[0]][0], columns[modules[-1]][1]
+            if end - start != sum(columns[m][1] - columns[m][0] for m in modules):
+                raise ValueError(f"LoRA targets {modules} are not consecutive in {self.shape.targets}")
+            view = self._dora_views[layer, modules] = self.dora_scales[layer, :, start:end]
+        return view
+
     @property
     def kernel_rank(self) -> int:
         """h's width in the kernels: max_lora_rank rounded up to whole pages."""
@@ -124,7 +145,8 @@ class LoRAPool:
     @property
     def num_bytes(self) -> int:
         """Device memory the pool holds (weights, page tables, scales and ranks)."""
-        return sum(t.numel() * t.element_size() for t in (self.weights, self.page_table, self.table))
+        tensors = (self.weights, self.page_table, self.table, self.dora_scales)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def image(self, adapter: PeftAdapter, pin_memory: bool = False) -> SlotImage:
         """Lay an adapter (validated against this model) out as pool pages, on the CPU."""
@@ -143,6 +165,17 @@ class LoRAPool:
             self.page_table[slot, start : start + count].copy_(self._page_ids[first : first + count])
         self.table[:, :, slot].copy_(image.table, non_blocking=True)
         self.slot_buckets[slot] = self.bucket_mask(image)
+        if image.use_dora:
+            if self.dora_base is None:
+                raise ValueError("this adapter pool serves no DoRA adapters (no base weights attached)")
+            self.dora_base.fill_scales(self, slot, image)
+
+    def finish_dora(self) -> None:
+        """Tensor parallelism: make the DoRA scales of the slots loaded since the last call (every rank
+        calls it at the same point of a step: engine/lora/dora.py)."""
+        if self.dora_base is not None:
+            self.dora_base.finish(self)
+
 
     def bucket_mask(self, image: SlotImage) -> int:
         """Bit i set if some rank the kernels read for this adapter (a projection's, or a fused group's
@@ -169,10 +202,10 @@ class LoRAPool:
         """What `slot` holds, gathered into a new CPU image (tests and debugging; it syncs)."""
         table = self.table[:, :, slot].cpu()
         num_pages = pages_for_rank(int(table[:, self.layout.rank_columns.start :].max()), PAGE_RANK)
-        weights = torch.zeros(self.layout.max_pages, self.layout.page_numel, dtype=self.dtype)
+        image = SlotImage(self.layout, torch.zeros(self.layout.numel, dtype=self.dtype), table.contiguous())
         pages = self.page_table[slot, :num_pages].long()
-        weights[:num_pages] = self.weights[pages].cpu()
-        return SlotImage(self.layout, weights.flatten(), table.contiguous())
+        image.pages[:num_pages] = self.weights[pages].cpu()
+        return image  # its magnitudes are zeros: the pool keeps DoRA's scales, not its magnitudes
 
     def slot_ranks(self, layer: int, modules: tuple[str, ...]) -> torch.Tensor:
         """[max_loras] int32: the rank each slot needs for these projections of `layer`, applied at once."""

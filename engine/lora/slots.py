@@ -61,8 +61,8 @@ def _align(n: int) -> int:
 @dataclass(frozen=True)
 class SlotLayout:
     """Where each projection's A and B^T sit inside one page, how many pages an image has room for, and
-    the columns of the per-layer table: a scale (float32 bits) and a rank per target (the architecture's
-    `shape.targets`, in order), then each fused group's largest rank."""
+    the columns of the per-layer table: a scale (float32 bits) per target (the architecture's
+    `shape.targets`, in order), the DoRA flag, a rank per target, then each fused group's largest rank."""
 
     shape: ModelShape
     max_rank: int
@@ -79,21 +79,42 @@ class SlotLayout:
     def scale_column(self) -> dict[str, int]:
         return {m: i for i, m in enumerate(self.targets)}
 
+    @property
+    def dora_column(self) -> int:
+        """1 in every layer where the adapter is DoRA (its output rows scaled by magnitude / norm); before
+        the ranks, so that every column from `rank_columns.start` on is a rank the kernels read."""
+        return len(self.targets)
+
     @cached_property
     def rank_column(self) -> dict[str, int]:
-        return {m: len(self.targets) + i for i, m in enumerate(self.targets)}
+        return {m: len(self.targets) + 1 + i for i, m in enumerate(self.targets)}
 
     @cached_property
     def bound_column(self) -> dict[tuple[str, ...], int]:
-        return {g: 2 * len(self.targets) + i for i, g in enumerate(self.fused_groups)}
+        return {g: 2 * len(self.targets) + 1 + i for i, g in enumerate(self.fused_groups)}
 
     @property
     def rank_columns(self) -> slice:
-        return slice(len(self.targets), 2 * len(self.targets))
+        return slice(len(self.targets) + 1, 2 * len(self.targets) + 1)
 
     @property
     def table_columns(self) -> int:
-        return 2 * len(self.targets) + len(self.fused_groups)
+        return 2 * len(self.targets) + 1 + len(self.fused_groups)
+
+    @cached_property
+    def output_columns(self) -> dict[str, tuple[int, int]]:
+        """module -> [start, end) of its outputs in a layer's row of DoRA magnitudes and scales: the
+        targets' outputs one after another, so each launch group's columns are contiguous, as in y."""
+        columns, start = {}, 0
+        for module in self.targets:
+            width = self.shape.module_dims(module)[1]
+            columns[module] = (start, start + width)
+            start += width
+        return columns
+
+    @property
+    def output_width(self) -> int:
+        return max(end for _, end in self.output_columns.values())
 
     def blocks(self) -> dict[tuple[str, str], tuple[int, tuple[int, ...]]]:
         """(module, "a" or "b") -> (offset, dims) inside a page: A [num_layers, PAGE_RANK, in], B
@@ -120,9 +141,13 @@ class SlotLayout:
         return pages_for_rank(self.max_rank, PAGE_RANK)
 
     @property
-    def numel(self) -> int:
-        """Elements of an image: pages for max_rank."""
+    def pages_numel(self) -> int:
         return self.max_pages * self.page_numel
+
+    @property
+    def numel(self) -> int:
+        """Elements of an image: pages for max_rank, then DoRA magnitudes [num_layers, output_width]."""
+        return self.pages_numel + self.shape.num_layers * self.output_width
 
 
 @dataclass
@@ -140,7 +165,15 @@ class SlotImage:
 
     @property
     def pages(self) -> torch.Tensor:  # [max_pages, page_numel]
-        return self.weights.view(self.layout.max_pages, self.layout.page_numel)
+        return self.weights[: self.layout.pages_numel].view(self.layout.max_pages, self.layout.page_numel)
+
+    @property
+    def magnitudes(self) -> torch.Tensor:  # [num_layers, output_width]: DoRA's, zeros for plain LoRA
+        return self.weights[self.layout.pages_numel :].view(self.layout.shape.num_layers, -1)
+
+    @property
+    def use_dora(self) -> bool:
+        return bool(self.table[0, self.layout.dora_column])
 
     @property
     def rank(self) -> int:
@@ -247,4 +280,9 @@ def build_image(
         )
     for group, bound in image.rank_bounds.items():
         bound.copy_(torch.stack([image.ranks[m] for m in group]).amax(0))
+    if adapter.use_dora:
+        table[:, layout.dora_column] = 1
+        for (layer, module), pair in adapter.modules.items():
+            start, end = layout.output_columns[module]
+            image.magnitudes[layer, start:end] = pair.magnitude
     return image

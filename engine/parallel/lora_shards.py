@@ -5,6 +5,8 @@
   gate_up_proj target, Phi-3's, keeps each part's rows: this rank's q rows, then its k and v rows);
 - row-parallel o, down: A [r, in] split by input like the weight, B [out, r] whole; each rank's update
   (x_r A_r^T) B^T is a partial sum that the projection's own all-reduce completes (engine/parallel/model.py).
+- DoRA's magnitudes follow the output rows, as B does; each rank scales its own partial sums by the
+  whole row's scale, which the all-reduce then sums (engine/lora/dora.py makes the scales).
 
 The CPU tier keeps whole adapters (validated against the whole model); a slot on a rank holds its shard.
 """
@@ -46,6 +48,13 @@ def shard_image(image: SlotImage, local: SlotLayout, plan: ShardPlan, rank: int)
             b = torch.cat([b[:, :, start:end] for start, end in plan.output_ranges(module, rank)], dim=2)
         shard.page_a[module].copy_(a)
         shard.page_b[module].copy_(b)
+        # DoRA's magnitudes follow the output rows: whole for row-parallel projections, cut like B else.
+        whole_start, _ = image.layout.output_columns[module]
+        start, end = local.output_columns[module]
+        ranges = [(0, end - start)] if module in ROW_PARALLEL else plan.output_ranges(module, rank)
+        shard.magnitudes[:, start:end] = torch.cat(
+            [image.magnitudes[:, whole_start + a : whole_start + b] for a, b in ranges], dim=1
+        )
     return shard
 
 

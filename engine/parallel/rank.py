@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engine.lora.dora import DoraBase
 from engine.lora.pool import LoRAPool
 from engine.lora.slots import SlotImage
 from engine.model.attention import AttentionMetadata
@@ -28,7 +29,7 @@ from engine.model.loader import load_model
 from engine.parallel.group import ParallelGroup, free_port
 from engine.parallel.lora_shards import RankZeroLoRASlots
 from engine.parallel.messages import EagerStep, GraphStep, SlotLoad, bytes_tensor, encode, tensor_bytes
-from engine.parallel.plan import ShardPlan
+from engine.parallel.plan import ROW_PARALLEL, ShardPlan
 from engine.parallel.workers import Workers
 from engine.step_buffers import DecodeTwins
 
@@ -125,6 +126,8 @@ class TensorParallelRank:
         else:
             shape = self.plan.local_shape
             slots = LoRAPool(shape, config.max_loras, config.max_lora_rank, dtype, device, budget)
+        local = slots.local_layout if self.rank == 0 else slots.layout
+        slots.dora_base = DoraBase(model, local, self.group, ROW_PARALLEL)
         self.lora_slots = slots
         return model, slots
 
@@ -148,6 +151,7 @@ class TensorParallelRank:
                 for r in range(len(loads))
             ]
         )
+        self.lora_slots.finish_dora()  # with the workers, once they applied these loads
         parts = [input_ids, meta.positions, meta.slot_mapping, meta.block_tables.reshape(-1), logits_rows]
         if token_slots is not None:
             parts.append(token_slots.long())
@@ -161,6 +165,7 @@ class TensorParallelRank:
                 for r in range(len(loads))
             ]
         )
+        self.lora_slots.finish_dora()
         self._broadcast_graph_inputs(buffers, size)
 
     def _loads(self) -> list[list[SlotLoad]]:
@@ -187,6 +192,7 @@ class TensorParallelRank:
             weights = bytes_tensor(load.weights, slots.dtype)
             table = bytes_tensor(load.table, torch.int32).view(slots.table.shape[:2])
             slots.load(load.slot, SlotImage(slots.layout, weights, table), load.pages)
+        slots.finish_dora()  # with rank 0 and the other workers (engine/lora/dora.py)
 
     def receive_eager(self, step: EagerStep):
         """(input_ids, meta, token slots or None, logits rows), as rank 0's `send_eager` had them."""

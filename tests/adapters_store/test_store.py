@@ -37,6 +37,7 @@ def test_put_two_files_returns_the_record(store, adapter_dir, files_of):
         "sha256",
         "size_bytes",
         "created_at",
+        "format",
     }
 
 

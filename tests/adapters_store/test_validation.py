@@ -25,7 +25,6 @@ def refused(store, keys_of, source, code: str, message: str, tenant: str = "acme
 @pytest.mark.parametrize(
     "lora, code, message",
     [
-        (dict(use_dora=True), "dora_unsupported", "DoRA adapters"),
         (dict(bias="all"), "bias_unsupported", r"train biases \(bias != 'none'\)"),
         (dict(modules_to_save=["lm_head"]), "modules_to_save_unsupported", "modules_to_save"),
         (
@@ -41,7 +40,7 @@ def refused(store, keys_of, source, code: str, message: str, tenant: str = "acme
         ),
         (dict(r=32, lora_alpha=32), "rank_too_large", "adapter rank 32 exceeds max_lora_rank 16"),
     ],
-    ids=["dora", "bias", "modules_to_save", "embedding_target", "other_hidden_size", "extra_layer", "rank"],
+    ids=["bias", "modules_to_save", "embedding_target", "other_hidden_size", "extra_layer", "rank"],
 )
 def test_real_peft_adapters_the_engine_cannot_serve(
     store, keys_of, make_peft_adapter, files_of, lora, code, message
@@ -133,7 +132,7 @@ def test_tensor_not_of_a_decoder_projection(store, keys_of, adapter_dir, copy_ad
     folder = copy_adapter(adapter_dir)
     tensors = load_file(folder / WEIGHTS)
     name = next(iter(tensors))
-    tensors[name.replace("lora_A.weight", "lora_magnitude_vector")] = tensors[name][0].clone()
+    tensors[name.replace("lora_A.weight", "lora_embedding_A")] = tensors[name][0].clone()
     save_file(tensors, folder / WEIGHTS)
     refused(store, keys_of, folder, "unexpected_tensor", "is not a LoRA weight of a decoder-layer projection")
 

@@ -21,6 +21,7 @@ RECORD_FIELDS = {
     "sha256",
     "size_bytes",
     "created_at",
+    "format",
 }
 
 
@@ -76,6 +77,7 @@ def test_upload_two_files_returns_the_record(client, peft_adapters):
     assert sorted(body["target_modules"]) == ["q_proj", "v_proj"]
     assert body["size_bytes"] == (peft_adapters["qv"] / "adapter_model.safetensors").stat().st_size
     assert len(body["sha256"]) == 64 and body["created_at"].endswith("Z")
+    assert body["format"] == "lora"
 
 
 @pytest.mark.parametrize("kind", ["tar.gz", "zip"])
@@ -138,7 +140,7 @@ def test_delete_discards_the_disk_cache_copy(client, env, peft_adapters):
     [
         ({"r": 64, "lora_alpha": 64}, "rank_too_large", "rank"),
         ({"peft_type": "PREFIX_TUNING"}, "unsupported_peft_type", "PREFIX_TUNING"),
-        ({"use_dora": True}, "dora_unsupported", "DoRA"),
+        ({"use_dora": True}, "missing_magnitude", "lora_magnitude_vector is missing"),
     ],
 )
 def test_invalid_adapter_config_is_422_with_the_validator_message(

@@ -90,6 +90,16 @@ class ParallelLinear(nn.Module):
         if lora is not None and self.layer is not None and self.lora_modules:
             lora.apply(y, x, self.layer, self.lora_modules)
 
+    def with_lora(self, x: torch.Tensor, lora) -> torch.Tensor:
+        """x W^T + LoRA's update + bias: the bias after the update, which DoRA's scales must not touch."""
+        if lora is None or self.bias is None or not self.lora_modules:
+            y = linear(x, self.kernel, self.bias)
+            self.lora_delta(y, x, lora)
+            return y
+        y = linear(x, self.kernel)
+        self.lora_delta(y, x, lora)
+        return y.add_(self.bias)
+
     def _put_weight(self, rows: slice, values: torch.Tensor, tensor, part, quantize_scale=None) -> None:
         """`values` into the weight's `rows`: copied, or quantized with its own scales (FP8 layers)."""
         if self.ctx.fp8 is None:
@@ -167,9 +177,7 @@ class ColumnParallelLinear(ParallelLinear):
         super().__init__(self.out_local, in_features, ctx, self.out_local if bias else None, shards)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:  # [tokens, in] -> [tokens, out_local]
-        y = linear(x, self.kernel, self.bias)
-        self.lora_delta(y, x, lora)
-        return y
+        return self.with_lora(x, lora)
 
     def _pieces(self, tensor, shard, columns: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
         """(part, first row of the part in `tensor`, this rank's [start, end) within the part) per part
@@ -233,9 +241,7 @@ class RowParallelLinear(ParallelLinear):
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:  # [tokens, in_local] -> [tokens, out]
         if self.tp.world_size == 1:
-            y = linear(x, self.kernel, self.bias)
-            self.lora_delta(y, x, lora)
-            return y
+            return self.with_lora(x, lora)
         # Partial sums, LoRA's too (its A holds this rank's input columns): one all-reduce completes both.
         y = linear(x, self.kernel)
         self.lora_delta(y, x, lora)

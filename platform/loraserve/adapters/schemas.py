@@ -24,6 +24,7 @@ class Adapter(msgspec.Struct, frozen=True, kw_only=True):
     created_at: str  # ISO 8601 UTC
     # The parser tool_choice "auto" uses for this adapter (the upload's tool_call_parser); absent: the server's
     tool_call_parser: str | UnsetType = UNSET
+    format: str = "lora"  # "lora" or "dora" (use_dora)
     object: Literal["adapter"] = "adapter"
 
     @classmethod

@@ -1,0 +1,24 @@
+"""benchmarks/adapter_formats.py on the CPU with a tiny model, so the GPU command cannot rot."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_dora_against_plain_lora_runs_and_reports_the_ratio():
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "benchmarks/adapter_formats.py", "--smoke", "--dora-fraction", "0.5"]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("2 of 4 DoRA") for line in lines), result.stdout
+    assert lines[-1].startswith("summary: DoRA mix decode step / plain LoRA = ")

@@ -1,0 +1,65 @@
+"""Adapters in the formats beyond plain LoRA, made with PEFT at test time, and PEFT's greedy tokens for them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+
+def make_dora_adapter(model_dir: Path, path: Path, seed: int = 0, **lora_kwargs) -> Path:
+    """A PEFT DoRA adapter with random A, B and magnitudes away from PEFT's initial ||W + s B A||
+    (where they start, DoRA's scales are 1 and DoRA reduces to LoRA)."""
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(init_lora_weights=False, use_dora=True, **lora_kwargs))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                param.mul_(0.5 + torch.rand_like(param))
+    model.save_pretrained(path, safe_serialization=True)
+    return Path(path)
+
+
+@torch.inference_mode()
+def peft_greedy(
+    model_dir: Path,
+    adapter: Path | None,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+):
+    """transformers + PEFT greedy tokens of each prompt under one adapter (None: the base model). One
+    adapter per model: PEFT refuses mixed-adapter batches (`adapter_names`) with DoRA."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    model = model.to(device, dtype)
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=0,
+        )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def greedy_by_adapter(model_dir, adapters: dict, prompts, assigned, max_new_tokens, **kwargs):
+    """`peft_greedy` of each prompt under its assigned adapter name (None: the base model), in order."""
+    expected = [None] * len(prompts)
+    for name in {*assigned}:
+        rows = [i for i, a in enumerate(assigned) if a == name]
+        path = adapters[name] if name is not None else None
+        tokens = peft_greedy(model_dir, path, [prompts[i] for i in rows], max_new_tokens, **kwargs)
+        for i, t in zip(rows, tokens):
+            expected[i] = t
+    return expected

@@ -48,6 +48,8 @@ def shard_image(image: SlotImage, local: SlotLayout, plan: ShardPlan, rank: int)
             b = torch.cat([b[:, :, start:end] for start, end in plan.output_ranges(module, rank)], dim=2)
         shard.page_a[module].copy_(a)
         shard.page_b[module].copy_(b)
+        if module in EXPERT_MODULES:  # DoRA is refused on expert weights: no magnitudes to cut
+            continue
         # DoRA's magnitudes follow the output rows: whole for row-parallel projections, cut like B else.
         whole_start, _ = image.layout.output_columns[module]
         start, end = local.output_columns[module]

@@ -234,12 +234,15 @@ def _domain_error(request: Request, exc: Exception) -> Response[ErrorBody]:
     return error_response(status, public_message(exc), code, param=param, headers=headers)
 
 
-def _too_deep(request: Request, exc: RecursionError) -> Response[ErrorBody]:
-    """msgspec decodes a body nested past the interpreter's recursion limit by raising RecursionError; one
-    raised anywhere else is a server bug and gets the generic 500."""
+def _undecodable_body(request: Request, exc: RecursionError | UnicodeDecodeError) -> Response[ErrorBody]:
+    """msgspec decodes a body nested past the interpreter's recursion limit by raising RecursionError, and
+    one with invalid UTF-8 in a string by raising UnicodeDecodeError (not its DecodeError, which Litestar
+    answers itself); both are the caller's 400. Raised anywhere else, they are server bugs: the generic 500."""
     if not _raised_decoding_the_body(exc):
         return _domain_error(request, exc)
-    log.warning("%s %s: body nested too deeply (%s)", request.method, request.url.path, exc)
+    log.warning("%s %s: undecodable body (%s)", request.method, request.url.path, exc)
+    if isinstance(exc, UnicodeDecodeError):
+        return error_response(400, "the request body is not valid UTF-8 JSON", "invalid_json")
     return error_response(400, "the request body is nested too deeply to be a valid request", "invalid_json")
 
 
@@ -274,6 +277,7 @@ def _allow_header(exc: HTTPException) -> dict[str, str] | None:
 
 EXCEPTION_HANDLERS: dict[type[Exception], Callable[..., Response[Any]]] = {
     HTTPException: _http_exception,
-    RecursionError: _too_deep,
+    RecursionError: _undecodable_body,
+    UnicodeDecodeError: _undecodable_body,
     Exception: _domain_error,  # everything ERROR_TABLE knows, and the generic 500
 }

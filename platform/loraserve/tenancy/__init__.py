@@ -1,6 +1,12 @@
 """Tenancy: API keys (hashed), principals, admin checks, name syntax, per-tenant concurrency and token limits."""
 
-from loraserve.tenancy.auth import Authenticator, KeySource, parse_bearer, require_admin
+from loraserve.tenancy.auth import (
+    Authenticator,
+    KeySource,
+    authorization_header,
+    parse_bearer,
+    require_admin,
+)
 from loraserve.tenancy.errors import (
     Forbidden,
     InvalidKeysFile,
@@ -44,6 +50,7 @@ __all__ = [
     "TokenReservation",
     "TooManyRequests",
     "Unauthorized",
+    "authorization_header",
     "check_adapter_name",
     "check_name",
     "check_route_name",

@@ -27,6 +27,7 @@ from loraserve.routing import Router
 from loraserve.services import Services, engine_adapter_id
 from loraserve.settings import ServerSettings
 from loraserve.tenancy import DEFAULT_TENANT, Authenticator, ConcurrencyLimiter, load_api_keys
+from loraserve.work_pool import WorkPool
 
 log = logging.getLogger("loraserve")
 
@@ -99,6 +100,7 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
     )
     await config_store.start()
     engine: AsyncLLM | None = None
+    work_pool = WorkPool(settings.tokenizer_pool_size)
     try:
         keys = load_api_keys(settings.api_keys) if settings.api_keys else []
         authenticator = await Authenticator.create(keys, config_store)
@@ -144,8 +146,10 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             sampling_defaults=sampling_defaults,
             max_logprobs=settings.max_logprobs,
             tensor_parallel_size=settings.tensor_parallel_size,
+            work_pool=work_pool,
         )
     finally:
+        work_pool.close()
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
         await config_store.close()

@@ -20,6 +20,12 @@ from types import FrameType
 
 import uvicorn
 
+from loraserve.ops.http_timeouts import (
+    DEFAULT_BODY_MIN_RATE,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    bounded_h11_protocol,
+)
 from loraserve.ops.shutdown import Shutdown
 from loraserve.settings import (
     ADAPTER_LOADERS,
@@ -78,6 +84,11 @@ _SERVE_FIELDS = (
     "metrics_host",
     "metrics_key",
     "adapter_lookup_ttl",
+    "tokenizer_pool_size",
+    "max_request_body_size",
+    "http_header_timeout",
+    "http_body_timeout",
+    "http_body_min_rate",
 )
 GiB = 1 << 30
 
@@ -255,6 +266,41 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds an adapter name's resolved version is trusted before the store is asked again "
         "(uploads and deletes reach every replica at once through the config store's events)",
     )
+    add(
+        "--tokenizer-pool-size",
+        type=int,
+        default=2,
+        help="threads that tokenize prompts, render chat templates and check structured-output specs, "
+        "off the event loop (default 2)",
+    )
+    add(
+        "--max-request-body-size",
+        type=int,
+        metavar="BYTES",
+        help="largest JSON request body, refused with 413 before it is parsed (default: 32 bytes per token "
+        "of --max-model-len, at least 4 MiB; uploads have their own limit)",
+    )
+    add(
+        "--http-header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a request's headers may take to arrive, from its first byte (slow clients get 408)",
+    )
+    add(
+        "--http-body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a request's body may take, plus one more for every --http-body-min-rate bytes "
+        "received (slow clients get 408)",
+    )
+    add(
+        "--http-body-min-rate",
+        type=int,
+        default=DEFAULT_BODY_MIN_RATE,
+        metavar="BYTES_PER_S",
+        help="the body rate that extends --http-body-timeout (default 16384: a large upload at a steady rate "
+        "always finishes, a trickle does not)",
+    )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -362,6 +408,9 @@ def serve(settings: ServerSettings, log_level: str = "info") -> int:
         log_level=log_level,
         lifespan="on",
         timeout_graceful_shutdown=5,
+        http=bounded_h11_protocol(
+            settings.http_header_timeout, settings.http_body_timeout, settings.http_body_min_rate
+        ),
     )
     shutdown = shutdown_of(app)
     DrainingServer(config, shutdown).run(sockets=listening_sockets(settings, config))

@@ -35,6 +35,7 @@ from loraserve.routing import InvalidRoute
 from loraserve.tenancy import Forbidden, InvalidName, TenancyError, TooManyRequests, Unauthorized
 
 log = logging.getLogger(__name__)
+_CLIENT_GONE = "client disconnected prematurely"  # Litestar's detail when the body stops arriving
 
 
 class ErrorDetail(msgspec.Struct, frozen=True, kw_only=True):
@@ -215,6 +216,13 @@ def _http_exception(request: Request, exc: HTTPException) -> Response[ErrorBody]
         return error_response(413, f"request body too large{hint}", "request_too_large")
     if status == 400 and isinstance(exc.__cause__, SerializationException):
         return error_response(400, f"the request body is not valid JSON: {exc.detail}", "invalid_json")
+    if (
+        status == 500 and exc.detail == _CLIENT_GONE
+    ):  # the client left (or timed out) mid-body: nobody reads this
+        log.info("%s %s: the client left before its body arrived", request.method, request.url.path)
+        return error_response(
+            400, "the client disconnected before its request body arrived", "client_disconnected"
+        )
     if status >= 500:
         log.error("internal HTTP error on %s %s: %s", request.method, request.url.path, exc.detail)
         return error_response(status, "internal server error", "internal_error")

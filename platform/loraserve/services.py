@@ -19,6 +19,7 @@ from loraserve.config_store import ConfigStore
 from loraserve.ops.shutdown import Shutdown
 from loraserve.routing import Router
 from loraserve.tenancy import Authenticator, ConcurrencyLimiter, TokenRateLimiter
+from loraserve.work_pool import WorkPool
 
 
 def engine_adapter_id(tenant: str, name: str, version: int) -> str:
@@ -121,5 +122,7 @@ class Services:
     allowed_lora_paths: tuple[str, ...] = ()
     # Built on the first structured-output request (loraserve.inference.structured): checks specs for 400s.
     grammar_compiler: Any = None
+    # Threads for tokenizing, chat templates and spec checks, off the event loop (--tokenizer-pool-size).
+    work_pool: WorkPool = field(default_factory=WorkPool)
     # Set by the app: SIGTERM's drain state; None means never draining.
     shutdown: Shutdown | None = None

@@ -1,9 +1,12 @@
 """Completions and chat completions: admit, resolve the model, run the engine, answer whole or as SSE.
 
-Order of checks: draining / model loaded (503), body and prompt (400), the tenant's model name (404),
-the tenant's concurrency limit, then its tokens per minute (429). A stream's headers go out only once
-the engine has produced its first delta, so a request that fails at once still gets a proper HTTP error
-instead of a broken stream.
+Order of checks, cheapest first, so that no costly work is done for a request that will be refused:
+draining / model loaded (503), the body's fields (400), the tenant's model name (404), the tenant's
+concurrency limit (429); only then the work that grows with the request (the structured-output spec's
+checks, chat template, tokenizing: 400 for a bad spec or prompt), on the work pool, off the event loop;
+then the tenant's tokens per minute (429), which needs the prompt's length. A stream's headers go out
+only once the engine has produced its first delta, so a request that fails at once (its grammar refused
+by the engine, say) still gets a proper HTTP error instead of a broken stream.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ from loraserve.inference.sampling import LogprobsCap, chat_params, completion_pa
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.structured import check_structured
 from loraserve.ops.readiness import engine_dead_reason
-from loraserve.resolution import resolve_model
+from loraserve.resolution import ResolvedModel, resolve_model
 from loraserve.services import Services
-from loraserve.tenancy import Principal, TooManyRequests
+from loraserve.tenancy import Lease, Principal, TooManyRequests
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +60,31 @@ async def create_completion(
 ) -> Any:
     check_serving(services)
     params = completion_params(body, services.sampling_defaults, _logprobs_cap(services))
-    prompts = completion_prompts(
-        body.prompt, services.tokenizer, services.max_model_len, body.truncate_prompt_tokens
-    )
     check_sampling_token_ids(params, services.tokenizer)
-    await check_structured(services, params.structured_outputs)
-    echo = _echo_texts(body, prompts, services.tokenizer) if body.echo else None
-    return await _generate(
-        services, principal, body, prompts, params, CompletionFormat, "cmpl", request, echo
-    )
+    resolved, lease = await _admit(services, principal, body)
+    try:
+        await check_structured(services, params.structured_outputs)
+        pool, tokenizer = services.work_pool, services.tokenizer
+        prompts = await pool.run(
+            completion_prompts, body.prompt, tokenizer, services.max_model_len, body.truncate_prompt_tokens
+        )
+        echo = await pool.run(_echo_texts, body, prompts, tokenizer) if body.echo else None
+        return await _generate(
+            services,
+            principal,
+            body,
+            prompts,
+            params,
+            CompletionFormat,
+            "cmpl",
+            request,
+            resolved,
+            lease,
+            echo,
+        )
+    except BaseException:
+        lease.release()  # idempotent: a started generation releases it itself
+        raise
 
 
 async def create_chat_completion(
@@ -73,20 +92,38 @@ async def create_chat_completion(
 ) -> Any:
     check_serving(services)
     params = chat_params(body, services.sampling_defaults, _logprobs_cap(services))
-    prompt = chat_prompt(
-        body.messages,
-        services.tokenizer,
-        services.max_model_len,
-        add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-        truncate=body.truncate_prompt_tokens,
-    )
     check_sampling_token_ids(params, services.tokenizer)
-    await check_structured(services, params.structured_outputs)
-    # vLLM's chat echo: the last message's content, when it is the assistant's (the reply continues it)
-    last = body.messages[-1]
-    echo = [message_text(last)] if body.echo and last.role == "assistant" else None
-    return await _generate(services, principal, body, [prompt], params, ChatFormat, "chatcmpl", request, echo)
+    resolved, lease = await _admit(services, principal, body)
+    try:
+        await check_structured(services, params.structured_outputs)
+        prompt = await services.work_pool.run(
+            chat_prompt,
+            body.messages,
+            services.tokenizer,
+            services.max_model_len,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            truncate=body.truncate_prompt_tokens,
+        )
+        # vLLM's chat echo: the last message's content, when it is the assistant's (the reply continues it)
+        last = body.messages[-1]
+        echo = [message_text(last)] if body.echo and last.role == "assistant" else None
+        return await _generate(
+            services,
+            principal,
+            body,
+            [prompt],
+            params,
+            ChatFormat,
+            "chatcmpl",
+            request,
+            resolved,
+            lease,
+            echo,
+        )
+    except BaseException:
+        lease.release()
+        raise
 
 
 async def create_invocation(
@@ -122,6 +159,19 @@ def check_serving(services: Services) -> None:
         raise ServiceUnavailable("the model is still loading; retry shortly", code="model_not_ready")
 
 
+async def _admit(
+    services: Services, principal: Principal, body: CompletionRequest | ChatCompletionRequest
+) -> tuple[ResolvedModel, Lease]:
+    """The model the tenant named (404 if it has none of that name) and a concurrency lease (429 beyond
+    its cap), before any work that grows with the request; the caller releases the lease if it fails."""
+    resolved = await resolve_model(services, principal, body.model, body.user)
+    try:
+        return resolved, services.limiter.try_acquire(principal)
+    except TooManyRequests:
+        _count_refusal(services, principal, "concurrency")
+        raise
+
+
 async def _generate(
     services: Services,
     principal: Principal,
@@ -131,20 +181,14 @@ async def _generate(
     format_type: type[Format],
     prefix: str,
     request: Request,
+    resolved: ResolvedModel,
+    lease: Lease,
     echo: list[str] | None = None,
 ) -> Any:
-    resolved = await resolve_model(services, principal, body.model, body.user)
-    try:
-        lease = services.limiter.try_acquire(principal)
-    except TooManyRequests:
-        _count_refusal(services, principal, "concurrency")
-        raise
     try:
         tokens = services.token_limiter.try_reserve(principal, _tokens_at_most(prompts, params))
-    except BaseException as exc:
-        lease.release()
-        if isinstance(exc, TooManyRequests):
-            _count_refusal(services, principal, "tokens")
+    except TooManyRequests:
+        _count_refusal(services, principal, "tokens")
         raise
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     generation = Generation(

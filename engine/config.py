@@ -104,6 +104,10 @@ class EngineConfig:
     # as a dict, JSON text or SpeculativeConfig (engine/spec_decode/config.py); None: no speculation.
     # With it, async_scheduling is turned off: each step's kept tokens decide the next step.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # Structured outputs' grammars compile on threads of their own, off the step loop; a request whose
+    # grammar is still compiling this long after it started fails as too complex (a 400 for the caller).
+    grammar_compile_threads: int = 2
+    grammar_compile_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -126,6 +130,11 @@ class EngineConfig:
                 f"max_logprobs must be -1 (no cap) or a non-negative integer (got {self.max_logprobs!r})"
             )
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("grammar_compile_threads", self.grammar_compile_threads)
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(
+                f"grammar_compile_timeout_s must be a positive number of seconds (got {self.grammar_compile_timeout_s})"
+            )
         if self.lora_pool_rank_budget is not None:
             _positive("lora_pool_rank_budget", self.lora_pool_rank_budget)
             if self.lora_pool_rank_budget < self.max_lora_rank:

@@ -76,6 +76,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     error: str | None = None
+    # With `error`, when the request's own data is at fault (the API answers 400 with it): e.g.
+    # "structured_output_unsatisfiable". None: the engine's side failed.
+    error_code: str | None = None
+    # Set by the engine while the request's structured-output grammar compiles: the scheduler passes it
+    # over until then (engine/structured_output/matchers.py).
+    grammar_pending: bool = False
     # Set by the engine when the request is scheduled: the GPU slot holding its adapter, or NO_LORA.
     lora_slot: int = NO_LORA
     # Tokens sampled on the device whose ids the host has not read yet (async scheduling: at most 1).

@@ -66,6 +66,8 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         cpu_kv_cache_bytes=settings.cpu_kv_cache_bytes,
         generation_config=settings.generation_config,
         scheduling_policy=settings.scheduling_policy,
+        grammar_compile_threads=settings.grammar_compile_threads,
+        grammar_compile_timeout_s=settings.grammar_compile_timeout,
     )
 
 

@@ -89,6 +89,8 @@ _SERVE_FIELDS = (
     "http_header_timeout",
     "http_body_timeout",
     "http_body_min_rate",
+    "grammar_compile_threads",
+    "grammar_compile_timeout",
 )
 GiB = 1 << 30
 
@@ -300,6 +302,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES_PER_S",
         help="the body rate that extends --http-body-timeout (default 16384: a large upload at a steady rate "
         "always finishes, a trickle does not)",
+    )
+    add(
+        "--grammar-compile-threads",
+        type=int,
+        default=2,
+        help="threads in the engine core that compile structured-output grammars, off its step loop",
+    )
+    add(
+        "--grammar-compile-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a structured-output grammar still compiling after this fails its requests with a 400 "
+        "(structured_output_too_complex); schemas are also bounded in depth, size and enum values",
     )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 

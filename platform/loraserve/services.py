@@ -120,8 +120,6 @@ class Services:
     tensor_parallel_size: int = 1  # above 1, prompt logprobs are refused (the engine cannot compute them yet)
     # Folders POST /v1/load_lora_adapter may read from (--allowed-lora-paths); empty: runtime loading off.
     allowed_lora_paths: tuple[str, ...] = ()
-    # Built on the first structured-output request (loraserve.inference.structured): checks specs for 400s.
-    grammar_compiler: Any = None
     # Threads for tokenizing, chat templates and spec checks, off the event loop (--tokenizer-pool-size).
     work_pool: WorkPool = field(default_factory=WorkPool)
     # Set by the app: SIGTERM's drain state; None means never draining.

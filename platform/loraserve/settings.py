@@ -106,6 +106,10 @@ class ServerSettings:
     http_header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
     http_body_timeout: float = DEFAULT_BODY_TIMEOUT_S
     http_body_min_rate: int = DEFAULT_BODY_MIN_RATE
+    # Structured outputs' grammars (engine.EngineConfig.grammar_compile_*): compile threads in the engine
+    # core, and the seconds a compile may take before its requests fail as too complex.
+    grammar_compile_threads: int = 2
+    grammar_compile_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -195,6 +199,14 @@ class ServerSettings:
         ):
             if not value > 0:
                 raise ValueError(f"{flag} must be positive (got {value})")
+        if isinstance(self.grammar_compile_threads, bool) or self.grammar_compile_threads < 1:
+            raise ValueError(
+                f"--grammar-compile-threads must be at least 1 (got {self.grammar_compile_threads})"
+            )
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(
+                f"--grammar-compile-timeout must be positive (got {self.grammar_compile_timeout})"
+            )
         if self.max_logprobs < -1:
             raise ValueError(
                 f"--max-logprobs must be -1 (no cap) or a non-negative integer (got {self.max_logprobs})"

@@ -83,7 +83,10 @@ def append_tokens(
             if status is not None:
                 break  # tokens kept after a stop are dropped
     except Exception as exc:  # this request's data broke its own step: fail it, not the batch
-        logger.exception("request %s failed in its step", request.request_id)
+        if isinstance(exc, RequestError):  # the request's own limits (its grammar ran dry): no traceback
+            logger.warning("request %s failed in its step: %s", request.request_id, exc)
+        else:
+            logger.exception("request %s failed in its step", request.request_id)
         request.error = f"the request failed while generating: {exc}"
         request.error_code = exc.code if isinstance(exc, RequestError) else None
         status = RequestStatus.FINISHED_ERROR

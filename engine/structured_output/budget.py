@@ -6,7 +6,8 @@ vocabulary, while the request waits and, before, while every other tenant's requ
 schema's shape is bounded before anything compiles (OpenAI's structured outputs bound schemas the same
 way), and what passes compiles in about a second at most; the compile timeout of the engine
 (`EngineConfig.grammar_compile_timeout_s`) is the backstop for the rest. Regexes and EBNF grammars
-compile fast even with large repetition counts; their text is bounded (params.MAX_SPEC_CHARS).
+compile fast even with large repetition counts, but alternatives cost what enum values cost: they are
+counted too; their text is bounded (params.MAX_SPEC_CHARS).
 
 Also refused here, since the schema's meaning would otherwise be lost without a word: a `$ref` that is
 not a pointer into the schema itself ("#/$defs/Name") or that points nowhere (xgrammar takes a remote
@@ -27,7 +28,7 @@ from engine.structured_output.params import StructuredOutputsParams
 
 MAX_SCHEMA_DEPTH = 64  # nested JSON objects and arrays in the schema document
 MAX_SCHEMA_NODES = 4096  # JSON objects (sub-schemas and their keyword maps) in the schema document
-MAX_ENUM_VALUES = 4096  # enum and const values in a schema, or entries of a choice
+MAX_ENUM_VALUES = 4096  # enum and const values in a schema, entries of a choice, alternatives of a regex
 _UNSUPPORTED_REFS = ("$dynamicRef", "$recursiveRef")
 _VALUES = frozenset({"enum", "const", "default", "examples"})  # keywords whose values are data, not schemas
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
@@ -59,11 +60,18 @@ def check_spec(params: StructuredOutputsParams) -> None:
             f"a choice of {len(params.choice)} entries is more than the {MAX_ENUM_VALUES} this server compiles; "
             "shorten the list"
         )
-    elif params.kind == "regex":
-        try:
-            re.compile(params.regex)
-        except (re.error, RecursionError, OverflowError) as exc:
-            raise StructuredOutputError(f"invalid regex for structured output: {exc}") from None
+    elif params.kind in ("regex", "grammar"):
+        text = params.regex if params.kind == "regex" else params.grammar
+        # Alternatives cost what enum values cost (16,384 of them: 6 s); "|" counts them from above.
+        if text.count("|") >= MAX_ENUM_VALUES:
+            raise SpecTooComplex(
+                f"the {params.kind} has more than {MAX_ENUM_VALUES} alternatives ('|'); shorten it"
+            )
+        if params.kind == "regex":
+            try:
+                re.compile(params.regex)
+            except (re.error, RecursionError, OverflowError) as exc:
+                raise StructuredOutputError(f"invalid regex for structured output: {exc}") from None
 
 
 def parse_schema(text: str) -> Any:

@@ -148,6 +148,16 @@ def _nested_arrays(depth: int) -> dict:
         ({"json": {"$dynamicRef": "#x"}}, "invalid_structured_output", ["$dynamicRef"]),
         ({"json": '{"a": '}, "invalid_structured_output", ["not valid JSON"]),
         ({"regex": "(unclosed"}, "invalid_structured_output", ["regex"]),
+        (
+            {"regex": "|".join(str(i) for i in range(MAX_ENUM_VALUES + 1))},
+            "structured_output_too_complex",
+            ["alternatives"],
+        ),
+        (
+            {"grammar": "root ::= " + " | ".join(f'"{i}"' for i in range(MAX_ENUM_VALUES + 1))},
+            "structured_output_too_complex",
+            ["alternatives"],
+        ),
     ],
 )
 def test_the_budget_refuses_specs_before_anything_compiles(spec, code, words):

@@ -6,7 +6,8 @@ The rule is Apache's mod_reqtimeout's: a request's headers must be complete with
 `header_timeout_s` of its first byte (or of the connection opening); its body gets `body_timeout_s`,
 extended by one second for every `body_min_rate` bytes received, so large uploads at a reasonable rate
 always finish while a trickle does not. Time during which the server itself stopped reading (the
-handler is busy with what it already has: uvicorn's flow control) is not held against the client.
+handler is busy with what it already has: uvicorn's flow control) or has not yet asked for a body the
+client holds back (`Expect: 100-continue`) is not held against the client.
 A client past its deadline gets 408 with OpenAI's error body, when no response has started, and the
 connection is closed.
 
@@ -118,14 +119,16 @@ class BoundedH11Protocol(H11Protocol):
         self._timer = None
         if self.transport.is_closing():
             return
-        if self._phase == _BODY and self.flow.read_paused:
-            # The handler has not taken what arrived yet: the server is the slow one. A fresh allowance.
+        cycle = self.cycle
+        waiting_for_us = self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue)
+        if self._phase == _BODY and waiting_for_us:
+            # The handler has not taken what arrived yet, or not yet asked for the body the client holds
+            # back until "100 Continue": the server is the slow one. A fresh allowance.
             self._body_start, self._body_bytes = time.monotonic(), 0
             self._arm(self._body_deadline())
             return
         what = "its headers" if self._phase == _HEADERS else "its body"
         log.info("closing a connection from %s: %s arrived too slowly", _peer(self.client), what)
-        cycle = self.cycle
         if cycle is None or not cycle.response_started:
             self.transport.write(_timeout_response(what))
         self.transport.close()  # the handler, if one runs, sees the client as gone

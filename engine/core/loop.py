@@ -126,7 +126,7 @@ class EngineCoreLoop:
         raw = msgspec.msgpack.decode(data)
         request_id = raw.get("request_id") if isinstance(raw, dict) and raw.get("type") == "add" else None
         if isinstance(request_id, str):
-            self._refuse(request_id, f"invalid request: {error}")
+            self._refuse(request_id, f"invalid request: {error}", RequestError.code)  # its own data
         else:
             logger.error("dropped an input message that does not decode: %s", error)
 

@@ -45,7 +45,7 @@ import stack as stack_module  # noqa: E402
 from client import Api  # noqa: E402
 from tally import HealthWatch, Tally  # noqa: E402
 
-FULL = {"cache_rounds": 40, "disconnect_rounds": 16, "race_rounds": 15, "delete_rounds": 10, "streams": 900}
+FULL = {"cache_rounds": 60, "disconnect_rounds": 20, "race_rounds": 15, "delete_rounds": 10, "streams": 900}
 QUICK = {"cache_rounds": 2, "disconnect_rounds": 2, "race_rounds": 2, "delete_rounds": 1, "streams": 30}
 
 

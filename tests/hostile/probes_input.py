@@ -5,10 +5,12 @@ a server path or another tenant's things."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import shutil
 import socket
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +29,7 @@ ENDPOINTS = {  # path -> a valid body
     "/detokenize": {"tokens": [5, 6, 7]},
     "/invocations": COMPLETION,
     "/v1/load_lora_adapter": {"lora_name": "probe-load", "lora_path": "/nowhere"},
+    "/v1/unload_lora_adapter": {"lora_name": "probe-load"},
 }
 NOT_UTF8 = [
     b'{"model": "tiny", "prompt": "\xff\xfe"}',
@@ -310,11 +313,44 @@ async def hostile_adapters(api: Api, tally: Tally, stack: Stack) -> None:
     for what, config, weights in cases:
         response = await api.call("POST", "/v1/adapters", key, **upload_form("hostile", (config, weights)))
         tally.answer(response, refuse=True, what=what)
+        archive = tar_gz([(hostile.CONFIG, config), (hostile.WEIGHTS, weights)])
+        response = await api.call("POST", "/v1/adapters", key, **archive_form("hostile", archive))
+        tally.answer(response, refuse=True, what=f"{what} (as a .tar.gz)")
+    members = [(hostile.CONFIG, good_config), (hostile.WEIGHTS, good_weights)]
+    for what, extra in (
+        ("a member outside the folder", [("../escape.txt", b"x")]),
+        ("an absolute member", [("/etc/escape.txt", b"x")]),
+        ("a symlink member", [tarfile.TarInfo("link")]),
+        ("a second copy of the weights", [("sub/" + hostile.WEIGHTS, good_weights)]),
+    ):
+        if isinstance(extra[0], tarfile.TarInfo):
+            extra[0].type, extra[0].linkname = tarfile.SYMTYPE, "/etc/passwd"
+        archive = tar_gz(members + extra)
+        response = await api.call("POST", "/v1/adapters", key, **archive_form("hostile", archive))
+        tally.answer(response, refuse=True, what=f"archive with {what}")
     leftover = await api.call("GET", "/v1/adapters/hostile", key)
     if leftover.status_code != 404:
         tally.failed(
             "wrongly_accepted", f"a refused upload left adapter 'hostile' behind ({leftover.status_code})"
         )
+
+
+def tar_gz(members: list) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for member in members:
+            if isinstance(member, tarfile.TarInfo):
+                tar.addfile(member)
+                continue
+            name, data = member
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def archive_form(name: str, archive: bytes) -> dict:
+    return {"data": {"name": name}, "files": [("archive", ("adapter.tar.gz", archive, "application/gzip"))]}
 
 
 async def cross_tenant(api: Api, tally: Tally) -> None:
@@ -344,7 +380,12 @@ async def cross_tenant(api: Api, tally: Tally) -> None:
         ("PUT", "/v1/routes/bobs-route", lambda n: {"json": {"variants": [{"adapter": n, "weight": 1}]}}),
         ("POST", "/v1/unload_lora_adapter", lambda n: {"json": {"lora_name": n}}),
     ]
-    for name, missing in (("secret-bot", "no-such-bot"), ("secret-route", "no-such-route")):
+    pairs = (
+        ("secret-bot", "no-such-bot"),
+        ("secret-route", "no-such-route"),
+        ("secret-bot@1", "no-such-bot@1"),
+    )
+    for name, missing in pairs:
         for key in (admin("bob"), user("bob")):
             for method, path, kwargs in probes:
                 theirs = await api.call(method, path.format(name), key, **kwargs(name))

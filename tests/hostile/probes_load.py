@@ -119,7 +119,7 @@ async def grammar(api: Api, tally: Tally) -> None:
         {"guided_json": {"type": "object", "properties": {f"f{i}_{j}": nested_arrays(30) for j in range(8)}}}
         for i in range(8)
     ] + [{"guided_json": {"enum": [f"u{i}-{j}" for j in range(4000)]}} for i in range(4)]
-    async with bystander(api, tally, "grammar compiles"):
+    async with bystander(api, tally, "grammar compiles") as latencies:
         bodies = [(spec, True) for spec in too_big * 3] + [(spec, None) for spec in legal]
         answers = await gather_bounded(
             (api.call("POST", "/v1/completions", key, json={**SMALL, **spec}) for spec, _ in bodies), 12
@@ -130,6 +130,9 @@ async def grammar(api: Api, tally: Tally) -> None:
             else:
                 tally.answer(answer, refuse=refuse, what=f"spec {str(spec)[:50]}")
         await _cap_before_compile(api, tally)
+    tally.row().note(
+        f"info: bob's slowest small request or /tokenize meanwhile: {max(latencies, default=0):.2f} s"
+    )
 
 
 async def _cap_before_compile(api: Api, tally: Tally) -> None:
@@ -174,7 +177,7 @@ async def large_bodies(api: Api, tally: Tally) -> None:
         ("/tokenize", {"prompt": text(3_800_000)}),
         ("/tokenize", {"messages": chat}),
     ]
-    async with bystander(api, tally, "large bodies"):
+    async with bystander(api, tally, "large bodies") as latencies:
         for _ in range(2):
             calls = [api.call("POST", path, user("alice"), json=body) for path, body in bodies]
             for (path, _), answer in zip(
@@ -184,6 +187,9 @@ async def large_bodies(api: Api, tally: Tally) -> None:
                     tally.failed("stalls", f"{path}: no answer ({answer!r})")
                 else:
                     tally.answer(answer, refuse=True, what=f"large {path}")
+    tally.row().note(
+        f"info: bob's slowest small request or /tokenize meanwhile: {max(latencies, default=0):.2f} s"
+    )
 
 
 async def token_rate(api: Api, tally: Tally) -> None:

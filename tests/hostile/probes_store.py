@@ -40,7 +40,7 @@ async def disk_cache(api: Api, tally: Tally, stack: Stack, num_adapters: int) ->
     for i in range(num_adapters):
         files = UPLOAD_FILES[f"adapter-{i % len(stack.adapter_dirs)}"]
         tally.answer(await upload(api, "alice", f"cache-{i}", files), refuse=False, what=f"upload cache-{i}")
-    for round_ in range(3):
+    for round_ in range(5):
         for i in range(num_adapters):
             body = {**SMALL, "model": f"cache-{i}", "max_tokens": 1}
             tally.answer(

@@ -23,8 +23,18 @@ from adapter_format.errors import AdapterError, show_value
 from adapter_format.files import WEIGHTS_FILE
 from adapter_format.model_shape import ModelShape, module_key
 from adapter_format.module_patterns import new_deadline
-from adapter_format.peft_config import LoraSettings, check_adapter_config, read_adapter_config
-from adapter_format.safetensors_header import DTYPE_BYTES, TensorSpan, read_tensor_spans
+from adapter_format.peft_config import (
+    LoraSettings,
+    check_adapter_config,
+    parse_adapter_config,
+    read_adapter_config,
+)
+from adapter_format.safetensors_header import (
+    DTYPE_BYTES,
+    TensorSpan,
+    buffer_tensor_spans,
+    read_tensor_spans,
+)
 from adapter_format.weight_values import check_weight_values
 
 # e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (any prefix before `layers.`).
@@ -207,12 +217,30 @@ def map_peft_adapter(
     return _with_tensors(adapter, tensors)
 
 
+def peft_adapter_from_memory(
+    config: bytes,
+    weights: bytes | bytearray | memoryview,
+    shape: ModelShape,
+    max_lora_rank: int,
+    label: str = WEIGHTS_FILE,
+) -> PeftAdapter:
+    """`map_peft_adapter` of an adapter held in memory (a store download streamed without a temporary
+    file): `config` is adapter_config.json's bytes, `weights` the safetensors file's. The same checks,
+    then tensors that are views of `weights` (a bytearray: torch views only writable buffers without a
+    warning; it must stay alive and unchanged while they are read). `label` names the weights in errors."""
+    settings = parse_adapter_config(config)
+    spans = buffer_tensor_spans(weights, label)
+    adapter = check_adapter(settings, {n: s.shape for n, s in spans.items()}, shape, max_lora_rank)
+    tensors = {name: _view(weights, span) for name, span in spans.items()}
+    return _with_tensors(adapter, tensors)
+
+
 # The torch dtype of each safetensors dtype the header check accepts (safetensors_header.DTYPE_BYTES).
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 assert _TORCH_DTYPES.keys() == DTYPE_BYTES.keys(), "a dtype the header accepts has no torch dtype here"
 
 
-def _view(mapped: mmap.mmap, span: TensorSpan) -> torch.Tensor:
+def _view(mapped: mmap.mmap | bytes | bytearray | memoryview, span: TensorSpan) -> torch.Tensor:
     dtype = _TORCH_DTYPES[span.dtype]
     if span.num_bytes == 0:
         return torch.empty(span.shape, dtype=dtype)

@@ -322,38 +322,11 @@ class AdapterStore(ABC):
                 if part.stat().st_size > limit:
                     raise ChecksumError(_mismatch(tenant, record, filename, f"is larger than {limit} bytes"))
                 return self._link_digests.sha256(part)
-            digest, size = hashlib.sha256(), 0
             with self._open(key) as body, open(part, "wb") as out:
-                for chunk in _chunks(body):
-                    size += len(chunk)
-                    if size > limit:
-                        raise ChecksumError(
-                            _mismatch(tenant, record, filename, f"is larger than {limit} bytes")
-                        )
-                    digest.update(chunk)
-                    out.write(chunk)
-            return size, digest.hexdigest()
+                return _stream(body, out.write, limit, tenant, record, filename)
 
         try:
-            size, sha256 = self._call(f"download {key}", once)
-            if filename == WEIGHTS_FILE and size != record.size_bytes:
-                raise ChecksumError(
-                    _mismatch(
-                        tenant,
-                        record,
-                        filename,
-                        f"has {size} bytes, but its manifest says {record.size_bytes}",
-                    )
-                )
-            if filename == WEIGHTS_FILE and sha256 != record.sha256:
-                raise ChecksumError(
-                    _mismatch(
-                        tenant,
-                        record,
-                        filename,
-                        f"has sha256 {sha256}, but its manifest says {record.sha256}",
-                    )
-                )
+            _check_download(tenant, record, filename, *self._call(f"download {key}", once))
         except MissingKey:
             part.unlink(missing_ok=True)
             raise AdapterNotFound(f"adapter {record.ref} was deleted while it was being fetched") from None
@@ -361,6 +334,50 @@ class AdapterStore(ABC):
             part.unlink(missing_ok=True)
             raise
         os.replace(part, dest / filename)
+
+    # Whether a disk-cache miss should read the version into memory (`read_record`) rather than through
+    # a file: where the bytes cross a network (S3). A local store links its files into the cache instead,
+    # which copies nothing.
+    streams_to_memory = False
+
+    def read_record(self, tenant: str, record: AdapterRecord) -> tuple[bytes, bytearray]:
+        """The version's adapter_config.json and adapter_model.safetensors in memory, streamed from the
+        store and checked against `record` as `fetch_record` checks them (ChecksumError, AdapterNotFound),
+        without writing a file. The weights come in a bytearray of exactly the manifest's size."""
+        check_tenant(tenant)
+        start = time.monotonic()
+        config = self._download_bytes(tenant, record, CONFIG_FILE, MAX_CONFIG_BYTES)
+        weights = self._download_bytes(tenant, record, WEIGHTS_FILE, record.size_bytes)
+        self.metrics.fetch_seconds(time.monotonic() - start)
+        return bytes(config), weights
+
+    def _download_bytes(self, tenant: str, record: AdapterRecord, filename: str, limit: int) -> bytearray:
+        key = _version_prefix(tenant, record.name, record.version) + filename
+        weights = filename == WEIGHTS_FILE  # its size is known: one buffer, filled in place
+
+        def once() -> bytearray:
+            if not weights:
+                buffer = bytearray()
+                with self._open(key) as body:
+                    size, sha256 = _stream(body, buffer.extend, limit, tenant, record, filename)
+                return buffer
+            buffer = bytearray(limit)
+            position = 0
+
+            def sink(chunk: bytes) -> None:
+                nonlocal position
+                buffer[position : position + len(chunk)] = chunk  # same length: filled in place
+                position += len(chunk)
+
+            with self._open(key) as body:
+                size, sha256 = _stream(body, sink, limit, tenant, record, filename)
+            _check_download(tenant, record, filename, size, sha256)
+            return buffer
+
+        try:
+            return self._call(f"download {key}", once)
+        except MissingKey:
+            raise AdapterNotFound(f"adapter {record.ref} was deleted while it was being fetched") from None
 
 
 def _version_prefix(tenant: str, name: str, version: int) -> str:
@@ -370,6 +387,35 @@ def _version_prefix(tenant: str, name: str, version: int) -> str:
 def _chunks(body: BinaryIO) -> Iterator[bytes]:
     while chunk := body.read(CHUNK_BYTES):
         yield chunk
+
+
+def _stream(
+    body: BinaryIO,
+    sink: Callable[[bytes], object],
+    limit: int,
+    tenant: str,
+    record: AdapterRecord,
+    filename: str,
+) -> tuple[int, str]:
+    """Copy a stream into `sink`, hashing it; ChecksumError once more than `limit` bytes arrive."""
+    digest, size = hashlib.sha256(), 0
+    for chunk in _chunks(body):
+        size += len(chunk)
+        if size > limit:
+            raise ChecksumError(_mismatch(tenant, record, filename, f"is larger than {limit} bytes"))
+        digest.update(chunk)
+        sink(chunk)
+    return size, digest.hexdigest()
+
+
+def _check_download(tenant: str, record: AdapterRecord, filename: str, size: int, sha256: str) -> None:
+    """The weights must have the manifest's size and sha256 (the config is covered by neither)."""
+    if filename == WEIGHTS_FILE and size != record.size_bytes:
+        how = f"has {size} bytes, but its manifest says {record.size_bytes}"
+        raise ChecksumError(_mismatch(tenant, record, filename, how))
+    if filename == WEIGHTS_FILE and sha256 != record.sha256:
+        how = f"has sha256 {sha256}, but its manifest says {record.sha256}"
+        raise ChecksumError(_mismatch(tenant, record, filename, how))
 
 
 def _mismatch(tenant: str, record: AdapterRecord, filename: str, how: str) -> str:

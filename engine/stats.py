@@ -76,6 +76,10 @@ class EngineStats:
     iteration_tokens: HistogramCounts = HistogramCounts()
     # vllm:spec_decode_* counters; None when the engine does not speculate
     spec_decode: SpecDecodeStats | None = None
+    # (source tier, histogram) of adapter requests' engine-side TTFT, and of adapter cold starts (first
+    # GPU miss -> usable on the GPU); tiers in engine/lora/cold_starts.SOURCE_TIERS, observed ones only.
+    adapter_ttft: tuple[tuple[str, HistogramCounts], ...] = ()
+    adapter_cold_start: tuple[tuple[str, HistogramCounts], ...] = ()
     # Every adapter in a GPU slot or the CPU tier, by id (vllm:lora_adapter_loaded and its counts)
     lora_residency: tuple[AdapterResidency, ...] = ()
 

@@ -18,6 +18,9 @@ class LoRAContext:
 
     slots: LoRAPool
     token_slots: torch.Tensor  # [num_tokens] int32, NO_LORA (-1) for base-model tokens
+    # The kernel ranks the step is sized to (LoRAPool.step_buckets); None: one launch pair for the pool's
+    # kernel rank, as under tensor parallelism.
+    rank_buckets: tuple[int, ...] | None = None
     _meta: LoRABatchMeta | None = field(default=None, init=False)
 
     def apply(
@@ -38,6 +41,7 @@ class LoRAContext:
             [t.scales for t in targets],
             [t.lora_b.shape[1] for t in targets],
             self.slots.slot_ranks(layer, modules),
+            rank_buckets=self.rank_buckets,
             meta=self._segments(),
         )
 

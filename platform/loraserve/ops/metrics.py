@@ -318,6 +318,7 @@ class _StateCollector(Collector):
         )
         if stats.spec_decode is not None:
             yield from _spec_decode_families(stats, model)
+        yield from _adapter_latency_families(stats, model)
         capacity = GaugeMetricFamily("loraserve_lora_slots", "GPU adapter slots (max_loras).")
         capacity.add_metric([], stats.max_loras)
         yield capacity
@@ -446,11 +447,40 @@ def affinity_names(adapter_ids: Iterable[str]) -> str:
 def _histogram(name: str, doc: str, counts: HistogramCounts, labels: list[str]) -> HistogramMetricFamily:
     """The engine's bucket counts (per bucket) as Prometheus' cumulative `le` buckets."""
     family = HistogramMetricFamily(name, doc, labels=["model_name"])
+    _add_counts(family, labels, counts)
+    return family
+
+
+def _add_counts(family: HistogramMetricFamily, labels: list[str], counts: HistogramCounts) -> None:
     per_bucket = counts.counts or (0,) * (len(counts.bounds) + 1)
     cumulative = list(itertools.accumulate(per_bucket))
     bounds = [str(float(b)) for b in counts.bounds] + ["+Inf"]
     family.add_metric(labels, list(zip(bounds, cumulative)), counts.total)
-    return family
+
+
+# (metric, help, EngineStats field): per source tier (engine/lora/cold_starts.SOURCE_TIERS), no names
+_ADAPTER_LATENCIES = (
+    (
+        "loraserve_adapter_ttft_seconds",
+        "Engine-side time to first token of adapter requests, by the tier their adapter was in when they "
+        "arrived (gpu: warm; cpu, disk, store: a cold start).",
+        "adapter_ttft",
+    ),
+    (
+        "loraserve_adapter_cold_start_seconds",
+        "Seconds from the first request that missed the GPU to the adapter usable there, by the tier it "
+        "came from (cpu, disk, store).",
+        "adapter_cold_start",
+    ),
+)
+
+
+def _adapter_latency_families(stats: EngineStats, model: list[str]) -> Iterable[Metric]:
+    for name, doc, field in _ADAPTER_LATENCIES:
+        family = HistogramMetricFamily(name, doc, labels=["model_name", "source_tier"])
+        for tier, counts in getattr(stats, field):
+            _add_counts(family, [*model, tier], counts)
+        yield family
 
 
 def _gauge(name: str, doc: str, value: Any, labels: list[str]) -> GaugeMetricFamily:

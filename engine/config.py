@@ -113,6 +113,10 @@ class EngineConfig:
     # as a dict, JSON text or SpeculativeConfig (engine/spec_decode/config.py); None: no speculation.
     # With it, async_scheduling is turned off: each step's kept tokens decide the next step.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # Structured outputs' grammars compile on threads of their own, off the step loop; a request whose
+    # grammar is still compiling this long after it started fails as too complex (a 400 for the caller).
+    grammar_compile_threads: int = 2
+    grammar_compile_timeout_s: float = 10.0
     # vLLM's kv_events_config: {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", ...} as a dict,
     # JSON text or KVEventsConfig (engine/kv_events/config.py): the prefix cache's changes published over
     # ZeroMQ for cluster routers. None: no events.
@@ -143,6 +147,11 @@ class EngineConfig:
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(
                 f"enable_expert_parallel must be true or false (got {self.enable_expert_parallel!r})"
+            )
+        _positive("grammar_compile_threads", self.grammar_compile_threads)
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(
+                f"grammar_compile_timeout_s must be a positive number of seconds (got {self.grammar_compile_timeout_s})"
             )
         if self.lora_pool_rank_budget is not None:
             _positive("lora_pool_rank_budget", self.lora_pool_rank_budget)

@@ -131,7 +131,13 @@ class LLMEngine:
         self.speculator = Speculator(spec, self.max_model_len, self.runner) if spec is not None else None
         self._cache_config = cache_config(config, self.runner.num_kv_blocks)
         vocab_size = self.runner.model.vocab_size
-        self.structured = StructuredOutputs(self.tokenizer, vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputs(
+            self.tokenizer,
+            vocab_size,
+            self.eos_token_ids,
+            compile_threads=config.grammar_compile_threads,
+            compile_timeout_s=config.grammar_compile_timeout_s,
+        )
         self._in_flight: Sampled | None = None  # async scheduling: the launched step not yet read back
         if self.runner.device.type == "cuda":  # elsewhere nothing is compiled
             warm_up(self.runner, self.sampler)
@@ -187,7 +193,8 @@ class LLMEngine:
             checks.check_token_ids(params, vocab_size)
             params = checks.capped_logprobs(params, vocab_size, self.config)
         except (AdapterError, RequestError) as exc:
-            self.requests.refuse(request_id, prompt_text, prompt_ids or [], adapter, str(exc))
+            code = exc.code if isinstance(exc, RequestError) else None
+            self.requests.refuse(request_id, prompt_text, prompt_ids or [], adapter, str(exc), code)
             return
         parent = ParentRequest(request_id, prompt_text, prompt_ids, adapter, [None] * params.n)
         self.requests.queue(parent, params, adapter_id, tenant, float(tenant_weight), cache_salt)
@@ -212,6 +219,7 @@ class LLMEngine:
         idle while the host does its bookkeeping; each call then returns the previous step's results.
         """
         self.poll_adapters()  # failed loads fail their waiting requests, in `requests.pending`
+        self.requests.admit_compiled()  # compiled grammars free their requests; failed specs fail theirs
         outputs, self.requests.pending = self.requests.pending, []
         self.lora.stage(r.adapter_id for r in self.scheduler.waiting if r.adapter_id is not None)
         scheduled = self.scheduler.schedule()
@@ -245,6 +253,8 @@ class LLMEngine:
             self.lora.start_copies()
             if self.lora.num_loading and self._in_flight is None:
                 self.lora.wait_for_loads(timeout=0.05)  # nothing runnable until an adapter arrives
+            if self.structured.num_compiling and self._in_flight is None:
+                self.structured.wait(timeout_s=0.05)  # nor until a grammar compiles
         if self.config.async_scheduling:
             finished, self._in_flight = self._in_flight, launched
             for request in launched[0].requests if launched else ():
@@ -382,6 +392,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the adapter loaders (threads and processes); the engine serves no adapter loads after it."""
         self.lora.shutdown()
+        self.structured.shutdown()
         self.runner.shutdown()
         if self.kv_events is not None:
             self.kv_events[1].close()

@@ -83,6 +83,7 @@ class RequestDelta(msgspec.Struct, frozen=True, array_like=True):
     # With params.prompt_logprobs: one entry per prompt token (None for the first), in a request's first delta
     prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
     times: RequestTimes | None = None  # in the first and last deltas: the request's time in the core so far
+    error_code: str | None = None  # with `error`, when the request's own data failed it (Request.error_code)
 
 
 class CoreReady(msgspec.Struct, frozen=True, tag="ready"):

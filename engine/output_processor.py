@@ -27,6 +27,7 @@ class ParentRequest:
     num_cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
+    error_code: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -43,6 +44,7 @@ class ParentRequest:
             error=self.error,
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
+            error_code=self.error_code,
         )
 
 
@@ -102,7 +104,7 @@ class RequestState:
         )
         self.timed = self.timed or request.first_token_time is not None
         if request.error and self.parent.error is None:
-            self.parent.error = request.error
+            self.parent.error, self.parent.error_code = request.error, request.error_code
         if self.index == 0:  # the prompt is counted once, as the first completion's (vLLM's usage does so)
             self.parent.num_cached_tokens = request.num_cached_tokens
             complete = request.prompt_logprobs is not None and not request.needs_prompt_logprobs

@@ -57,3 +57,4 @@ class RequestOutput:
     # With params.prompt_logprobs: one entry per prompt token, None for the first (vLLM's). A delta
     # stream carries it once, in the first delta.
     prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
+    error_code: str | None = None  # set when the request's own data failed it (see Request.error_code)

@@ -79,6 +79,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     error: str | None = None
+    # With `error`, when the request's own data is at fault (the API answers 400 with it): e.g.
+    # "structured_output_unsatisfiable". None: the engine's side failed.
+    error_code: str | None = None
+    # Set by the engine while the request's structured-output grammar compiles: the scheduler passes it
+    # over until then (engine/structured_output/matchers.py).
+    grammar_pending: bool = False
     # Set by the engine when the request is scheduled: the GPU slot holding its adapter, or NO_LORA.
     lora_slot: int = NO_LORA
     # Set by the engine on arrival: None if its adapter was already in a GPU slot, else the adapter's

@@ -277,6 +277,9 @@ class Scheduler:
             if request.adapter_id is not None and not self.adapter_ready(request.adapter_id):
                 cursors[key] += 1  # still loading: it waits without holding up anything
                 continue
+            if request.grammar_pending:
+                cursors[key] += 1  # its grammar still compiles: the same
+                continue
             hits, num_hit_tokens, num_new_tokens, fits = self._token_budget.admission_plan(request, budget)
             num_missing_blocks = kv.num_missing_blocks(request, num_new_tokens, hits) if fits else 0
             if self.fair and fits and (need_row or num_missing_blocks):

@@ -4,7 +4,8 @@ A user request with `n` completions is queued as `n` child requests (ids `req#i`
 its output state (engine/output_processor.py). A request ends finished, aborted, failed or refused;
 each way releases what it holds everywhere at once: its scheduler entry and KV blocks, its adapter's
 pin and hold, its sampler generator, grammar matcher and speculative state. Outputs of requests that
-end between steps (aborted, refused, failed by an adapter) wait in `pending` for the next step.
+end between steps (aborted, refused, failed by an adapter or by their grammar) wait in `pending` for
+the next step.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 from collections.abc import Iterable
 
 from engine.core.engine_metrics import EngineCounters
-from engine.core.request_checks import child_params
+from engine.core.request_checks import RequestError, child_params
 from engine.core.step_outputs import append_tokens, refused_output
 from engine.detokenizer import IncrementalDetokenizer
 from engine.lora.manager import AdapterManager
@@ -73,8 +74,15 @@ class LiveRequests:
                 self._new_child(parent, params, index, adapter_id, tenant, tenant_weight, cache_salt)
                 for index in range(params.n)
             ]
-        except ValueError as exc:
-            self.refuse(parent.request_id, parent.prompt, parent.prompt_token_ids, parent.adapter, str(exc))
+        except ValueError as exc:  # the scheduler's "can never fit" is this request's (lower max_tokens)
+            self.refuse(
+                parent.request_id,
+                parent.prompt,
+                parent.prompt_token_ids,
+                parent.adapter,
+                str(exc),
+                exc.code if isinstance(exc, RequestError) else "invalid_request",
+            )
             return
         self.parents[parent.request_id] = [child.request_id for child in children]
         if adapter_id is not None:
@@ -106,10 +114,26 @@ class LiveRequests:
                 self.forget(request.request_id)
         return outputs
 
-    def refuse(self, request_id, prompt_text, prompt_ids, adapter, message: str) -> None:
-        """A request refused before it was queued: its one output, failed with `message`."""
+    def refuse(
+        self, request_id, prompt_text, prompt_ids, adapter, message: str, error_code: str | None = None
+    ) -> None:
+        """A request refused before it was queued: its one output, failed with `message` (and
+        `error_code` when the request's own data is at fault)."""
         logger.warning("request %s refused: %s", request_id, message)
-        self.pending.append(refused_output(request_id, prompt_text, prompt_ids, adapter, message))
+        self.pending.append(refused_output(request_id, prompt_text, prompt_ids, adapter, message, error_code))
+
+    def admit_compiled(self) -> None:
+        """Requests whose grammar compiled become schedulable; those whose spec failed fail alone (their
+        outputs wait in `pending`)."""
+        _, failed = self.structured.poll()
+        for request, error in failed:
+            state = self.states.get(request.request_id)
+            if state is None or state.request is not request or request.is_finished:
+                continue
+            request.error, request.error_code = str(error), error.code
+            self.finish(request, RequestStatus.FINISHED_ERROR)
+            self.pending.append(state.publish())
+            self.forget(request.request_id)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -185,7 +209,7 @@ class LiveRequests:
             tenant_weight=tenant_weight,
             cache_salt=cache_salt,
         )
-        self.structured.add(child)  # an invalid spec raises here, before anything is queued
+        self.structured.add(child)  # its grammar compiles off the loop; the scheduler waits for it
         try:
             self.scheduler.add_request(child)
         except ValueError:

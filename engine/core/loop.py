@@ -13,6 +13,7 @@ import logging
 import msgspec
 import zmq
 
+from engine.core.request_checks import RequestError
 from engine.llm_engine import LLMEngine
 from engine.messages import (
     AbortRequests,
@@ -116,7 +117,7 @@ class EngineCoreLoop:
                 cache_salt=message.cache_salt,
             )
         except ValueError as exc:  # this request's data (params, a duplicate id): fail it, keep serving
-            self._refuse(message.request_id, str(exc))
+            self._refuse(message.request_id, str(exc), exc.code if isinstance(exc, RequestError) else None)
             return
         except Exception as exc:  # a bug met by this request's data: still this request alone
             logger.exception("adding request %s failed", message.request_id)
@@ -129,13 +130,15 @@ class EngineCoreLoop:
         raw = msgspec.msgpack.decode(data)
         request_id = raw.get("request_id") if isinstance(raw, dict) and raw.get("type") == "add" else None
         if isinstance(request_id, str):
-            self._refuse(request_id, f"invalid request: {error}")
+            self._refuse(request_id, f"invalid request: {error}", RequestError.code)  # its own data
         else:
             logger.error("dropped an input message that does not decode: %s", error)
 
-    def _refuse(self, request_id: str, reason: str) -> None:
+    def _refuse(self, request_id: str, reason: str, error_code: str | None = None) -> None:
         logger.warning("request %s refused: %s", request_id, reason)
-        self._failed.append(RequestDelta(request_id, [], finish_reason="error", error=reason))
+        self._failed.append(
+            RequestDelta(request_id, [], finish_reason="error", error=reason, error_code=error_code)
+        )
 
     # -- outputs ----------------------------------------------------------------------------------
 
@@ -154,6 +157,7 @@ class EngineCoreLoop:
             num_cached_tokens=output.num_cached_tokens,
             prompt_logprobs=output.prompt_logprobs,  # a delta output carries them once
             times=completion.times,
+            error_code=output.error_code,
         )
 
     def _send(self, deltas: list[RequestDelta]) -> None:

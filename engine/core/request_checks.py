@@ -17,7 +17,10 @@ Prompt = str | list[int]
 
 
 class RequestError(ValueError):
-    """A request the engine refuses (the message names the problem)."""
+    """A request the engine refuses (the message names the problem); the request's own data is at fault,
+    so its output carries `code` as `error_code` (the API answers 400 with it)."""
+
+    code = "invalid_request"
 
 
 def check_tenant(tenant: str, tenant_weight: float) -> None:

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from engine.core.request_checks import RequestError
 from engine.logits_processors import uses_processors
 from engine.output_processor import RequestState
 from engine.outputs import CompletionOutput, RequestOutput
@@ -82,8 +83,12 @@ def append_tokens(
             if status is not None:
                 break  # tokens kept after a stop are dropped
     except Exception as exc:  # this request's data broke its own step: fail it, not the batch
-        logger.exception("request %s failed in its step", request.request_id)
+        if isinstance(exc, RequestError):  # the request's own limits (its grammar ran dry): no traceback
+            logger.warning("request %s failed in its step: %s", request.request_id, exc)
+        else:
+            logger.exception("request %s failed in its step", request.request_id)
         request.error = f"the request failed while generating: {exc}"
+        request.error_code = exc.code if isinstance(exc, RequestError) else None
         status = RequestStatus.FINISHED_ERROR
     return status
 
@@ -96,11 +101,18 @@ def needs_last_token(request: Request) -> bool:
 
 
 def refused_output(
-    request_id: str, prompt_text: str | None, prompt_ids: list[int], adapter: str | None, message: str
+    request_id: str,
+    prompt_text: str | None,
+    prompt_ids: list[int],
+    adapter: str | None,
+    message: str,
+    error_code: str | None = None,
 ) -> RequestOutput:
     """The one output of a request refused before it was queued: finished, with the reason."""
     completion = CompletionOutput(0, "", [], None, None, RequestStatus.FINISHED_ERROR.finish_reason, None)
-    return RequestOutput(request_id, prompt_text, prompt_ids, [completion], True, adapter, message)
+    return RequestOutput(
+        request_id, prompt_text, prompt_ids, [completion], True, adapter, message, error_code=error_code
+    )
 
 
 def latest_per_request(outputs: list[RequestOutput]) -> list[RequestOutput]:

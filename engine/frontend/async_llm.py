@@ -19,8 +19,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from adapter_format.events import Observer, emit
 from engine.config import EngineConfig
+from engine.core.request_checks import RequestError
 from engine.frontend.core_client import DEFAULT_STARTUP_TIMEOUT_S, CoreClient, EngineDeadError
 from engine.frontend.output_processor import RequestProcessor
 from engine.messages import (
@@ -150,7 +153,10 @@ class AsyncLLM:
         for child_id in request.child_ids:
             self._children[child_id] = stream
         try:
-            self._client.send(*request.add_requests(tenant, tenant_weight, cache_salt))
+            try:
+                self._client.send(*request.add_requests(tenant, tenant_weight, cache_salt))
+            except (OverflowError, msgspec.EncodeError) as exc:  # e.g. an integer wider than 64 bits
+                raise RequestError(f"the request holds a value the engine cannot take: {exc}") from None
             while not request.finished:
                 item = await stream.queue.get()
                 # A consumer that fell behind takes everything waiting as one output: under load the

@@ -125,6 +125,7 @@ class RequestProcessor:
         self.prompt_token_ids = prompt_token_ids
         self.adapter = adapter
         self.error: str | None = None
+        self.error_code: str | None = None
         self.num_cached_tokens = 0
         # The first child's prompt logprobs, until the delta that carries them out (once).
         self._prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
@@ -173,7 +174,7 @@ class RequestProcessor:
             if child is None or child.finish_reason is not None:
                 continue  # e.g. the core's "abort" after a stop string ended it here
             if delta.error and self.error is None:
-                self.error = delta.error
+                self.error, self.error_code = delta.error, delta.error_code
             if child.index == 0:  # the prompt is counted once, as the first completion's (as vLLM's usage)
                 self.num_cached_tokens = delta.num_cached_tokens
                 if delta.prompt_logprobs is not None:
@@ -203,6 +204,7 @@ class RequestProcessor:
             error=self.error,
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self._take_prompt_logprobs(),
+            error_code=self.error_code,
         )
 
     def _take_prompt_logprobs(self) -> list[PromptTokenLogprobs | None] | None:

@@ -176,7 +176,6 @@ class LoRAPool:
         if self.dora_base is not None:
             self.dora_base.finish(self)
 
-
     def bucket_mask(self, image: SlotImage) -> int:
         """Bit i set if some rank the kernels read for this adapter (a projection's, or a fused group's
         largest) lies in bucket i: (rank_buckets[i - 1], rank_buckets[i]]."""

@@ -27,6 +27,7 @@ from loraserve.errors import EXCEPTION_HANDLERS
 from loraserve.inference.controller import InferenceController, invocations
 from loraserve.openapi import openapi_config
 from loraserve.ops.controller import OpsController
+from loraserve.ops.drain_guard import drain_guard
 from loraserve.ops.metrics_access import MetricsAccess
 from loraserve.ops.readiness import Readiness
 from loraserve.ops.residency_controller import ResidencyController
@@ -40,8 +41,6 @@ from loraserve.usage import UsageController
 log = logging.getLogger("loraserve")
 
 SHUTDOWN_KEY = "shutdown"
-# Chat histories can be long; uploads have their own, larger limit (adapters_controller).
-MAX_REQUEST_BODY_BYTES = 16 << 20
 
 
 def create_app(settings: ServerSettings, *, services: Services | None = None) -> Litestar:
@@ -80,7 +79,9 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
         lifespan=[lifespan],
         state=State({SHUTDOWN_KEY: shutdown, READINESS_KEY: readiness, METRICS_ACCESS_KEY: metrics_access}),
         before_request=metrics_access.check_path,
-        request_max_body_size=MAX_REQUEST_BODY_BYTES,
+        middleware=[drain_guard(shutdown)],
+        # JSON bodies; uploads have their own, larger limit (adapters_controller)
+        request_max_body_size=settings.request_body_limit,
         openapi_config=openapi_config(_version()),
     )
 

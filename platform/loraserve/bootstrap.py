@@ -31,6 +31,7 @@ from loraserve.services import Services, engine_adapter_id
 from loraserve.settings import ServerSettings
 from loraserve.tenancy import DEFAULT_TENANT, Authenticator, ConcurrencyLimiter, load_api_keys
 from loraserve.tenancy.upload_slots import UploadSlots
+from loraserve.work_pool import WorkPool
 
 log = logging.getLogger("loraserve")
 
@@ -76,6 +77,8 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         cpu_kv_cache_bytes=settings.cpu_kv_cache_bytes,
         generation_config=settings.generation_config,
         scheduling_policy=settings.scheduling_policy,
+        grammar_compile_threads=settings.grammar_compile_threads,
+        grammar_compile_timeout_s=settings.grammar_compile_timeout,
     )
 
 
@@ -122,6 +125,7 @@ async def open_services(
     )
     await config_store.start()
     engine: AsyncLLM | None = None
+    work_pool = WorkPool(settings.tokenizer_pool_size)
     try:
         keys = load_api_keys(settings.api_keys) if settings.api_keys else []
         authenticator = await Authenticator.create(keys, config_store)
@@ -171,8 +175,10 @@ async def open_services(
             max_logprobs=settings.max_logprobs,
             tensor_parallel_size=settings.tensor_parallel_size,
             tool_call_parser=settings.auto_tool_call_parser,
+            work_pool=work_pool,
         )
     finally:
+        work_pool.close()
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
         await config_store.close()

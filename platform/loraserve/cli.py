@@ -22,6 +22,12 @@ import uvicorn
 
 from adapters_store.config import parse_size
 from loraserve.inference.tools import PARSERS
+from loraserve.ops.http_timeouts import (
+    DEFAULT_BODY_MIN_RATE,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    bounded_h11_protocol,
+)
 from loraserve.ops.shutdown import Shutdown
 from loraserve.settings import (
     ADAPTER_LOADERS,
@@ -90,6 +96,13 @@ _SERVE_FIELDS = (
     "adapter_lookup_ttl",
     "enable_auto_tool_choice",
     "tool_call_parser",
+    "tokenizer_pool_size",
+    "max_request_body_size",
+    "http_header_timeout",
+    "http_body_timeout",
+    "http_body_min_rate",
+    "grammar_compile_threads",
+    "grammar_compile_timeout",
 )
 GiB = 1 << 30
 
@@ -328,6 +341,55 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the format models write tool calls in, by vLLM's names: {', '.join(PARSERS)} "
         '(docs/API.md, "Tool calling")',
     )
+    add(
+        "--tokenizer-pool-size",
+        type=int,
+        default=2,
+        help="threads that tokenize prompts, render chat templates and check structured-output specs, "
+        "off the event loop (default 2)",
+    )
+    add(
+        "--max-request-body-size",
+        type=int,
+        metavar="BYTES",
+        help="largest JSON request body, refused with 413 before it is parsed (default: 32 bytes per token "
+        "of --max-model-len, at least 4 MiB; uploads have their own limit)",
+    )
+    add(
+        "--http-header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a request's headers may take to arrive, from its first byte (slow clients get 408)",
+    )
+    add(
+        "--http-body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a request's body may take, plus one more for every --http-body-min-rate bytes "
+        "received (slow clients get 408)",
+    )
+    add(
+        "--http-body-min-rate",
+        type=int,
+        default=DEFAULT_BODY_MIN_RATE,
+        metavar="BYTES_PER_S",
+        help="the body rate that extends --http-body-timeout (default 16384: a large upload at a steady rate "
+        "always finishes, a trickle does not)",
+    )
+    add(
+        "--grammar-compile-threads",
+        type=int,
+        default=2,
+        help="threads in the engine core that compile structured-output grammars, off its step loop",
+    )
+    add(
+        "--grammar-compile-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a structured-output grammar still compiling after this fails its requests with a 400 "
+        "(structured_output_too_complex); schemas are also bounded in depth, size and enum values",
+    )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -443,6 +505,9 @@ def serve(settings: ServerSettings, log_level: str = "info") -> int:
         log_level=log_level,
         lifespan="on",
         timeout_graceful_shutdown=5,
+        http=bounded_h11_protocol(
+            settings.http_header_timeout, settings.http_body_timeout, settings.http_body_min_rate
+        ),
     )
     shutdown = shutdown_of(app)
     DrainingServer(config, shutdown).run(sockets=listening_sockets(settings, config))

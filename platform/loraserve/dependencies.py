@@ -16,7 +16,7 @@ from loraserve.errors import ServiceUnavailable
 from loraserve.ops.metrics_access import MetricsAccess
 from loraserve.ops.readiness import Readiness
 from loraserve.services import Services
-from loraserve.tenancy import Principal
+from loraserve.tenancy import Principal, authorization_header
 
 SERVICES_KEY = "services"
 READINESS_KEY = "readiness"
@@ -33,7 +33,7 @@ def provide_services(state: State) -> Services:
 
 
 async def provide_principal(request: Request, services: NamedDependency[Services]) -> Principal:
-    return await services.authenticator.authenticate(request.headers.get("authorization"))
+    return await services.authenticator.authenticate(authorization_header(request.headers))
 
 
 def provide_readiness(state: State) -> Readiness:

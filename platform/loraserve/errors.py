@@ -36,6 +36,7 @@ from loraserve.routing import InvalidRoute
 from loraserve.tenancy import Forbidden, InvalidName, TenancyError, TooManyRequests, Unauthorized
 
 log = logging.getLogger(__name__)
+_CLIENT_GONE = "client disconnected prematurely"  # Litestar's detail when the body stops arriving
 
 
 class ErrorDetail(msgspec.Struct, frozen=True, kw_only=True):
@@ -217,6 +218,13 @@ def _http_exception(request: Request, exc: HTTPException) -> Response[ErrorBody]
         return error_response(413, f"request body too large{hint}", "request_too_large")
     if status == 400 and isinstance(exc.__cause__, SerializationException):
         return error_response(400, f"the request body is not valid JSON: {exc.detail}", "invalid_json")
+    if (
+        status == 500 and exc.detail == _CLIENT_GONE
+    ):  # the client left (or timed out) mid-body: nobody reads this
+        log.info("%s %s: the client left before its body arrived", request.method, request.url.path)
+        return error_response(
+            400, "the client disconnected before its request body arrived", "client_disconnected"
+        )
     if status >= 500:
         log.error("internal HTTP error on %s %s: %s", request.method, request.url.path, exc.detail)
         return error_response(status, "internal server error", "internal_error")
@@ -236,12 +244,15 @@ def _domain_error(request: Request, exc: Exception) -> Response[ErrorBody]:
     return error_response(status, public_message(exc), code, param=param, headers=headers)
 
 
-def _too_deep(request: Request, exc: RecursionError) -> Response[ErrorBody]:
-    """msgspec decodes a body nested past the interpreter's recursion limit by raising RecursionError; one
-    raised anywhere else is a server bug and gets the generic 500."""
+def _undecodable_body(request: Request, exc: RecursionError | UnicodeDecodeError) -> Response[ErrorBody]:
+    """msgspec decodes a body nested past the interpreter's recursion limit by raising RecursionError, and
+    one with invalid UTF-8 in a string by raising UnicodeDecodeError (not its DecodeError, which Litestar
+    answers itself); both are the caller's 400. Raised anywhere else, they are server bugs: the generic 500."""
     if not _raised_decoding_the_body(exc):
         return _domain_error(request, exc)
-    log.warning("%s %s: body nested too deeply (%s)", request.method, request.url.path, exc)
+    log.warning("%s %s: undecodable body (%s)", request.method, request.url.path, exc)
+    if isinstance(exc, UnicodeDecodeError):
+        return error_response(400, "the request body is not valid UTF-8 JSON", "invalid_json")
     return error_response(400, "the request body is nested too deeply to be a valid request", "invalid_json")
 
 
@@ -276,6 +287,7 @@ def _allow_header(exc: HTTPException) -> dict[str, str] | None:
 
 EXCEPTION_HANDLERS: dict[type[Exception], Callable[..., Response[Any]]] = {
     HTTPException: _http_exception,
-    RecursionError: _too_deep,
+    RecursionError: _undecodable_body,
+    UnicodeDecodeError: _undecodable_body,
     Exception: _domain_error,  # everything ERROR_TABLE knows, and the generic 500
 }

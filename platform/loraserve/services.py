@@ -20,6 +20,7 @@ from loraserve.ops.shutdown import Shutdown
 from loraserve.routing import Router
 from loraserve.tenancy import Authenticator, ConcurrencyLimiter, TokenRateLimiter
 from loraserve.tenancy.upload_slots import UploadSlots
+from loraserve.work_pool import WorkPool
 
 
 def engine_adapter_id(tenant: str, name: str, version: int) -> str:
@@ -140,5 +141,7 @@ class Services:
     tool_call_parser: str | None = None
     # Built on the first structured-output request (loraserve.inference.structured): checks specs for 400s.
     grammar_compiler: Any = None
+    # Threads for tokenizing, chat templates and spec checks, off the event loop (--tokenizer-pool-size).
+    work_pool: WorkPool = field(default_factory=WorkPool)
     # Set by the app: SIGTERM's drain state; None means never draining.
     shutdown: Shutdown | None = None

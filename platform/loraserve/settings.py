@@ -17,6 +17,11 @@ from adapters_store.config import GiB, parse_store_url
 from engine.kv_events.config import KVEventsConfig
 from engine.spec_decode.config import SpeculativeConfig
 from loraserve.inference.tools.parsers import PARSERS, unknown_parser_message
+from loraserve.ops.http_timeouts import (
+    DEFAULT_BODY_MIN_RATE,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+)
 
 DEFAULT_STATE_DIR = Path(".loraserve")
 # The engine's own choices (engine/config.py; a test keeps them equal), repeated so that `loraserve` client
@@ -28,6 +33,12 @@ GENERATION_CONFIGS = ("auto", "vllm")  # auto: the model's generation_config.jso
 QUANTIZATIONS = (None, "fp8")  # None: the checkpoint as is; fp8: float8 e4m3 linear projections
 METRICS_OFF = 0  # --metrics-port off
 SCHEDULING_POLICIES = ("fair", "fcfs")  # fair: virtual token counters by tenant; fcfs: arrival order
+# The default body limit: about 4 characters a token, JSON escapes (up to 6 bytes a character) and chat
+# framing around them; 32 bytes a token of a 128k context is 4 MiB.
+BODY_BYTES_PER_TOKEN = 32
+DEFAULT_BODY_CONTEXT = 131072
+MIN_DEFAULT_BODY_SIZE = 4 << 20
+MIN_REQUEST_BODY_SIZE = 4096
 _MODULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -104,6 +115,20 @@ class ServerSettings:
     # Adapter lookups (name -> version) are checked against the store again after this many seconds;
     # uploads and deletes reach every replica at once as config events, so this only bounds a lost event.
     adapter_lookup_ttl: float = 30.0
+    # Threads for tokenizing, chat templates and spec checks, off the event loop (loraserve/work_pool.py).
+    tokenizer_pool_size: int = 2
+    # Largest JSON request body in bytes, refused with 413 before it is parsed; None: request_body_limit's
+    # default for the context length. Uploads have their own limit (the store's).
+    max_request_body_size: int | None = None
+    # Slow clients (ops/http_timeouts.py): seconds for a request's headers, seconds for its body plus one
+    # more for every `http_body_min_rate` bytes that arrive.
+    http_header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
+    http_body_timeout: float = DEFAULT_BODY_TIMEOUT_S
+    http_body_min_rate: int = DEFAULT_BODY_MIN_RATE
+    # Structured outputs' grammars (engine.EngineConfig.grammar_compile_*): compile threads in the engine
+    # core, and the seconds a compile may take before its requests fail as too complex.
+    grammar_compile_threads: int = 2
+    grammar_compile_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -199,6 +224,28 @@ class ServerSettings:
             raise ValueError(f"--max-concurrent-requests-per-tenant must be a positive integer (got {limit})")
         if self.api_keys is not None and not Path(self.api_keys).is_file():
             raise ValueError(f"--api-keys {self.api_keys!r} is not a file; give a JSON or YAML keys file")
+        if isinstance(self.tokenizer_pool_size, bool) or self.tokenizer_pool_size < 1:
+            raise ValueError(f"--tokenizer-pool-size must be at least 1 (got {self.tokenizer_pool_size})")
+        if self.max_request_body_size is not None and self.max_request_body_size < MIN_REQUEST_BODY_SIZE:
+            raise ValueError(
+                f"--max-request-body-size must be at least {MIN_REQUEST_BODY_SIZE} bytes "
+                f"(got {self.max_request_body_size})"
+            )
+        for flag, value in (
+            ("--http-header-timeout", self.http_header_timeout),
+            ("--http-body-timeout", self.http_body_timeout),
+            ("--http-body-min-rate", self.http_body_min_rate),
+        ):
+            if not value > 0:
+                raise ValueError(f"{flag} must be positive (got {value})")
+        if isinstance(self.grammar_compile_threads, bool) or self.grammar_compile_threads < 1:
+            raise ValueError(
+                f"--grammar-compile-threads must be at least 1 (got {self.grammar_compile_threads})"
+            )
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(
+                f"--grammar-compile-timeout must be positive (got {self.grammar_compile_timeout})"
+            )
         if self.max_logprobs < -1:
             raise ValueError(
                 f"--max-logprobs must be -1 (no cap) or a non-negative integer (got {self.max_logprobs})"
@@ -232,6 +279,16 @@ class ServerSettings:
         if self.metrics_port is None:
             return self.port + 1 if 0 < self.port < 65535 else None
         return self.metrics_port if self.metrics_port != METRICS_OFF else None
+
+    @property
+    def request_body_limit(self) -> int:
+        """--max-request-body-size, else room for a whole context: BODY_BYTES_PER_TOKEN per token of
+        --max-model-len (a model's own length is not known before it loads: DEFAULT_BODY_CONTEXT then),
+        at least MIN_DEFAULT_BODY_SIZE."""
+        if self.max_request_body_size is not None:
+            return self.max_request_body_size
+        context = self.max_model_len or DEFAULT_BODY_CONTEXT
+        return max(MIN_DEFAULT_BODY_SIZE, context * BODY_BYTES_PER_TOKEN)
 
     @property
     def cache_dir(self) -> Path:

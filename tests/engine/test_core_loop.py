@@ -147,6 +147,7 @@ def test_refused_and_aborted_requests_come_back_as_deltas(harness, expected):
     assert (
         refused["bad-params"][-1].finish_reason == "error" and "max_tokens" in refused["bad-params"][-1].error
     )
+    assert refused["bad-params"][-1].error_code == "invalid_request"  # its own data: a 400 upstream
     assert "unknown adapter 'nope'" in refused["unknown-adapter"][-1].error
     assert tokens(refused["good-1"]) == expected["good-1"]
     harness.send(AbortRequests(["long", "never-seen"]))

@@ -280,7 +280,7 @@ def test_a_recursion_error_outside_body_decoding_is_a_500_not_a_400():
     from types import SimpleNamespace
 
     from litestar.serialization.msgspec_hooks import decode_json
-    from loraserve.errors import _too_deep
+    from loraserve.errors import _undecodable_body
 
     request = SimpleNamespace(method="POST", url=SimpleNamespace(path="/v1/completions"))
 
@@ -292,5 +292,5 @@ def test_a_recursion_error_outside_body_decoding_is_a_500_not_a_400():
         try:
             raise_it()
         except RecursionError as exc:
-            answers.append(_too_deep(request, exc).status_code)
+            answers.append(_undecodable_body(request, exc).status_code)
     assert answers == [400, 500]

@@ -28,6 +28,8 @@ from loraserve.openapi import BEARER_SECURITY
 from loraserve.services import Services
 from loraserve.tenancy import Principal, require_admin
 
+MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
+
 
 class LoadLoRAAdapterRequest(msgspec.Struct, frozen=True, kw_only=True):
     lora_name: str
@@ -109,10 +111,19 @@ def _allowed_folder(services: Services, lora_path: str) -> Path:
             "lora_path must be a local folder; adapters in S3 are uploaded with POST /v1/adapters",
             param="lora_path",
         )
+    if "\x00" in lora_path or len(lora_path) > MAX_PATH_CHARS:  # os calls raise on these: the caller's 400
+        raise BadRequest(
+            f"lora_path must be a folder path of at most {MAX_PATH_CHARS} characters, without NUL characters",
+            param="lora_path",
+        )
     folder = Path(os.path.realpath(lora_path))
     if not contained(folder, roots):
         raise BadRequest(f"lora_path {lora_path!r} {OUTSIDE}", param="lora_path")
-    if not folder.is_dir():
+    try:
+        is_dir = folder.is_dir()
+    except OSError:  # e.g. a name longer than the file system allows
+        is_dir = False
+    if not is_dir:
         raise BadRequest(f"no adapter folder at lora_path {lora_path!r}", param="lora_path")
     return folder
 

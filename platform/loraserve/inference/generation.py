@@ -20,7 +20,7 @@ from typing import Any
 
 from engine import EngineDeadError, RequestOutput, SamplingParams
 from engine.outputs import RequestTimes
-from loraserve.errors import ServiceUnavailable
+from loraserve.errors import BadRequest, ServiceUnavailable
 from loraserve.services import Services
 from loraserve.tenancy import Lease, Principal, TokenReservation
 
@@ -176,6 +176,8 @@ class Generation:
                 "the server is shutting down and stopped this request; retry it on another replica",
                 code="server_shutting_down",
             )
+        if delta.error is not None and delta.error_code is not None:  # the request's own data: the caller's
+            raise BadRequest(delta.error, code=delta.error_code)
         if delta.error is not None:
             raise GenerationFailed(f"the request failed: {delta.error}")
 

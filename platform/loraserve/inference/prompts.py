@@ -1,7 +1,10 @@
 """Prompts to token ids: completion prompts in OpenAI's four shapes, and chat messages via the chat template.
 
 Tokenizing here rather than in the engine lets the server refuse an oversize prompt with a 400 before
-anything is queued, and know the prompt token count for usage and metrics.
+anything is queued, and know the prompt token count for usage and metrics. These functions are slow for
+long inputs and run on the work pool (loraserve/work_pool.py), never on the event loop. Without
+truncation a text longer than PREFIX_CHARS_PER_TOKEN characters per context token is first tokenized
+only that far: if that prefix already fills the context the prompt is refused without tokenizing the rest.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from loraserve.inference.schemas import ChatMessage
 from loraserve.inference.tools import add_tool_fields
 
 MAX_PROMPTS = 64  # prompts in one completions request
+# Text is about 4 characters a token; a prefix of 8 per context token holds the whole context in all but
+# texts of unusually long tokens (long runs of one character), which are tokenized whole.
+PREFIX_CHARS_PER_TOKEN = 8
 
 
 def completion_prompts(
@@ -35,8 +41,9 @@ def completion_prompts(
         )
     if len(prompts) > MAX_PROMPTS:
         raise BadRequest(f"at most {MAX_PROMPTS} prompts per request (got {len(prompts)})", param="prompt")
+    limit = max_model_len if truncate is None else None  # truncation keeps the last tokens: all are needed
     ids = [
-        truncated(tokenize(p, tokenizer) if isinstance(p, str) else p, truncate, max_model_len)
+        truncated(tokenize(p, tokenizer, limit) if isinstance(p, str) else p, truncate, max_model_len)
         for p in prompts
     ]
     for prompt_ids in ids:
@@ -62,7 +69,10 @@ def chat_prompt(
         continue_final_message=continue_final_message,
         tools=tools,
     )
-    ids = truncated(tokenizer_ids(text, tokenizer, add_special_tokens=False), truncate, max_model_len)
+    limit = max_model_len if truncate is None else None
+    ids = truncated(
+        tokenizer_ids(text, tokenizer, add_special_tokens=False, limit=limit), truncate, max_model_len
+    )
     check_prompt_ids(ids, tokenizer, max_model_len)
     return ids
 
@@ -111,7 +121,21 @@ def render_chat(
         raise BadRequest(f"the chat template rejected these messages: {exc}", param="messages") from None
 
 
-def tokenizer_ids(text: str, tokenizer: Any, *, add_special_tokens: bool = True) -> list[int]:
+def tokenizer_ids(
+    text: str, tokenizer: Any, *, add_special_tokens: bool = True, limit: int | None = None
+) -> list[int]:
+    """The text's token ids. With a `limit` (the context length), a text too long to fit is refused after
+    tokenizing a prefix of PREFIX_CHARS_PER_TOKEN characters per token, when that prefix alone fills it."""
+    if limit is not None and len(text) > limit * PREFIX_CHARS_PER_TOKEN:
+        prefix = tokenizer(text[: limit * PREFIX_CHARS_PER_TOKEN], add_special_tokens=add_special_tokens)
+        # +1: the prefix's last word may tokenize differently once the rest of it follows
+        if len(prefix.input_ids) >= limit + 1:
+            raise BadRequest(
+                f"the prompt has more than {limit} tokens (its {len(text)} characters), but this model's "
+                f"context (max_model_len) is {limit} tokens, prompt plus output; shorten the prompt",
+                code="context_length_exceeded",
+                param="prompt",
+            )
     return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
@@ -128,10 +152,10 @@ def truncated(ids: list[int], keep: int | None, max_model_len: int | None) -> li
     return ids[-keep:]
 
 
-def tokenize(text: str, tokenizer: Any) -> list[int]:
+def tokenize(text: str, tokenizer: Any, limit: int | None = None) -> list[int]:
     if tokenizer is None:
         raise BadRequest("this model has no tokenizer: send the prompt as token ids", param="prompt")
-    return list(tokenizer(text).input_ids)
+    return tokenizer_ids(text, tokenizer, limit=limit)
 
 
 def check_prompt_ids(ids: list[int], tokenizer: Any, max_model_len: int | None) -> None:

@@ -6,6 +6,7 @@ its generation_config.json), by the engine's own rule (engine.generation_config)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.structured import structured_params
 
 MAX_STOP_STRINGS = 16
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,18}", re.ASCII)  # a JSON object key naming a token id
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -147,7 +149,11 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI sends token ids as JSON object keys (strings)."""
     if bias is None:
         return None
-    bad = [key for key in bias if not key.isdigit()]
+    # ASCII digits only: str.isdigit() and int() also take other scripts' digits ("١" is 1) and superscripts
+    bad = [key for key in bias if not _TOKEN_ID_KEY.fullmatch(key)]
     if bad:
-        raise BadRequest(f"logit_bias keys must be token ids (got {bad[0]!r})", param="logit_bias")
+        raise BadRequest(
+            f"logit_bias keys must be token ids written in ASCII digits (got {bad[0][:32]!r})",
+            param="logit_bias",
+        )
     return {int(key): value for key, value in bias.items()}

@@ -14,11 +14,20 @@ from msgspec import UNSET, Meta, UnsetType
 from loraserve.inference.tools.types import DeltaToolCall, MessageToolCall, ToolCall, ToolDefinition
 
 MAX_N = 16  # completions per prompt: each is a full sequence in the batch
+# Every integer field is bounded: a wider one cannot cross to the engine (msgpack, torch carry 64 bits), so
+# it is refused here, naming the field, rather than failing later.
+MAX_INT = 2**63 - 1
+MAX_CHAT_MESSAGES = 4096  # messages in one chat request (the chat template renders every one)
 
-PositiveInt = Annotated[int, Meta(ge=1)]
+PositiveInt = Annotated[int, Meta(ge=1, le=MAX_INT)]
+Count = Annotated[int, Meta(ge=0, le=MAX_INT)]
+TokenId = Annotated[int, Meta(ge=0, le=MAX_INT)]  # checked against the vocabulary once the model is known
+LogprobCount = Annotated[
+    int, Meta(ge=-MAX_INT, le=MAX_INT)
+]  # ranges checked in sampling.py (vLLM's messages)
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-TopK = Annotated[int, Meta(ge=-1)]
+TopK = Annotated[int, Meta(ge=-1, le=MAX_INT)]
 NumChoices = Annotated[int, Meta(ge=1, le=MAX_N)]
 Stop = str | list[str] | None
 # A 64-bit signed integer, as vLLM takes it (torch's generators refuse anything wider).
@@ -93,8 +102,8 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
     # vLLM's extensions: no stop before min_tokens; token ids that stop like eos; the stop string kept in
     # the text; special tokens' text kept
-    min_tokens: Annotated[int, Meta(ge=0)] = 0
-    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    min_tokens: Count = 0
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # vLLM's extension: logprobs name tokens as "token_id:123", exact where text is ambiguous
@@ -106,7 +115,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     # OpenAI's: token id (as a string key) -> bias added to its logit
     logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
-    allowed_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(min_length=1)] | None = None  # vLLM's
+    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None  # vLLM's
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_* fields.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -117,9 +126,9 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM's: the prompt's and each choice's token ids in the response
     return_token_ids: bool = False
     # vLLM's: keep only the last k prompt tokens (-1: as many as the context allows)
-    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=MAX_INT)] | None = None
     # vLLM's: each prompt token's logprob, rank and top-k (checked against vLLM's rules in sampling.py)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: LogprobCount | None = None
     # loraserve's: false keeps this request out of speculative decoding (a no-op when the server has none)
     speculative: bool = True
 
@@ -128,7 +137,7 @@ class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     # A string, a list of strings, a list of token ids, or a list of token id lists (checked in prompts.py;
     # msgspec cannot tell list[str] from list[int] inside one union).
     prompt: str | list[Any]
-    logprobs: int | None = None  # 0..--max-logprobs, checked in sampling.py with vLLM's messages
+    logprobs: LogprobCount | None = None  # 0..--max-logprobs, checked in sampling.py with vLLM's messages
     echo: bool = False
 
 
@@ -147,10 +156,12 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_CHAT_MESSAGES)]
     max_completion_tokens: PositiveInt | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None  # 0..--max-logprobs (-1: the whole vocabulary), checked in sampling.py
+    top_logprobs: LogprobCount | None = (
+        None  # 0..--max-logprobs (-1: the whole vocabulary), checked in sampling.py
+    )
     # vLLM's: render the last (assistant) message open so the model continues it; echo repeats it in the answer
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -1,10 +1,14 @@
 """Completions and chat completions: admit, resolve the model, run the engine, answer whole or as SSE.
 
-Order of checks: draining / model loaded (503), body and prompt (400), the tenant's model name (404),
-the tenant's concurrency limit, then its tokens per minute (429). A stream's headers go out only once
-the engine has produced its first delta, so a request that fails at once still gets a proper HTTP error
-instead of a broken stream; until then the client's disconnect is watched, as for a whole answer, so a
-client that leaves while its request waits in the queue aborts it there.
+Order of checks, cheapest first, so that no costly work is done for a request that will be refused:
+draining / model loaded (503), the body's fields (400), the tenant's model name (404), the tenant's
+concurrency limit (429); only then the work that grows with the request (the structured-output spec's
+checks, chat template, tokenizing: 400 for a bad spec or prompt), on the work pool, off the event loop;
+then the tenant's tokens per minute (429), which needs the prompt's length. A stream's headers go out
+only once the engine has produced its first delta, so a request that fails at once (its grammar refused
+by the engine, say) still gets a proper HTTP error instead of a broken stream; until then the client's
+disconnect is watched, as for a whole answer, so a client that leaves while its request waits in the
+queue aborts it there.
 """
 
 from __future__ import annotations
@@ -43,9 +47,9 @@ from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.structured import check_structured
 from loraserve.inference.tools import ToolPlan, plan_tools
 from loraserve.ops.readiness import engine_dead_reason
-from loraserve.resolution import resolve_model
+from loraserve.resolution import ResolvedModel, resolve_model
 from loraserve.services import Services
-from loraserve.tenancy import Principal, TooManyRequests, engine_cache_salt
+from loraserve.tenancy import Lease, Principal, TooManyRequests, engine_cache_salt
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +64,31 @@ async def create_completion(
 ) -> Any:
     check_serving(services)
     params = completion_params(body, services.sampling_defaults, _logprobs_cap(services))
-    prompts = completion_prompts(
-        body.prompt, services.tokenizer, services.max_model_len, body.truncate_prompt_tokens
-    )
     check_sampling_token_ids(params, services.tokenizer)
-    await check_structured(services, params.structured_outputs)
-    echo = _echo_texts(body, prompts, services.tokenizer) if body.echo else None
-    return await _generate(
-        services, principal, body, prompts, params, CompletionFormat, "cmpl", request, echo
-    )
+    resolved, lease = await _admit(services, principal, body)
+    try:
+        await check_structured(services, params.structured_outputs)
+        pool, tokenizer = services.work_pool, services.tokenizer
+        prompts = await pool.run(
+            completion_prompts, body.prompt, tokenizer, services.max_model_len, body.truncate_prompt_tokens
+        )
+        echo = await pool.run(_echo_texts, body, prompts, tokenizer) if body.echo else None
+        return await _generate(
+            services,
+            principal,
+            body,
+            prompts,
+            params,
+            CompletionFormat,
+            "cmpl",
+            request,
+            resolved,
+            lease,
+            echo,
+        )
+    except BaseException:
+        lease.release()  # idempotent: a started generation releases it itself
+        raise
 
 
 async def create_chat_completion(
@@ -78,28 +98,45 @@ async def create_chat_completion(
     tools = plan_tools(body)
     params = chat_params(body, services.sampling_defaults, _logprobs_cap(services))
     params = tools.constrain(params) if tools is not None else params
-    prompt = chat_prompt(
-        body.messages,
-        services.tokenizer,
-        services.max_model_len,
-        add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-        truncate=body.truncate_prompt_tokens,
-        tools=tools.template_tools() if tools is not None else None,
-    )
     check_sampling_token_ids(params, services.tokenizer)
+    resolved, lease = await _admit(services, principal, body)
     try:
-        await check_structured(services, params.structured_outputs)
-    except BadRequest as exc:  # under a named or "required" tool_choice the grammar is the tools' schemas
-        if tools is None or tools.mode in ("none", "auto"):
-            raise
-        raise BadRequest(f"a tool's parameters schema cannot be used: {exc}", param="tools") from None
-    # vLLM's chat echo: the last message's content, when it is the assistant's (the reply continues it)
-    last = body.messages[-1]
-    echo = [message_text(last)] if body.echo and last.role == "assistant" else None
-    return await _generate(
-        services, principal, body, [prompt], params, ChatFormat, "chatcmpl", request, echo, tools
-    )
+        try:
+            await check_structured(services, params.structured_outputs)
+        except BadRequest as exc:  # under a named or "required" tool_choice the grammar is the tools' schemas
+            if tools is None or tools.mode in ("none", "auto"):
+                raise
+            raise BadRequest(f"a tool's parameters schema cannot be used: {exc}", param="tools") from None
+        prompt = await services.work_pool.run(
+            chat_prompt,
+            body.messages,
+            services.tokenizer,
+            services.max_model_len,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            truncate=body.truncate_prompt_tokens,
+            tools=tools.template_tools() if tools is not None else None,
+        )
+        # vLLM's chat echo: the last message's content, when it is the assistant's (the reply continues it)
+        last = body.messages[-1]
+        echo = [message_text(last)] if body.echo and last.role == "assistant" else None
+        return await _generate(
+            services,
+            principal,
+            body,
+            [prompt],
+            params,
+            ChatFormat,
+            "chatcmpl",
+            request,
+            resolved,
+            lease,
+            echo,
+            tools,
+        )
+    except BaseException:
+        lease.release()
+        raise
 
 
 async def create_invocation(
@@ -135,6 +172,19 @@ def check_serving(services: Services) -> None:
         raise ServiceUnavailable("the model is still loading; retry shortly", code="model_not_ready")
 
 
+async def _admit(
+    services: Services, principal: Principal, body: CompletionRequest | ChatCompletionRequest
+) -> tuple[ResolvedModel, Lease]:
+    """The model the tenant named (404 if it has none of that name) and a concurrency lease (429 beyond
+    its cap), before any work that grows with the request; the caller releases the lease if it fails."""
+    resolved = await resolve_model(services, principal, body.model, body.user)
+    try:
+        return resolved, services.limiter.try_acquire(principal)
+    except TooManyRequests:
+        _count_refusal(services, principal, "concurrency")
+        raise
+
+
 async def _generate(
     services: Services,
     principal: Principal,
@@ -144,27 +194,21 @@ async def _generate(
     format_type: type[Format],
     prefix: str,
     request: Request,
+    resolved: ResolvedModel,
+    lease: Lease,
     echo: list[str] | None = None,
     tools: ToolPlan | None = None,
 ) -> Any:
-    resolved = await resolve_model(services, principal, body.model, body.user)
     # "auto" reads calls with the adapter's own parser, else the server's (a 400 when there is neither)
     tool_output = tools.output(resolved.tool_call_parser or services.tool_call_parser) if tools else None
     if tool_output is not None and tool_output.needs_special_tokens(services.tokenizer):
         params = dataclasses.replace(params, skip_special_tokens=False)
     try:
-        lease = services.limiter.try_acquire(principal)
-    except TooManyRequests:
-        _count_refusal(services, principal, "concurrency")
-        raise
-    try:
         tokens = services.token_limiter.try_reserve(
             principal, sum(map(len, prompts)), len(prompts) * params.n * (params.max_tokens or 0)
         )
-    except BaseException as exc:
-        lease.release()
-        if isinstance(exc, TooManyRequests):
-            _count_refusal(services, principal, "tokens")
+    except TooManyRequests:  # the caller releases the lease
+        _count_refusal(services, principal, "tokens")
         raise
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     if services.metrics is not None and resolved.engine_adapter_id is not None:

@@ -2,18 +2,19 @@
 
 Three spellings reach the same engine feature: OpenAI's `response_format` (`json_object`, `json_schema`),
 vLLM's `structured_outputs` object and vLLM's older `guided_json` / `guided_regex` / `guided_choice` /
-`guided_grammar`. A request may use one of them. The spec is compiled here, off the event loop, so an invalid
-schema, regex or grammar is a 400 naming the problem; the engine's compile of the same text then hits
-xgrammar's cache when both live in one process.
+`guided_grammar`. A request may use one of them. The spec is checked here, on the work pool, against what
+the engine will compile (engine/structured_output/budget.py: valid JSON and regex, a schema's depth, size,
+enum values and references), so most bad specs are a 400 naming the problem before anything is queued.
+Compiling is the engine's: once per spec, on its own threads, while the request waits there; a spec the
+compiler refuses, or one past its compile timeout, fails the request with a 400 before its first token.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from engine.structured_output import StructuredOutputsParams
-from engine.structured_output.grammars import GrammarCompiler
+from engine.structured_output.budget import StructuredOutputError, check_spec
 from loraserve.errors import BadRequest
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.services import Services
@@ -62,15 +63,12 @@ def structured_params(body: CompletionRequest | ChatCompletionRequest) -> Struct
 
 
 async def check_structured(services: Services, params: StructuredOutputsParams | None) -> None:
-    """Compile the spec once here: an invalid one is the caller's 400, not a failed generation."""
+    """The spec's budget and validity, on the work pool: a bad one is the caller's 400 before queueing."""
     if params is None:
         return
     if services.tokenizer is None:
         raise BadRequest("structured outputs need the model's tokenizer, and this model has none")
-    if services.grammar_compiler is None:
-        tokenizer = services.tokenizer
-        services.grammar_compiler = await asyncio.to_thread(GrammarCompiler, tokenizer, len(tokenizer))
     try:
-        await asyncio.to_thread(services.grammar_compiler.compile, params)
-    except ValueError as exc:
-        raise BadRequest(str(exc), param="response_format", code="invalid_structured_output") from None
+        await services.work_pool.run(check_spec, params)
+    except StructuredOutputError as exc:
+        raise BadRequest(str(exc), param="response_format", code=exc.code) from None

@@ -44,7 +44,8 @@ class MetricsAccess:
             if not self.on_metrics_port(request):
                 raise NotFoundException()
             return
-        scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+        values = request.headers.getall("authorization", [])
+        scheme, _, token = (values[0] if len(values) == 1 else "").partition(" ")  # two: neither counts
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key.encode()):
             raise NotAuthorizedException(
                 "/metrics needs the scrape key: send 'Authorization: Bearer KEY' (--metrics-key)",

@@ -3,7 +3,9 @@
 On SIGTERM the CLI calls `drain()`: from then on new inference requests get 503 and /ready says 503
 (load balancers take the replica out), running requests get `timeout_s` to finish, and whatever is
 left is aborted in the engine, so each stream ends with an error event and `data: [DONE]` instead of
-a cut connection. Only then does the server stop listening.
+a cut connection. Requests still receiving their bodies (uploads) are tracked too (ops/drain_guard.py):
+past the deadline they get the 503 body rather than a cut connection. Only then does the server stop
+listening.
 
 `fail(reason)` is the other way out: the engine core died, so nothing can be served; the CLI stops
 the server at once and exits non-zero (a supervisor or Kubernetes starts a fresh one).
@@ -31,7 +33,8 @@ class Shutdown:
         self.timeout_s = timeout_s
         self.draining = False
         self.fatal_error: str | None = None  # set (from any thread) when the server must exit non-zero
-        self._active: set[Drainable] = set()
+        self._active: set[Drainable] = set()  # generations
+        self._requests: set[Drainable] = set()  # requests with a body, until their response is sent
         self._aborted: set[int] = set()
 
     @property
@@ -55,6 +58,13 @@ class Shutdown:
         self._active.discard(item)
         self._aborted.discard(id(item))
 
+    def track_request(self, item: Drainable) -> None:
+        self._requests.add(item)
+
+    def untrack_request(self, item: Drainable) -> None:
+        self._requests.discard(item)
+        self._aborted.discard(id(item))
+
     def aborted(self, item: Drainable) -> bool:
         """True when the drain stopped this request (its engine abort is not the client's doing)."""
         return id(item) in self._aborted
@@ -63,17 +73,26 @@ class Shutdown:
         """Stop admitting, wait for in-flight requests, abort the rest; returns how many were aborted."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         self.draining = True
-        log.info("draining: %d request(s) in flight, up to %.0f s to finish", len(self._active), timeout_s)
+        log.info(
+            "draining: %d generation(s) and %d request(s) in flight, up to %.0f s to finish",
+            len(self._active),
+            len(self._requests),
+            timeout_s,
+        )
         deadline = time.monotonic() + timeout_s
-        while self._active and time.monotonic() < deadline:
+        while (self._active or self._requests) and time.monotonic() < deadline:
             await asyncio.sleep(_POLL_S)
         leftover = list(self._active)
-        if leftover:
-            log.warning("shutdown timeout reached: aborting %d request(s)", len(leftover))
-        for item in leftover:
+        if leftover or self._requests:
+            log.warning(
+                "shutdown timeout reached: aborting %d generation(s) and %d request(s)",
+                len(leftover),
+                len(self._requests),
+            )
+        for item in leftover + list(self._requests):
             self._aborted.add(id(item))
             await item.abort_for_shutdown()
         grace = time.monotonic() + _FINAL_EVENT_GRACE_S
-        while self._active and time.monotonic() < grace:
+        while (self._active or self._requests) and time.monotonic() < grace:
             await asyncio.sleep(_POLL_S)
         return len(leftover)

@@ -1,7 +1,13 @@
 """Tenancy: API keys (hashed), principals, admin checks, name syntax, per-tenant concurrency and token limits,
 and who may share the prefix cache."""
 
-from loraserve.tenancy.auth import Authenticator, KeySource, parse_bearer, require_admin
+from loraserve.tenancy.auth import (
+    Authenticator,
+    KeySource,
+    authorization_header,
+    parse_bearer,
+    require_admin,
+)
 from loraserve.tenancy.cache_salt import engine_cache_salt
 from loraserve.tenancy.errors import (
     Forbidden,
@@ -46,6 +52,7 @@ __all__ = [
     "TokenReservation",
     "TooManyRequests",
     "Unauthorized",
+    "authorization_header",
     "check_adapter_name",
     "check_name",
     "check_route_name",

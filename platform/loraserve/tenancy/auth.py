@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 from loraserve.tenancy.errors import Forbidden, Unauthorized
 from loraserve.tenancy.keys import ApiKey, hash_key
@@ -67,6 +67,15 @@ class Authenticator:
         if record is None or not hmac.compare_digest(record.key_hash, digest):
             raise Unauthorized(f"invalid API key; {_HOW} with a key your operator issued")
         return Principal.from_key(record)
+
+
+def authorization_header(headers: Any) -> str | None:
+    """The request's one `Authorization` header, None without one. Two or more are refused (401): a proxy
+    in front could check one while this server read another."""
+    values = headers.getall("authorization", [])
+    if len(values) > 1:
+        raise Unauthorized(f"the request has {len(values)} Authorization headers; {_HOW}, once")
+    return values[0] if values else None
 
 
 def parse_bearer(authorization: str | None) -> str:

@@ -7,7 +7,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from loraserve.inference.schemas import ChatMessage
+from loraserve.inference.schemas import MAX_CHAT_MESSAGES, ChatMessage, TokenId
 from loraserve.inference.tools.types import ToolDefinition
 
 MAX_DETOKENIZE_TOKENS = 1 << 20
@@ -18,7 +18,7 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     model: str | None = None  # optional as in vLLM; when given it must be one of the caller's models
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_CHAT_MESSAGES)] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -35,7 +35,7 @@ class TokenizeResponse(msgspec.Struct, frozen=True, kw_only=True):
 
 class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None
-    tokens: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_DETOKENIZE_TOKENS)]
+    tokens: Annotated[list[TokenId], Meta(max_length=MAX_DETOKENIZE_TOKENS)]
 
 
 class DetokenizeResponse(msgspec.Struct, frozen=True, kw_only=True):

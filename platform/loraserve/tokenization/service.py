@@ -6,7 +6,6 @@ routes, so a tenant learns nothing about names that are not its own (404, as for
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from loraserve.errors import BadRequest
@@ -30,6 +29,15 @@ async def tokenize(services: Services, principal: Principal, body: TokenizeReque
     tokenizer = _tokenizer(services)
     if (body.prompt is None) == (body.messages is None):
         raise BadRequest("give either prompt or messages", param="prompt")
+    ids, strs = await services.work_pool.run(_tokenize, body, tokenizer, services.max_model_len)
+    return TokenizeResponse(count=len(ids), max_model_len=services.max_model_len, tokens=ids, token_strs=strs)
+
+
+def _tokenize(
+    body: TokenizeRequest, tokenizer: Any, max_model_len: int | None
+) -> tuple[list[int], list[str] | None]:
+    """(token ids, their strings if asked for); on the work pool. A text that cannot be a prompt (more
+    tokens than the context holds, seen in a prefix) is refused as completions refuse it."""
     if body.messages is not None:
         text = render_chat(
             body.messages,
@@ -41,9 +49,8 @@ async def tokenize(services: Services, principal: Principal, body: TokenizeReque
         add_special = bool(body.add_special_tokens)
     else:
         text, add_special = body.prompt, body.add_special_tokens is not False
-    ids = await asyncio.to_thread(tokenizer_ids, text, tokenizer, add_special_tokens=add_special)
-    strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-    return TokenizeResponse(count=len(ids), max_model_len=services.max_model_len, tokens=ids, token_strs=strs)
+    ids = tokenizer_ids(text, tokenizer, add_special_tokens=add_special, limit=max_model_len)
+    return ids, tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
 
 
 async def detokenize(services: Services, principal: Principal, body: DetokenizeRequest) -> DetokenizeResponse:
@@ -53,7 +60,7 @@ async def detokenize(services: Services, principal: Principal, body: DetokenizeR
     bad = [t for t in body.tokens if t >= vocab]
     if bad:
         raise BadRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
-    return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
+    return DetokenizeResponse(prompt=await services.work_pool.run(tokenizer.decode, body.tokens))
 
 
 def tokenizer_info(services: Services) -> TokenizerInfo:

@@ -9,6 +9,9 @@ way), and what passes compiles in about a second at most; the compile timeout of
 compile fast even with large repetition counts, but alternatives cost what enum values cost: they are
 counted too; their text is bounded (params.MAX_SPEC_CHARS).
 
+Keywords of a fixed JSON type given another (`properties` not an object, `required` not a list of names)
+are refused here too, as the compiler would refuse them later.
+
 Also refused here, since the schema's meaning would otherwise be lost without a word: a `$ref` that is
 not a pointer into the schema itself ("#/$defs/Name") or that points nowhere (xgrammar takes a remote
 or unresolvable reference as "any value"), and `$dynamicRef` / `$recursiveRef`, which it ignores.
@@ -120,9 +123,23 @@ def check_schema(schema: Any) -> None:
                 )
         if "$ref" in node:
             _check_ref(schema, node["$ref"])
+        _check_keyword_types(node)
         for key, value in node.items():
             if key not in _VALUES:
                 stack.append((value, depth + 1, key in _SCHEMA_MAPS))
+
+
+def _check_keyword_types(node: dict) -> None:
+    """Keywords whose value has a fixed JSON type: a wrong one is a broken schema (xgrammar refuses it
+    while compiling, in the engine; here it is the caller's 400 before anything is queued)."""
+    for key in _SCHEMA_MAPS:
+        if key in node and not isinstance(node[key], dict):
+            raise StructuredOutputError(f"the JSON schema's {key} must be an object of name -> schema")
+    required = node.get("required")
+    if required is not None and not (
+        isinstance(required, list) and all(isinstance(r, str) for r in required)
+    ):
+        raise StructuredOutputError("the JSON schema's required must be a list of property names")
 
 
 def _check_ref(root: Any, ref: Any) -> None:

@@ -326,5 +326,5 @@ def test_a_schema_xgrammar_cannot_compile_is_a_400_naming_tools(tmp_path):
 
     errors, requests = replay(tmp_path, scenario)
     for body in errors:
-        assert body["param"] == "tools" and "properties must be an object" in body["message"]
+        assert body["param"] == "tools" and "properties must be an object" in body["message"], body
     assert requests == []

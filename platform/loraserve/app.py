@@ -36,7 +36,8 @@ SHUTDOWN_KEY = "shutdown"
 MAX_REQUEST_BODY_BYTES = 16 << 20
 
 
-def create_app(settings: ServerSettings, *, services: Services | None = None) -> Litestar:
+def create_app(settings: ServerSettings, *, services: Services | None = None, role=None) -> Litestar:
+    """`role`: what this process is (loraserve.frontends.role; default: the one server process)."""
     shutdown = Shutdown(settings.shutdown_timeout)
     config = services.adapter_store.config if services is not None else store_config(settings)
     metrics_access = MetricsAccess(port=settings.metrics_listen_port, key=settings.metrics_key)
@@ -47,7 +48,7 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
             async with _serving(app, services, shutdown):
                 yield
             return
-        async with open_services(settings) as built, _serving(app, built, shutdown):
+        async with open_services(settings, role) as built, _serving(app, built, shutdown):
             yield
 
     return Litestar(
@@ -80,9 +81,13 @@ async def _serving(app: Litestar, services: Services, shutdown: Shutdown) -> Asy
     watch = getattr(services.engine, "add_death_callback", None)
     if watch is not None:  # the engine core died: streams already failed; stop the server (exit 1)
         watch(lambda error: shutdown.fail(str(error)))
+    if services.front_ends is not None:  # one front-end process of several: the others' /ready see it
+        services.front_ends.mark_ready()
     try:
         yield
     finally:
+        if services.front_ends is not None:
+            services.front_ends.mark_stopping()
         if shutdown.num_in_flight:
             await shutdown.drain()
         app.state[SERVICES_KEY] = None

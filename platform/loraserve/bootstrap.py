@@ -2,6 +2,8 @@
 
 Order matters: the adapter store and config store are opened and checked before the model loads, so a
 wrong URL or an unreadable keys file fails in a second rather than after a minute of loading weights.
+The same code builds the one server process and each front-end process of several (`role`:
+loraserve.frontends.role says what differs).
 """
 
 from __future__ import annotations
@@ -21,12 +23,19 @@ from engine.generation_config import load_generation_defaults
 from engine.model.loader import load_config, resolve_model_path
 from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import CachedConfigStore, open_config_store, redact_url
+from loraserve.frontends.role import SingleProcess
 from loraserve.name_conflicts import check_not_base_model
 from loraserve.ops.metrics import Metrics
 from loraserve.routing import Router
 from loraserve.services import Services, engine_adapter_id
 from loraserve.settings import ServerSettings
-from loraserve.tenancy import DEFAULT_TENANT, Authenticator, ConcurrencyLimiter, load_api_keys
+from loraserve.tenancy import (
+    DEFAULT_TENANT,
+    Authenticator,
+    ConcurrencyLimiter,
+    TokenRateLimiter,
+    load_api_keys,
+)
 
 log = logging.getLogger("loraserve")
 
@@ -74,11 +83,8 @@ def base_model_id(settings: ServerSettings, model: str) -> str:
     return Path(model).name if settings.model is None else settings.model
 
 
-@asynccontextmanager
-async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
-    """Everything `Services` holds, built from `settings`; closed in reverse order on exit."""
-    model = settings.model or str(await asyncio.to_thread(_demo_model, settings))
-    model_id = base_model_id(settings, model)
+def check_lora_modules(settings: ServerSettings, model: str, model_id: str) -> None:
+    """`--lora-modules` must not take the base model's name nor name another base model."""
     for module in settings.lora_modules:
         check_not_base_model(module[0], model_id, "--lora-modules adapter")
         base = getattr(module, "base_model_name", None)
@@ -86,19 +92,31 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             raise ValueError(
                 f"--lora-modules {module[0]}: base_model_name {base!r} is not the served model {model_id!r}"
             )
+
+
+@asynccontextmanager
+async def open_services(settings: ServerSettings, role=None) -> AsyncIterator[Services]:
+    """Everything `Services` holds, built from `settings`; closed in reverse order on exit. `role`: a
+    loraserve.frontends.role object (default: the one server process)."""
+    role = role or SingleProcess(settings)
+    model = settings.model or str(await asyncio.to_thread(_demo_model, settings))
+    model_id = base_model_id(settings, model)
+    check_lora_modules(settings, model, model_id)
     model_path = resolve_model_path(model)
     shape = ModelShape.from_hf_config(load_config(model_path))
     sampling_defaults = load_generation_defaults(model_path, settings.generation_config)
     config = store_config(settings)
     store = open_store(config, shape)
     await asyncio.to_thread(store.check)
-    threading.Thread(target=sweep_quietly, args=(store,), name="adapter-store-sweep", daemon=True).start()
+    if role.owns_store_upkeep:
+        threading.Thread(target=sweep_quietly, args=(store,), name="adapter-store-sweep", daemon=True).start()
     disk_cache = DiskCache(store, config.cache_dir, config.cache_max_bytes)
     config_store = CachedConfigStore(
-        open_config_store(settings.config_store or str(settings.state_dir / "config"))
+        role.config_store(open_config_store(settings.config_store or str(settings.state_dir / "config")))
     )
     await config_store.start()
     engine: AsyncLLM | None = None
+    tenant_table = role.tenant_table()  # the concurrency and token limiters' counters
     try:
         keys = load_api_keys(settings.api_keys) if settings.api_keys else []
         authenticator = await Authenticator.create(keys, config_store)
@@ -109,6 +127,7 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             lambda: config_store.healthy,
             lambda: adapter_lookup.store_up,
             disk_cache.cached_versions,
+            multiprocess_dir=role.metrics_dir,
         )
         log.info("loading model %s (%s) in the engine core process", model_id, model)
         # The source pickles into the core (a recipe: store, disk cache folder, shape); what it and the
@@ -116,14 +135,13 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
         source = StoreAdapterSource(
             store, disk_cache, shape, settings.max_lora_rank, observer=metrics.adapter_event
         )
-        engine = await asyncio.to_thread(
-            AsyncLLM.from_config,
+        engine = await role.start_engine(
             engine_config(settings, model),
             adapter_source=source,
             adapter_observer=metrics.adapter_event,
             triton_cache_dir=str(settings.triton_cache_dir),
         )
-        if settings.lora_modules:
+        if settings.lora_modules and role.owns_store_upkeep:
             stored = await asyncio.to_thread(preload_lora_modules, store, settings.lora_modules)
             engine.preload_adapters(stored)  # into the core's CPU tier now, not at the first request
         _log_startup(settings, model_id, model, authenticator.open_mode)
@@ -135,7 +153,8 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             config_store=config_store,
             authenticator=authenticator,
             router=Router(on_pick=metrics.route_picked),
-            limiter=ConcurrencyLimiter(settings.max_concurrent_requests_per_tenant),
+            limiter=ConcurrencyLimiter(settings.max_concurrent_requests_per_tenant, table=tenant_table),
+            token_limiter=TokenRateLimiter(table=tenant_table),
             metrics=metrics,
             adapter_lookup=adapter_lookup,
             tokenizer=engine.tokenizer,
@@ -144,11 +163,13 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             sampling_defaults=sampling_defaults,
             max_logprobs=settings.max_logprobs,
             tensor_parallel_size=settings.tensor_parallel_size,
+            front_ends=role.front_ends,
         )
     finally:
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
         await config_store.close()
+        tenant_table.close()
 
 
 def preload_lora_modules(store: AdapterStore, modules: tuple[tuple[str, str], ...]) -> list[str]:

@@ -60,10 +60,10 @@ class CpuPlan:
     others: frozenset[int]
 
     def describe(self) -> str:
-        helpers = format_cpus(self.helpers) if self.helpers else "shared with the others"
+        helpers = f"CPU {format_cpus(self.helpers)}" if self.helpers else "the rest"
         return (
-            f"engine loop on CPU {format_cpus(self.loop)}, its other threads on {helpers}, "
-            f"everything else on {format_cpus(self.others)}"
+            f"engine loop on CPU {format_cpus(self.loop)}; its other threads on {helpers}; the rest "
+            f"(front ends, loaders) on CPU {format_cpus(self.others)}"
         )
 
 

@@ -36,6 +36,8 @@ from engine.core.step_outputs import (
 )
 from engine.fairness import DEFAULT_TENANT
 from engine.kv_cache import KVCacheManager
+from engine.kv_events import KVEventRecorder
+from engine.kv_events.publisher import ZmqEventPublisher
 from engine.logits_processors import apply_logits_processors
 from engine.lora.manager import AdapterManager, AdapterSource
 from engine.lora.registry import AdapterRegistry
@@ -62,6 +64,7 @@ logger = logging.getLogger(__name__)
 AdapterSourceFactory = Callable[[ModelShape, int], AdapterSource]
 # "cumulative": each output holds everything generated so far; "delta": only what is new since the last.
 OUTPUT_KINDS = ("cumulative", "delta")
+PRELOAD_LEVELS = ("cpu", "gpu")  # where preload_adapters brings adapters
 
 
 class LLMEngine:
@@ -144,6 +147,7 @@ class LLMEngine:
             detokenizer_tokenizer=self.tokenizer if detokenize else None,
             delta_outputs=self._delta_outputs,
         )
+        self.kv_events = self._open_kv_events(config)  # last: a failed start leaves no socket open
         self.mark_ready()
 
     # -- requests -------------------------------------------------------------------------------
@@ -251,6 +255,7 @@ class LLMEngine:
             outputs.extend(self._update(finished))
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
+        self.publish_kv_events()
         return merge_deltas(outputs) if self._delta_outputs else latest_per_request(outputs)
 
     def _sampling_rows(self, scheduled) -> list[Request]:
@@ -294,19 +299,79 @@ class LLMEngine:
         reason = f"adapter {adapter_id!r} was deleted before this request started"
         self.requests.fail_waiting(adapter_id, reason, include_preempted=False)
 
-    def preload_adapters(self, adapters: Iterable[str]) -> None:
-        """Start loading adapters into the CPU tier before any request asks for them (a server's
-        `--lora-modules`), so the first requests on a fresh replica do not wait for the disk or the store.
-        Best effort and non-blocking: an adapter that cannot be resolved is logged and skipped, one that
-        fails to load fails the requests that later ask for it, as it would without the preload."""
+    def preload_adapters(self, adapters: Iterable[str], level: str = "cpu", pin: bool = False) -> None:
+        """Load adapters before any request asks for them: into the CPU tier (a server's `--lora-modules`),
+        or with `level="gpu"` into a GPU slot, behind every waiting request's adapter, and with `pin` kept
+        there until `unpin_adapters` (an operator's placement; engine/lora/placements.py).
+
+        So the first requests on a replica do not wait for the disk or the store. Best effort and
+        non-blocking: an adapter that cannot be resolved is logged and skipped, one that fails to load
+        fails the requests that later ask for it, as it would without the preload. No lookup is counted
+        (the hit and miss counters count requests)."""
+        if level not in PRELOAD_LEVELS:
+            raise ValueError(f"level must be one of {', '.join(PRELOAD_LEVELS)} (got {level!r})")
+        if pin and level != "gpu":
+            raise ValueError("only an adapter preloaded into a GPU slot (level='gpu') can be pinned")
         for adapter in adapters:
             try:
                 adapter_id = checks.resolve_adapter(self.lora, adapter)
             except (AdapterError, RequestError) as exc:
                 logger.warning("adapter %r not preloaded: %s", adapter, exc)
                 continue
-            if adapter_id is not None:
-                self.lora.prefetch(adapter_id)
+            if adapter_id is None:
+                continue
+            if level == "gpu":
+                self.lora.place(adapter_id, pin)
+            else:
+                self.lora.load_to_cpu(adapter_id)
+
+    def unpin_adapters(self, adapters: Iterable[str], unload: bool = False) -> None:
+        """Undo `preload_adapters(..., pin=True)`: the adapters stay resident but evictable; with `unload`
+        their GPU slots and CPU-tier rows are freed too, unless a request holds them. Unknown or unpinned
+        adapters are ignored."""
+        for adapter in adapters:
+            try:
+                adapter_id = self.lora.resolve(adapter)
+            except AdapterError:
+                continue
+            self.lora.unplace(adapter_id, unload)
+
+    def advance_adapters(self) -> None:
+        """What an idle engine does each poll: collect finished loads, give placed adapters their GPU
+        slots and copies (the steps do it otherwise), so preloads land with no request running; and
+        publish the KV events of anything done between steps (aborts free blocks)."""
+        self.poll_adapters()
+        if not self.has_unfinished_requests():
+            self.lora.stage(())
+            self.lora.start_copies()
+        self.publish_kv_events()
+
+    # -- the prefix cache ---------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); False, changing nothing, while any
+        request holds blocks. Published as AllBlocksCleared when KV events are on."""
+        reset = self.kv_cache.reset_prefix_cache()
+        self.publish_kv_events()
+        return reset
+
+    def publish_kv_events(self) -> None:
+        """Send the prefix cache's changes since the last call as one KV event batch (if any)."""
+        if self.kv_events is not None:
+            recorder, publisher = self.kv_events
+            events = recorder.take()
+            if events:
+                publisher.publish(events)
+
+    def _open_kv_events(self, config: EngineConfig) -> tuple[KVEventRecorder, ZmqEventPublisher] | None:
+        settings = config.kv_events_config
+        if settings is None or not settings.publishes:
+            return None
+        if not config.enable_prefix_caching:
+            logger.warning("KV events need prefix caching, which is off: no block will ever be reported")
+        recorder = KVEventRecorder(config.block_size, settings.event_encoding)
+        self.kv_cache.record_events(recorder)
+        return recorder, ZmqEventPublisher(settings)
 
     def poll_adapters(self) -> None:
         """Collect finished background loads; a failed one fails the requests waiting for it (reported at
@@ -318,6 +383,9 @@ class LLMEngine:
         """Stop the adapter loaders (threads and processes); the engine serves no adapter loads after it."""
         self.lora.shutdown()
         self.runner.shutdown()
+        if self.kv_events is not None:
+            self.kv_events[1].close()
+            self.kv_events = None
 
     def mark_ready(self) -> None:
         """From now on every Triton compile is unexpected: counted in stats() and logged as a warning.

@@ -9,7 +9,8 @@ answers it with CoreReady, and from then on sends that client the deltas of the 
 
     front end (client "fe-0-1234")                   core
       AddRequest / AbortRequests /      -- inputs -->    schedule -> execute -> update
-      ForgetAdapter / ...                  (ROUTER)
+      ForgetAdapter / PreloadAdapters /    (ROUTER)
+      UnpinAdapters / ShutdownCore
       ClientHello (once)                -- outputs ->
       CoreReady (once) / StepOutputs    <-- outputs --   (one StepOutputs per step, per client)
       (one per step) / CoreFailed          (ROUTER)
@@ -54,7 +55,14 @@ class ForgetAdapter(msgspec.Struct, frozen=True, tag="forget"):
 
 
 class PreloadAdapters(msgspec.Struct, frozen=True, tag="preload"):
-    adapter_ids: list[str]  # bring into the CPU tier before any request needs them (best effort)
+    adapter_ids: list[str]  # bring in before any request needs them (best effort)
+    level: str = "cpu"  # "cpu": the CPU tier; "gpu": a GPU slot (LLMEngine.preload_adapters)
+    pin: bool = False  # with "gpu": keep the slot until UnpinAdapters
+
+
+class UnpinAdapters(msgspec.Struct, frozen=True, tag="unpin"):
+    adapter_ids: list[str]  # drop an operator's pin (LLMEngine.unpin_adapters)
+    unload: bool = False  # also free their slots and CPU-tier rows when no request holds them
 
 
 class ShutdownCore(msgspec.Struct, frozen=True, tag="shutdown"):
@@ -73,7 +81,14 @@ class ClientGone(msgspec.Struct, frozen=True, tag="client_gone"):
 
 
 CoreInput = (
-    AddRequest | AbortRequests | ForgetAdapter | PreloadAdapters | ShutdownCore | ClientHello | ClientGone
+    AddRequest
+    | AbortRequests
+    | ForgetAdapter
+    | PreloadAdapters
+    | UnpinAdapters
+    | ShutdownCore
+    | ClientHello
+    | ClientGone
 )
 
 # -- core -> front end ----------------------------------------------------------------------------

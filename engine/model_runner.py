@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from adapter_format.model_shape import ModelShape
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs
 from engine.input_batch import InputBatch
@@ -17,9 +16,9 @@ from engine.lora.pool import LoRAPool
 from engine.lora.slots import PAGE_RANK
 from engine.model.attention import AttentionMetadata
 from engine.model.kv_quant import FP8_DTYPE
-from engine.model.llama import LlamaModel
-from engine.model.loader import checkpoint_dtype, load_weights
+from engine.model.loader import checkpoint_dtype, load_model
 from engine.model.paged_attention_triton import interpreting
+from engine.model.registry import model_shape
 from engine.prompt_logprobs import PromptTokenLogprobs, compute_prompt_logprobs, wants_prompt_logprobs
 from engine.request import Request
 from engine.sampler import SampledStep
@@ -55,12 +54,19 @@ class ModelRunner:
 
             parallel = TensorParallelRank.start(config, model_path, hf_config, max_model_len)
         self.parallel = parallel
-        self.shape = ModelShape.from_hf_config(hf_config)
+        self.shape = model_shape(hf_config)
         if parallel is None:
-            weights = load_weights(
-                model_path, hf_config, self.dtype, self.device, config.quantization, config.fp8_gemm
+            self.model = load_model(
+                model_path,
+                hf_config,
+                self.dtype,
+                self.device,
+                max_model_len,
+                self.attention_backend,
+                config.quantization,
+                config.fp8_gemm,
+                load_format=config.load_format,
             )
-            self.model = LlamaModel(hf_config, weights, max_model_len, self.attention_backend)
             # Allocated before the KV cache is sized, so the adapter pool counts in gpu_memory_utilization.
             self.lora_slots = LoRAPool(
                 self.shape,
@@ -74,7 +80,6 @@ class ModelRunner:
             self.model, self.lora_slots = parallel.build(
                 config, model_path, hf_config, self.dtype, max_model_len, self.attention_backend
             )
-            weights = self.model.weights
         self.num_kv_blocks = config.num_kv_blocks or self._profile_num_kv_blocks()
         if parallel is not None:  # every rank's cache holds the same blocks (its own heads of them)
             self.num_kv_blocks = parallel.group.min(self.num_kv_blocks)
@@ -116,7 +121,7 @@ class ModelRunner:
             PAGE_RANK,
             self.num_kv_blocks,
             self.block_size,
-            self._kv_cache_description(weights),
+            self._kv_cache_description(self.model),
             self.attention_backend,
             _graphs_description(self.graphs, self.verify_graphs),
         )
@@ -140,10 +145,10 @@ class ModelRunner:
         element = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * element
 
-    def _kv_cache_description(self, weights) -> str:
+    def _kv_cache_description(self, model) -> str:
         if self.kv_cache_dtype != FP8_DTYPE:
             return f"dtype {self.kv_cache_dtype}"
-        source = "from the checkpoint" if weights.kv_scales_from_checkpoint else "1.0: none in the checkpoint"
+        source = "from the checkpoint" if model.kv_scales_from_checkpoint else "1.0: none in the checkpoint"
         return f"dtype {self.kv_cache_dtype} (fp8, per-tensor scales {source})"
 
     @torch.inference_mode()

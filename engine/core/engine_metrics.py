@@ -87,4 +87,5 @@ def engine_stats(
         num_kernel_compiles_after_ready=counters.num_compiles_after_ready,
         iteration_tokens=counters.iteration_tokens.snapshot(),
         spec_decode=speculator.stats() if speculator is not None else None,
+        lora_residency=lora.residency(),
     )

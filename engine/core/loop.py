@@ -29,6 +29,7 @@ from engine.messages import (
     PreloadAdapters,
     RequestDelta,
     ShutdownCore,
+    UnpinAdapters,
     decode_input,
     encode,
 )
@@ -75,7 +76,7 @@ class EngineCoreLoop:
             if self.engine.has_unfinished_requests():
                 step = self.engine.step()
             else:
-                self.engine.poll_adapters()  # preloads land in the CPU tier while idle
+                self.engine.advance_adapters()  # preloads land while idle
                 step = []
             self._send([self._delta(output) for output in step])
 
@@ -127,7 +128,9 @@ class EngineCoreLoop:
         elif isinstance(message, ForgetAdapter):
             self.engine.forget_adapter(message.adapter_id)
         elif isinstance(message, PreloadAdapters):
-            self.engine.preload_adapters(message.adapter_ids)
+            self.engine.preload_adapters(message.adapter_ids, message.level, message.pin)
+        elif isinstance(message, UnpinAdapters):
+            self.engine.unpin_adapters(message.adapter_ids, message.unload)
         elif isinstance(message, ClientGone):
             self.clients.leave(message.client_id.encode(), "its process died")
         elif isinstance(message, ShutdownCore):

@@ -33,6 +33,7 @@ from engine.messages import (
     PreloadAdapters,
     RequestDelta,
     StepOutputs,
+    UnpinAdapters,
     decode_stats,
     encode_stats,
 )
@@ -225,9 +226,14 @@ class AsyncLLM:
         except EngineDeadError:
             pass  # nothing left to forget in
 
-    def preload_adapters(self, adapter_ids: list[str]) -> None:
-        """Have the core start loading these adapters into its CPU tier (see LLMEngine.preload_adapters)."""
-        self._client.send(PreloadAdapters(list(adapter_ids)))
+    def preload_adapters(self, adapter_ids: list[str], level: str = "cpu", pin: bool = False) -> None:
+        """Have the core start loading these adapters into its CPU tier or, with `level="gpu"`, a GPU slot
+        (`pin`: kept there until `unpin_adapters`); see LLMEngine.preload_adapters. Returns at once."""
+        self._client.send(PreloadAdapters(list(adapter_ids), level, pin))
+
+    def unpin_adapters(self, adapter_ids: list[str], unload: bool = False) -> None:
+        """Drop an operator's pins (see LLMEngine.unpin_adapters); returns at once."""
+        self._client.send(UnpinAdapters(list(adapter_ids), unload))
 
     def stats(self) -> EngineStats:
         """The latest snapshot the core published (at most a step, or engine.core.clients.STATS_INTERVAL_S,

@@ -2,6 +2,8 @@
 
 Order matters: the adapter store and config store are opened and checked before the model loads, so a
 wrong URL or an unreadable keys file fails in a second rather than after a minute of loading weights.
+The app runs this in the background while the server already listens: `progress` hears each slow step
+(/ready reports it), and a cancelled start (SIGTERM while loading) still shuts down the engine it began.
 The same code builds the one server process and each front-end process of several (`role`:
 loraserve.frontends.role says what differs).
 """
@@ -12,17 +14,18 @@ import asyncio
 import hashlib
 import logging
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
 from adapters_store import AdapterNotFound, AdapterStore, DiskCache, StoreConfig, open_store
 from adapters_store.engine_source import StoreAdapterSource
-from engine import AsyncLLM, EngineConfig, ModelShape
+from engine import AsyncLLM, EngineConfig, model_shape
 from engine.generation_config import load_generation_defaults
 from engine.model.loader import load_config, resolve_model_path
 from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import CachedConfigStore, open_config_store, redact_url
+from loraserve.demo_model import DEMO_MODEL_NAME, demo_model_converted
 from loraserve.frontends.role import SingleProcess
 from loraserve.name_conflicts import check_not_base_model
 from loraserve.ops.metrics import Metrics
@@ -36,13 +39,19 @@ from loraserve.tenancy import (
     TokenRateLimiter,
     load_api_keys,
 )
+from loraserve.tenancy.upload_slots import UploadSlots
 
 log = logging.getLogger("loraserve")
 
 
 def store_config(settings: ServerSettings) -> StoreConfig:
     return StoreConfig(
-        url=settings.adapter_store, max_lora_rank=settings.max_lora_rank, cache_dir=str(settings.cache_dir)
+        url=settings.adapter_store,
+        max_lora_rank=settings.max_lora_rank,
+        cache_dir=str(settings.cache_dir),
+        served_model=announced_model_id(settings),
+        cache_max_bytes=settings.adapter_cache_max_bytes,
+        cache_min_free_bytes=settings.adapter_cache_min_free_bytes,
     )
 
 
@@ -60,6 +69,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         quantization=settings.quantization,
         tensor_parallel_size=settings.tensor_parallel_size,
         speculative_config=settings.speculative_config,
+        kv_events_config=settings.kv_events_config,
         enforce_eager=settings.enforce_eager,
         async_scheduling=settings.async_scheduling,
         attention_backend=settings.attention_backend,
@@ -83,6 +93,11 @@ def base_model_id(settings: ServerSettings, model: str) -> str:
     return Path(model).name if settings.model is None else settings.model
 
 
+def announced_model_id(settings: ServerSettings) -> str:
+    """The base model's id before anything is loaded (the demo model's folder is named after it)."""
+    return base_model_id(settings, settings.model or DEMO_MODEL_NAME)
+
+
 def check_lora_modules(settings: ServerSettings, model: str, model_id: str) -> None:
     """`--lora-modules` must not take the base model's name nor name another base model."""
     for module in settings.lora_modules:
@@ -95,28 +110,35 @@ def check_lora_modules(settings: ServerSettings, model: str, model_id: str) -> N
 
 
 @asynccontextmanager
-async def open_services(settings: ServerSettings, role=None) -> AsyncIterator[Services]:
+async def open_services(
+    settings: ServerSettings, progress: Callable[[str], None] = lambda step: None, role=None
+) -> AsyncIterator[Services]:
     """Everything `Services` holds, built from `settings`; closed in reverse order on exit. `role`: a
     loraserve.frontends.role object (default: the one server process)."""
     role = role or SingleProcess(settings)
+    if settings.model is None and not demo_model_converted(settings.models_dir):
+        progress("converting the demo model (first start only; the server log shows its steps)")
     model = settings.model or str(await asyncio.to_thread(_demo_model, settings))
+    progress("opening the adapter store and the config store")
     model_id = base_model_id(settings, model)
     check_lora_modules(settings, model, model_id)
     model_path = resolve_model_path(model)
-    shape = ModelShape.from_hf_config(load_config(model_path))
+    shape = model_shape(load_config(model_path))  # sizes and the architecture's LoRA targets
     sampling_defaults = load_generation_defaults(model_path, settings.generation_config)
     config = store_config(settings)
     store = open_store(config, shape)
     await asyncio.to_thread(store.check)
     if role.owns_store_upkeep:
         threading.Thread(target=sweep_quietly, args=(store,), name="adapter-store-sweep", daemon=True).start()
-    disk_cache = DiskCache(store, config.cache_dir, config.cache_max_bytes)
+    disk_cache = DiskCache(
+        store, config.cache_dir, config.cache_max_bytes, min_free_bytes=config.cache_min_free_bytes
+    )
     config_store = CachedConfigStore(
         role.config_store(open_config_store(settings.config_store or str(settings.state_dir / "config")))
     )
     await config_store.start()
     engine: AsyncLLM | None = None
-    tenant_table = role.tenant_table()  # the concurrency and token limiters' counters
+    tenant_table = role.tenant_table()  # the concurrency, token and upload limiters' counters
     try:
         keys = load_api_keys(settings.api_keys) if settings.api_keys else []
         authenticator = await Authenticator.create(keys, config_store)
@@ -130,18 +152,21 @@ async def open_services(settings: ServerSettings, role=None) -> AsyncIterator[Se
             multiprocess_dir=role.metrics_dir,
         )
         log.info("loading model %s (%s) in the engine core process", model_id, model)
+        progress("loading the model in the engine core process")
         # The source pickles into the core (a recipe: store, disk cache folder, shape); what it and the
         # core's adapter manager observe there comes back with the core's outputs to `metrics`.
         source = StoreAdapterSource(
             store, disk_cache, shape, settings.max_lora_rank, observer=metrics.adapter_event
         )
-        engine = await role.start_engine(
+        engine = await _start_engine(
+            role,
             engine_config(settings, model),
             adapter_source=source,
             adapter_observer=metrics.adapter_event,
             triton_cache_dir=str(settings.triton_cache_dir),
         )
         if settings.lora_modules and role.owns_store_upkeep:
+            progress("storing and preloading --lora-modules")
             stored = await asyncio.to_thread(preload_lora_modules, store, settings.lora_modules)
             engine.preload_adapters(stored)  # into the core's CPU tier now, not at the first request
         _log_startup(settings, model_id, model, authenticator.open_mode)
@@ -159,6 +184,8 @@ async def open_services(settings: ServerSettings, role=None) -> AsyncIterator[Se
             adapter_lookup=adapter_lookup,
             tokenizer=engine.tokenizer,
             allowed_lora_paths=settings.allowed_lora_paths,
+            upload_slots=UploadSlots(settings.max_concurrent_uploads_per_tenant, table=tenant_table),
+            max_routes_per_tenant=settings.max_routes_per_tenant,
             max_model_len=engine.max_model_len,
             sampling_defaults=sampling_defaults,
             max_logprobs=settings.max_logprobs,
@@ -170,6 +197,20 @@ async def open_services(settings: ServerSettings, role=None) -> AsyncIterator[Se
             await asyncio.to_thread(engine.shutdown)
         await config_store.close()
         tenant_table.close()
+
+
+async def _start_engine(role, config: EngineConfig, **options: object) -> AsyncLLM:
+    """The role's engine (started, or joined), built in a thread. Cancelled (a SIGTERM during the load),
+    it waits for the start and shuts the engine down before it re-raises, so no engine-core process or
+    core connection outlives the server."""
+    starting = asyncio.ensure_future(role.start_engine(config, **options))
+    try:
+        return await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        with suppress(Exception):
+            engine = await starting
+            await asyncio.to_thread(engine.shutdown)
+        raise
 
 
 def preload_lora_modules(store: AdapterStore, modules: tuple[tuple[str, str], ...]) -> list[str]:

@@ -19,6 +19,7 @@ from loraserve.config_store import ConfigStore
 from loraserve.ops.shutdown import Shutdown
 from loraserve.routing import Router
 from loraserve.tenancy import Authenticator, ConcurrencyLimiter, TokenRateLimiter
+from loraserve.tenancy.upload_slots import UploadSlots
 
 
 def engine_adapter_id(tenant: str, name: str, version: int) -> str:
@@ -58,6 +59,12 @@ class EngineClient(Protocol):
     def stats(self) -> Any:
         """The latest engine.EngineStats (`resident_adapters` tells resolution which need no store call)."""
 
+    def preload_adapters(self, adapter_ids: list[str], level: str = "cpu", pin: bool = False) -> None:
+        """Load adapters without a request, into the CPU tier or a GPU slot (`pin`: keep the slot)."""
+
+    def unpin_adapters(self, adapter_ids: list[str], unload: bool = False) -> None:
+        """Drop an operator's pins; `unload` frees the adapters' slots and CPU-tier rows too."""
+
 
 class Tokenizer(Protocol):
     """The part of the base model's tokenizer the handlers use (transformers' tokenizers fit)."""
@@ -91,6 +98,9 @@ class RequestMetrics(Protocol):
     def count_finished(self, finish_reasons: list[str]) -> None:
         """vllm:request_success_total: completions that ended (stop, length, abort, error), once each."""
 
+    def adapter_request(self, adapter_id: str) -> None:
+        """A request resolved to this engine adapter id (counted per adapter for the placement loop)."""
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
 
@@ -120,6 +130,9 @@ class Services:
     # vLLM's --max-logprobs: the most top logprobs a request may ask for; -1: the whole vocabulary.
     max_logprobs: int = 20
     tensor_parallel_size: int = 1  # above 1, prompt logprobs are refused (the engine cannot compute them yet)
+    # Per-tenant cap on adapter uploads at once (--max-concurrent-uploads-per-tenant): 429 beyond it.
+    upload_slots: UploadSlots = field(default_factory=UploadSlots)
+    max_routes_per_tenant: int = 1000  # --max-routes-per-tenant: creating a route past it is 403
     # Folders POST /v1/load_lora_adapter may read from (--allowed-lora-paths); empty: runtime loading off.
     allowed_lora_paths: tuple[str, ...] = ()
     # Built on the first structured-output request (loraserve.inference.structured): checks specs for 400s.

@@ -105,6 +105,7 @@ def test_every_exported_vllm_and_serving_metric_is_shown_somewhere():
         "loraserve_lora_slots",  # capacity, for the residency rules
         "loraserve_adapter_resident",  # for the Inference Gateway's scorer (deploy/k8s/inference-gateway)
         "vllm:lora_requests_info",  # for the Inference Gateway's scorer
+        "vllm:lora_adapter_loaded",  # per adapter: for llm-d's lora-load-state-scorer and `loraserve placement`
         "loraserve_tenant_requests",
         "loraserve_tenant_prompt_tokens",
         "loraserve_tenant_queue_time_seconds",

@@ -1,16 +1,18 @@
 """The tenant table that front-end processes share: a check and its update are one step for the whole
 replica (processes racing for the last slot admit exactly the limit), a dead process's leases and holds
-are cleared with its column, rows of idle tenants are reused, and the token window behaves as the
+are cleared with its column, the parallel-upload cap holds for the replica, rows of idle tenants are reused, and the token window behaves as the
 in-process one does."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import time
 
 import pytest
 from loraserve.tenancy import ConcurrencyLimiter, Principal, TokenRateLimiter, TooManyRequests
 from loraserve.tenancy.tenant_table import NO_ROW, TenantTable
+from loraserve.tenancy.upload_slots import UploadSlots
 
 NUM_PROCESSES = 3
 LIMIT = 5
@@ -99,3 +101,25 @@ def test_the_in_process_table_grows_and_keeps_the_window():
     for i in range(200):  # more tenants than the first allocation
         limiter.try_reserve(Principal(tenant=f"t{i}", role="user"), 3)
     assert limiter.used("t0") == 3 and limiter.used("t199") == 3
+
+
+def test_the_upload_cap_holds_for_the_replica_and_a_dead_process_frees_its_uploads(tmp_path):
+    path = tmp_path / "limits"
+    TenantTable.create(path, 2, capacity=8)
+    first, second = TenantTable.attach(path, 2, 0), TenantTable.attach(path, 2, 1)
+    here, there = UploadSlots(2, table=first), UploadSlots(2, table=second)
+
+    async def scenario():
+        async with here.acquire("carol"), there.acquire("carol"):  # one upload in each process
+            with pytest.raises(TooManyRequests, match="2 adapter uploads in progress"):
+                async with here.acquire("carol"):
+                    pass
+            async with there.acquire("dave"):  # another tenant's cap is its own
+                assert (here.in_flight("carol"), here.in_flight("dave")) == (2, 1)
+            with second.locked():
+                second.clear_slot(1)  # the second process died with its upload
+            async with here.acquire("carol"):  # its slot is free again
+                assert there.in_flight("carol") == 2
+        return here.in_flight("carol")
+
+    assert asyncio.run(scenario()) == 0

@@ -8,7 +8,11 @@ events to a hub in the supervisor (a ZeroMQ XSUB/XPUB proxy) and receives every 
     front end 0 --PUB--> events-in [XSUB  hub  XPUB] events-out --SUB--> front ends 0..N-1
                                                                           (each skips its own)
 
-A Redis config store needs none of this: every process subscribes to Redis itself. An event that
+The same wrapper makes the store's per-tenant write lock (route writes against adapter deletions, the
+route quota) hold across the front ends: frontends.tenant_locks.
+
+A Redis config store needs none of this: every process subscribes to Redis itself, and its route writes
+are transactions in Redis. An event that
 arrives while a front end is (re)starting is lost to it, which is harmless: a starting process has
 nothing cached yet.
 """
@@ -28,6 +32,7 @@ import zmq.asyncio
 
 from loraserve.config_store.base import ConfigStore
 from loraserve.config_store.events import ConfigEvent, EventCallback, Subscribers
+from loraserve.frontends.tenant_locks import SharedTenantLock, SharedTenantLocks
 from loraserve.routing.route import Route
 from loraserve.tenancy.keys import ApiKey
 
@@ -63,8 +68,11 @@ def start_hub(events_in: str, events_out: str) -> threading.Thread:
 class PeerEventsConfigStore(ConfigStore):
     """A config store whose change events also reach, and come from, the other front-end processes."""
 
-    def __init__(self, backend: ConfigStore, events_in: str, events_out: str, origin: str) -> None:
+    def __init__(
+        self, backend: ConfigStore, events_in: str, events_out: str, origin: str, locks: SharedTenantLocks
+    ) -> None:
         self.backend = backend
+        self._locks = locks
         self._origin = origin
         self._subscribers = Subscribers()
         self._context = zmq.asyncio.Context()
@@ -117,6 +125,11 @@ class PeerEventsConfigStore(ConfigStore):
         self._subscriber.close(linger=0)
         self._context.term()
         await self.backend.close()
+
+    def _tenant_lock(self, tenant: str) -> SharedTenantLock:
+        """put_route_checked and adapter_deletion (ConfigStore's) take this: one writer per tenant across
+        every front-end process, not only within this one."""
+        return self._locks(tenant)
 
     # Everything else is the backend's.
 

@@ -9,6 +9,7 @@ that differ:
 | tenant counters | a table in its own memory | the table all front ends map (tenancy.tenant_table) |
 | metrics | its own registry | prometheus_client's multiprocess files, summed |
 | config events | the store's own | also to and from the other front ends (peer_events) |
+| route-write lock (embedded store) | per tenant, in this process | per tenant, across the front ends (tenant_locks) |
 | store upkeep | sweeps the store, stores `--lora-modules` | none: the supervisor did it once |
 | /ready | its own state | also every other front end's (FrontEndStatus) |
 """
@@ -28,6 +29,7 @@ from loraserve.config_store.embedded import EmbeddedConfigStore
 from loraserve.frontends.peer_events import PeerEventsConfigStore
 from loraserve.frontends.placement import cpu_plan
 from loraserve.frontends.runtime import READY, STOPPING, FrontEndStatus, Runtime
+from loraserve.frontends.tenant_locks import SharedTenantLocks
 from loraserve.settings import ServerSettings
 from loraserve.tenancy.tenant_table import TenantTable
 
@@ -92,7 +94,10 @@ class FrontEnd:
     def config_store(self, backend: ConfigStore) -> ConfigStore:
         if not isinstance(backend, EmbeddedConfigStore):  # Redis tells every process itself
             return backend
-        return PeerEventsConfigStore(backend, self.runtime.events_in, self.runtime.events_out, self.client_id)
+        locks = SharedTenantLocks(self.runtime.locks_dir)
+        return PeerEventsConfigStore(
+            backend, self.runtime.events_in, self.runtime.events_out, self.client_id, locks
+        )
 
     async def start_engine(
         self, config: EngineConfig, *, adapter_source: Any = None, adapter_observer: Any = None, **_: Any

@@ -6,6 +6,7 @@ the end; every front-end process maps the files it needs:
     limits      the tenant table (loraserve.tenancy.tenant_table): concurrency and token counters
     status      one byte per front-end process: starting, ready, stopping (for /ready)
     metrics/    prometheus_client's multiprocess files (PROMETHEUS_MULTIPROC_DIR)
+    locks/      per-tenant route-write locks (loraserve.frontends.tenant_locks)
     events-*    ipc:// addresses of the config-event hub (loraserve.frontends.peer_events)
 """
 
@@ -36,6 +37,7 @@ class Runtime:
         TenantTable.create(runtime.limits_path, num_front_ends)
         runtime.status_path.write_bytes(bytes(num_front_ends))
         runtime.metrics_dir.mkdir()
+        runtime.locks_dir.mkdir()
         return runtime
 
     @property
@@ -49,6 +51,10 @@ class Runtime:
     @property
     def metrics_dir(self) -> Path:
         return self.folder / "metrics"
+
+    @property
+    def locks_dir(self) -> Path:
+        return self.folder / "locks"
 
     @property
     def events_in(self) -> str:

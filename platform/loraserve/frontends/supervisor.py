@@ -31,7 +31,7 @@ import uvicorn
 
 from adapters_store import DiskCache, open_store
 from adapters_store.engine_source import StoreAdapterSource
-from engine import ModelShape
+from engine import model_shape
 from engine.core.handle import JOIN_S, CoreHandle
 from engine.core.steady import pin_process
 from engine.messages import ClientGone, PreloadAdapters
@@ -90,12 +90,16 @@ class Supervisor:
             check_lora_modules(settings, model, model_id)
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
-        shape = ModelShape.from_hf_config(load_config(resolve_model_path(model)))
+        shape = model_shape(
+            load_config(resolve_model_path(model))
+        )  # sizes and the architecture's LoRA targets
         config = store_config(settings)
         store = open_store(config, shape)
         store.check()
         threading.Thread(target=sweep_quietly, args=(store,), name="adapter-store-sweep", daemon=True).start()
-        disk_cache = DiskCache(store, config.cache_dir, config.cache_max_bytes)
+        disk_cache = DiskCache(
+            store, config.cache_dir, config.cache_max_bytes, min_free_bytes=config.cache_min_free_bytes
+        )
         runtime = Runtime.create(self.count)
         # Before any front end starts: prometheus_client reads it when first imported there.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(runtime.metrics_dir)

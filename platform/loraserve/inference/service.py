@@ -150,6 +150,8 @@ async def _generate(
             _count_refusal(services, principal, "tokens")
         raise
     response_id = f"{prefix}-{uuid.uuid4().hex}"
+    if services.metrics is not None and resolved.engine_adapter_id is not None:
+        services.metrics.adapter_request(resolved.engine_adapter_id)
     generation = Generation(
         services,
         response_id,

@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 from engine import EngineStats
 from engine.outputs import RequestTimes
 from engine.stats import HistogramCounts
+from loraserve.ops.lora_residency_metrics import LoRAResidencyMetrics
 from loraserve.routing import Variant
 from loraserve.services import split_engine_adapter_id
 
@@ -185,12 +186,15 @@ class Metrics:
         )
         state = _StateCollector(model_name, engine_stats, config_store_up, adapter_store_up, disk_adapters)
         if multiprocess_dir is None:
-            self.registry.register(state)
             self._rendered = self.registry
         else:  # every front end's files summed, not this process's own values (which they include)
             self._rendered = CollectorRegistry()
             multiprocess.MultiProcessCollector(self._rendered, path=multiprocess_dir)
-            self._rendered.register(state)
+        self._rendered.register(state)  # the engine's state: once, whichever process renders it
+        # vLLM's residency series and requests per adapter (ops/lora_residency_metrics.py)
+        self.lora_residency = LoRAResidencyMetrics(
+            model_name, engine_stats, self.registry, state_registry=self._rendered
+        )
 
     def observe_request(
         self,
@@ -231,8 +235,14 @@ class Metrics:
             self.cache_misses.labels(tier).inc()
         elif event == "load":
             self.load_seconds.labels(tier).observe(seconds)
+            if tier == "source":  # into the CPU tier: vllm:lora_adapter_load_seconds
+                self.lora_residency.observe_load(seconds)
         elif event == "evict":
             self.evictions.labels(tier).inc()
+
+    def adapter_request(self, adapter_id: str) -> None:
+        """A request resolved to this engine adapter (loraserve_lora_requests, for placement)."""
+        self.lora_residency.count_request(adapter_id)
 
     def route_picked(self, tenant: str, route: str, variant: Variant, sticky: bool) -> None:
         """The Router's pick hook."""

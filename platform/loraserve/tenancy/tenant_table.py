@@ -1,19 +1,20 @@
 """Per-tenant counters of one replica, in memory that every front-end process of it shares.
 
-The concurrency cap and the tokens per minute are limits per replica, whatever front-end process a
+The concurrency cap, the tokens per minute and the cap on parallel adapter uploads are limits per replica, whatever front-end process a
 request lands on (`loraserve serve --api-server-count N`), so their counters live in one table: a file
 mapped into every front-end process (under /dev/shm when it exists), one row per tenant, guarded by a
 file lock (`fcntl.flock`, which the kernel releases if its holder dies, so a killed process never leaves
 the others locked out). A check and its update happen under one lock hold, so two processes can never
 both admit the last slot. One server process uses the same table in its own memory (`in_process`).
 
-    row   name         in_flight[slot]    held[slot]    mean_s    window: 64 one-second buckets
-    0     b"alice"     [2, 0, 1]          [96, 0, 32]   3.1       second | latest | tokens
-    1     b"bob"       [0, 1, 0]          [0, 0, 0]     nan       ...
+    row   name         in_flight[slot]    held[slot]    uploads[slot]   mean_s    window: 64 one-second buckets
+    0     b"alice"     [2, 0, 1]          [96, 0, 32]   [0, 1, 0]       3.1       second | latest | tokens
+    1     b"bob"       [0, 1, 0]          [0, 0, 0]     [0, 0, 0]       nan       ...
 
-`in_flight` and `held` (what running requests may still generate) have a column per front-end process
+`in_flight`, `held` (what running requests may still generate) and `uploads` have a column per front-end
+process
 ("slot"), written only by that process, so when one dies the supervisor clears its columns
-(`clear_slot`) and its leases and holds are not held forever. The window is shared: tokens used are
+(`clear_slot`) and its leases, holds and upload slots are not held forever. The window is shared: tokens used are
 used, whoever counted them. A bucket holds the charges of one second of the clock, dated by its latest
 charge, and leaves the window WINDOW_S after that: up to a second late, never early.
 
@@ -51,6 +52,7 @@ def row_dtype(num_slots: int) -> np.dtype:
             ("name", "S64"),  # tenant names are at most 64 ASCII characters (tenancy.names); b"": free
             ("in_flight", "i8", (num_slots,)),
             ("held", "i8", (num_slots,)),
+            ("uploads", "i8", (num_slots,)),  # adapter uploads in progress (tenancy.upload_slots)
             ("mean_s", "f8"),  # running mean of request durations; nan: none yet
             ("second", "i8", (NUM_BUCKETS,)),  # the clock's whole second a bucket counts
             ("at", "f8", (NUM_BUCKETS,)),  # its latest charge
@@ -152,6 +154,7 @@ class TenantTable:
         idle = (
             (rows["in_flight"].sum(axis=1) == 0)
             & (rows["held"].sum(axis=1) == 0)
+            & (rows["uploads"].sum(axis=1) == 0)
             & ~(rows["at"] > now - WINDOW_S).any(axis=1)
         )
         candidates = np.flatnonzero(idle)
@@ -167,9 +170,10 @@ class TenantTable:
         return NO_ROW
 
     def clear_slot(self, slot: int) -> None:
-        """A front-end process died: its leases and holds end with it."""
+        """A front-end process died: its leases, holds and uploads end with it."""
         self._rows["in_flight"][:, slot] = 0
         self._rows["held"][:, slot] = 0
+        self._rows["uploads"][:, slot] = 0
 
     # -- concurrency ------------------------------------------------------------------------------
 
@@ -188,6 +192,16 @@ class TenantTable:
     def set_mean_duration_s(self, row: int, value: float) -> None:
         if row != NO_ROW:
             self._rows["mean_s"][row] = value
+
+    # -- uploads ----------------------------------------------------------------------------------
+
+    def uploads(self, row: int) -> int:
+        return int(self._rows["uploads"][row].sum()) if row != NO_ROW else 0
+
+    def add_uploads(self, row: int, delta: int) -> None:
+        if row != NO_ROW:
+            column = self._rows["uploads"][row]
+            column[self.slot] = max(0, int(column[self.slot]) + delta)
 
     # -- tokens -----------------------------------------------------------------------------------
 

@@ -101,12 +101,20 @@ class Server:
 
 
 def drive(
-    url: str, bodies: list[dict], num_processes: int, concurrency: int | None = None
+    url: str,
+    bodies: list[dict],
+    num_processes: int,
+    concurrency: int | None = None,
+    *,
+    cpus: frozenset[int] | None = None,
+    busy: list[float] | None = None,
 ) -> tuple[list[Sample], float, float]:
     """Send the bodies as streaming /v1/completions requests, spread over `num_processes` client
     processes: every one at once, or at most `concurrency` in flight (each process keeps its share of
     the streams busy, starting its next request as one ends). Returns (samples in the order of `bodies`,
-    start, end) on the perf_counter clock."""
+    start, end) on the perf_counter clock. `cpus`: the client processes run there (off the engine core's
+    CPUs); `busy`, if given, receives each client process's CPU time over its wall time while it sent and
+    read (near 1.0 means that client, not the server, set the pace)."""
     num_processes = max(1, min(num_processes, len(bodies), concurrency or len(bodies)))
     shares = [bodies[i::num_processes] for i in range(num_processes)]
     streams = [None] * num_processes
@@ -119,11 +127,13 @@ def drive(
     # Every process starts, imports and connects before any sends: a fixed head start was not always
     # enough on a busy machine, and a process starting late stretched the run (min send to last chunk).
     ready = context.Barrier(len(jobs))
-    with context.Pool(len(jobs), initializer=_share_barrier, initargs=(ready,)) as pool:
+    with context.Pool(len(jobs), initializer=_share_barrier, initargs=(ready, cpus)) as pool:
         parts = pool.starmap(_client_process, jobs)
     samples = [None] * len(bodies)
-    for i, part in enumerate(parts):  # process i sent bodies i, i + n, i + 2n, ...
+    for i, (part, _) in enumerate(parts):  # process i sent bodies i, i + n, i + 2n, ...
         samples[i :: len(jobs)] = part
+    if busy is not None:
+        busy.extend(share for _, share in parts)
     # From the first send (a slow process start may delay it past start_at) to the last chunk.
     return samples, min(s.sent for s in samples), max((s.last or s.sent) for s in samples)
 
@@ -132,13 +142,20 @@ _READY = None  # the client processes' start barrier (set by the pool's initiali
 BARRIER_TIMEOUT_S = 120.0
 
 
-def _share_barrier(barrier) -> None:
+def _share_barrier(barrier, cpus: frozenset[int] | None = None) -> None:
     global _READY
     _READY = barrier
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
-def _client_process(url: str, bodies: list[dict], streams: int | None = None) -> list[Sample]:
-    return asyncio.run(_clients(url, bodies, streams))
+def _client_process(url: str, bodies: list[dict], streams: int | None = None) -> tuple[list[Sample], float]:
+    """(samples, this process's CPU time / wall time from its first send to its last chunk)."""
+    samples = asyncio.run(_clients(url, bodies, streams))
+    return samples, _CPU_SHARE
+
+
+_CPU_SHARE = 0.0
 
 
 async def _clients(url: str, bodies: list[dict], streams: int | None) -> list[Sample]:
@@ -153,7 +170,11 @@ async def _clients(url: str, bodies: list[dict], streams: int | None) -> list[Sa
             async with gate:
                 return await _stream(client, body)
 
-        return await asyncio.gather(*(one(body) for body in bodies))
+        global _CPU_SHARE
+        wall, cpu = time.perf_counter(), time.process_time()
+        samples = await asyncio.gather(*(one(body) for body in bodies))
+        _CPU_SHARE = (time.process_time() - cpu) / max(1e-9, time.perf_counter() - wall)
+        return samples
 
 
 async def _stream(client: httpx.AsyncClient, body: dict) -> Sample:

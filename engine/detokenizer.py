@@ -1,8 +1,21 @@
-"""Generated token ids to text, step by step, without splitting characters or streaming half a stop string."""
+"""Generated token ids to text, step by step, without splitting characters or streaming half a stop string.
+
+The window rule below is vLLM's (and `tokenizers`' `DecodeStream`'s, which implements it in Rust). A
+fast tokenizer whose decoding is its Rust backend's (`PreTrainedTokenizerFast` and subclasses that do
+not override `_decode`) decodes through a `DecodeStream`: the same text, without two Python-level
+`tokenizer.decode` calls per token. Any other tokenizer, and a prompt whose context ends inside a
+character, takes the Python window below; `tests/engine/test_detokenizer_stream.py` checks on random
+token streams that both give the same text, delta by delta.
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers.decoders import DecodeStream
+from transformers import PreTrainedTokenizerFast
 
 from engine.request import Request
 from engine.stop_checker import may_stop_at, stop_token_reason
@@ -16,6 +29,8 @@ PROMPT_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
 # A UTF-8 character has at most 4 bytes, so at most 3 byte tokens of one precede any token.
 MAX_UTF8_BYTES = 4
+
+logger = logging.getLogger(__name__)
 
 
 class IncrementalDetokenizer:
@@ -36,15 +51,24 @@ class IncrementalDetokenizer:
     its text is never added here. `stop_string` is set when a stop string ended the text.
     """
 
-    def __init__(self, tokenizer: Any, request: Request) -> None:
+    def __init__(self, tokenizer: Any, request: Request, *, rust: bool = True) -> None:
+        """`rust=False` keeps to the Python window even for a fast tokenizer (for comparisons)."""
         params = request.sampling_params
         self._tokenizer = tokenizer
         self._params = params
         self._eos_token_id = request.eos_token_id
         self._stop: list[str] = list(params.stop or [])
+        self._backend = rust_backend(tokenizer) if rust else None
         self._ids: list[int] = self._prompt_context(request.prompt_token_ids)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        # The Rust stream, unless the context ends inside a character (its rule would then stream the
+        # context's text): the Python window handles that case as it always has.
+        # The window's ids are kept either way (cheap list operations, no decoding), so the Python rule
+        # can take over from the stream mid-request, where the stream's check refuses a step.
+        self._stream: DecodeStream | None = None
+        if self._backend is not None and not self._decode(self._ids).endswith(REPLACEMENT_CHAR):
+            self._stream = DecodeStream(list(self._ids), skip_special_tokens=params.skip_special_tokens)
         self._num_output_tokens = 0
         self._last_output_text_offset = 0
         # True once a stop token or stop string ended the text: later tokens add nothing.
@@ -102,6 +126,19 @@ class IncrementalDetokenizer:
     def _decode_next(self, token_id: int) -> str:
         """The text that `token_id` completes, or "" while a character is still incomplete."""
         self._ids.append(token_id)
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self._backend, token_id)
+            except Exception as exc:
+                # Its check that a window's text extends its prefix's failed (a byte-fallback decoder
+                # turning bytes already streamed into replacement characters): the Python rule, which
+                # streams what follows the prefix's length, decides this step and the rest.
+                logger.debug("incremental decoding continues in Python: %s", exc)
+                self._stream = None
+            else:
+                if text:
+                    self._advance_window()
+                return text or ""
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         if new_text.endswith(REPLACEMENT_CHAR):
@@ -112,13 +149,17 @@ class IncrementalDetokenizer:
         if len(new_text) <= len(prefix_text):
             # Nothing visible yet (a skipped special token): keep the window and wait.
             return ""
+        self._advance_window()
+        return new_text[len(prefix_text) :]
+
+    def _advance_window(self) -> None:
+        """Text went out: the window starts where the last read ended; the ids before it are never
+        decoded again."""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        # Keep only the window; the ids before it are never decoded again.
         del self._ids[: self._prefix_offset]
         self._read_offset -= self._prefix_offset
         self._prefix_offset = 0
-        return new_text[len(prefix_text) :]
 
     def _prompt_context(self, prompt_ids: list[int]) -> list[int]:
         """The last PROMPT_CONTEXT_TOKENS prompt ids, moved back to start on a character boundary.
@@ -136,12 +177,25 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
+        if self._backend is not None:  # what the tokenizer's own decode does, without its Python layers
+            return self._backend.decode(token_ids, skip_special_tokens=self._params.skip_special_tokens)
         # No clean-up: it rewrites spaces around punctuation differently for a window than for the whole.
         return self._tokenizer.decode(
             token_ids,
             skip_special_tokens=self._params.skip_special_tokens,
             clean_up_tokenization_spaces=False,
         )
+
+
+def rust_backend(tokenizer: Any) -> RustTokenizer | None:
+    """The Rust tokenizer that decodes for `tokenizer`, when its decoding is exactly that backend's (a
+    PreTrainedTokenizerFast whose class keeps its `_decode`); None otherwise (slow tokenizers, wrappers)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, RustTokenizer):
+        return None
+    if getattr(type(tokenizer), "_decode", None) is not PreTrainedTokenizerFast._decode:
+        return None
+    return backend
 
 
 def find_stop_string(

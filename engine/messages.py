@@ -2,14 +2,18 @@
 
 Every message is a msgspec Struct of a tagged union, msgpack-encoded: nothing is pickled, and no tensor
 crosses (token ids and logprobs travel as plain lists). Inputs go front end -> core, outputs core ->
-front end, each over its own socket:
+front end, each over its own socket. The core serves one or several front ends ("clients", each with a
+routing id of its own; docs/PROCESSES.md): it binds a ZeroMQ ROUTER per direction, and a client's
+DEALERs connect to both. The first message on a client's output socket is its ClientHello; the core
+answers it with CoreReady, and from then on sends that client the deltas of the requests it added:
 
-    front end                                        core
+    front end (client "fe-0-1234")                   core
       AddRequest / AbortRequests /      -- inputs -->    schedule -> execute -> update
-      ForgetAdapter / PreloadAdapters /
+      ForgetAdapter / PreloadAdapters /    (ROUTER)
       UnpinAdapters / ShutdownCore
-      CoreReady (once) / StepOutputs    <-- outputs --   (one StepOutputs per step)
-      (one per step) / CoreFailed
+      ClientHello (once)                -- outputs ->
+      CoreReady (once) / StepOutputs    <-- outputs --   (one StepOutputs per step, per client)
+      (one per step) / CoreFailed          (ROUTER)
 
 The core sees only what token-level work needs: one sequence per request (the front end fans `n > 1`
 out into `n` requests, each with its own seed), token ids, and the stops it can decide from token ids
@@ -65,7 +69,27 @@ class ShutdownCore(msgspec.Struct, frozen=True, tag="shutdown"):
     """Stop the loop, the adapter loaders and the process (exit code 0)."""
 
 
-CoreInput = AddRequest | AbortRequests | ForgetAdapter | PreloadAdapters | UnpinAdapters | ShutdownCore
+class ClientHello(msgspec.Struct, frozen=True, tag="hello"):
+    """A client's first message, on its output socket: the route for its outputs exists; the core
+    answers with CoreReady (once the model has loaded) and sends it its requests' deltas from then on."""
+
+
+class ClientGone(msgspec.Struct, frozen=True, tag="client_gone"):
+    """A front-end process died (sent by whoever watches it): abort every request it added."""
+
+    client_id: str  # the dead client's routing id
+
+
+CoreInput = (
+    AddRequest
+    | AbortRequests
+    | ForgetAdapter
+    | PreloadAdapters
+    | UnpinAdapters
+    | ShutdownCore
+    | ClientHello
+    | ClientGone
+)
 
 # -- core -> front end ----------------------------------------------------------------------------
 
@@ -101,10 +125,15 @@ SourceRecord = tuple[str, list[str | int | float]]
 
 
 class StepOutputs(msgspec.Struct, frozen=True, tag="outputs"):
-    """One engine step's results (or, while idle, a changed stats snapshot)."""
+    """One engine step's results for one client (or a changed stats snapshot).
+
+    `stats` is an EngineStats already msgpack-encoded (`encode_stats`): the core encodes a step's
+    snapshot once for every client, and a client decodes it (`decode_stats`) only when something reads
+    it. Adapter events and source records go to one client only (the metrics add up across processes).
+    """
 
     deltas: list[RequestDelta]
-    stats: EngineStats
+    stats: msgspec.Raw
     adapter_events: list[AdapterEvent] = []
     source_records: list[SourceRecord] = []
 
@@ -120,6 +149,7 @@ CoreOutput = CoreReady | StepOutputs | CoreFailed
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(CoreInput)
 _output_decoder = msgspec.msgpack.Decoder(CoreOutput)
+_stats_decoder = msgspec.msgpack.Decoder(EngineStats)
 
 
 def encode(message: CoreInput | CoreOutput) -> bytes:
@@ -132,3 +162,11 @@ def decode_input(data: bytes) -> CoreInput:
 
 def decode_output(data: bytes) -> CoreOutput:
     return _output_decoder.decode(data)
+
+
+def encode_stats(stats: EngineStats) -> msgspec.Raw:
+    return msgspec.Raw(_encoder.encode(stats))
+
+
+def decode_stats(raw: msgspec.Raw) -> EngineStats:
+    return _stats_decoder.decode(raw)

@@ -46,3 +46,36 @@ def kill_quietly(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def connection_owner(server_port: int, client_port: int, candidates: list[int]) -> int | None:
+    """Which of `candidates` holds the server end of the loopback TCP connection from `client_port`
+    (IPv4; /proc/net/tcp, then each candidate's open descriptors)."""
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote = fields[1], fields[2]
+        if int(local.split(":")[1], 16) == server_port and int(remote.split(":")[1], 16) == client_port:
+            inode = fields[9]
+            break
+    if inode is None:
+        return None
+    target = f"socket:[{inode}]"
+    for pid in candidates:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                try:
+                    if os.readlink(fd) == target:
+                        return pid
+                except OSError:
+                    continue
+        except OSError:
+            continue
+    return None
+
+
+def process_group(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
+    except (OSError, IndexError, ValueError):
+        return None

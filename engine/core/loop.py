@@ -1,9 +1,12 @@
 """The engine core's busy loop: take inputs, schedule -> execute -> update (LLMEngine.step), send outputs.
 
-The loop blocks on its input socket only while it has nothing to run; while requests run it only
-drains what has arrived and steps again. Each step's results go out as one StepOutputs message.
-One request's bad data fails that request alone (AddRequest errors become a failed RequestDelta); an
-exception out of `LLMEngine.step` is an engine bug and ends the loop (the process reports it and exits).
+The loop blocks on its sockets only while it has nothing to run; while requests run it only drains what
+has arrived and steps again. It serves one or several front ends ("clients"; engine.core.clients): each
+request belongs to the client that added it, and each step sends every client one StepOutputs holding
+its own requests' deltas, the step's stats snapshot (encoded once for all), and, for one client only,
+the adapter events. One request's bad data fails that request alone (AddRequest errors become a failed
+RequestDelta); an exception out of `LLMEngine.step` is an engine bug and ends the loop (the process
+reports it and exits).
 """
 
 from __future__ import annotations
@@ -13,17 +16,20 @@ import logging
 import msgspec
 import zmq
 
+from engine.core.clients import Clients
 from engine.core.request_checks import RequestError
 from engine.llm_engine import LLMEngine
 from engine.messages import (
     AbortRequests,
     AdapterEvent,
     AddRequest,
+    ClientGone,
+    ClientHello,
+    CoreReady,
     ForgetAdapter,
     PreloadAdapters,
     RequestDelta,
     ShutdownCore,
-    StepOutputs,
     UnpinAdapters,
     decode_input,
     encode,
@@ -38,7 +44,7 @@ IDLE_POLL_MS = 50
 
 
 class EngineCoreLoop:
-    """Runs one LLMEngine (built without a tokenizer) behind an input and an output socket."""
+    """Runs one LLMEngine (built without a tokenizer) behind an input and an output ROUTER socket."""
 
     def __init__(
         self, engine: LLMEngine, inputs: zmq.Socket, outputs: zmq.Socket, adapter_events: list[AdapterEvent]
@@ -52,11 +58,13 @@ class EngineCoreLoop:
         self._outputs = outputs
         self._poller = zmq.Poller()
         self._poller.register(inputs, zmq.POLLIN)
+        self._poller.register(outputs, zmq.POLLIN)  # hellos of clients that connect later
         # Appended to by the adapter manager's observer (engine and loader threads); drained per message.
         self._adapter_events = adapter_events
         self._drain_source = getattr(engine.lora.source, "drain", None)
-        self._failed: list[RequestDelta] = []  # requests refused on arrival, sent with the next message
-        self._last_stats = None
+        self.clients = Clients(outputs, on_gone=self._client_gone)
+        # Requests refused on arrival, sent to the client that sent them with the next message.
+        self._failed: list[tuple[bytes, RequestDelta]] = []
         self._stopping = False
 
     def run(self) -> None:
@@ -76,36 +84,63 @@ class EngineCoreLoop:
     # -- inputs -----------------------------------------------------------------------------------
 
     def _receive(self, timeout_ms: int) -> None:
-        if not self._poller.poll(timeout_ms):
+        events = dict(self._poller.poll(timeout_ms))
+        if not events:
             return
+        if self._outputs in events:
+            self._receive_hellos()
         while not self._stopping:
             try:
-                frames = self._inputs.recv_multipart(zmq.NOBLOCK)
+                client, *frames = self._inputs.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            for data in frames:  # one frame per message; the front end sends related ones together
+            for data in frames:  # one frame per message; a client sends related ones together
                 try:
                     message = decode_input(data)
                 except msgspec.ValidationError as exc:
-                    self._refuse_undecodable(data, exc)
+                    self._refuse_undecodable(client, data, exc)
                     continue
-                self._handle(message)
+                self._handle(client, message)
 
-    def _handle(self, message) -> None:
+    def _receive_hellos(self) -> None:
+        """Clients announce their output route (ClientHello); each gets CoreReady once."""
+        while True:
+            try:
+                client, data = self._outputs.recv_multipart(zmq.NOBLOCK)[:2]
+            except zmq.Again:
+                return
+            except ValueError:  # a hello without payload: malformed, ignore
+                continue
+            try:
+                message = decode_input(data)
+            except msgspec.ValidationError:
+                message = None
+            if not isinstance(message, ClientHello):
+                logger.error("dropped a message on the output socket that is not a ClientHello")
+                continue
+            ready = CoreReady(self.engine.max_model_len, list(self.engine.eos_token_ids), self.engine.stats())
+            self.clients.join(client, encode(ready))
+
+    def _handle(self, client: bytes, message) -> None:
         if isinstance(message, AddRequest):
-            self._add(message)
+            self._add(client, message)
         elif isinstance(message, AbortRequests):
-            self.engine.abort_request(message.request_ids)
+            self.engine.abort_request(self.clients.owned_by(client, message.request_ids))
         elif isinstance(message, ForgetAdapter):
             self.engine.forget_adapter(message.adapter_id)
         elif isinstance(message, PreloadAdapters):
             self.engine.preload_adapters(message.adapter_ids, message.level, message.pin)
         elif isinstance(message, UnpinAdapters):
             self.engine.unpin_adapters(message.adapter_ids, message.unload)
+        elif isinstance(message, ClientGone):
+            self.clients.leave(message.client_id.encode(), "its process died")
         elif isinstance(message, ShutdownCore):
             self._stopping = True
 
-    def _add(self, message: AddRequest) -> None:
+    def _add(self, client: bytes, message: AddRequest) -> None:
+        if not self.clients.own(message.request_id, client):
+            self._refuse(client, message.request_id, f"request id {message.request_id!r} is already in use")
+            return
         try:
             self.engine.add_request(
                 message.request_id,
@@ -117,28 +152,35 @@ class EngineCoreLoop:
                 cache_salt=message.cache_salt,
             )
         except ValueError as exc:  # this request's data (params, a duplicate id): fail it, keep serving
-            self._refuse(message.request_id, str(exc), exc.code if isinstance(exc, RequestError) else None)
+            self._refuse(
+                client, message.request_id, str(exc), exc.code if isinstance(exc, RequestError) else None
+            )
             return
         except Exception as exc:  # a bug met by this request's data: still this request alone
             logger.exception("adding request %s failed", message.request_id)
-            self._refuse(message.request_id, f"the request could not start: {exc}")
+            self._refuse(client, message.request_id, f"the request could not start: {exc}")
             return
 
-    def _refuse_undecodable(self, data: bytes, error: Exception) -> None:
+    def _refuse_undecodable(self, client: bytes, data: bytes, error: Exception) -> None:
         """A message that does not decode (e.g. params its __post_init__ refuses): fail its request if it
         names one; anything else is a front-end bug, logged and dropped."""
         raw = msgspec.msgpack.decode(data)
         request_id = raw.get("request_id") if isinstance(raw, dict) and raw.get("type") == "add" else None
         if isinstance(request_id, str):
-            self._refuse(request_id, f"invalid request: {error}", RequestError.code)  # its own data
+            self._refuse(client, request_id, f"invalid request: {error}", RequestError.code)  # its own data
         else:
             logger.error("dropped an input message that does not decode: %s", error)
 
-    def _refuse(self, request_id: str, reason: str, error_code: str | None = None) -> None:
+    def _refuse(self, client: bytes, request_id: str, reason: str, error_code: str | None = None) -> None:
         logger.warning("request %s refused: %s", request_id, reason)
         self._failed.append(
-            RequestDelta(request_id, [], finish_reason="error", error=reason, error_code=error_code)
+            (client, RequestDelta(request_id, [], finish_reason="error", error=reason, error_code=error_code))
         )
+
+    def _client_gone(self, request_ids: list[str]) -> None:
+        """A client's process is gone: nobody reads its requests any more; free them."""
+        if request_ids:
+            self.engine.abort_request(request_ids)
 
     # -- outputs ----------------------------------------------------------------------------------
 
@@ -161,16 +203,10 @@ class EngineCoreLoop:
         )
 
     def _send(self, deltas: list[RequestDelta]) -> None:
-        if self._failed:
-            deltas, self._failed = self._failed + deltas, []
+        refused, self._failed = self._failed, []
         events = _take_all(self._adapter_events)
         records = self._drain_source() if self._drain_source is not None else []
-        stats = self.engine.stats()
-        if not deltas and not events and not records and stats == self._last_stats:
-            return
-        self._last_stats = stats
-        message = StepOutputs(deltas=deltas, stats=stats, adapter_events=events, source_records=records)
-        self._outputs.send(encode(message))
+        self.clients.send_step(deltas, self.engine.stats(), events, records, refused)
 
 
 def _take_all(items: list) -> list:

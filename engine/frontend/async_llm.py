@@ -1,7 +1,8 @@
 """Streaming API for servers: submit a request, iterate its deltas, abort it; the engine runs in its own process.
 
 `AsyncLLM.from_config(config, ...)` starts the engine core process (engine.core) and talks to it only
-through engine.messages. Tokenization of text prompts, detokenization, stop strings, logprobs and the
+through engine.messages; `AsyncLLM.connect(addresses, client_id, ...)` joins a core another process
+started, as one of several front-end processes (`loraserve serve --api-server-count N`). Tokenization of text prompts, detokenization, stop strings, logprobs and the
 `n > 1` fan-in happen here, in the caller's process, on the event loop of the coroutine that iterates
 (engine.frontend.output_processor). A consumer that stops iterating (client disconnect, cancellation)
 aborts its request in the core, which frees its KV blocks.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +25,9 @@ import msgspec
 
 from adapter_format.events import Observer, emit
 from engine.config import EngineConfig
+from engine.core.handle import CoreAddresses, CoreHandle, CoreWatch
 from engine.core.request_checks import RequestError
+from engine.core.steady import CpuPlan
 from engine.frontend.core_client import DEFAULT_STARTUP_TIMEOUT_S, CoreClient, EngineDeadError
 from engine.frontend.output_processor import RequestProcessor
 from engine.messages import (
@@ -33,6 +37,8 @@ from engine.messages import (
     RequestDelta,
     StepOutputs,
     UnpinAdapters,
+    decode_stats,
+    encode_stats,
 )
 from engine.model.loader import resolve_model_path
 from engine.outputs import RequestOutput
@@ -59,21 +65,28 @@ class AsyncLLM:
         tokenizer: Any = None,
         adapter_source: Any = None,
         adapter_observer: Observer | None = None,
+        handle: CoreHandle | None = None,
+        core_pid: int | None = None,
     ):
-        """Wrap a started core (`CoreClient.start`); waits for its CoreReady. Prefer `from_config`."""
+        """Wrap a connected client (waits for its CoreReady); `handle`: the core this front end started and
+        stops on shutdown (None: another process owns it). Prefer `from_config` or `connect`."""
         ready = client.ready or client.wait_ready()
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
         self.eos_token_ids = list(ready.eos_token_ids)
         self._client = client
+        self._handle = handle
+        self._core_pid = handle.pid if handle is not None else core_pid
         self._adapter_source = adapter_source
         self._adapter_observer = adapter_observer
         self._streams: dict[str, _Stream] = {}  # user request id -> stream
         self._children: dict[str, _Stream] = {}  # core request id -> the stream of its user request
         self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
         self._died: EngineDeadError | None = None  # set when the core died (not when shut down)
-        # Replaced (never mutated) by the receiver thread; reading one attribute needs no lock.
-        self._stats: EngineStats = ready.stats
+        # The latest snapshot as the core encoded it, and its decoded form (decoded when first read). The
+        # receiver thread replaces the first; reading one attribute needs no lock.
+        self._stats_raw = encode_stats(ready.stats)
+        self._stats_decoded: tuple[Any, EngineStats] = (self._stats_raw, ready.stats)
         client.run(self._on_outputs, self._on_dead)
 
     @classmethod
@@ -88,28 +101,57 @@ class AsyncLLM:
         lora_modules: dict[str, str] | None = None,
         triton_cache_dir: str | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        cpu_plan: CpuPlan | None = None,
     ) -> AsyncLLM:
         """Start the engine core process and wait (at most `startup_timeout_s`) until it serves.
 
         `adapter_source` must pickle (adapters_store's StoreAdapterSource does); what it and the core's
         adapter manager observe comes back here: `adapter_observer(event, tier, seconds)` and
         `adapter_source.replay(records)`. `lora_modules` are local PEFT folders registered by name.
+        `cpu_plan`: where the core's loop runs (engine.core.steady.plan_cpus); None: anywhere.
         """
-        client = CoreClient.start(
+        handle = CoreHandle.start(
             config,
             adapter_source=adapter_source,
             lora_modules=tuple((lora_modules or {}).items()),
             triton_cache_dir=triton_cache_dir,
             skip_tokenizer_init=skip_tokenizer_init,
+            cpu_plan=cpu_plan,
         )
+        client = None
         try:
+            client = CoreClient.connect(handle.addresses, f"fe-0-{os.getpid()}", handle.watch())
             if tokenizer is None and not skip_tokenizer_init:  # while the core loads the model
                 tokenizer = load_tokenizer(resolve_model_path(config.model))
             client.wait_ready(startup_timeout_s)
         except BaseException:
-            client.shutdown()
+            if client is not None:
+                client.close()
+            handle.shutdown()
             raise
-        return cls(client, tokenizer, adapter_source, adapter_observer)
+        return cls(client, tokenizer, adapter_source, adapter_observer, handle)
+
+    @classmethod
+    def connect(
+        cls,
+        addresses: CoreAddresses,
+        client_id: str,
+        *,
+        tokenizer: Any = None,
+        adapter_source: Any = None,
+        adapter_observer: Observer | None = None,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    ) -> AsyncLLM:
+        """Join a core another process started (a front-end process of several), as client `client_id`
+        (unique among the core's clients); waits (at most `startup_timeout_s`) until the core serves.
+        Its death fails this front end's streams as it would the starter's; shutdown leaves it running."""
+        client = CoreClient.connect(addresses, client_id, CoreWatch.of_pid(addresses.pid))
+        try:
+            client.wait_ready(startup_timeout_s)
+        except BaseException:
+            client.close()
+            raise
+        return cls(client, tokenizer, adapter_source, adapter_observer, core_pid=addresses.pid)
 
     @property
     def dead_error(self) -> EngineDeadError | None:
@@ -118,7 +160,7 @@ class AsyncLLM:
 
     @property
     def core_pid(self) -> int | None:
-        return self._client.process.pid
+        return self._core_pid
 
     async def generate(
         self,
@@ -200,8 +242,14 @@ class AsyncLLM:
         self._client.send(UnpinAdapters(list(adapter_ids), unload))
 
     def stats(self) -> EngineStats:
-        """The latest snapshot the core published (at most one step or one idle poll old)."""
-        return self._stats
+        """The latest snapshot the core published (at most a step, or engine.core.clients.STATS_INTERVAL_S,
+        old)."""
+        raw = self._stats_raw
+        cached_raw, stats = self._stats_decoded
+        if raw is not cached_raw:
+            stats = decode_stats(raw)
+            self._stats_decoded = (raw, stats)
+        return stats
 
     def add_death_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
         """Call `callback(error)` once if the core dies (on the receiver thread; at once if it has)."""
@@ -210,14 +258,17 @@ class AsyncLLM:
             callback(self._died)
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the core process (bounded); open streams end with EngineDeadError."""
-        self._client.shutdown(timeout)
+        """Close this front end's connection and, if it started the core, stop the core (bounded); open
+        streams end with EngineDeadError."""
+        self._client.close()
+        if self._handle is not None:
+            self._handle.shutdown(timeout)
         self._fail_streams(self._client.dead_error or EngineDeadError("the engine was shut down"))
 
     # -- the receiver thread ----------------------------------------------------------------------
 
     def _on_outputs(self, outputs: StepOutputs) -> None:
-        self._stats = outputs.stats
+        self._stats_raw = outputs.stats
         for event, tier, seconds in outputs.adapter_events:
             emit(self._adapter_observer, event, tier, seconds)
         replay = getattr(self._adapter_source, "replay", None)

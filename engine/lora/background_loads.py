@@ -36,6 +36,7 @@ import torch
 
 from adapter_format.checkpoint import map_peft_adapter, peft_adapter_from_memory
 from adapter_format.errors import AdapterError
+from engine.core.steady import move_to_others
 from engine.lora.host_tier import HostTier
 from engine.lora.slots import build_image
 
@@ -179,6 +180,7 @@ class _Loader:
             target=_serve, args=(child_end, tier), name="adapter-loader", daemon=True
         )
         self.process.start()  # returns at once; the process imports in the background
+        move_to_others(self.process.pid)  # never on the core loop's own CPU (engine.core.steady)
         child_end.close()  # so a dead process reads as EOF here, not as a load that never ends
         # The jobs sent and not answered yet, in order: the first runs, the others wait in its pipe.
         self.jobs: deque[tuple[str, int]] = deque()

@@ -43,7 +43,8 @@ log = logging.getLogger("loraserve")
 SHUTDOWN_KEY = "shutdown"
 
 
-def create_app(settings: ServerSettings, *, services: Services | None = None) -> Litestar:
+def create_app(settings: ServerSettings, *, services: Services | None = None, role=None) -> Litestar:
+    """`role`: what this process is (loraserve.frontends.role; default: the one server process)."""
     shutdown = Shutdown(settings.shutdown_timeout)
     config = services.adapter_store.config if services is not None else store_config(settings)
     metrics_access = MetricsAccess(
@@ -59,7 +60,7 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
             async with _serving(app, services, shutdown):
                 yield
             return
-        async with _loading_in_background(app, settings, shutdown, readiness):
+        async with _loading_in_background(app, settings, shutdown, readiness, role):
             yield
 
     return Litestar(
@@ -88,14 +89,14 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
 
 @asynccontextmanager
 async def _loading_in_background(
-    app: Litestar, settings: ServerSettings, shutdown: Shutdown, readiness: Readiness
+    app: Litestar, settings: ServerSettings, shutdown: Shutdown, readiness: Readiness, role=None
 ) -> AsyncIterator[None]:
     """Build the services in a task while the server answers; close whatever it built on the way out."""
     parts = AsyncExitStack()
 
     async def load() -> None:
         try:
-            built = await parts.enter_async_context(open_services(settings, readiness.loading))
+            built = await parts.enter_async_context(open_services(settings, readiness.loading, role=role))
             await parts.enter_async_context(_serving(app, built, shutdown))
         except asyncio.CancelledError:
             raise
@@ -125,9 +126,13 @@ async def _serving(app: Litestar, services: Services, shutdown: Shutdown) -> Asy
     watch = getattr(services.engine, "add_death_callback", None)
     if watch is not None:  # the engine core died: streams already failed; stop the server (exit 1)
         watch(lambda error: shutdown.fail(str(error)))
+    if services.front_ends is not None:  # one front-end process of several: the others' /ready see it
+        services.front_ends.mark_ready()
     try:
         yield
     finally:
+        if services.front_ends is not None:
+            services.front_ends.mark_stopping()
         if shutdown.num_in_flight:
             await shutdown.drain()
         app.state[SERVICES_KEY] = None

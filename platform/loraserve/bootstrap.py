@@ -4,6 +4,8 @@ Order matters: the adapter store and config store are opened and checked before 
 wrong URL or an unreadable keys file fails in a second rather than after a minute of loading weights.
 The app runs this in the background while the server already listens: `progress` hears each slow step
 (/ready reports it), and a cancelled start (SIGTERM while loading) still shuts down the engine it began.
+The same code builds the one server process and each front-end process of several (`role`:
+loraserve.frontends.role says what differs).
 """
 
 from __future__ import annotations
@@ -24,12 +26,19 @@ from engine.model.loader import load_config, resolve_model_path
 from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import CachedConfigStore, open_config_store, redact_url
 from loraserve.demo_model import DEMO_MODEL_NAME, demo_model_converted
+from loraserve.frontends.role import SingleProcess
 from loraserve.name_conflicts import check_not_base_model
 from loraserve.ops.metrics import Metrics
 from loraserve.routing import Router
 from loraserve.services import Services, engine_adapter_id
 from loraserve.settings import ServerSettings
-from loraserve.tenancy import DEFAULT_TENANT, Authenticator, ConcurrencyLimiter, load_api_keys
+from loraserve.tenancy import (
+    DEFAULT_TENANT,
+    Authenticator,
+    ConcurrencyLimiter,
+    TokenRateLimiter,
+    load_api_keys,
+)
 from loraserve.tenancy.upload_slots import UploadSlots
 from loraserve.work_pool import WorkPool
 
@@ -93,16 +102,8 @@ def announced_model_id(settings: ServerSettings) -> str:
     return base_model_id(settings, settings.model or DEMO_MODEL_NAME)
 
 
-@asynccontextmanager
-async def open_services(
-    settings: ServerSettings, progress: Callable[[str], None] = lambda step: None
-) -> AsyncIterator[Services]:
-    """Everything `Services` holds, built from `settings`; closed in reverse order on exit."""
-    if settings.model is None and not demo_model_converted(settings.models_dir):
-        progress("converting the demo model (first start only; the server log shows its steps)")
-    model = settings.model or str(await asyncio.to_thread(_demo_model, settings))
-    progress("opening the adapter store and the config store")
-    model_id = base_model_id(settings, model)
+def check_lora_modules(settings: ServerSettings, model: str, model_id: str) -> None:
+    """`--lora-modules` must not take the base model's name nor name another base model."""
     for module in settings.lora_modules:
         check_not_base_model(module[0], model_id, "--lora-modules adapter")
         base = getattr(module, "base_model_name", None)
@@ -110,22 +111,39 @@ async def open_services(
             raise ValueError(
                 f"--lora-modules {module[0]}: base_model_name {base!r} is not the served model {model_id!r}"
             )
+
+
+@asynccontextmanager
+async def open_services(
+    settings: ServerSettings, progress: Callable[[str], None] = lambda step: None, role=None
+) -> AsyncIterator[Services]:
+    """Everything `Services` holds, built from `settings`; closed in reverse order on exit. `role`: a
+    loraserve.frontends.role object (default: the one server process)."""
+    role = role or SingleProcess(settings)
+    if settings.model is None and not demo_model_converted(settings.models_dir):
+        progress("converting the demo model (first start only; the server log shows its steps)")
+    model = settings.model or str(await asyncio.to_thread(_demo_model, settings))
+    progress("opening the adapter store and the config store")
+    model_id = base_model_id(settings, model)
+    check_lora_modules(settings, model, model_id)
     model_path = resolve_model_path(model)
     shape = model_shape(load_config(model_path))  # sizes and the architecture's LoRA targets
     sampling_defaults = load_generation_defaults(model_path, settings.generation_config)
     config = store_config(settings)
     store = open_store(config, shape)
     await asyncio.to_thread(store.check)
-    threading.Thread(target=sweep_quietly, args=(store,), name="adapter-store-sweep", daemon=True).start()
+    if role.owns_store_upkeep:
+        threading.Thread(target=sweep_quietly, args=(store,), name="adapter-store-sweep", daemon=True).start()
     disk_cache = DiskCache(
         store, config.cache_dir, config.cache_max_bytes, min_free_bytes=config.cache_min_free_bytes
     )
     config_store = CachedConfigStore(
-        open_config_store(settings.config_store or str(settings.state_dir / "config"))
+        role.config_store(open_config_store(settings.config_store or str(settings.state_dir / "config")))
     )
     await config_store.start()
     engine: AsyncLLM | None = None
     work_pool = WorkPool(settings.tokenizer_pool_size)
+    tenant_table = role.tenant_table()  # the concurrency, token and upload limiters' counters
     try:
         keys = load_api_keys(settings.api_keys) if settings.api_keys else []
         authenticator = await Authenticator.create(keys, config_store)
@@ -136,6 +154,7 @@ async def open_services(
             lambda: config_store.healthy,
             lambda: adapter_lookup.store_up,
             disk_cache.cached_versions,
+            multiprocess_dir=role.metrics_dir,
         )
         log.info("loading model %s (%s) in the engine core process", model_id, model)
         progress("loading the model in the engine core process")
@@ -145,12 +164,13 @@ async def open_services(
             store, disk_cache, shape, settings.max_lora_rank, observer=metrics.adapter_event
         )
         engine = await _start_engine(
+            role,
             engine_config(settings, model),
             adapter_source=source,
             adapter_observer=metrics.adapter_event,
             triton_cache_dir=str(settings.triton_cache_dir),
         )
-        if settings.lora_modules:
+        if settings.lora_modules and role.owns_store_upkeep:
             progress("storing and preloading --lora-modules")
             stored = await asyncio.to_thread(preload_lora_modules, store, settings.lora_modules)
             engine.preload_adapters(stored)  # into the core's CPU tier now, not at the first request
@@ -163,12 +183,13 @@ async def open_services(
             config_store=config_store,
             authenticator=authenticator,
             router=Router(on_pick=metrics.route_picked),
-            limiter=ConcurrencyLimiter(settings.max_concurrent_requests_per_tenant),
+            limiter=ConcurrencyLimiter(settings.max_concurrent_requests_per_tenant, table=tenant_table),
+            token_limiter=TokenRateLimiter(table=tenant_table),
             metrics=metrics,
             adapter_lookup=adapter_lookup,
             tokenizer=engine.tokenizer,
             allowed_lora_paths=settings.allowed_lora_paths,
-            upload_slots=UploadSlots(settings.max_concurrent_uploads_per_tenant),
+            upload_slots=UploadSlots(settings.max_concurrent_uploads_per_tenant, table=tenant_table),
             max_routes_per_tenant=settings.max_routes_per_tenant,
             max_model_len=engine.max_model_len,
             sampling_defaults=sampling_defaults,
@@ -176,18 +197,21 @@ async def open_services(
             tensor_parallel_size=settings.tensor_parallel_size,
             tool_call_parser=settings.auto_tool_call_parser,
             work_pool=work_pool,
+            front_ends=role.front_ends,
         )
     finally:
         work_pool.close()
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
         await config_store.close()
+        tenant_table.close()
 
 
-async def _start_engine(config: EngineConfig, **options: object) -> AsyncLLM:
-    """AsyncLLM.from_config in a thread. Cancelled (a SIGTERM during the load), it waits for the thread
-    and shuts the engine down before it re-raises, so no engine-core process outlives the server."""
-    starting = asyncio.ensure_future(asyncio.to_thread(AsyncLLM.from_config, config, **options))
+async def _start_engine(role, config: EngineConfig, **options: object) -> AsyncLLM:
+    """The role's engine (started, or joined), built in a thread. Cancelled (a SIGTERM during the load),
+    it waits for the start and shuts the engine down before it re-raises, so no engine-core process or
+    core connection outlives the server."""
+    starting = asyncio.ensure_future(role.start_engine(config, **options))
     try:
         return await asyncio.shield(starting)
     except asyncio.CancelledError:

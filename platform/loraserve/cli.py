@@ -103,6 +103,8 @@ _SERVE_FIELDS = (
     "http_body_min_rate",
     "grammar_compile_threads",
     "grammar_compile_timeout",
+    "api_server_count",
+    "engine_core_cpus",
 )
 GiB = 1 << 30
 
@@ -390,6 +392,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="a structured-output grammar still compiling after this fails its requests with a 400 "
         "(structured_output_too_complex); schemas are also bounded in depth, size and enum values",
     )
+    add(
+        "--api-server-count",
+        type=int,
+        help="front-end (HTTP) processes behind the one port, each talking to the one engine core (vLLM's "
+        "flag); default: 1 on the CPU, else (cores - 4) / 3 between 1 and 4 (docs/OPERATIONS.md)",
+    )
+    add(
+        "--engine-core-cpus",
+        default="auto",
+        help="CPUs of the engine core's busy loop: auto (on CUDA hosts of 4+ cores, the last CPU for the "
+        "loop and, from 8 cores, the one before for its other threads), off, or a list such as 14,15 "
+        "(the loop on the first, its other threads on the rest); everything else runs elsewhere",
+    )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -492,11 +507,27 @@ class DrainingServer(uvicorn.Server):
 
 def serve(settings: ServerSettings, log_level: str = "info") -> int:
     """Run the server until SIGTERM (exit code 0) or until the engine core dies (1)."""
-    from loraserve.app import create_app, shutdown_of  # the app pulls in torch: only for `serve`
+    from loraserve.app import create_app  # the app pulls in torch: only for `serve`
+    from loraserve.frontends.placement import api_server_count, cpu_plan
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_device(settings.device, os.environ.get(IMAGE_VARIANT_ENV))
-    app = create_app(settings)
+    if api_server_count(settings) > 1:  # a supervisor, the engine core and N front-end processes
+        from loraserve.frontends.supervisor import Supervisor
+
+        return Supervisor(settings, log_level).run()
+    plan = cpu_plan(settings)
+    if plan is not None:  # this process and what it starts stay off the engine core's CPUs
+        from engine.core.steady import pin_process
+
+        pin_process(plan.others)
+    return run_app(create_app(settings), settings, log_level)
+
+
+def run_app(app, settings: ServerSettings, log_level: str, sockets: list[socket.socket] | None = None) -> int:
+    """Serve `app` under uvicorn (on `sockets`, else on newly bound ones) until it stops; the exit code."""
+    from loraserve.app import shutdown_of
+
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -510,7 +541,7 @@ def serve(settings: ServerSettings, log_level: str = "info") -> int:
         ),
     )
     shutdown = shutdown_of(app)
-    DrainingServer(config, shutdown).run(sockets=listening_sockets(settings, config))
+    DrainingServer(config, shutdown).run(sockets=sockets or listening_sockets(settings, config))
     if shutdown.fatal_error is not None:
         logging.getLogger("loraserve").error("exiting: %s", shutdown.fatal_error)
         return 1

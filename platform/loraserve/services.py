@@ -145,3 +145,6 @@ class Services:
     work_pool: WorkPool = field(default_factory=WorkPool)
     # Set by the app: SIGTERM's drain state; None means never draining.
     shutdown: Shutdown | None = None
+    # One front-end process of several (--api-server-count): all of them, for /ready
+    # (loraserve.frontends.role.FrontEnds); None for the one server process.
+    front_ends: Any = None

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from adapters_store.config import DEFAULT_URL as DEFAULT_ADAPTER_STORE
 from adapters_store.config import GiB, parse_store_url
+from engine.core.steady import parse_cpus
 from engine.kv_events.config import KVEventsConfig
 from engine.spec_decode.config import SpeculativeConfig
 from loraserve.inference.tools.parsers import PARSERS, unknown_parser_message
@@ -129,6 +130,13 @@ class ServerSettings:
     # core, and the seconds a compile may take before its requests fail as too complex.
     grammar_compile_threads: int = 2
     grammar_compile_timeout: float = 10.0
+    # vLLM's --api-server-count: front-end (HTTP) processes behind the one port, each with its own
+    # connection to the one engine core (docs/PROCESSES.md); None: from the host's cores
+    # (loraserve.frontends.placement.default_api_server_count).
+    api_server_count: int | None = None
+    # Where the engine core's busy loop runs (engine.core.steady): auto, off, or a CPU list whose first
+    # CPU runs the loop and the rest its other threads.
+    engine_core_cpus: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -145,6 +153,14 @@ class ServerSettings:
             )
         if self.metrics_key is not None and len(self.metrics_key) < 16:
             raise ValueError("--metrics-key must be at least 16 characters (a random token)")
+        count = self.api_server_count
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            raise ValueError(f"--api-server-count must be a positive integer (got {count!r})")
+        if self.engine_core_cpus.strip().lower() not in ("auto", "off"):
+            try:
+                parse_cpus(self.engine_core_cpus)
+            except ValueError as exc:
+                raise ValueError(f"--engine-core-cpus: {exc}") from None
         if self.placement_key is not None:
             if len(self.placement_key) < 16:
                 raise ValueError("--placement-key must be at least 16 characters (a random token)")

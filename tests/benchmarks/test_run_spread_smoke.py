@@ -12,15 +12,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_the_spread_benchmark_runs_on_the_cpu():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")])}
-    command = [sys.executable, "benchmarks/run_spread.py", "--smoke", "--adapters", "2"]
+    command = [
+        sys.executable, "benchmarks/run_spread.py", "--smoke", "--adapters", "2",
+        "--phases", "default,steady,pinned,default", "--engine-core-cpus", "1" if (os.cpu_count() or 1) > 1 else "off",
+    ]  # fmt: skip
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "tok/s" not in line]
-    assert [row.split("|")[1].strip() for row in rows] == [
-        "warm-up",
-        "default 0",
-        "1 torch thread 0",
-        "1 torch thread, gc.freeze 0",
-        "pinned to core 1 0" if (os.cpu_count() or 1) < 3 else "pinned to core 2 0",
-        "released 0",
-    ]
+    rows = [line.split("|")[1].strip() for line in result.stdout.splitlines() if line.startswith("| ")]
+    runs = [row for row in rows if row not in ("run", "phase")]
+    assert runs[:6] == ["warm-up", "default 0.0", runs[2], "steady 1.0", "pinned 2.0", "default 3.0"], runs
+    assert runs[2].startswith("(steady: ")  # the plan the steady phase applied
+    summary = {row: True for row in runs if row in ("default", "steady", "pinned")}
+    assert set(summary) == {"default", "steady", "pinned"}  # one summary row per phase

@@ -17,9 +17,12 @@ from engine.lora.residency import AdapterStatus
 from engine.messages import (
     AbortRequests,
     AddRequest,
+    ClientHello,
+    CoreReady,
     PreloadAdapters,
     RequestDelta,
     ShutdownCore,
+    StepOutputs,
     decode_output,
     encode,
 )
@@ -30,17 +33,20 @@ PROMPTS = {"good-1": [5, 6, 7, 8], "good-2": [9, 10, 11]}
 
 
 class LoopHarness:
-    """An EngineCoreLoop on a thread; `send` inputs, `collect` deltas until requests finish."""
+    """An EngineCoreLoop on a thread, with one client; `send` inputs, `collect` deltas until requests finish."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.context = zmq.Context()
         name = uuid.uuid4().hex
-        self.to_core, core_in = self.context.socket(zmq.PUSH), self.context.socket(zmq.PULL)
-        core_out, self.from_core = self.context.socket(zmq.PUSH), self.context.socket(zmq.PULL)
-        self.to_core.bind(f"inproc://in-{name}")
-        core_in.connect(f"inproc://in-{name}")
-        self.from_core.bind(f"inproc://out-{name}")
-        core_out.connect(f"inproc://out-{name}")
+        self.to_core, core_in = self.context.socket(zmq.DEALER), self.context.socket(zmq.ROUTER)
+        core_out, self.from_core = self.context.socket(zmq.ROUTER), self.context.socket(zmq.DEALER)
+        for client_socket in (self.to_core, self.from_core):
+            client_socket.setsockopt(zmq.ROUTING_ID, b"test-client")
+        core_in.bind(f"inproc://in-{name}")
+        self.to_core.connect(f"inproc://in-{name}")
+        core_out.bind(f"inproc://out-{name}")
+        self.from_core.connect(f"inproc://out-{name}")
+        self.from_core.send(encode(ClientHello()))
         self._core_sockets = (core_in, core_out)
         self.loop = EngineCoreLoop(engine, core_in, core_out, [])
         self.errors: list[BaseException] = []
@@ -63,7 +69,9 @@ class LoopHarness:
         while not all(deltas.get(r) and deltas[r][-1].finish_reason for r in request_ids):
             assert time.monotonic() < deadline and not self.errors, (self.errors, deltas)
             if self.from_core.poll(100):
-                for delta in decode_output(self.from_core.recv()).deltas:
+                message = decode_output(self.from_core.recv())
+                assert isinstance(message, (CoreReady, StepOutputs)), message
+                for delta in getattr(message, "deltas", []):
                     deltas.setdefault(delta.request_id, []).append(delta)
         return deltas
 

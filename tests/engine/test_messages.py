@@ -11,6 +11,8 @@ from engine import EngineStats, SamplingParams
 from engine.messages import (
     AbortRequests,
     AddRequest,
+    ClientGone,
+    ClientHello,
     CoreFailed,
     CoreReady,
     ForgetAdapter,
@@ -19,7 +21,9 @@ from engine.messages import (
     StepOutputs,
     decode_input,
     decode_output,
+    decode_stats,
     encode,
+    encode_stats,
 )
 from engine.outputs import RequestTimes
 from engine.prompt_logprobs import PromptTokenLogprobs
@@ -58,6 +62,8 @@ PARAMS = SamplingParams(
         AbortRequests(["r1#0", "r1#1"]),
         ForgetAdapter("acme/a@1"),
         ShutdownCore(),
+        ClientHello(),
+        ClientGone("fe-1-4242"),
     ],
 )
 def test_inputs_round_trip(message):
@@ -80,7 +86,7 @@ def test_inputs_round_trip(message):
                     times=RequestTimes(queue=0.01, prefill=0.2, decode=0.0, inference=0.2),
                 ),
             ],
-            stats=STATS,
+            stats=encode_stats(STATS),
             adapter_events=[("miss", "cpu", 0.0), ("load", "gpu", 0.01)],
             source_records=[("event", ["hit", "disk", 0.0]), ("cache_eviction", [1024])],
         ),
@@ -89,6 +95,12 @@ def test_inputs_round_trip(message):
 )
 def test_outputs_round_trip(message):
     assert decode_output(encode(message)) == message
+
+
+def test_step_stats_travel_encoded_once_and_decode_on_demand():
+    """The core encodes a step's snapshot once for every client; a client decodes it when read."""
+    message = decode_output(encode(StepOutputs(deltas=[], stats=encode_stats(STATS))))
+    assert isinstance(message.stats, msgspec.Raw) and decode_stats(message.stats) == STATS
 
 
 def test_every_sampling_field_crosses_unchanged():

@@ -29,7 +29,7 @@ def test_probes_answer_while_the_model_loads(tmp_path, model_dir, monkeypatch):
     loaded = asyncio.Event()  # made inside asyncio.run below
 
     @contextlib.asynccontextmanager
-    async def slow_open_services(settings, progress):
+    async def slow_open_services(settings, progress, role=None):
         progress(STEP)
         await loaded.wait()
         async with open_test_services(tmp_path, model_dir) as services:
@@ -71,7 +71,7 @@ def test_probes_answer_while_the_model_loads(tmp_path, model_dir, monkeypatch):
 
 def test_a_failed_start_stops_the_server(tmp_path, monkeypatch):
     @contextlib.asynccontextmanager
-    async def broken_open_services(settings, progress):
+    async def broken_open_services(settings, progress, role=None):
         raise ValueError("--adapter-store: bucket 'x' does not exist")
         yield  # pragma: no cover
 

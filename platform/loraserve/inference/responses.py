@@ -1,6 +1,10 @@
 """Engine deltas -> OpenAI bodies: whole responses, and the chunks of a stream.
 
 Choice indices follow OpenAI: prompt `p`'s completion `i` is choice `p * n + i`.
+
+Most chunks of a stream only add text to a choice that has started: for those, `plain_text_event`
+fills the text into the chunk's JSON encoded once per choice (a template cut around a marker), byte for
+byte what building the chunk and encoding it would give, without building it.
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 from msgspec import UNSET, UnsetType
 
 from engine import CompletionOutput, RequestOutput
@@ -35,6 +40,14 @@ from loraserve.inference.tools import ToolOutput
 from loraserve.inference.tools import finish_reason as tool_finish_reason
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}
+# Stands for a chunk's text while its template is encoded; never part of real text (a NUL and a name).
+_TEXT_MARKER = "\x00loraserve-text\x00"
+SSE_PREFIX = b"data: "
+SSE_SUFFIX = b"\n\n"
+
+
+def sse_event(chunk: object) -> bytes:
+    return SSE_PREFIX + msgspec.json.encode(chunk) + SSE_SUFFIX
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -118,6 +131,32 @@ class _Format:
         self.id, self.model, self.text, self.options = response_id, model, text, options
         self.created = int(time.time())
         self._prompt_bodies: dict[int, PromptLogprobs] = {}  # by prompt: its choices share one
+        self._templates: dict[int, tuple[bytes, bytes]] = {}  # by choice: the plain chunk around its text
+
+    def plain_text_event(self, choices: Choices, index: int, completion: CompletionOutput) -> bytes | None:
+        """The SSE event of a chunk that only adds text to choice `index`, already started (no logprobs,
+        token ids, finish reason or usage): the same bytes as `sse_event(self.chunk(...))`. None for any
+        other chunk. A format whose chunks carry more (tool calls, say) must return None for those."""
+        choice = choices.by_index[index]
+        if (
+            not choice.started
+            or self.want_logprobs
+            or self.options.return_token_ids
+            or completion.finish_reason is not None
+        ):
+            return None
+        template = self._templates.get(index)
+        if template is None:
+            head, _, tail = sse_event(self._plain_chunk(index, _TEXT_MARKER)).partition(
+                msgspec.json.encode(_TEXT_MARKER)
+            )
+            template = self._templates[index] = (head, tail)
+        choice.num_chars += len(completion.text)
+        return template[0] + msgspec.json.encode(completion.text) + template[1]
+
+    def _plain_chunk(self, index: int, text: str):
+        """What `chunk` builds for a plain text delta of a started choice."""
+        raise NotImplementedError
 
     @property
     def want_logprobs(self) -> bool:
@@ -204,6 +243,10 @@ class CompletionFormat(_Format):
 
     def usage_chunk(self, usage: Usage) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
+
+    def _plain_chunk(self, index: int, text: str) -> Completion:
+        choice = CompletionChoice(index=index, text=text, logprobs=None, finish_reason=None, stop_reason=None)
+        return Completion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=None)
 
 
 class ChatFormat(_Format):
@@ -292,3 +335,9 @@ class ChatFormat(_Format):
         return ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model, choices=[], usage=usage
         )
+
+    def _plain_chunk(self, index: int, text: str) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(
+            index=index, delta=ChatDelta(content=text), logprobs=None, finish_reason=None, stop_reason=None
+        )
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])

@@ -41,7 +41,7 @@ from loraserve.inference.prompts import (
     completion_prompts,
     message_text,
 )
-from loraserve.inference.responses import ChatFormat, Choices, CompletionFormat, ResponseOptions
+from loraserve.inference.responses import ChatFormat, Choices, CompletionFormat, ResponseOptions, sse_event
 from loraserve.inference.sampling import LogprobsCap, chat_params, completion_params
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.structured import check_structured
@@ -307,9 +307,13 @@ async def _sse(
 
     def chunks(index: int, delta: RequestOutput) -> list[bytes]:
         changed = choices.add(index, delta)
+        if len(changed) == 1 and not continuous_usage:  # the usual chunk: text only, from a template
+            event = fmt.plain_text_event(choices, *changed[0])
+            if event is not None:
+                return [event]
         usage = choices.usage(generation.num_prompt_tokens) if continuous_usage else None
         chunks = (fmt.chunk(choices, [item], usage) for item in changed)
-        return [_event(chunk) for chunk in chunks if chunk is not None]
+        return [sse_event(chunk) for chunk in chunks if chunk is not None]
 
     try:
         if first is not None:
@@ -319,7 +323,7 @@ async def _sse(
             for event in chunks(index, delta):
                 yield event
         if include_usage:
-            yield _event(fmt.usage_chunk(choices.usage(generation.num_prompt_tokens)))
+            yield sse_event(fmt.usage_chunk(choices.usage(generation.num_prompt_tokens)))
     except APIError as exc:
         status, code = status_and_code(exc) or (503, "generation_failed")  # ERROR_TABLE has every APIError
         yield error_event(status, str(exc), code)
@@ -349,7 +353,3 @@ class EventStream(Stream):
     def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["media_type"] = self.media_type
         return super().to_asgi_response(*args, **kwargs)
-
-
-def _event(chunk: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(chunk) + b"\n\n"

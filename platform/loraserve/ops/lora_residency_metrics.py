@@ -44,8 +44,14 @@ class LoRAResidencyMetrics:
     are not read from the engine's stats."""
 
     def __init__(
-        self, model_name: str, engine_stats: Callable[[], EngineStats | None], registry: CollectorRegistry
+        self,
+        model_name: str,
+        engine_stats: Callable[[], EngineStats | None],
+        registry: CollectorRegistry,
+        state_registry: CollectorRegistry | None = None,
     ) -> None:
+        """`registry` holds the counted series; `state_registry` (default: the same) the ones read from
+        the engine's stats: with several front ends, the rendered registry, so they are not summed."""
         self._model = model_name
         self.load_seconds = Histogram(
             "vllm:lora_adapter_load_seconds",
@@ -60,7 +66,8 @@ class LoRAResidencyMetrics:
             ["adapter_name"],
             registry=registry,
         )
-        registry.register(_ResidencyCollector(model_name, engine_stats))
+        target = registry if state_registry is None else state_registry
+        target.register(_ResidencyCollector(model_name, engine_stats))
 
     def observe_load(self, seconds: float) -> None:
         self.load_seconds.observe(seconds)

@@ -5,6 +5,11 @@ work unchanged; engine gauges and counters are read from the engine's published 
 scrape time rather than pushed on every step. `vllm:lora_requests_info` is, as in vLLM, a gauge whose
 value is a timestamp and whose labels carry the comma-joined running and waiting adapters, named as
 clients name them in `model` (see `affinity_names`).
+
+With several front-end processes (`--api-server-count N`), each records its requests into
+prometheus_client's multiprocess files (`multiprocess_dir`, set for every front end by the supervisor)
+and renders the sum over all of them plus the engine's state, which every front end receives from the
+one engine core: a scrape shows the replica, whichever process answers it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -79,7 +84,10 @@ class Metrics:
         config_store_up: Callable[[], bool] = lambda: True,
         adapter_store_up: Callable[[], bool] = lambda: True,
         disk_adapters: Callable[[], Iterable[tuple[str, str, int]]] = lambda: (),
+        multiprocess_dir: str | None = None,
     ) -> None:
+        """`multiprocess_dir`: prometheus_client's PROMETHEUS_MULTIPROC_DIR, when this is one front-end
+        process of several (the variable must be set before prometheus_client is first imported)."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -176,11 +184,17 @@ class Metrics:
             ["tenant", "limit"],
             registry=self.registry,
         )
-        self.registry.register(
-            _StateCollector(model_name, engine_stats, config_store_up, adapter_store_up, disk_adapters)
-        )
+        state = _StateCollector(model_name, engine_stats, config_store_up, adapter_store_up, disk_adapters)
+        if multiprocess_dir is None:
+            self._rendered = self.registry
+        else:  # every front end's files summed, not this process's own values (which they include)
+            self._rendered = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self._rendered, path=multiprocess_dir)
+        self._rendered.register(state)  # the engine's state: once, whichever process renders it
         # vLLM's residency series and requests per adapter (ops/lora_residency_metrics.py)
-        self.lora_residency = LoRAResidencyMetrics(model_name, engine_stats, self.registry)
+        self.lora_residency = LoRAResidencyMetrics(
+            model_name, engine_stats, self.registry, state_registry=self._rendered
+        )
 
     def observe_request(
         self,
@@ -238,7 +252,7 @@ class Metrics:
         self.rate_limited.labels(tenant, limit).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._rendered)
 
 
 class _StateCollector(Collector):

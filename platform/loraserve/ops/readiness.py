@@ -71,6 +71,9 @@ class Readiness:
             reasons.append("model not loaded yet")
         elif (dead := engine_dead_reason(services)) is not None:
             reasons.append(dead)
+        front_ends = services.front_ends
+        if front_ends is not None and (waiting := front_ends.not_ready_reason()) is not None:
+            reasons.append(waiting)  # one port, several processes: ready when every one serves
         self._start_store_check(services)
         degraded = []
         if not self.adapter_store_up:

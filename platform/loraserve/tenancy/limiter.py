@@ -8,7 +8,9 @@ Retry-After is an estimate, not a promise: with L slots and requests lasting D s
 (an exponentially weighted mean of this tenant's recent leases), one slot frees about every D / L
 seconds. The hint is that, rounded up to whole seconds and clamped to [min, max].
 
-Everything runs on one event loop; check-and-increment has no await in between, so no lock is needed.
+The counts live in a TenantTable (tenancy.tenant_table): this process's own, or the table every
+front-end process of the replica shares, so the cap holds per replica whatever process a request lands
+on. Check-and-increment happen under one hold of the table's lock.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from contextlib import asynccontextmanager
 
 from loraserve.tenancy.errors import TooManyRequests
 from loraserve.tenancy.principal import Principal
+from loraserve.tenancy.tenant_table import TenantTable
 
 _EWMA_WEIGHT = 0.2  # weight of the newest lease duration in the running mean
 
@@ -52,6 +55,7 @@ class ConcurrencyLimiter:
         *,
         min_retry_after_s: int = 1,
         max_retry_after_s: int = 60,
+        table: TenantTable | None = None,
     ) -> None:
         if default_max_concurrent is not None and default_max_concurrent < 1:
             raise ValueError(
@@ -62,28 +66,30 @@ class ConcurrencyLimiter:
         self.default_max_concurrent = default_max_concurrent
         self._min_retry = min_retry_after_s
         self._max_retry = max_retry_after_s
-        self._in_flight: dict[str, int] = {}
-        self._mean_duration_s: dict[str, float] = {}
+        self.table = table if table is not None else TenantTable.in_process()
 
     def limit_for(self, principal: Principal) -> int | None:
         return principal.max_concurrent or self.default_max_concurrent
 
     def in_flight(self, tenant: str) -> int:
-        return self._in_flight.get(tenant, 0)
+        with self.table.locked() as table:
+            return table.in_flight(table.row(tenant, now=time.monotonic(), create=False))
 
     def try_acquire(self, principal: Principal) -> Lease:
         """Admit now or raise TooManyRequests; the caller must `release()` the lease (for streams)."""
         tenant = principal.tenant
         limit = self.limit_for(principal)
-        running = self._in_flight.get(tenant, 0)
-        if limit is not None and running >= limit:
-            retry = self.retry_after_s(tenant, limit)
-            raise TooManyRequests(
-                f"tenant {tenant!r} already has {running} requests running, its limit is {limit}; "
-                f"retry in {retry} s or ask the operator for a higher max_concurrent_requests",
-                retry_after_s=retry,
-            )
-        self._in_flight[tenant] = running + 1
+        with self.table.locked() as table:
+            row = table.row(tenant, now=time.monotonic())
+            running = table.in_flight(row)
+            if limit is not None and running >= limit:
+                retry = self._retry_after_s(table.mean_duration_s(row), limit)
+                raise TooManyRequests(
+                    f"tenant {tenant!r} already has {running} requests running, its limit is {limit}; "
+                    f"retry in {retry} s or ask the operator for a higher max_concurrent_requests",
+                    retry_after_s=retry,
+                )
+            table.add_in_flight(row, 1)
         return Lease(self, tenant)
 
     @asynccontextmanager
@@ -96,18 +102,21 @@ class ConcurrencyLimiter:
             lease.release()
 
     def retry_after_s(self, tenant: str, limit: int) -> int:
-        mean = self._mean_duration_s.get(tenant)
+        with self.table.locked() as table:
+            row = table.row(tenant, now=time.monotonic(), create=False)
+            return self._retry_after_s(table.mean_duration_s(row), limit)
+
+    def _retry_after_s(self, mean: float | None, limit: int) -> int:
         if mean is None:
             return self._min_retry
         return max(self._min_retry, min(self._max_retry, math.ceil(mean / limit)))
 
     def _release(self, tenant: str, duration_s: float) -> None:
-        running = self._in_flight.get(tenant, 0) - 1
-        if running > 0:
-            self._in_flight[tenant] = running
-        else:
-            self._in_flight.pop(tenant, None)
-        previous = self._mean_duration_s.get(tenant)
-        self._mean_duration_s[tenant] = (
-            duration_s if previous is None else (1 - _EWMA_WEIGHT) * previous + _EWMA_WEIGHT * duration_s
-        )
+        with self.table.locked() as table:
+            row = table.row(tenant, now=time.monotonic())
+            table.add_in_flight(row, -1)
+            previous = table.mean_duration_s(row)
+            table.set_mean_duration_s(
+                row,
+                duration_s if previous is None else (1 - _EWMA_WEIGHT) * previous + _EWMA_WEIGHT * duration_s,
+            )

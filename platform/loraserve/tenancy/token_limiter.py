@@ -20,65 +20,34 @@ running when it crossed it go on to generate.
 Retry-After is exact for the window as it stands when aging out frees enough: the seconds until it
 does; when the holds of running requests stand in the way, it is the whole window (60 s).
 
-Charges within a second of each other are kept as one, dated by the latest, so a window holds at most
-about 60 entries per tenant; tokens then leave the window up to a second late, never early.
-Everything runs on one event loop; check-and-charge has no await in between, so no lock is needed.
+The counts live in a TenantTable (tenancy.tenant_table), this process's own or the one every
+front-end process of the replica shares, in one-second buckets dated by their latest charge: tokens
+leave the window up to a second late, never early. Admission checks and charges happen under one hold
+of the table's lock. Generated tokens are charged per engine delta into a small buffer of this process,
+written to the table at least every FLUSH_S (and before any admission, usage read or release here), so
+streaming costs no lock per token; another process sees them at most FLUSH_S late.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 
 from loraserve.tenancy.errors import TooManyRequests
 from loraserve.tenancy.principal import Principal
+from loraserve.tenancy.tenant_table import WINDOW_S, TenantTable
 
-WINDOW_S = 60.0
-_BUCKET_S = 1.0  # charges closer than this to a bucket's first one join it
-
-
-class _Charge:
-    __slots__ = ("at", "first", "tokens")
-
-    def __init__(self, at: float, tokens: int) -> None:
-        self.first = at  # when the bucket opened
-        self.at = at  # its latest charge: it leaves the window WINDOW_S after this
-        self.tokens = tokens
-
-
-class _Window:
-    """One tenant's charges in time order, their sum, and what its running requests hold."""
-
-    __slots__ = ("charges", "held", "used")
-
-    def __init__(self) -> None:
-        self.charges: deque[_Charge] = deque()
-        self.used = 0  # sum of the charges' tokens
-        self.held = 0  # what running requests may still generate
-
-    def expire(self, now: float) -> None:
-        while self.charges and self.charges[0].at <= now - WINDOW_S:
-            self.used -= self.charges.popleft().tokens
-
-    def charge(self, now: float, tokens: int) -> None:
-        last = self.charges[-1] if self.charges else None
-        if last is not None and now - last.first < _BUCKET_S:
-            last.tokens += tokens
-            last.at = max(last.at, now)
-        else:
-            self.charges.append(_Charge(now, tokens))
-        self.used += tokens
+FLUSH_S = 0.1  # buffered charges reach the shared table at least this often
 
 
 class TokenReservation:
     """One admitted request's account: `charge(tokens)` as it generates them, `release()` when it ends
     (idempotent: its remaining hold goes back; later charges still count, as real use)."""
 
-    def __init__(self, limiter: TokenRateLimiter, window: _Window, held: int) -> None:
+    def __init__(self, limiter: TokenRateLimiter, tenant: str, held: int) -> None:
         self._limiter = limiter
-        self._window = window
+        self._tenant = tenant
         self._held = held
 
     @property
@@ -89,72 +58,91 @@ class TokenReservation:
         """Tokens just generated: into the window now, and out of this request's hold."""
         if tokens <= 0:
             return
-        now = self._limiter.clock()
-        self._window.expire(now)
-        self._window.charge(now, tokens)
         covered = min(self._held, tokens)
         self._held -= covered
-        self._window.held -= covered
+        self._limiter._buffer(self._tenant, tokens, covered)
 
     def release(self) -> None:
-        self._window.held -= self._held
-        self._held = 0
+        held, self._held = self._held, 0
+        self._limiter._buffer(self._tenant, 0, held)
+        self._limiter.flush()
 
 
 class TokenRateLimiter:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, table: TenantTable | None = None) -> None:
         self.clock = clock
-        self._windows: dict[str, _Window] = {}
+        self.table = table if table is not None else TenantTable.in_process()
+        # tenant -> [charges as {second: [latest time, tokens]}, hold to give back]
+        self._pending: dict[str, list] = {}
+        self._flushed_at = time.monotonic()
 
     def used(self, tenant: str) -> int:
         """Tokens the tenant used in the last 60 s (its running requests' holds not included)."""
-        window = self._windows.get(tenant)
-        if window is None:
-            return 0
-        window.expire(self.clock())
-        return window.used
+        self.flush()
+        now = self.clock()
+        with self.table.locked() as table:
+            return table.used(table.row(tenant, now=now, create=False), now)
 
     def held(self, tenant: str) -> int:
         """What the tenant's running requests may still generate (their max_tokens not yet used)."""
-        window = self._windows.get(tenant)
-        return 0 if window is None else window.held
+        self.flush()
+        with self.table.locked() as table:
+            return table.held(table.row(tenant, now=self.clock(), create=False))
 
     def try_reserve(
         self, principal: Principal, prompt_tokens: int, max_new_tokens: int = 0
     ) -> TokenReservation:
         """Admit a request of `prompt_tokens` that may generate `max_new_tokens` (0: unbounded, none
         held): charge its prompt now and hold the rest, or raise TooManyRequests (with Retry-After)."""
+        self.flush()
         now = self.clock()
-        window = self._windows.setdefault(principal.tenant, _Window())
-        window.expire(now)
         limit = principal.max_tokens_per_minute
         tokens = prompt_tokens + max_new_tokens
-        if limit is not None:
-            if tokens > limit:
-                raise TooManyRequests(
-                    f"this request may use {tokens} tokens (prompt plus n x max_tokens), more than the "
-                    f"tenant's limit of {limit} tokens per minute; lower max_tokens, n or the prompt",
-                    retry_after_s=math.ceil(WINDOW_S),
-                )
-            taken = window.used + window.held
-            if taken + tokens > limit:
-                retry = _retry_after_s(window, taken + tokens - limit, now)
-                raise TooManyRequests(
-                    f"tenant {principal.tenant!r} used {window.used} of its {limit} tokens per minute, its "
-                    f"running requests may use {window.held} more, and this request may use {tokens}; "
-                    f"retry in {retry} s or ask the operator for a higher max_tokens_per_minute",
-                    retry_after_s=retry,
-                )
-        window.charge(now, prompt_tokens)
-        window.held += max_new_tokens
-        return TokenReservation(self, window, max_new_tokens)
+        with self.table.locked() as table:
+            row = table.row(principal.tenant, now=now)
+            if limit is not None:
+                if tokens > limit:
+                    raise TooManyRequests(
+                        f"this request may use {tokens} tokens (prompt plus n x max_tokens), more than the "
+                        f"tenant's limit of {limit} tokens per minute; lower max_tokens, n or the prompt",
+                        retry_after_s=math.ceil(WINDOW_S),
+                    )
+                used, held = table.used(row, now), table.held(row)
+                if used + held + tokens > limit:
+                    wait = table.seconds_until_freed(row, used + held + tokens - limit, now)
+                    retry = math.ceil(WINDOW_S) if wait is None else max(1, math.ceil(wait))
+                    raise TooManyRequests(
+                        f"tenant {principal.tenant!r} used {used} of its {limit} tokens per minute, its "
+                        f"running requests may use {held} more, and this request may use {tokens}; "
+                        f"retry in {retry} s or ask the operator for a higher max_tokens_per_minute",
+                        retry_after_s=retry,
+                    )
+            table.charge(row, now, prompt_tokens)
+            table.add_held(row, max_new_tokens)
+        return TokenReservation(self, principal.tenant, max_new_tokens)
 
+    def flush(self) -> None:
+        """Write this process's buffered charges and returned holds to the table."""
+        self._flushed_at = time.monotonic()
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        with self.table.locked() as table:
+            for tenant, (charges, unheld) in pending.items():
+                row = table.row(tenant, now=self.clock())
+                for latest, tokens in charges.values():
+                    table.charge(row, latest, tokens)
+                table.add_held(row, -unheld)
 
-def _retry_after_s(window: _Window, excess: int, now: float) -> int:
-    """Seconds until the oldest charges, aging out, free at least `excess` tokens (holds stay put)."""
-    freed = 0
-    for charge in window.charges:
-        freed += charge.tokens
-        if freed >= excess:
-            return max(1, math.ceil(charge.at + WINDOW_S - now))
-    return math.ceil(WINDOW_S)  # the holds of running requests stand in the way: they end in their time
+    def _buffer(self, tenant: str, tokens: int, unheld: int) -> None:
+        entry = self._pending.get(tenant)
+        if entry is None:
+            entry = self._pending[tenant] = [{}, 0]
+        if tokens:
+            now = self.clock()
+            bucket = entry[0].setdefault(math.floor(now), [now, 0])
+            bucket[0] = max(bucket[0], now)
+            bucket[1] += tokens
+        entry[1] += unheld
+        if time.monotonic() - self._flushed_at >= FLUSH_S:
+            self.flush()

@@ -26,6 +26,7 @@ from loraserve.config_store import CachedConfigStore, open_config_store, redact_
 from loraserve.demo_model import DEMO_MODEL_NAME, demo_model_converted
 from loraserve.name_conflicts import check_not_base_model
 from loraserve.ops.metrics import Metrics
+from loraserve.ops.server_load import ServerLoad
 from loraserve.routing import Router
 from loraserve.services import Services, engine_adapter_id
 from loraserve.settings import ServerSettings
@@ -168,6 +169,9 @@ async def open_services(
             max_model_len=engine.max_model_len,
             sampling_defaults=sampling_defaults,
             max_logprobs=settings.max_logprobs,
+            prompt_tokens_details=settings.enable_prompt_tokens_details,
+            force_include_usage=settings.enable_force_include_usage,
+            server_load=ServerLoad() if settings.enable_server_load_tracking else None,
             tensor_parallel_size=settings.tensor_parallel_size,
         )
     finally:

@@ -12,7 +12,7 @@ from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.service import create_chat_completion, create_completion, create_invocation
 from loraserve.json_guard import require_json_body
 from loraserve.openapi import BEARER_SECURITY
-from loraserve.resolution import list_models
+from loraserve.resolution import ModelCard, ModelList, list_models, retrieve_model
 from loraserve.services import Services
 from loraserve.tenancy import Principal
 
@@ -48,8 +48,16 @@ class InferenceController(Controller):
         return await create_chat_completion(services, principal, data, request)
 
     @get("/models", summary="The base model, the tenant's adapters and routes")
-    async def models(self, services: NamedDependency[Services], principal: NamedDependency[Principal]) -> Any:
+    async def models(
+        self, services: NamedDependency[Services], principal: NamedDependency[Principal]
+    ) -> ModelList:
         return await list_models(services, principal)
+
+    @get("/models/{model_id:path}", summary="One model of the list (the SDK's models.retrieve)")
+    async def model(
+        self, model_id: str, services: NamedDependency[Services], principal: NamedDependency[Principal]
+    ) -> ModelCard:
+        return await retrieve_model(services, principal, model_id.lstrip("/"))
 
 
 @post(

@@ -75,6 +75,8 @@ class Generation:
         self._closed = False
         # The finish reason of completions the engine never finished: set when the engine failed them.
         self._unfinished_reason = "abort"
+        if services.server_load is not None:  # until close(), however the request ends
+            services.server_load.enter()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -124,6 +126,8 @@ class Generation:
         if self.services.shutdown is not None:
             self.services.shutdown.untrack(self)
         self.lease.release()
+        if self.services.server_load is not None:
+            self.services.server_load.leave()
         if self.tokens is not None:
             self.tokens.release()
         self._count_finished()

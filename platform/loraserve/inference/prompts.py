@@ -142,6 +142,22 @@ def check_prompt_ids(ids: list[int], tokenizer: Any, max_model_len: int | None) 
         raise BadRequest(f"prompt token ids must lie in [0, {vocab})", param="prompt")
 
 
+def check_output_room(max_tokens: int | None, prompts: list[list[int]], max_model_len: int | None) -> None:
+    """A request's max_tokens must fit in the context next to its longest prompt (vLLM's 400 and wording);
+    None (chat without a cap) generates until the context is full."""
+    if max_tokens is None or max_model_len is None or not prompts:
+        return
+    longest = max(len(p) for p in prompts)
+    if max_tokens > max_model_len - longest:
+        raise BadRequest(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+            f"context length is {max_model_len} tokens and your request has {longest} input tokens "
+            f"({max_tokens} > {max_model_len} - {longest}).",
+            code="context_length_exceeded",
+            param="max_tokens",
+        )
+
+
 def message_text(message: ChatMessage) -> str:
     return _text(message, 0)
 

@@ -21,6 +21,11 @@ MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
+def echo_only(body: CompletionRequest) -> bool:
+    """`echo` with `max_tokens: 0`: the answer is the prompt (and its logprobs), nothing generated."""
+    return body.echo and body.max_tokens == 0
+
+
 @dataclass(frozen=True)
 class LogprobsCap:
     """vLLM's --max-logprobs (-1: the whole vocabulary) and the vocabulary size (None: unknown)."""
@@ -58,6 +63,15 @@ def completion_params(
         raise BadRequest("`logprobs` must be a positive value.", param="logprobs")
     cap.check("sample", body.logprobs, "logprobs")
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+    if max_tokens == 0:
+        if not body.echo:
+            raise BadRequest(
+                "max_tokens must be at least 1, got 0 (0 is for echo: the prompt alone, scored).",
+                param="max_tokens",
+            )
+        # vLLM's prompt scoring: the engine runs one step for the prompt's logprobs; the token it
+        # samples is left out of the answer (loraserve.inference.responses, echo_only)
+        max_tokens = 1
     # vLLM's: echo with logprobs returns the prompt's logprobs too (prompt_logprobs defaults to logprobs)
     prompt_logprobs = body.prompt_logprobs
     if prompt_logprobs is None and body.echo:

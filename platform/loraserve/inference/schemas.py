@@ -126,6 +126,8 @@ class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     # A string, a list of strings, a list of token ids, or a list of token id lists (checked in prompts.py;
     # msgspec cannot tell list[str] from list[int] inside one union).
     prompt: str | list[Any]
+    # 0 only with echo: the prompt scored, nothing generated (OpenAI's and vLLM's); checked in sampling.py
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None
     logprobs: int | None = None  # 0..--max-logprobs, checked in sampling.py with vLLM's messages
     echo: bool = False
 
@@ -192,9 +194,9 @@ class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
-    # with return_token_ids (vLLM's); left out of the body otherwise
-    prompt_token_ids: list[int] | UnsetType = UNSET
-    token_ids: list[int] | UnsetType = UNSET
+    # vLLM's return_token_ids; null when not asked for (whole answers), left out of stream chunks
+    prompt_token_ids: list[int] | None | UnsetType = UNSET
+    token_ids: list[int] | None | UnsetType = UNSET
     # vLLM's: null unless prompt_logprobs was asked for (or echo with logprobs); left out of stream chunks
     prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
 
@@ -236,7 +238,7 @@ class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
-    token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
@@ -246,7 +248,7 @@ class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, on the response: null unless asked for
 
 

@@ -32,12 +32,13 @@ from loraserve.inference.generation import Generation
 from loraserve.inference.logprobs import TokenText
 from loraserve.inference.prompts import (
     chat_prompt,
+    check_output_room,
     check_sampling_token_ids,
     completion_prompts,
     message_text,
 )
 from loraserve.inference.responses import ChatFormat, Choices, CompletionFormat, ResponseOptions
-from loraserve.inference.sampling import LogprobsCap, chat_params, completion_params
+from loraserve.inference.sampling import LogprobsCap, chat_params, completion_params, echo_only
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.structured import check_structured
 from loraserve.ops.readiness import engine_dead_reason
@@ -61,6 +62,7 @@ async def create_completion(
     prompts = completion_prompts(
         body.prompt, services.tokenizer, services.max_model_len, body.truncate_prompt_tokens
     )
+    check_output_room(params.max_tokens, prompts, services.max_model_len)
     check_sampling_token_ids(params, services.tokenizer)
     await check_structured(services, params.structured_outputs)
     echo = _echo_texts(body, prompts, services.tokenizer) if body.echo else None
@@ -82,6 +84,7 @@ async def create_chat_completion(
         continue_final_message=body.continue_final_message,
         truncate=body.truncate_prompt_tokens,
     )
+    check_output_room(params.max_tokens, [prompt], services.max_model_len)
     check_sampling_token_ids(params, services.tokenizer)
     await check_structured(services, params.structured_outputs)
     # vLLM's chat echo: the last message's content, when it is the assistant's (the reply continues it)
@@ -176,13 +179,20 @@ async def _generate(
     text = TokenText(services.tokenizer, body.return_tokens_as_token_ids)
     fmt = format_type(response_id, resolved.served_model, text, options)
     headers = {VARIANT_HEADER: resolved.served_model}
-    choices = Choices(params.n, params.logprobs is not None, keep_token_ids=body.return_token_ids)
+    choices = Choices(
+        params.n,
+        params.logprobs is not None,
+        keep_token_ids=body.return_token_ids,
+        drop_generated=isinstance(body, CompletionRequest) and echo_only(body),
+        cached_tokens_details=services.prompt_tokens_details,
+    )
     if not body.stream:
         await _until_done_or_disconnected(_collect(generation, choices), request, generation)
         return Response(fmt.whole(choices, choices.usage(generation.num_prompt_tokens)), headers=headers)
     options = body.stream_options
-    include_usage = options is not None and options.usage
-    continuous_usage = options is not None and options.continuous_usage
+    # --enable-force-include-usage: usage in every chunk and at the end, whatever the request says
+    include_usage = services.force_include_usage or (options is not None and options.usage)
+    continuous_usage = services.force_include_usage or (options is not None and options.continuous_usage)
     events = generation.events()
     try:  # no response has started yet: a client that leaves before the first delta aborts it here
         first = await _until_done_or_disconnected(_first(events), request, generation)
@@ -246,7 +256,17 @@ async def _sse(
     def chunks(index: int, delta: RequestOutput) -> list[bytes]:
         changed = choices.add(index, delta)
         usage = choices.usage(generation.num_prompt_tokens) if continuous_usage else None
-        return [_event(fmt.chunk(choices, [item], usage)) for item in changed]
+        events = []
+        for item in changed:
+            choice = choices.by_index[item[0]]
+            if isinstance(fmt, ChatFormat) and not choice.opened:  # the role alone first, as OpenAI
+                choice.opened = True
+                before = None
+                if continuous_usage:  # the opening chunk precedes this delta's tokens
+                    before = choices.usage(generation.num_prompt_tokens, len(item[1].token_ids))
+                events.append(_event(fmt.opening(choices, item[0], before)))
+            events.append(_event(fmt.chunk(choices, [item], usage)))
+        return events
 
     try:
         if first is not None:

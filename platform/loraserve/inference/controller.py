@@ -6,7 +6,7 @@ from typing import Any
 
 from litestar import Controller, Request, get, post
 from litestar.di import NamedDependency
-from litestar.params import JSONBody
+from litestar.params import FromPath, JSONBody
 
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.service import create_chat_completion, create_completion, create_invocation
@@ -55,7 +55,10 @@ class InferenceController(Controller):
 
     @get("/models/{model_id:path}", summary="One model of the list (the SDK's models.retrieve)")
     async def model(
-        self, model_id: str, services: NamedDependency[Services], principal: NamedDependency[Principal]
+        self,
+        model_id: FromPath[str],
+        services: NamedDependency[Services],
+        principal: NamedDependency[Principal],
     ) -> ModelCard:
         return await retrieve_model(services, principal, model_id.lstrip("/"))
 

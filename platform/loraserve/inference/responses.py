@@ -107,8 +107,10 @@ class Choices:
                 choice.token_ids.extend(completion.token_ids)
             choice.finish_reason = finish_reason(completion.finish_reason)
             choice.stop_reason = completion.stop_reason
-            has_logprobs = self.want_logprobs and completion.token_ids
-            if completion.text or has_logprobs or completion.finish_reason:
+            # tokens without text yet (part of a character) still go out when their logprobs or ids
+            # were asked for: otherwise the stream's ids or logprobs would miss them
+            has_tokens = (self.want_logprobs or self.keep_token_ids) and completion.token_ids
+            if completion.text or has_tokens or completion.finish_reason:
                 changed.append((index, completion))
         return changed
 

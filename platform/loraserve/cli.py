@@ -431,9 +431,11 @@ def serve(settings: ServerSettings, log_level: str = "info") -> int:
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_device(settings.device, os.environ.get(IMAGE_VARIANT_ENV))
+    from loraserve.root_path import AcceptRootPathPrefix
+
     app = create_app(settings)
     config = uvicorn.Config(
-        app,
+        AcceptRootPathPrefix(app, settings.root_path) if settings.root_path else app,
         host=settings.host,
         port=settings.port,
         root_path=settings.root_path,

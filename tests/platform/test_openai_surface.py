@@ -6,12 +6,15 @@ GET /load."""
 from __future__ import annotations
 
 import asyncio
+import re
 
+import httpx
 import openai
 import pytest
 from app_fixtures import MAX_MODEL_LEN, make_text_model
 from factories import make_adapter
 from loraserve.ops.server_load import ServerLoad
+from loraserve.root_path import AcceptRootPathPrefix
 from test_inference_completions import run, sse_events
 
 
@@ -197,3 +200,53 @@ def test_server_load(tmp_path, model_dir):
     off, idle, busy, after = run(tmp_path, model_dir, scenario)
     assert off.status_code == 404 and "--enable-server-load-tracking" in off.json()["error"]["message"]
     assert (idle, busy, after) == ({"server_load": 0}, {"server_load": 1}, {"server_load": 0})
+
+
+def test_root_path_serves_both_forms(tmp_path, model_dir):
+    """As uvicorn runs it under --root-path /llm (the prefix written in front of every path): `/v1/...`
+    from a proxy that stripped the prefix and `/llm/v1/...` sent straight to the server both route, and an
+    unknown path's error names the path once."""
+
+    async def scenario(client, services):
+        app = client._transport.app
+
+        async def like_uvicorn(scope, receive, send):
+            if scope["type"] == "http":
+                scope = {**scope, "root_path": "/llm", "path": "/llm" + scope["path"]}
+            await AcceptRootPathPrefix(app, "/llm")(scope, receive, send)
+
+        transport = httpx.ASGITransport(app=like_uvicorn)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as prefixed:
+            body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+            return [
+                await prefixed.post("/v1/chat/completions", json=body),
+                await prefixed.post("/llm/v1/chat/completions", json=body),
+                await prefixed.get("/llm/v1/nope"),
+            ]
+
+    stripped, sent, unknown = run(tmp_path, model_dir, scenario)
+    assert stripped.status_code == 200 and sent.status_code == 200, (stripped.text, sent.text)
+    message = unknown.json()["error"]["message"]
+    assert unknown.status_code == 404 and message.count("/llm") == 1, message
+
+
+def test_prompt_wordings_as_vllms(tmp_path, model_dir):
+    async def scenario(client, services):
+        api = sdk(client)
+        errors = {}
+        for name, prompt in {"missing": None, "empty_list": [], "out_of_vocab": [999999]}.items():
+            with pytest.raises(openai.BadRequestError) as caught:
+                await api.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+            errors[name] = caught.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as caught:
+            await api.chat.completions.create(
+                model="tiny", messages=MESSAGES, response_format={"type": "json_schema"}
+            )
+        errors["json_schema"] = caught.value.body["message"]
+        return errors
+
+    errors = run(tmp_path, model_dir, scenario)
+    assert "Either prompt or prompt_embeds must be provided and non-empty" in errors["missing"]
+    assert "prompt or prompt_embeds" in errors["empty_list"]
+    assert "out of vocabulary" in errors["out_of_vocab"]
+    assert re.search("json_schema.*must be provided", errors["json_schema"])

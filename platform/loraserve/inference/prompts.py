@@ -15,9 +15,15 @@ MAX_PROMPTS = 64  # prompts in one completions request
 
 
 def completion_prompts(
-    prompt: str | list[Any], tokenizer: Any, max_model_len: int | None, truncate: int | None = None
+    prompt: str | list[Any] | None, tokenizer: Any, max_model_len: int | None, truncate: int | None = None
 ) -> list[list[int]]:
     """`"text"`, `["a", "b"]`, `[1, 2, 3]` or `[[1, 2], [3]]` -> one token id list per prompt."""
+    if prompt is None or prompt == []:
+        raise BadRequest(
+            "Either prompt or prompt_embeds must be provided and non-empty (this server takes prompt; "
+            "prompt_embeds is not supported).",
+            param="prompt",
+        )
     if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
     elif prompt and all(_is_token_id(t) for t in prompt):
@@ -138,8 +144,12 @@ def check_prompt_ids(ids: list[int], tokenizer: Any, max_model_len: int | None) 
             param="prompt",
         )
     vocab = len(tokenizer) if tokenizer is not None else None
-    if vocab is not None and any(not 0 <= t < vocab for t in ids):
-        raise BadRequest(f"prompt token ids must lie in [0, {vocab})", param="prompt")
+    bad = [t for t in ids if vocab is not None and not 0 <= t < vocab]
+    if bad:
+        raise BadRequest(
+            f"Token id {bad[0]} is out of vocabulary: prompt token ids must lie in [0, {vocab})",
+            param="prompt",
+        )
 
 
 def check_output_room(max_tokens: int | None, prompts: list[list[int]], max_model_len: int | None) -> None:

@@ -124,8 +124,8 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     # A string, a list of strings, a list of token ids, or a list of token id lists (checked in prompts.py;
-    # msgspec cannot tell list[str] from list[int] inside one union).
-    prompt: str | list[Any]
+    # msgspec cannot tell list[str] from list[int] inside one union). Missing, null or []: vLLM's 400.
+    prompt: str | list[Any] | None = None
     # 0 only with echo: the prompt scored, nothing generated (OpenAI's and vLLM's); checked in sampling.py
     max_tokens: Annotated[int, Meta(ge=0)] | None = None
     logprobs: int | None = None  # 0..--max-logprobs, checked in sampling.py with vLLM's messages

@@ -171,6 +171,7 @@ async def open_services(
             max_logprobs=settings.max_logprobs,
             prompt_tokens_details=settings.enable_prompt_tokens_details,
             force_include_usage=settings.enable_force_include_usage,
+            tokens_as_token_ids=settings.return_tokens_as_token_ids,
             server_load=ServerLoad() if settings.enable_server_load_tracking else None,
             tensor_parallel_size=settings.tensor_parallel_size,
         )

@@ -71,6 +71,7 @@ _SERVE_FIELDS = (
     "enable_prompt_tokens_details",
     "enable_force_include_usage",
     "enable_server_load_tracking",
+    "return_tokens_as_token_ids",
     "lora_pool_rank_budget",
     "allowed_lora_paths",
     "adapter_store",
@@ -199,6 +200,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--enable-server-load-tracking",
         action="store_true",
         help='GET /load answers {"server_load": N}, the completions and chat requests in flight (vLLM\'s flag)',
+    )
+    add(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name every token as token_id:N, as each request's return_tokens_as_token_ids does "
+        "(vLLM's flag)",
     )
     add(
         "--lora-pool-rank-budget",

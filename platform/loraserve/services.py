@@ -133,6 +133,7 @@ class Services:
     # vLLM's --enable-prompt-tokens-details, --enable-force-include-usage, --enable-server-load-tracking
     prompt_tokens_details: bool = False
     force_include_usage: bool = False
+    tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: for every request
     server_load: ServerLoad | None = None  # None: load tracking off (GET /load is 404)
     tensor_parallel_size: int = 1  # above 1, prompt logprobs are refused (the engine cannot compute them yet)
     # Per-tenant cap on adapter uploads at once (--max-concurrent-uploads-per-tenant): 429 beyond it.

@@ -69,6 +69,7 @@ class ServerSettings:
     enable_prompt_tokens_details: bool = False
     enable_force_include_usage: bool = False
     enable_server_load_tracking: bool = False  # vLLM's: GET /load answers the requests in flight
+    return_tokens_as_token_ids: bool = False  # vLLM's: every request's logprobs name tokens token_id:N
     lora_pool_rank_budget: int | None = None  # engine.EngineConfig.lora_pool_rank_budget
     # (name, local PEFT folder) pairs put into the default tenant's store at start.
     lora_modules: tuple[tuple[str, str], ...] = ()

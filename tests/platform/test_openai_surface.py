@@ -250,3 +250,35 @@ def test_prompt_wordings_as_vllms(tmp_path, model_dir):
     assert "prompt or prompt_embeds" in errors["empty_list"]
     assert "out of vocabulary" in errors["out_of_vocab"]
     assert re.search("json_schema.*must be provided", errors["json_schema"])
+
+
+def test_options_this_server_lacks_are_400s_and_logprobs_list_the_chosen_token_first(tmp_path, model_dir):
+    async def scenario(client, services):
+        api = sdk(client)
+        refused = {}
+        for param, extra in {
+            "use_beam_search": {"extra_body": {"use_beam_search": True}},
+            "logprob_token_ids": {"extra_body": {"logprob_token_ids": [1, 2]}},
+            "suffix": {"suffix": "the end"},
+            "best_of": {"best_of": 3},
+        }.items():
+            with pytest.raises(openai.BadRequestError) as caught:
+                await api.completions.create(model="tiny", prompt="Hello", max_tokens=2, **extra)
+            refused[param] = caught.value.body
+        off = await api.completions.create(
+            model="tiny", prompt="Hello", max_tokens=2, best_of=1, extra_body={"use_beam_search": False}
+        )
+        scored = await api.completions.create(
+            model="tiny", prompt="Hello", max_tokens=4, logprobs=2, temperature=1.0, seed=3
+        )
+        services.tokens_as_token_ids = True  # --return-tokens-as-token-ids
+        as_ids = await api.completions.create(model="tiny", prompt="Hello", max_tokens=2, logprobs=1)
+        return refused, off, scored, as_ids
+
+    refused, off, scored, as_ids = run(tmp_path, model_dir, scenario)
+    assert {param: body["param"] for param, body in refused.items()} == {p: p for p in refused}
+    assert off.choices[0].finish_reason in ("stop", "length")
+    logprobs = scored.choices[0].logprobs
+    for token, top in zip(logprobs.tokens, logprobs.top_logprobs):
+        assert next(iter(top)) == token  # the chosen token leads, as vLLM lists it
+    assert all(token.startswith("token_id:") for token in as_ids.choices[0].logprobs.tokens)

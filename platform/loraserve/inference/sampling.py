@@ -94,6 +94,25 @@ def chat_params(
     return _params(body, max_tokens, logprobs, body.prompt_logprobs, defaults, cap)
 
 
+def refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Options of OpenAI or vLLM this server does not have: a 400 naming the option when one is asked for."""
+    asked = []
+    if body.use_beam_search:
+        asked.append(("use_beam_search", "beam search is not supported; sample with n and seed instead"))
+    if body.logprob_token_ids:
+        asked.append(
+            ("logprob_token_ids", "logprobs of chosen token ids are not supported; use top_logprobs")
+        )
+    if isinstance(body, CompletionRequest):
+        if body.suffix:
+            asked.append(("suffix", "suffix is not currently supported"))
+        if body.best_of is not None and body.best_of != body.n:
+            asked.append(("best_of", "best_of is not supported; ask for n completions instead"))
+    if asked:
+        param, message = asked[0]
+        raise BadRequest(message, param=param)
+
+
 def _params(
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int | None,
@@ -102,6 +121,7 @@ def _params(
     defaults: Mapping[str, Any],
     cap: LogprobsCap,
 ) -> SamplingParams:
+    refuse_unsupported(body)
     if body.prompt_logprobs is not None:
         if body.prompt_logprobs < WHOLE_VOCABULARY:
             raise BadRequest("`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")

@@ -120,6 +120,10 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     prompt_logprobs: int | None = None
     # loraserve's: false keeps this request out of speculative decoding (a no-op when the server has none)
     speculative: bool = True
+    # Options of vLLM this server does not have: accepted when off, refused (400) when asked for, never
+    # silently ignored (sampling.py, refuse_unsupported)
+    use_beam_search: bool = False
+    logprob_token_ids: list[int] | None = None
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
@@ -130,6 +134,9 @@ class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=0)] | None = None
     logprobs: int | None = None  # 0..--max-logprobs, checked in sampling.py with vLLM's messages
     echo: bool = False
+    # OpenAI's, which this server refuses unless off (sampling.py): text after the completion; candidates
+    best_of: Annotated[int, Meta(ge=1)] | None = None
+    suffix: str | None = None
 
 
 class TextPart(msgspec.Struct, frozen=True, kw_only=True):

@@ -176,7 +176,7 @@ async def _generate(
         and isinstance(body, CompletionRequest)
         and params.logprobs is not None,
     )
-    text = TokenText(services.tokenizer, body.return_tokens_as_token_ids)
+    text = TokenText(services.tokenizer, body.return_tokens_as_token_ids or services.tokens_as_token_ids)
     fmt = format_type(response_id, resolved.served_model, text, options)
     headers = {VARIANT_HEADER: resolved.served_model}
     choices = Choices(

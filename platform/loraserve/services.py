@@ -94,6 +94,8 @@ class RequestMetrics(Protocol):
         num_prompt_tokens: int = 0,
         num_generation_tokens: int = 0,
         times: list[Any] = (),  # engine.outputs.RequestTimes, one per finished completion
+        n: int = 1,
+        max_tokens: int | None = None,  # as the request ran: asked for, or the room the context left
     ) -> None: ...
 
     def count_finished(self, finish_reasons: list[str]) -> None:

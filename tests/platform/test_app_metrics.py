@@ -92,6 +92,9 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
     assert value(found, "vllm:request_prompt_tokens_sum", **model) == 12
     assert value(found, "vllm:request_generation_tokens_sum", **model) == 20
     assert value(found, "vllm:request_generation_tokens_count", **model) == 4
+    assert value(found, "vllm:request_params_n_count", **model) == 4
+    assert value(found, "vllm:request_params_n_sum", **model) == 4
+    assert value(found, "vllm:request_params_max_tokens_sum", **model) == 20
     inter_token = value(found, "vllm:inter_token_latency_seconds_count", **model)
     assert 4 <= inter_token <= 16  # at most 4 gaps per request of 5 tokens (deltas may carry several)
     assert value(found, "vllm:generation_tokens_total", **model) == 20

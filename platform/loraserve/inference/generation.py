@@ -210,7 +210,16 @@ class Generation:
             num_prompt_tokens=len(self.prompts[index]),
             num_generation_tokens=timing.num_tokens,
             times=timing.times,
+            n=self.params.n,
+            max_tokens=self._max_tokens(index),
         )
+
+    def _max_tokens(self, index: int) -> int | None:
+        """The request's max_tokens; unset (chat), the room the context left beside its prompt."""
+        if self.params.max_tokens is not None:
+            return self.params.max_tokens
+        limit = self.services.max_model_len
+        return None if limit is None else limit - len(self.prompts[index])
 
 
 def _record(timing: _Timing, delta: RequestOutput) -> int:

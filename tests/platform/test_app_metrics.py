@@ -125,6 +125,7 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
     assert value(found, "vllm:prefix_cache_hits_total", **model) == 0  # shorter than a block: nothing to hit
     (config,) = [dict(labels) for name, labels in found if name == "vllm:cache_config_info"]
     assert config["block_size"] == "4" and config["enable_prefix_caching"] == "True"
+    assert config["gpu_memory_utilization"] == "0.9" and config["num_cpu_blocks"] == "0"
     # residency for the gateway: adapter a@1 ran, so it holds a GPU slot and sits in the CPU tier
     for tier in ("gpu", "cpu", "disk"):
         assert (

@@ -92,6 +92,12 @@ def with_openai_shapes(document: dict[str, Any]) -> dict[str, Any]:
         {"oneOf": [refs["/v1/chat/completions"][0], refs["/v1/completions"][0]]},
         {"oneOf": [refs["/v1/chat/completions"][1], refs["/v1/completions"][1]]},
     )
+    batch = document.get("paths", {}).get("/v1/chat/completions/batch", {}).get("post")
+    if batch is not None:
+        batch["responses"]["200"] = {
+            "description": "One answer, choice i for conversation i",
+            "content": {"application/json": {"schema": refs["/v1/chat/completions"][0]}},
+        }
     upload = document.get("paths", {}).get("/v1/adapters", {}).get("post")
     if upload is not None:
         upload["requestBody"] = _UPLOAD

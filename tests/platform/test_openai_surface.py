@@ -6,6 +6,7 @@ GET /load."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import httpx
@@ -282,3 +283,49 @@ def test_options_this_server_lacks_are_400s_and_logprobs_list_the_chosen_token_f
     for token, top in zip(logprobs.tokens, logprobs.top_logprobs):
         assert next(iter(top)) == token  # the chosen token leads, as vLLM lists it
     assert all(token.startswith("token_id:") for token in as_ids.choices[0].logprobs.tokens)
+
+
+def test_batched_chat_completions(tmp_path, model_dir):
+    """vLLM's POST /v1/chat/completions/batch: choice i answers conversation i, exactly as the same
+    conversation alone would (greedy), with a JSON schema held for each; streaming is refused."""
+    conversations = [MESSAGES, [{"role": "user", "content": "Hello world!"}]]
+    greedy = {"model": "tiny", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+    json_schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+    async def scenario(client, services):
+        batch = await client.post(
+            "/v1/chat/completions/batch",
+            json={**greedy, "messages": conversations, "logprobs": True, "top_logprobs": 1},
+        )
+        alone = [
+            (await client.post("/v1/chat/completions", json={**greedy, "messages": c})).json()
+            for c in conversations
+        ]
+        structured = await client.post(
+            "/v1/chat/completions/batch",
+            json={
+                "model": "tiny",
+                "messages": conversations,
+                "response_format": json_schema,
+                "max_tokens": 30,
+            },
+        )
+        stream = await client.post(
+            "/v1/chat/completions/batch", json={**greedy, "messages": conversations, "stream": True}
+        )
+        return batch, alone, structured, stream
+
+    batch, alone, structured, stream = run(tmp_path, model_dir, scenario)
+    assert batch.status_code == 200, batch.text
+    choices = batch.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert [c["message"]["content"] for c in choices] == [
+        a["choices"][0]["message"]["content"] for a in alone
+    ]
+    assert all(not t["token"].startswith("token_id:") for c in choices for t in c["logprobs"]["content"])
+    assert batch.json()["usage"]["completion_tokens"] == 8
+    assert structured.status_code == 200, structured.text
+    for choice in structured.json()["choices"]:
+        assert json.loads(choice["message"]["content"])["answer"] in ("yes", "no")
+    assert stream.status_code == 400 and stream.json()["error"]["param"] == "stream"

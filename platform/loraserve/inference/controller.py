@@ -1,4 +1,4 @@
-"""POST /v1/completions, POST /v1/chat/completions and GET /v1/models."""
+"""POST /v1/completions, POST /v1/chat/completions (and vLLM's /batch), GET /v1/models and /v1/models/{id}."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from litestar import Controller, Request, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 
+from loraserve.inference.chat_batch import BatchChatCompletionRequest, create_batch_chat_completion
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.service import create_chat_completion, create_completion, create_invocation
 from loraserve.json_guard import require_json_body
@@ -46,6 +47,20 @@ class InferenceController(Controller):
         principal: NamedDependency[Principal],
     ) -> Any:
         return await create_chat_completion(services, principal, data, request)
+
+    @post(
+        "/chat/completions/batch",
+        status_code=200,
+        summary="vLLM's batched chat: several conversations, one answer with a choice each",
+    )
+    async def chat_completions_batch(
+        self,
+        data: JSONBody[BatchChatCompletionRequest],
+        request: Request,
+        services: NamedDependency[Services],
+        principal: NamedDependency[Principal],
+    ) -> Any:
+        return await create_batch_chat_completion(services, principal, data, request)
 
     @get("/models", summary="The base model, the tenant's adapters and routes")
     async def models(

@@ -51,10 +51,11 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """OpenAI's, with vLLM's defaults: given at all, it includes the usage chunk unless include_usage is
-    false or null. Unset fields stay UNSET, so `{}` (nothing asked) can be told from a set field."""
+    """OpenAI's, as vLLM's server tests read it: the usage chunk only with include_usage true (`{}` asks
+    for nothing), and the usage in every chunk only with continuous_usage_stats as well. Unset fields stay
+    UNSET, so `{}` can be told from a set field (which needs a stream)."""
 
-    include_usage: bool | None | UnsetType = UNSET  # unset: true, as in vLLM
+    include_usage: bool | None | UnsetType = UNSET
     continuous_usage_stats: bool | None | UnsetType = UNSET  # vLLM's: usage so far in every chunk
 
     @property
@@ -63,7 +64,7 @@ class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def usage(self) -> bool:
-        return self.include_usage is UNSET or bool(self.include_usage)
+        return self.include_usage is not UNSET and bool(self.include_usage)
 
     @property
     def continuous_usage(self) -> bool:

@@ -244,9 +244,19 @@ def test_prompt_wordings_as_vllms(tmp_path, model_dir):
                 model="tiny", messages=MESSAGES, response_format={"type": "json_schema"}
             )
         errors["json_schema"] = caught.value.body["message"]
-        return errors
+        kept = {}
+        for side in ("left", "right", None):
+            extra = {"truncate_prompt_tokens": 2, "return_token_ids": True}
+            if side is not None:
+                extra["truncation_side"] = side
+            answer = await api.completions.create(
+                model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=1, extra_body=extra
+            )
+            kept[side] = answer.choices[0].prompt_token_ids
+        return errors, kept
 
-    errors = run(tmp_path, model_dir, scenario)
+    errors, kept = run(tmp_path, model_dir, scenario)
+    assert kept == {"left": [8, 9], "right": [5, 6], None: [8, 9]}
     assert "Either prompt or prompt_embeds must be provided and non-empty" in errors["missing"]
     assert "prompt or prompt_embeds" in errors["empty_list"]
     assert "out of vocabulary" in errors["out_of_vocab"]

@@ -21,6 +21,7 @@ from loraserve.inference.prompts import (
     check_output_room,
     check_sampling_token_ids,
     message_text,
+    truncation,
 )
 from loraserve.inference.responses import ChatFormat
 from loraserve.inference.sampling import chat_params
@@ -53,7 +54,7 @@ async def create_batch_chat_completion(
             services.max_model_len,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
-            truncate=body.truncate_prompt_tokens,
+            truncate=truncation(body),
         )
         for conversation in body.messages
     ]

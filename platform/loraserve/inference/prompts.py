@@ -6,7 +6,7 @@ anything is queued, and know the prompt token count for usage and metrics.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from loraserve.errors import BadRequest
 from loraserve.inference.schemas import ChatMessage
@@ -15,7 +15,10 @@ MAX_PROMPTS = 64  # prompts in one completions request
 
 
 def completion_prompts(
-    prompt: str | list[Any] | None, tokenizer: Any, max_model_len: int | None, truncate: int | None = None
+    prompt: str | list[Any] | None,
+    tokenizer: Any,
+    max_model_len: int | None,
+    truncate: Truncation | None = None,
 ) -> list[list[int]]:
     """`"text"`, `["a", "b"]`, `[1, 2, 3]` or `[[1, 2], [3]]` -> one token id list per prompt."""
     if prompt is None or prompt == []:
@@ -56,7 +59,7 @@ def chat_prompt(
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
-    truncate: int | None = None,
+    truncate: Truncation | None = None,
 ) -> list[int]:
     """Render the messages with the model's chat template, then tokenize without adding specials twice."""
     text = render_chat(
@@ -114,17 +117,32 @@ def tokenizer_ids(text: str, tokenizer: Any, *, add_special_tokens: bool = True)
     return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
-def truncated(ids: list[int], keep: int | None, max_model_len: int | None) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the last `keep` tokens; -1 keeps as many as leave room for one output."""
-    if keep is None:
+class Truncation(NamedTuple):
+    """vLLM's truncate_prompt_tokens (keep k tokens; -1: as many as leave room for one output token) and
+    truncation_side: "left" (the default) drops the start, "right" the end."""
+
+    keep: int
+    side: str = "left"
+
+
+def truncation(body: Any) -> Truncation | None:
+    """A request's truncation, if it asked for one."""
+    if body.truncate_prompt_tokens is None:
+        return None
+    return Truncation(body.truncate_prompt_tokens, body.truncation_side or "left")
+
+
+def truncated(ids: list[int], truncate: Truncation | None, max_model_len: int | None) -> list[int]:
+    if truncate is None:
         return ids
+    keep = truncate.keep
     if keep == -1:
         if max_model_len is None:
             return ids
         keep = max_model_len - 1
     if keep == 0:
         raise BadRequest("truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
-    return ids[-keep:]
+    return ids[:keep] if truncate.side == "right" else ids[-keep:]
 
 
 def tokenize(text: str, tokenizer: Any) -> list[int]:

@@ -117,6 +117,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     return_token_ids: bool = False
     # vLLM's: keep only the last k prompt tokens (-1: as many as the context allows)
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: which end truncation drops; left
     # vLLM's: each prompt token's logprob, rank and top-k (checked against vLLM's rules in sampling.py)
     prompt_logprobs: int | None = None
     # loraserve's: false keeps this request out of speculative decoding (a no-op when the server has none)

@@ -36,6 +36,7 @@ from loraserve.inference.prompts import (
     check_sampling_token_ids,
     completion_prompts,
     message_text,
+    truncation,
 )
 from loraserve.inference.responses import ChatFormat, Choices, CompletionFormat, ResponseOptions
 from loraserve.inference.sampling import LogprobsCap, chat_params, completion_params, echo_only
@@ -59,9 +60,7 @@ async def create_completion(
 ) -> Any:
     check_serving(services)
     params = completion_params(body, services.sampling_defaults, _logprobs_cap(services))
-    prompts = completion_prompts(
-        body.prompt, services.tokenizer, services.max_model_len, body.truncate_prompt_tokens
-    )
+    prompts = completion_prompts(body.prompt, services.tokenizer, services.max_model_len, truncation(body))
     check_output_room(params.max_tokens, prompts, services.max_model_len)
     check_sampling_token_ids(params, services.tokenizer)
     await check_structured(services, params.structured_outputs)
@@ -82,7 +81,7 @@ async def create_chat_completion(
         services.max_model_len,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
-        truncate=body.truncate_prompt_tokens,
+        truncate=truncation(body),
     )
     check_output_room(params.max_tokens, [prompt], services.max_model_len)
     check_sampling_token_ids(params, services.tokenizer)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from litestar import Controller, Response, post
@@ -72,16 +73,10 @@ class RuntimeLoRAController(Controller):
                 code="adapter_exists",
                 param="lora_name",
             )
-        files, streams = await asyncio.to_thread(
-            open_adapter_files, folder, services.allowed_lora_paths, data.lora_path
-        )
         try:
-            record = await service.store_adapter(services, principal, data.lora_name, files)
+            record = await _store(services, principal, data, folder)
         except (InvalidAdapter, InvalidName, StoreInvalidName) as exc:  # vLLM's 400, not the uploads' 422
             raise BadRequest(str(exc), code=getattr(exc, "code", None) or "invalid_adapter") from None
-        finally:
-            for stream in streams:
-                stream.close()
         return Response(
             f"Success: LoRA adapter '{data.lora_name}' added successfully (version {record.version})."
         )
@@ -127,6 +122,18 @@ def _allowed_folder(services: Services, lora_path: str) -> Path:
     if not folder.is_dir():
         raise NotFound(f"no adapter folder at lora_path {lora_path!r}", code="adapter_path_not_found")
     return folder
+
+
+async def _store(services: Services, principal: Principal, data: LoadLoRAAdapterRequest, folder: Path) -> Any:
+    """The folder's adapter files, opened where they are confined, stored as the next version."""
+    files, streams = await asyncio.to_thread(
+        open_adapter_files, folder, services.allowed_lora_paths, data.lora_path
+    )
+    try:
+        return await service.store_adapter(services, principal, data.lora_name, files)
+    finally:
+        for stream in streams:
+            stream.close()
 
 
 async def _exists(services: Services, principal: Principal, name: str) -> bool:

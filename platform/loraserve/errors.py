@@ -193,17 +193,25 @@ def public_message(exc: Exception) -> str:
     return row.public_message if row is not None and row.public_message else str(exc)
 
 
+def _sent_path(request: Request) -> str:
+    """The path as the client sent it. Under --root-path, uvicorn's scope `path` already starts with the
+    root path (the ASGI rule) and Litestar's URL adds it again; servers that follow the older rule leave it
+    out of `path`. Either way the prefix is named once."""
+    root, path = request.scope.get("root_path", ""), request.scope["path"]
+    return path if not root or path.startswith(root) else root + path
+
+
 def _http_exception(request: Request, exc: HTTPException) -> Response[ErrorBody]:
     status = exc.status_code
     if isinstance(exc, ValidationException):
         return error_response(400, _validation_message(exc), "invalid_request")
     if status == 404:
-        message = f"no such endpoint: {request.method} {request.url.path}; see docs/API.md"
+        message = f"no such endpoint: {request.method} {_sent_path(request)}; see docs/API.md"
         return error_response(404, message, "not_found")
     if status == 405:
         return error_response(
             405,
-            f"{request.method} is not allowed on {request.url.path}",
+            f"{request.method} is not allowed on {_sent_path(request)}",
             "method_not_allowed",
             headers=_allow_header(exc),
         )
@@ -218,7 +226,7 @@ def _http_exception(request: Request, exc: HTTPException) -> Response[ErrorBody]
     if status == 400 and isinstance(exc.__cause__, SerializationException):
         return error_response(400, f"the request body is not valid JSON: {exc.detail}", "invalid_json")
     if status >= 500:
-        log.error("internal HTTP error on %s %s: %s", request.method, request.url.path, exc.detail)
+        log.error("internal HTTP error on %s %s: %s", request.method, _sent_path(request), exc.detail)
         return error_response(status, "internal server error", "internal_error")
     return error_response(status, str(exc.detail), "invalid_request", headers=exc.headers)
 
@@ -226,11 +234,11 @@ def _http_exception(request: Request, exc: HTTPException) -> Response[ErrorBody]
 def _domain_error(request: Request, exc: Exception) -> Response[ErrorBody]:
     mapped = status_and_code(exc)
     if mapped is None:
-        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        log.exception("unhandled error on %s %s", request.method, _sent_path(request), exc_info=exc)
         return error_response(500, "internal server error; the server log has the details", "internal_error")
     status, code = mapped
     if status >= 500 and not isinstance(exc, APIError):  # the handlers' own 503s are expected answers
-        log.warning("%s %s failed: %s", request.method, request.url.path, exc)
+        log.warning("%s %s failed: %s", request.method, _sent_path(request), exc)
     param = getattr(exc, "param", None) or getattr(exc, "field", None)  # InvalidRoute names its field
     headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, TooManyRequests) else None
     return error_response(status, public_message(exc), code, param=param, headers=headers)
@@ -241,7 +249,7 @@ def _too_deep(request: Request, exc: RecursionError) -> Response[ErrorBody]:
     raised anywhere else is a server bug and gets the generic 500."""
     if not _raised_decoding_the_body(exc):
         return _domain_error(request, exc)
-    log.warning("%s %s: body nested too deeply (%s)", request.method, request.url.path, exc)
+    log.warning("%s %s: body nested too deeply (%s)", request.method, _sent_path(request), exc)
     return error_response(400, "the request body is nested too deeply to be a valid request", "invalid_json")
 
 

@@ -226,7 +226,7 @@ def _http_exception(request: Request, exc: HTTPException) -> Response[ErrorBody]
     if status == 400 and isinstance(exc.__cause__, SerializationException):
         return error_response(400, f"the request body is not valid JSON: {exc.detail}", "invalid_json")
     if status >= 500:
-        log.error("internal HTTP error on %s %s: %s", request.method, _sent_path(request), exc.detail)
+        log.error("internal HTTP error on %s %s: %s", request.method, request.url.path, exc.detail)
         return error_response(status, "internal server error", "internal_error")
     return error_response(status, str(exc.detail), "invalid_request", headers=exc.headers)
 
@@ -234,11 +234,11 @@ def _http_exception(request: Request, exc: HTTPException) -> Response[ErrorBody]
 def _domain_error(request: Request, exc: Exception) -> Response[ErrorBody]:
     mapped = status_and_code(exc)
     if mapped is None:
-        log.exception("unhandled error on %s %s", request.method, _sent_path(request), exc_info=exc)
+        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         return error_response(500, "internal server error; the server log has the details", "internal_error")
     status, code = mapped
     if status >= 500 and not isinstance(exc, APIError):  # the handlers' own 503s are expected answers
-        log.warning("%s %s failed: %s", request.method, _sent_path(request), exc)
+        log.warning("%s %s failed: %s", request.method, request.url.path, exc)
     param = getattr(exc, "param", None) or getattr(exc, "field", None)  # InvalidRoute names its field
     headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, TooManyRequests) else None
     return error_response(status, public_message(exc), code, param=param, headers=headers)
@@ -249,7 +249,7 @@ def _too_deep(request: Request, exc: RecursionError) -> Response[ErrorBody]:
     raised anywhere else is a server bug and gets the generic 500."""
     if not _raised_decoding_the_body(exc):
         return _domain_error(request, exc)
-    log.warning("%s %s: body nested too deeply (%s)", request.method, _sent_path(request), exc)
+    log.warning("%s %s: body nested too deeply (%s)", request.method, request.url.path, exc)
     return error_response(400, "the request body is nested too deeply to be a valid request", "invalid_json")
 
 

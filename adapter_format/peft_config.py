@@ -134,7 +134,7 @@ def check_adapter_config(
         key = "r" if largest == rank else "rank_pattern"
         raise AdapterError(
             "rank_too_large",
-            f"adapter rank {largest} exceeds max_lora_rank {max_lora_rank}"
+            f"adapter rank {largest} is greater than max_lora_rank {max_lora_rank}"
             + ("" if key == "r" else " (set by rank_pattern)")
             + "; start the server with a larger --max-lora-rank or retrain with a smaller r",
             key,
@@ -146,13 +146,17 @@ def check_adapter_config(
         raise _bad("bad_config", "bias", f"must be one of {', '.join(BIAS_MODES)} (got {show_value(bias)})")
     if bias not in (None, "none") or _flag(config, "lora_bias"):
         raise AdapterError(
-            "bias_unsupported", "adapters that train biases (bias != 'none') are not supported", "bias"
+            "bias_unsupported",
+            "Adapter bias cannot be used without bias_enabled, which this server does not have: adapters "
+            "that train biases (bias != 'none') are not supported",
+            "bias",
         )
     modules_to_save = _string_list(config, "modules_to_save", allow_string=False)
     if modules_to_save:
         raise AdapterError(
             "modules_to_save_unsupported",
-            f"modules_to_save ({list(modules_to_save)}) is not supported: only LoRA pairs can be served",
+            f"modules_to_save ({list(modules_to_save)}) is not supported: this server only supports "
+            "modules_to_save being None (it serves LoRA pairs alone)",
             "modules_to_save",
         )
     if _flag(config, "fan_in_fan_out"):

@@ -63,7 +63,9 @@ def cache_config(config: EngineConfig, num_kv_blocks: int) -> tuple[tuple[str, s
         ("block_size", str(config.block_size)),
         ("cache_dtype", config.kv_cache_dtype),
         ("enable_prefix_caching", str(config.enable_prefix_caching)),
+        ("gpu_memory_utilization", str(config.gpu_memory_utilization)),
         ("num_gpu_blocks", str(num_kv_blocks)),
+        ("num_cpu_blocks", "0"),  # no KV blocks are swapped or offloaded to host memory
     )
 
 

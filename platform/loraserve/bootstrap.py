@@ -29,6 +29,7 @@ from loraserve.demo_model import DEMO_MODEL_NAME, demo_model_converted
 from loraserve.frontends.role import SingleProcess
 from loraserve.name_conflicts import check_not_base_model
 from loraserve.ops.metrics import Metrics
+from loraserve.ops.server_load import ServerLoad
 from loraserve.routing import Router
 from loraserve.services import Services, engine_adapter_id
 from loraserve.settings import ServerSettings
@@ -194,6 +195,10 @@ async def open_services(
             max_model_len=engine.max_model_len,
             sampling_defaults=sampling_defaults,
             max_logprobs=settings.max_logprobs,
+            prompt_tokens_details=settings.enable_prompt_tokens_details,
+            force_include_usage=settings.enable_force_include_usage,
+            tokens_as_token_ids=settings.return_tokens_as_token_ids,
+            server_load=ServerLoad() if settings.enable_server_load_tracking else None,
             tensor_parallel_size=settings.tensor_parallel_size,
             tool_call_parser=settings.auto_tool_call_parser,
             work_pool=work_pool,

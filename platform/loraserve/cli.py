@@ -76,6 +76,10 @@ _SERVE_FIELDS = (
     "generation_config",
     "max_lora_rank",
     "max_logprobs",
+    "enable_prompt_tokens_details",
+    "enable_force_include_usage",
+    "enable_server_load_tracking",
+    "return_tokens_as_token_ids",
     "lora_pool_rank_budget",
     "allowed_lora_paths",
     "adapter_store",
@@ -205,6 +209,29 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=20,
         help="the most top logprobs (logprobs, top_logprobs, prompt_logprobs) a request may ask for; -1: no cap, "
         "so -1 (the whole vocabulary) is allowed (vLLM's flag)",
+    )
+    add(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="answer usage.prompt_tokens_details.cached_tokens (prompt tokens served from the prefix cache); "
+        "off: null, as vLLM's flag",
+    )
+    add(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="usage in every streamed chunk and a usage chunk at the end of every stream, whatever "
+        "stream_options asks (vLLM's flag)",
+    )
+    add(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help='GET /load answers {"server_load": N}, the completions and chat requests in flight (vLLM\'s flag)',
+    )
+    add(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name every token as token_id:N, as each request's return_tokens_as_token_ids does "
+        "(vLLM's flag)",
     )
     add(
         "--lora-pool-rank-budget",
@@ -527,9 +554,10 @@ def serve(settings: ServerSettings, log_level: str = "info") -> int:
 def run_app(app, settings: ServerSettings, log_level: str, sockets: list[socket.socket] | None = None) -> int:
     """Serve `app` under uvicorn (on `sockets`, else on newly bound ones) until it stops; the exit code."""
     from loraserve.app import shutdown_of
+    from loraserve.root_path import AcceptRootPathPrefix
 
     config = uvicorn.Config(
-        app,
+        AcceptRootPathPrefix(app, settings.root_path) if settings.root_path else app,
         host=settings.host,
         port=settings.port,
         root_path=settings.root_path,

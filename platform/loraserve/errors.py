@@ -194,17 +194,25 @@ def public_message(exc: Exception) -> str:
     return row.public_message if row is not None and row.public_message else str(exc)
 
 
+def _sent_path(request: Request) -> str:
+    """The path as the client sent it. Under --root-path, uvicorn's scope `path` already starts with the
+    root path (the ASGI rule) and Litestar's URL adds it again; servers that follow the older rule leave it
+    out of `path`. Either way the prefix is named once."""
+    root, path = request.scope.get("root_path", ""), request.scope["path"]
+    return path if not root or path.startswith(root) else root + path
+
+
 def _http_exception(request: Request, exc: HTTPException) -> Response[ErrorBody]:
     status = exc.status_code
     if isinstance(exc, ValidationException):
         return error_response(400, _validation_message(exc), "invalid_request")
     if status == 404:
-        message = f"no such endpoint: {request.method} {request.url.path}; see docs/API.md"
+        message = f"no such endpoint: {request.method} {_sent_path(request)}; see docs/API.md"
         return error_response(404, message, "not_found")
     if status == 405:
         return error_response(
             405,
-            f"{request.method} is not allowed on {request.url.path}",
+            f"{request.method} is not allowed on {_sent_path(request)}",
             "method_not_allowed",
             headers=_allow_header(exc),
         )

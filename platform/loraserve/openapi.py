@@ -7,7 +7,9 @@
     GET /schema/assets/...      the UIs' scripts and styles
 
 The document is built from the handlers' signatures, tags and summaries only, so it holds no tenant data
-whoever asks; docs/API.md and docs/API_ADMIN.md list the same paths (tests/platform/test_openapi.py).
+whoever asks; docs/API.md and docs/API_ADMIN.md list the same paths (tests/platform/test_openapi.py). What
+signatures cannot say (OpenAI's error body, the answers of the generation endpoints, the upload form) every
+page and file adds through `openapi_shapes.with_openai_shapes`, once per built document.
 
 The UIs' scripts are served from this package (openapi_ui/, with their licences: Swagger UI is
 Apache-2.0, ReDoc MIT), never from a CDN, so the pages work on a machine without internet access. Their
@@ -88,10 +90,32 @@ def openapi_config(version: str) -> OpenAPIConfig:
                 favicon=_NO_FAVICON,
             ),
             LocalRedoc(js_url=f"{_ASSETS}/redoc.standalone.js", google_fonts=False, favicon=_NO_FAVICON),
-            JsonRenderPlugin(),
-            YamlRenderPlugin(),
+            LocalJson(),
+            LocalYaml(),
         ],
     )
+
+
+_shaped: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (Litestar's document, ours): the last one
+
+
+def _shaped_document(document: dict[str, Any]) -> dict[str, Any]:
+    """Litestar builds the document once per app and passes the same dict each time: shape it once."""
+    from loraserve.openapi_shapes import with_openai_shapes  # late: it imports the API's schemas
+
+    if not _shaped or _shaped[0][0] is not document:
+        _shaped[:] = [(document, with_openai_shapes(document))]
+    return _shaped[0][1]
+
+
+class LocalJson(JsonRenderPlugin):
+    def render(self, request: Request, openapi_schema: dict[str, Any]) -> bytes:
+        return super().render(request, _shaped_document(openapi_schema))
+
+
+class LocalYaml(YamlRenderPlugin):
+    def render(self, request: Request, openapi_schema: dict[str, Any]) -> bytes:
+        return super().render(request, _shaped_document(openapi_schema))
 
 
 def _with_local_assets(page: bytes, request: Request) -> bytes:
@@ -104,7 +128,7 @@ class LocalSwaggerUI(SwaggerRenderPlugin):
     """Swagger UI from this package's assets, which it serves under /schema/assets."""
 
     def render(self, request: Request, openapi_schema: dict[str, Any]) -> bytes:
-        return _with_local_assets(super().render(request, openapi_schema), request)
+        return _with_local_assets(super().render(request, _shaped_document(openapi_schema)), request)
 
     def receive_router(self, router: Router) -> None:
         super().receive_router(router)
@@ -123,4 +147,4 @@ class LocalRedoc(RedocRenderPlugin):
     """ReDoc from this package's assets (served by LocalSwaggerUI's route)."""
 
     def render(self, request: Request, openapi_schema: dict[str, Any]) -> bytes:
-        return _with_local_assets(super().render(request, openapi_schema), request)
+        return _with_local_assets(super().render(request, _shaped_document(openapi_schema)), request)

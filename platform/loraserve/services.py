@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from adapters_store import AdapterStore, DiskCache
 from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import ConfigStore
+from loraserve.ops.server_load import ServerLoad
 from loraserve.ops.shutdown import Shutdown
 from loraserve.routing import Router
 from loraserve.tenancy import Authenticator, ConcurrencyLimiter, TokenRateLimiter
@@ -94,6 +95,8 @@ class RequestMetrics(Protocol):
         num_prompt_tokens: int = 0,
         num_generation_tokens: int = 0,
         times: list[Any] = (),  # engine.outputs.RequestTimes, one per finished completion
+        n: int = 1,
+        max_tokens: int | None = None,  # as the request ran: asked for, or the room the context left
     ) -> None: ...
 
     def count_finished(self, finish_reasons: list[str]) -> None:
@@ -130,6 +133,11 @@ class Services:
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     # vLLM's --max-logprobs: the most top logprobs a request may ask for; -1: the whole vocabulary.
     max_logprobs: int = 20
+    # vLLM's --enable-prompt-tokens-details, --enable-force-include-usage, --enable-server-load-tracking
+    prompt_tokens_details: bool = False
+    force_include_usage: bool = False
+    tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: for every request
+    server_load: ServerLoad | None = None  # None: load tracking off (GET /load is 404)
     tensor_parallel_size: int = 1  # above 1, prompt logprobs are refused (the engine cannot compute them yet)
     # Per-tenant cap on adapter uploads at once (--max-concurrent-uploads-per-tenant): 429 beyond it.
     upload_slots: UploadSlots = field(default_factory=UploadSlots)

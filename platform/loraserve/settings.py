@@ -78,6 +78,12 @@ class ServerSettings:
     generation_config: str = "auto"  # where unset sampling fields come from (GENERATION_CONFIGS)
     max_lora_rank: int = 16
     max_logprobs: int = 20  # vLLM's --max-logprobs (engine.EngineConfig.max_logprobs); -1: no cap
+    # vLLM's usage flags: usage.prompt_tokens_details (cached_tokens) in answers; usage in every stream
+    # chunk and a usage chunk at the end of every stream, whatever stream_options says
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+    enable_server_load_tracking: bool = False  # vLLM's: GET /load answers the requests in flight
+    return_tokens_as_token_ids: bool = False  # vLLM's: every request's logprobs name tokens token_id:N
     lora_pool_rank_budget: int | None = None  # engine.EngineConfig.lora_pool_rank_budget
     # (name, local PEFT folder) pairs put into the default tenant's store at start.
     lora_modules: tuple[tuple[str, str], ...] = ()

@@ -38,7 +38,7 @@ def refused(store, keys_of, source, code: str, message: str, tenant: str = "acme
             "layer_out_of_range",
             "is for layer 2, but the base model has 2",
         ),
-        (dict(r=32, lora_alpha=32), "rank_too_large", "adapter rank 32 exceeds max_lora_rank 16"),
+        (dict(r=32, lora_alpha=32), "rank_too_large", "adapter rank 32 is greater than max_lora_rank 16"),
     ],
     ids=["bias", "modules_to_save", "embedding_target", "other_hidden_size", "extra_layer", "rank"],
 )
@@ -51,7 +51,9 @@ def test_real_peft_adapters_the_engine_cannot_serve(
 
 def test_rank_limit_comes_from_the_store_config(make_store, keys_of, adapter_dir, files_of):
     store = make_store(max_lora_rank=4)
-    error = refused(store, keys_of, files_of(adapter_dir), "rank_too_large", "exceeds max_lora_rank 4")
+    error = refused(
+        store, keys_of, files_of(adapter_dir), "rank_too_large", "is greater than max_lora_rank 4"
+    )
     assert "--max-lora-rank" in error.message
 
 

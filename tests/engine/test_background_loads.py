@@ -121,7 +121,7 @@ def test_the_source_runs_in_the_process_and_its_records_come_back(case, loads):
 @pytest.mark.parametrize(
     "folder, code, message",
     [
-        ("too-large", "rank_too_large", "exceeds max_lora_rank 16"),
+        ("too-large", "rank_too_large", "is greater than max_lora_rank 16"),
         ("corrupt", "bad_weights", "not a valid safetensors file"),
         ("missing", "not_found", "does not exist"),
     ],

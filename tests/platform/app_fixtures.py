@@ -106,6 +106,7 @@ async def open_test_services(
     max_logprobs: int = 20,
     speculative_config: dict | None = None,
     max_num_seqs: int = 16,
+    prompt_tokens_details: bool = False,
 ) -> AsyncIterator[Services]:
     """`store_config` (e.g. S3) replaces the local store under `root`; `config_store` the embedded one."""
     shape = model_shape(load_config(model_dir))  # sizes and the architecture's LoRA targets
@@ -156,6 +157,7 @@ async def open_test_services(
             tokenizer=engine.tokenizer,
             max_model_len=engine.max_model_len,
             max_logprobs=max_logprobs,
+            prompt_tokens_details=prompt_tokens_details,
         )
         built.append(services)
         yield services

@@ -31,7 +31,14 @@ CASES = [
         b'{"model": "tiny", "prompt": "x", "max_tokens": -3}',
         400,
         "invalid_request",
-        [">= 1", "max_tokens"],
+        [">= 0", "max_tokens"],  # completions take 0 with echo (the prompt scored)
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "x", "max_tokens": 0}',
+        400,
+        "invalid_request",
+        ["at least 1", "echo", "max_tokens"],
     ),
     (
         "/v1/completions",

@@ -95,6 +95,9 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
     assert value(found, "vllm:request_prompt_tokens_sum", **model) == 12
     assert value(found, "vllm:request_generation_tokens_sum", **model) == 20
     assert value(found, "vllm:request_generation_tokens_count", **model) == 4
+    assert value(found, "vllm:request_params_n_count", **model) == 4
+    assert value(found, "vllm:request_params_n_sum", **model) == 4
+    assert value(found, "vllm:request_params_max_tokens_sum", **model) == 20
     inter_token = value(found, "vllm:inter_token_latency_seconds_count", **model)
     assert 4 <= inter_token <= 16  # at most 4 gaps per request of 5 tokens (deltas may carry several)
     assert value(found, "vllm:generation_tokens_total", **model) == 20
@@ -125,6 +128,7 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
     assert value(found, "vllm:prefix_cache_hits_total", **model) == 0  # shorter than a block: nothing to hit
     (config,) = [dict(labels) for name, labels in found if name == "vllm:cache_config_info"]
     assert config["block_size"] == "4" and config["enable_prefix_caching"] == "True"
+    assert config["gpu_memory_utilization"] == "0.9" and config["num_cpu_blocks"] == "0"
     # residency for the gateway: adapter a@1 ran, so it holds a GPU slot and sits in the CPU tier
     for tier in ("gpu", "cpu", "disk"):
         assert (

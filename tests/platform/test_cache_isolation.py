@@ -82,7 +82,9 @@ def test_cached_tokens_never_cross_tenants_salts_or_groups(tmp_path, model_dir):
         )
         return seen, empty_salt, number_salt
 
-    seen, empty_salt, number_salt = run(tmp_path, model_dir, scenario, api_keys=KEYS)
+    seen, empty_salt, number_salt = run(
+        tmp_path, model_dir, scenario, api_keys=KEYS, prompt_tokens_details=True
+    )
     assert seen == {
         "alice first": 0,
         "bob, alice's exact prompt": 0,

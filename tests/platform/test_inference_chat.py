@@ -1,5 +1,5 @@
 """POST /v1/chat/completions: the tokenizer's chat template, greedy equality with transformers, streaming
-with a role chunk first, logprobs with top_logprobs, and a clear 400 for a model without a template."""
+with a role-only chunk first, logprobs with top_logprobs, and a clear 400 for a model without a template."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_chat_renders_the_template_and_matches_transformers(tmp_path, model_dir)
         "prompt_tokens": len(prompt_ids),
         "completion_tokens": 6,
         "total_tokens": len(prompt_ids) + 6,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": None,  # vLLM's: only with --enable-prompt-tokens-details
     }
 
 
@@ -73,7 +73,10 @@ def test_chat_stream_and_logprobs(tmp_path, model_dir):
     assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert text == whole["choices"][0]["message"]["content"]
-    streamed = [t for c in chunks for t in c["choices"][0]["logprobs"]["content"]]
+    # the opening chunk carries the role alone (content "", no logprobs), as OpenAI and vLLM send it
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["choices"][0]["logprobs"] is None
+    streamed = [t for c in chunks[1:] for t in c["choices"][0]["logprobs"]["content"]]
     assert [t["token"] for t in streamed] == [t["token"] for t in content]
     # The second request reuses cached prefix blocks, so logprobs agree to float32 rounding only.
     assert [t["logprob"] for t in streamed] == pytest.approx([t["logprob"] for t in content], abs=1e-4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -129,3 +130,37 @@ def test_asset_links_carry_the_root_path(api_env):
     with TestClient(env.app, root_path="/llm") as client:
         html = client.get("/schema").text
     assert "/llm/schema/assets/swagger-ui-bundle.js" in html
+
+
+def test_the_document_shows_what_the_server_sends(client):
+    """OpenAI's error body (never Litestar's `{status_code, detail}`), the generation endpoints' answers
+    and stream chunks, and the upload form Swagger UI's "Try it out" fills in; the JSON and YAML files
+    and both pages carry the same document."""
+    document = client.get("/schema/openapi.json").json()
+    schemas = document["components"]["schemas"]
+    error = {"$ref": "#/components/schemas/ErrorBody"}
+    assert schemas["ErrorBody"]["required"] == ["error"]
+    assert set(schemas["ErrorDetail"]["properties"]) >= {"message", "type", "code", "param"}
+    for path, item in document["paths"].items():
+        for method, operation in item.items():
+            responses = operation["responses"]
+            assert responses["default"]["content"]["application/json"]["schema"] == error, (method, path)
+            for status, response in responses.items():
+                if status[0] in "45":
+                    assert response["content"]["application/json"]["schema"] == error, (method, path, status)
+    assert '"detail"' not in json.dumps(document["paths"])
+    for path, whole, chunk in (
+        ("/v1/chat/completions", "ChatCompletion", "ChatCompletionChunk"),
+        ("/v1/completions", "Completion", "Completion"),
+    ):
+        content = document["paths"][path]["post"]["responses"]["200"]["content"]
+        assert content["application/json"]["schema"] == {"$ref": f"#/components/schemas/{whole}"}
+        assert content["text/event-stream"]["schema"]["allOf"] == [{"$ref": f"#/components/schemas/{chunk}"}]
+        assert {"id", "choices", "model"} <= set(schemas[whole]["properties"])
+    assert "usage" in schemas["ChatCompletion"]["properties"]
+    form = document["paths"]["/v1/adapters"]["post"]["requestBody"]["content"]["multipart/form-data"]
+    assert form["schema"]["required"] == ["name"]
+    assert form["schema"]["properties"]["files"]["items"]["format"] == "binary"
+    assert form["schema"]["properties"]["archive"]["format"] == "binary"
+    assert "ErrorBody" in client.get("/schema/openapi.yaml").text
+    assert "ChatCompletionChunk" in client.get("/schema").text

@@ -57,7 +57,9 @@ def test_echo_token_ids_and_truncation(tmp_path, model_dir):
         range(52, 60)
     )
     assert cut.choices[0].text == tail.choices[0].text
-    assert "token_ids" not in plain.choices[0].model_extra  # left out unless asked for
+    # not asked for: null, as vLLM answers
+    assert plain.choices[0].model_extra["token_ids"] is None
+    assert plain.choices[0].model_extra["prompt_token_ids"] is None
 
 
 def test_chat_roles_continuation_and_token_ids(tmp_path, model_dir):
@@ -118,8 +120,9 @@ def test_fields_that_cannot_be_honoured_are_400s(tmp_path, model_dir, path, fiel
 
 
 def test_stream_options_as_vllm_reads_them(tmp_path, model_dir):
-    """Given at all, stream_options include the usage chunk unless include_usage is false or null (vLLM's
-    default); `{}` without a stream asks for nothing and passes, a set field without a stream is a 400."""
+    """As vLLM's test_completion_stream_options: the usage chunk only with include_usage true, usage in
+    every chunk only with continuous_usage_stats as well; `{}` asks for nothing (and passes without a
+    stream), a set field without a stream is a 400."""
 
     async def scenario(client, services):
         api = sdk(client)
@@ -129,7 +132,8 @@ def test_stream_options_as_vllm_reads_them(tmp_path, model_dir):
             ("empty", {}),
             ("null", {"include_usage": None}),
             ("off", {"include_usage": False}),
-            ("continuous", {"continuous_usage_stats": True}),
+            ("continuous_alone", {"continuous_usage_stats": True}),
+            ("continuous", {"include_usage": True, "continuous_usage_stats": True}),
         ):
             stream = await api.completions.create(**base, stream=True, stream_options=options)
             results[name] = [chunk async for chunk in stream]
@@ -139,10 +143,9 @@ def test_stream_options_as_vllm_reads_them(tmp_path, model_dir):
         return results, plain, refused.value
 
     results, plain, refused = run(tmp_path, model_dir, scenario)
-    assert results["empty"][-1].choices == [] and results["empty"][-1].usage.completion_tokens == 3
-    assert all(chunk.usage is None for chunk in results["empty"][:-1])
-    for name in ("null", "off"):
+    for name in ("empty", "null", "off", "continuous_alone"):
         assert all(chunk.choices and chunk.usage is None for chunk in results[name])
     assert all(chunk.usage is not None for chunk in results["continuous"])
+    assert results["continuous"][-1].choices == [] and results["continuous"][-1].usage.completion_tokens == 3
     assert plain.usage.completion_tokens == 3
     assert refused.status_code == 400 and "stream_options" in refused.message

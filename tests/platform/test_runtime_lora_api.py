@@ -1,11 +1,13 @@
 """vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter over the tenant's adapter store: admin only,
 off unless the operator allows folders, paths confined to them (symlinks and `..` included), the same
-validation as uploads, and vLLM's answers."""
+validation as uploads, and vLLM's answers and statuses."""
 
 from __future__ import annotations
 
+import json
 import os
 
+import openai
 import pytest
 from app_fixtures import keys_for, make_text_model
 from factories import make_adapter
@@ -81,12 +83,12 @@ def test_load_use_replace_and_unload(tmp_path, model_dir):
         "load": 200,
         "again": 400,
         "inplace": 200,
-        "outside": 400,
-        "dotdot": 400,
-        "symlink": 400,
-        "missing": 400,
+        "outside": 404,  # as for a missing folder: nothing is told about the disk outside the allowed ones
+        "dotdot": 404,
+        "symlink": 404,
+        "missing": 404,
         "s3": 400,
-        "too_big": 422,
+        "too_big": 400,  # vLLM's status for an adapter that fails validation (uploads answer 422)
         "base": 409,
         "user": 403,
         "use": 200,
@@ -97,9 +99,85 @@ def test_load_use_replace_and_unload(tmp_path, model_dir):
     assert answers["load"].text.startswith("Success: LoRA adapter 'sql' added successfully")
     assert "already been loaded" in answers["again"].json()["error"]["message"]
     assert "version 2" in answers["inplace"].text
-    assert "max_lora_rank" in answers["too_big"].json()["error"]["message"]
+    assert "is greater than max_lora_rank" in answers["too_big"].json()["error"]["message"]
     for key in ("outside", "dotdot", "symlink"):
         assert "allows loading from" in answers[key].json()["error"]["message"]
     assert {"sql", "sql@1", "sql@2"} <= {m["id"] for m in models["data"]}
     assert answers["unload"].text == "Success: LoRA adapter 'sql' removed successfully."
     assert "cannot be found" in answers["unload_again"].json()["error"]["message"]
+
+
+def test_vllms_statuses_for_bad_loads_and_unloads(tmp_path, model_dir):
+    """vLLM's tests/entrypoints/openai lora tests: empty fields 400, a path that is not there 404, files that
+    are no adapter 400, adapter_config.json keys the server cannot serve 400 with vLLM's words, and an
+    unload of a name that has no adapter 404 even where no adapter could have the name."""
+    allowed = tmp_path / "allowed"
+    good = make_adapter(model_dir, allowed / "good", r=4, lora_alpha=8, target_modules=["q_proj"])
+    (allowed / "not_json").mkdir()
+    (allowed / "not_json" / "adapter_config.json").write_text("this is not json")
+    cases = {"rank": {"r": 1024}, "bias": {"bias": "all"}, "dora": {"use_dora": True}}
+    cases["modules_to_save"] = {"modules_to_save": ["lm_head"]}
+    for name, change in cases.items():
+        folder = allowed / name
+        folder.mkdir()
+        for file in good.iterdir():
+            (folder / file.name).write_bytes(file.read_bytes())
+        config = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps({**config, **change}))
+
+    async def scenario(client, services):
+        services.allowed_lora_paths = (str(allowed),)
+        api = openai.AsyncOpenAI(
+            base_url="http://testserver/v1", api_key="sk-admin", http_client=client, max_retries=0
+        )
+
+        async def load(name, path):
+            return await api.post(
+                "load_lora_adapter", cast_to=str, body={"lora_name": name, "lora_path": path}
+            )
+
+        raised = {}
+        for key, name, path in [
+            ("empty", "", ""),
+            ("not_found", "notfound", "/not/an/adapter"),
+            ("not_json", "invalid-json", str(allowed / "not_json")),
+            *[(key, f"test_{key}", str(allowed / key)) for key in cases],
+        ]:
+            with pytest.raises(openai.APIStatusError) as caught:
+                await load(name, path)
+            raised[key] = caught.value
+        for key, name in [
+            ("unload_empty", ""),
+            ("unload_unknown", "nonexistent_adapter"),
+            ("unload_bad", "a/b"),
+        ]:
+            with pytest.raises(openai.APIStatusError) as caught:
+                await api.post("unload_lora_adapter", cast_to=str, body={"lora_name": name})
+            raised[key] = caught.value
+        loaded = await load("adapter_0", str(good))
+        return raised, loaded
+
+    raised, loaded = run(tmp_path, model_dir, scenario, api_keys=KEYS)
+    status = {key: error.status_code for key, error in raised.items()}
+    assert status == {
+        "empty": 400,
+        "not_found": 404,
+        "not_json": 400,
+        "rank": 400,
+        "bias": 400,
+        "dora": 400,
+        "modules_to_save": 400,
+        "unload_empty": 400,
+        "unload_unknown": 404,
+        "unload_bad": 404,
+    }
+    words = {
+        "rank": "is greater than max_lora_rank",
+        "bias": "Adapter bias cannot be used without bias_enabled",
+        "dora": "lora_magnitude_vector is missing",  # DoRA is served: its magnitudes must be there
+        "modules_to_save": "only supports modules_to_save being None",
+    }
+    for key, phrase in words.items():
+        assert phrase in raised[key].body["message"]
+    assert str(tmp_path) not in raised["not_found"].body["message"]
+    assert loaded.startswith("Success: LoRA adapter 'adapter_0' added successfully")

@@ -19,7 +19,7 @@ from engine.spec_decode.stats import SpecDecodeStats
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
 # Many distinct tokens: whatever the model generates next has most likely occurred before.
-PROMPT = list(range(3, 120))
+PROMPT = list(range(3, 119))  # 116 tokens: with max_tokens 12, exactly the 128-token context
 
 
 @pytest.fixture(scope="module")

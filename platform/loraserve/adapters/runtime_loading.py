@@ -5,7 +5,10 @@ as an upload and stores it as the next version of `lora_name`; `POST /v1/unload_
 deletes every version (refused with 409 while a route needs one). Admin keys only. `lora_path` must lie under
 a folder the operator allowed with `--allowed-lora-paths`, and so must the files in it, symlinks resolved
 (local_folder.py); without that flag runtime loading is off, as vLLM keeps it off unless
-VLLM_ALLOW_RUNTIME_LORA_UPDATING is set. Answers are vLLM's plain-text lines.
+VLLM_ALLOW_RUNTIME_LORA_UPDATING is set. Answers are vLLM's plain-text lines, and its statuses: an empty
+name or path is a 400, a folder that is not there a 404 (so is one outside the allowed folders: the
+answer tells nothing about the rest of the disk), an adapter that fails validation a 400 (uploads
+answer 422), and unloading a name that has no adapter a 404, even a name no adapter could have.
 """
 
 from __future__ import annotations
@@ -13,20 +16,22 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from litestar import Controller, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
-from adapters_store import AdapterNotFound
+from adapters_store import AdapterNotFound, InvalidAdapter
+from adapters_store import InvalidName as StoreInvalidName
 from loraserve.adapters import service
 from loraserve.adapters.local_folder import OUTSIDE, contained, open_adapter_files
 from loraserve.errors import BadRequest, NotFound, PermissionDenied
 from loraserve.json_guard import require_json_body
 from loraserve.openapi import BEARER_SECURITY
 from loraserve.services import Services
-from loraserve.tenancy import Principal, require_admin
+from loraserve.tenancy import InvalidName, Principal, require_admin
 
 MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
 
@@ -60,6 +65,8 @@ class RuntimeLoRAController(Controller):
         principal: NamedDependency[Principal],
     ) -> Response[str]:
         require_admin(principal)
+        if not data.lora_name or not data.lora_path:
+            raise BadRequest("Both 'lora_name' and 'lora_path' must be provided.", param="lora_name")
         folder = _allowed_folder(services, data.lora_path)
         if not data.load_inplace and await _exists(services, principal, data.lora_name):
             raise BadRequest(
@@ -68,14 +75,10 @@ class RuntimeLoRAController(Controller):
                 code="adapter_exists",
                 param="lora_name",
             )
-        files, streams = await asyncio.to_thread(
-            open_adapter_files, folder, services.allowed_lora_paths, data.lora_path
-        )
         try:
-            record = await service.store_adapter(services, principal, data.lora_name, files)
-        finally:
-            for stream in streams:
-                stream.close()
+            record = await _store(services, principal, data, folder)
+        except (InvalidAdapter, InvalidName, StoreInvalidName) as exc:  # vLLM's 400, not the uploads' 422
+            raise BadRequest(str(exc), code=getattr(exc, "code", None) or "invalid_adapter") from None
         return Response(
             f"Success: LoRA adapter '{data.lora_name}' added successfully (version {record.version})."
         )
@@ -88,9 +91,11 @@ class RuntimeLoRAController(Controller):
         principal: NamedDependency[Principal],
     ) -> Response[str]:
         require_admin(principal)
+        if not data.lora_name:
+            raise BadRequest("'lora_name' must be provided.", param="lora_name")
         try:
             await service.delete_adapter(services, principal, data.lora_name)
-        except AdapterNotFound:
+        except (AdapterNotFound, InvalidName, StoreInvalidName):  # a name no adapter can have is not found
             raise NotFound(
                 f"The lora adapter '{data.lora_name}' cannot be found.", code="adapter_not_found"
             ) from None
@@ -118,14 +123,28 @@ def _allowed_folder(services: Services, lora_path: str) -> Path:
         )
     folder = Path(os.path.realpath(lora_path))
     if not contained(folder, roots):
-        raise BadRequest(f"lora_path {lora_path!r} {OUTSIDE}", param="lora_path")
+        raise NotFound(
+            f"no adapter folder at lora_path {lora_path!r}: it {OUTSIDE}", code="adapter_path_not_found"
+        )
     try:
         is_dir = folder.is_dir()
     except OSError:  # e.g. a name longer than the file system allows
         is_dir = False
     if not is_dir:
-        raise BadRequest(f"no adapter folder at lora_path {lora_path!r}", param="lora_path")
+        raise NotFound(f"no adapter folder at lora_path {lora_path!r}", code="adapter_path_not_found")
     return folder
+
+
+async def _store(services: Services, principal: Principal, data: LoadLoRAAdapterRequest, folder: Path) -> Any:
+    """The folder's adapter files, opened where they are confined, stored as the next version."""
+    files, streams = await asyncio.to_thread(
+        open_adapter_files, folder, services.allowed_lora_paths, data.lora_path
+    )
+    try:
+        return await service.store_adapter(services, principal, data.lora_name, files)
+    finally:
+        for stream in streams:
+            stream.close()
 
 
 async def _exists(services: Services, principal: Principal, name: str) -> bool:

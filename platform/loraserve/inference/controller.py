@@ -1,4 +1,4 @@
-"""POST /v1/completions, POST /v1/chat/completions and GET /v1/models."""
+"""POST /v1/completions, POST /v1/chat/completions (and vLLM's /batch), GET /v1/models and /v1/models/{id}."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ from typing import Any
 
 from litestar import Controller, Request, get, post
 from litestar.di import NamedDependency
-from litestar.params import JSONBody
+from litestar.params import FromPath, JSONBody
 
+from loraserve.inference.chat_batch import BatchChatCompletionRequest, create_batch_chat_completion
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.service import create_chat_completion, create_completion, create_invocation
 from loraserve.json_guard import require_json_body
 from loraserve.openapi import BEARER_SECURITY
-from loraserve.resolution import list_models
+from loraserve.resolution import ModelCard, ModelList, list_models, retrieve_model
 from loraserve.services import Services
 from loraserve.tenancy import Principal
 
@@ -47,9 +48,34 @@ class InferenceController(Controller):
     ) -> Any:
         return await create_chat_completion(services, principal, data, request)
 
+    @post(
+        "/chat/completions/batch",
+        status_code=200,
+        summary="vLLM's batched chat: several conversations, one answer with a choice each",
+    )
+    async def chat_completions_batch(
+        self,
+        data: JSONBody[BatchChatCompletionRequest],
+        request: Request,
+        services: NamedDependency[Services],
+        principal: NamedDependency[Principal],
+    ) -> Any:
+        return await create_batch_chat_completion(services, principal, data, request)
+
     @get("/models", summary="The base model, the tenant's adapters and routes")
-    async def models(self, services: NamedDependency[Services], principal: NamedDependency[Principal]) -> Any:
+    async def models(
+        self, services: NamedDependency[Services], principal: NamedDependency[Principal]
+    ) -> ModelList:
         return await list_models(services, principal)
+
+    @get("/models/{model_id:path}", summary="One model of the list (the SDK's models.retrieve)")
+    async def model(
+        self,
+        model_id: FromPath[str],
+        services: NamedDependency[Services],
+        principal: NamedDependency[Principal],
+    ) -> ModelCard:
+        return await retrieve_model(services, principal, model_id.lstrip("/"))
 
 
 @post(

@@ -75,6 +75,8 @@ class Generation:
         self._closed = False
         # The finish reason of completions the engine never finished: set when the engine failed them.
         self._unfinished_reason = "abort"
+        if services.server_load is not None:  # until close(), however the request ends
+            services.server_load.enter()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -124,6 +126,8 @@ class Generation:
         if self.services.shutdown is not None:
             self.services.shutdown.untrack(self)
         self.lease.release()
+        if self.services.server_load is not None:
+            self.services.server_load.leave()
         if self.tokens is not None:
             self.tokens.release()
         self._count_finished()
@@ -208,7 +212,16 @@ class Generation:
             num_prompt_tokens=len(self.prompts[index]),
             num_generation_tokens=timing.num_tokens,
             times=timing.times,
+            n=self.params.n,
+            max_tokens=self._max_tokens(index),
         )
+
+    def _max_tokens(self, index: int) -> int | None:
+        """The request's max_tokens; unset (chat), the room the context left beside its prompt."""
+        if self.params.max_tokens is not None:
+            return self.params.max_tokens
+        limit = self.services.max_model_len
+        return None if limit is None else limit - len(self.prompts[index])
 
 
 def _record(timing: _Timing, delta: RequestOutput) -> int:

@@ -51,8 +51,9 @@ def completion_logprobs(
             top_logprobs.append(None)
             continue
         token_logprobs.append(_clamped(logprob))
-        top = {text(t): _clamped(lp) for t, lp in top_ids.items()}
-        top.setdefault(token, _clamped(logprob))  # as vLLM: the chosen token is always listed
+        top = {token: _clamped(logprob)}  # as vLLM: the chosen token always, and first
+        for t, lp in top_ids.items():
+            top.setdefault(text(t), _clamped(lp))
         top_logprobs.append(top)
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=text_offset

@@ -9,7 +9,7 @@ only that far: if that prefix already fills the context the prompt is refused wi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from loraserve.errors import BadRequest
 from loraserve.inference.schemas import ChatMessage
@@ -22,9 +22,18 @@ PREFIX_CHARS_PER_TOKEN = 8
 
 
 def completion_prompts(
-    prompt: str | list[Any], tokenizer: Any, max_model_len: int | None, truncate: int | None = None
+    prompt: str | list[Any] | None,
+    tokenizer: Any,
+    max_model_len: int | None,
+    truncate: Truncation | None = None,
 ) -> list[list[int]]:
     """`"text"`, `["a", "b"]`, `[1, 2, 3]` or `[[1, 2], [3]]` -> one token id list per prompt."""
+    if prompt is None or prompt == []:
+        raise BadRequest(
+            "Either prompt or prompt_embeds must be provided and non-empty (this server takes prompt; "
+            "prompt_embeds is not supported).",
+            param="prompt",
+        )
     if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
     elif prompt and all(_is_token_id(t) for t in prompt):
@@ -58,7 +67,7 @@ def chat_prompt(
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
-    truncate: int | None = None,
+    truncate: Truncation | None = None,
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Render the messages with the model's chat template, then tokenize without adding specials twice."""
@@ -139,17 +148,32 @@ def tokenizer_ids(
     return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
-def truncated(ids: list[int], keep: int | None, max_model_len: int | None) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the last `keep` tokens; -1 keeps as many as leave room for one output."""
-    if keep is None:
+class Truncation(NamedTuple):
+    """vLLM's truncate_prompt_tokens (keep k tokens; -1: as many as leave room for one output token) and
+    truncation_side: "left" (the default) drops the start, "right" the end."""
+
+    keep: int
+    side: str = "left"
+
+
+def truncation(body: Any) -> Truncation | None:
+    """A request's truncation, if it asked for one."""
+    if body.truncate_prompt_tokens is None:
+        return None
+    return Truncation(body.truncate_prompt_tokens, body.truncation_side or "left")
+
+
+def truncated(ids: list[int], truncate: Truncation | None, max_model_len: int | None) -> list[int]:
+    if truncate is None:
         return ids
+    keep = truncate.keep
     if keep == -1:
         if max_model_len is None:
             return ids
         keep = max_model_len - 1
     if keep == 0:
         raise BadRequest("truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
-    return ids[-keep:]
+    return ids[:keep] if truncate.side == "right" else ids[-keep:]
 
 
 def tokenize(text: str, tokenizer: Any, limit: int | None = None) -> list[int]:
@@ -169,8 +193,28 @@ def check_prompt_ids(ids: list[int], tokenizer: Any, max_model_len: int | None) 
             param="prompt",
         )
     vocab = len(tokenizer) if tokenizer is not None else None
-    if vocab is not None and any(not 0 <= t < vocab for t in ids):
-        raise BadRequest(f"prompt token ids must lie in [0, {vocab})", param="prompt")
+    bad = [t for t in ids if vocab is not None and not 0 <= t < vocab]
+    if bad:
+        raise BadRequest(
+            f"Token id {bad[0]} is out of vocabulary: prompt token ids must lie in [0, {vocab})",
+            param="prompt",
+        )
+
+
+def check_output_room(max_tokens: int | None, prompts: list[list[int]], max_model_len: int | None) -> None:
+    """A request's max_tokens must fit in the context next to its longest prompt (vLLM's 400 and wording);
+    None (chat without a cap) generates until the context is full."""
+    if max_tokens is None or max_model_len is None or not prompts:
+        return
+    longest = max(len(p) for p in prompts)
+    if max_tokens > max_model_len - longest:
+        raise BadRequest(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+            f"context length is {max_model_len} tokens and your request has {longest} input tokens "
+            f"({max_tokens} > {max_model_len} - {longest}).",
+            code="context_length_exceeded",
+            param="max_tokens",
+        )
 
 
 def message_text(message: ChatMessage) -> str:

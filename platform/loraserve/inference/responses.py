@@ -9,6 +9,7 @@ byte what building the chunk and encoding it would give, without building it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -62,7 +63,8 @@ class Choice:
     num_chars: int = 0  # streamed so far, for completions' text_offset
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
-    started: bool = False  # a choice's first chunk carries the role (chat), the echo and the prompt's ids
+    started: bool = False  # a choice's first chunk carries the echo (and in completions the prompt's ids)
+    opened: bool = False  # chat: the role-only chunk that opens a choice has gone out
     token_ids: list[int] = field(default_factory=list)  # kept only with return_token_ids
 
 
@@ -82,10 +84,21 @@ class ResponseOptions:
 class Choices:
     """Everything generated so far, per choice."""
 
-    def __init__(self, n: int, want_logprobs: bool = False, keep_token_ids: bool = False) -> None:
+    def __init__(
+        self,
+        n: int,
+        want_logprobs: bool = False,
+        keep_token_ids: bool = False,
+        drop_generated: bool = False,
+        cached_tokens_details: bool = False,
+    ) -> None:
         self.n = n
+        # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens; off: null (vLLM's)
+        self.cached_tokens_details = cached_tokens_details
         self.want_logprobs = want_logprobs  # then every new token is worth a chunk, text or not
         self.keep_token_ids = keep_token_ids
+        # echo with max_tokens 0: the engine's one sampled token is no part of the answer (nor of usage)
+        self.drop_generated = drop_generated
         self.by_index: dict[int, Choice] = {}
         self.cached_tokens: dict[int, int] = {}  # prompt index -> prompt tokens served from the prefix cache
         self.prompt_logprobs: dict[int, list] = {}  # prompt index -> its engine prompt logprob entries
@@ -99,6 +112,8 @@ class Choices:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[prompt_index] = delta.prompt_logprobs
         for completion in delta.outputs:
+            if self.drop_generated:
+                completion = dataclasses.replace(completion, text="", token_ids=[], logprobs=None)
             index = prompt_index * self.n + completion.index
             choice = self.by_index.setdefault(index, Choice())
             choice.text.append(completion.text)
@@ -108,18 +123,22 @@ class Choices:
                 choice.token_ids.extend(completion.token_ids)
             choice.finish_reason = finish_reason(completion.finish_reason)
             choice.stop_reason = completion.stop_reason
-            has_logprobs = self.want_logprobs and completion.token_ids
-            if completion.text or has_logprobs or completion.finish_reason:
+            # tokens without text yet (part of a character) still go out when their logprobs or ids
+            # were asked for: otherwise the stream's ids or logprobs would miss them
+            has_tokens = (self.want_logprobs or self.keep_token_ids) and completion.token_ids
+            if completion.text or has_tokens or completion.finish_reason:
                 changed.append((index, completion))
         return changed
 
-    def usage(self, num_prompt_tokens: int) -> Usage:
-        generated = sum(c.num_tokens for c in self.by_index.values())
+    def usage(self, num_prompt_tokens: int, not_counting: int = 0) -> Usage:
+        """Usage so far; `not_counting`: tokens of the delta being sent, left out of a chunk that opens it."""
+        generated = sum(c.num_tokens for c in self.by_index.values()) - not_counting
+        details = PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values()))
         return Usage(
             prompt_tokens=num_prompt_tokens,
             completion_tokens=generated,
             total_tokens=num_prompt_tokens + generated,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values())),
+            prompt_tokens_details=details if self.cached_tokens_details else None,
         )
 
     def sorted(self) -> list[tuple[int, Choice]]:
@@ -166,11 +185,13 @@ class _Format:
         echo = self.options.echo
         return echo[index // choices.n] if echo else ""
 
-    def _prompt_ids(self, choices: Choices, index: int) -> list[int] | UnsetType:
-        return self.options.prompts[index // choices.n] if self.options.return_token_ids else UNSET
+    def _prompt_ids(self, choices: Choices, index: int, absent: None | UnsetType = UNSET):
+        """With return_token_ids the prompt's ids; else `absent`: None in whole answers (vLLM's null),
+        UNSET (left out) in stream chunks."""
+        return self.options.prompts[index // choices.n] if self.options.return_token_ids else absent
 
-    def _ids(self, token_ids: list[int]) -> list[int] | UnsetType:
-        return list(token_ids) if self.options.return_token_ids else UNSET
+    def _ids(self, token_ids: list[int], absent: None | UnsetType = UNSET):
+        return list(token_ids) if self.options.return_token_ids else absent
 
     def _prompt_logprobs(self, choices: Choices, index: int) -> PromptLogprobs | None:
         if not self.options.prompt_logprobs:
@@ -205,8 +226,8 @@ class CompletionFormat(_Format):
                 ),
                 finish_reason=choice.finish_reason,
                 stop_reason=choice.stop_reason,
-                prompt_token_ids=self._prompt_ids(choices, index),
-                token_ids=self._ids(choice.token_ids),
+                prompt_token_ids=self._prompt_ids(choices, index, None),
+                token_ids=self._ids(choice.token_ids, None),
                 prompt_logprobs=self._prompt_logprobs(choices, index),
             )
             for index, choice in choices.sorted()
@@ -260,7 +281,7 @@ class ChatFormat(_Format):
                 logprobs=chat_logprobs(choice.logprobs, self.text) if self.want_logprobs else None,
                 finish_reason=tool_finish_reason(choice.finish_reason, bool(message.tool_calls)),
                 stop_reason=choice.stop_reason,
-                token_ids=self._ids(choice.token_ids),
+                token_ids=self._ids(choice.token_ids, None),
             )
             for index, choice in choices.sorted()
             for message in [self._message(choices, index, choice)]
@@ -271,7 +292,7 @@ class ChatFormat(_Format):
             model=self.model,
             choices=items,
             usage=usage,
-            prompt_token_ids=self._prompt_ids(choices, 0),
+            prompt_token_ids=self._prompt_ids(choices, 0, None),
             prompt_logprobs=self._prompt_logprobs(choices, 0),
         )
 
@@ -291,7 +312,6 @@ class ChatFormat(_Format):
         """The chunk of these choices' deltas; None when there is nothing to send (text a tool parser
         holds back until it knows whether it is a call)."""
         items = []
-        prompt_ids: list[int] | UnsetType = UNSET
         tools = self.options.tools
         for index, completion in changed:
             choice = choices.by_index[index]
@@ -305,11 +325,8 @@ class ChatFormat(_Format):
                 if not (first or text or tool_calls or finish or logprobs or self.options.return_token_ids):
                     continue
             choice.started = True
-            role = "assistant" if first else None
-            if first:
-                prompt_ids = self._prompt_ids(choices, index)
             text = (self._echo(choices, index) if first else "") + text
-            delta = ChatDelta(role=role, content=text if text or role else None, tool_calls=tool_calls)
+            delta = ChatDelta(content=text or None, tool_calls=tool_calls)
             items.append(
                 ChatChunkChoice(
                     index=index,
@@ -323,12 +340,20 @@ class ChatFormat(_Format):
         if not items:
             return None
         return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=items, usage=usage
+        )
+
+    def opening(self, choices: Choices, index: int, usage: Usage | None = None) -> ChatCompletionChunk:
+        """A choice's first chunk, as OpenAI and vLLM send it: the role alone (content ""), with the
+        prompt's token ids when asked for; its text follows in the next chunks."""
+        opening = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
+        return ChatCompletionChunk(
             id=self.id,
             created=self.created,
             model=self.model,
-            choices=items,
+            choices=[opening],
             usage=usage,
-            prompt_token_ids=prompt_ids,
+            prompt_token_ids=self._prompt_ids(choices, index),
         )
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:

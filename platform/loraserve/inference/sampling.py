@@ -23,6 +23,11 @@ _TOKEN_ID_KEY = re.compile(r"[0-9]{1,18}", re.ASCII)  # a JSON object key naming
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
+def echo_only(body: CompletionRequest) -> bool:
+    """`echo` with `max_tokens: 0`: the answer is the prompt (and its logprobs), nothing generated."""
+    return body.echo and body.max_tokens == 0
+
+
 @dataclass(frozen=True)
 class LogprobsCap:
     """vLLM's --max-logprobs (-1: the whole vocabulary) and the vocabulary size (None: unknown)."""
@@ -60,6 +65,15 @@ def completion_params(
         raise BadRequest("`logprobs` must be a positive value.", param="logprobs")
     cap.check("sample", body.logprobs, "logprobs")
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+    if max_tokens == 0:
+        if not body.echo:
+            raise BadRequest(
+                "max_tokens must be at least 1, got 0 (0 is for echo: the prompt alone, scored).",
+                param="max_tokens",
+            )
+        # vLLM's prompt scoring: the engine runs one step for the prompt's logprobs; the token it
+        # samples is left out of the answer (loraserve.inference.responses, echo_only)
+        max_tokens = 1
     # vLLM's: echo with logprobs returns the prompt's logprobs too (prompt_logprobs defaults to logprobs)
     prompt_logprobs = body.prompt_logprobs
     if prompt_logprobs is None and body.echo:
@@ -82,6 +96,25 @@ def chat_params(
     return _params(body, max_tokens, logprobs, body.prompt_logprobs, defaults, cap)
 
 
+def refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Options of OpenAI or vLLM this server does not have: a 400 naming the option when one is asked for."""
+    asked = []
+    if body.use_beam_search:
+        asked.append(("use_beam_search", "beam search is not supported; sample with n and seed instead"))
+    if body.logprob_token_ids:
+        asked.append(
+            ("logprob_token_ids", "logprobs of chosen token ids are not supported; use top_logprobs")
+        )
+    if isinstance(body, CompletionRequest):
+        if body.suffix:
+            asked.append(("suffix", "suffix is not currently supported"))
+        if body.best_of is not None and body.best_of != body.n:
+            asked.append(("best_of", "best_of is not supported; ask for n completions instead"))
+    if asked:
+        param, message = asked[0]
+        raise BadRequest(message, param=param)
+
+
 def _params(
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int | None,
@@ -90,6 +123,7 @@ def _params(
     defaults: Mapping[str, Any],
     cap: LogprobsCap,
 ) -> SamplingParams:
+    refuse_unsupported(body)
     if body.prompt_logprobs is not None:
         if body.prompt_logprobs < WHOLE_VOCABULARY:
             raise BadRequest("`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")

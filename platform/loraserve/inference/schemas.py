@@ -62,10 +62,11 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """OpenAI's, with vLLM's defaults: given at all, it includes the usage chunk unless include_usage is
-    false or null. Unset fields stay UNSET, so `{}` (nothing asked) can be told from a set field."""
+    """OpenAI's, as vLLM's server tests read it: the usage chunk only with include_usage true (`{}` asks
+    for nothing), and the usage in every chunk only with continuous_usage_stats as well. Unset fields stay
+    UNSET, so `{}` can be told from a set field (which needs a stream)."""
 
-    include_usage: bool | None | UnsetType = UNSET  # unset: true, as in vLLM
+    include_usage: bool | None | UnsetType = UNSET
     continuous_usage_stats: bool | None | UnsetType = UNSET  # vLLM's: usage so far in every chunk
 
     @property
@@ -74,7 +75,7 @@ class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def usage(self) -> bool:
-        return self.include_usage is UNSET or bool(self.include_usage)
+        return self.include_usage is not UNSET and bool(self.include_usage)
 
     @property
     def continuous_usage(self) -> bool:
@@ -127,18 +128,28 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     return_token_ids: bool = False
     # vLLM's: keep only the last k prompt tokens (-1: as many as the context allows)
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=MAX_INT)] | None = None
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: which end truncation drops; left
     # vLLM's: each prompt token's logprob, rank and top-k (checked against vLLM's rules in sampling.py)
     prompt_logprobs: LogprobCount | None = None
     # loraserve's: false keeps this request out of speculative decoding (a no-op when the server has none)
     speculative: bool = True
+    # Options of vLLM this server does not have: accepted when off, refused (400) when asked for, never
+    # silently ignored (sampling.py, refuse_unsupported)
+    use_beam_search: bool = False
+    logprob_token_ids: list[int] | None = None
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     # A string, a list of strings, a list of token ids, or a list of token id lists (checked in prompts.py;
-    # msgspec cannot tell list[str] from list[int] inside one union).
-    prompt: str | list[Any]
+    # msgspec cannot tell list[str] from list[int] inside one union). Missing, null or []: vLLM's 400.
+    prompt: str | list[Any] | None = None
+    # 0 only with echo: the prompt scored, nothing generated (OpenAI's and vLLM's); checked in sampling.py
+    max_tokens: Annotated[int, Meta(ge=0, le=MAX_INT)] | None = None
     logprobs: LogprobCount | None = None  # 0..--max-logprobs, checked in sampling.py with vLLM's messages
     echo: bool = False
+    # OpenAI's, which this server refuses unless off (sampling.py): text after the completion; candidates
+    best_of: Annotated[int, Meta(ge=1)] | None = None
+    suffix: str | None = None
 
 
 class TextPart(msgspec.Struct, frozen=True, kw_only=True):
@@ -212,9 +223,9 @@ class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
-    # with return_token_ids (vLLM's); left out of the body otherwise
-    prompt_token_ids: list[int] | UnsetType = UNSET
-    token_ids: list[int] | UnsetType = UNSET
+    # vLLM's return_token_ids; null when not asked for (whole answers), left out of stream chunks
+    prompt_token_ids: list[int] | None | UnsetType = UNSET
+    token_ids: list[int] | None | UnsetType = UNSET
     # vLLM's: null unless prompt_logprobs was asked for (or echo with logprobs); left out of stream chunks
     prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
 
@@ -257,7 +268,7 @@ class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
-    token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
@@ -267,7 +278,7 @@ class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, on the response: null unless asked for
 
 

@@ -37,12 +37,14 @@ from loraserve.inference.generation import Generation
 from loraserve.inference.logprobs import TokenText
 from loraserve.inference.prompts import (
     chat_prompt,
+    check_output_room,
     check_sampling_token_ids,
     completion_prompts,
     message_text,
+    truncation,
 )
 from loraserve.inference.responses import ChatFormat, Choices, CompletionFormat, ResponseOptions, sse_event
-from loraserve.inference.sampling import LogprobsCap, chat_params, completion_params
+from loraserve.inference.sampling import LogprobsCap, chat_params, completion_params, echo_only
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.structured import check_structured
 from loraserve.inference.tools import ToolPlan, plan_tools
@@ -70,8 +72,9 @@ async def create_completion(
         await check_structured(services, params.structured_outputs)
         pool, tokenizer = services.work_pool, services.tokenizer
         prompts = await pool.run(
-            completion_prompts, body.prompt, tokenizer, services.max_model_len, body.truncate_prompt_tokens
+            completion_prompts, body.prompt, tokenizer, services.max_model_len, truncation(body)
         )
+        check_output_room(params.max_tokens, prompts, services.max_model_len)
         echo = await pool.run(_echo_texts, body, prompts, tokenizer) if body.echo else None
         return await _generate(
             services,
@@ -114,9 +117,10 @@ async def create_chat_completion(
             services.max_model_len,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
-            truncate=body.truncate_prompt_tokens,
+            truncate=truncation(body),
             tools=tools.template_tools() if tools is not None else None,
         )
+        check_output_room(params.max_tokens, [prompt], services.max_model_len)
         # vLLM's chat echo: the last message's content, when it is the assistant's (the reply continues it)
         last = body.messages[-1]
         echo = [message_text(last)] if body.echo and last.role == "assistant" else None
@@ -235,16 +239,23 @@ async def _generate(
         and params.logprobs is not None,
         tools=tool_output,
     )
-    text = TokenText(services.tokenizer, body.return_tokens_as_token_ids)
+    text = TokenText(services.tokenizer, body.return_tokens_as_token_ids or services.tokens_as_token_ids)
     fmt = format_type(response_id, resolved.served_model, text, options)
     headers = {VARIANT_HEADER: resolved.served_model}
-    choices = Choices(params.n, params.logprobs is not None, keep_token_ids=body.return_token_ids)
+    choices = Choices(
+        params.n,
+        params.logprobs is not None,
+        keep_token_ids=body.return_token_ids,
+        drop_generated=isinstance(body, CompletionRequest) and echo_only(body),
+        cached_tokens_details=services.prompt_tokens_details,
+    )
     if not body.stream:
         await _until_done_or_disconnected(_collect(generation, choices), request, generation)
         return Response(fmt.whole(choices, choices.usage(generation.num_prompt_tokens)), headers=headers)
     options = body.stream_options
-    include_usage = options is not None and options.usage
-    continuous_usage = options is not None and options.continuous_usage
+    # --enable-force-include-usage: usage in every chunk and at the end, whatever the request says
+    include_usage = services.force_include_usage or (options is not None and options.usage)
+    continuous_usage = services.force_include_usage or (options is not None and options.continuous_usage)
     events = generation.events()
     try:  # no response has started yet: a client that leaves before the first delta aborts it here
         first = await _until_done_or_disconnected(_first(events), request, generation)
@@ -312,8 +323,19 @@ async def _sse(
             if event is not None:
                 return [event]
         usage = choices.usage(generation.num_prompt_tokens) if continuous_usage else None
-        chunks = (fmt.chunk(choices, [item], usage) for item in changed)
-        return [sse_event(chunk) for chunk in chunks if chunk is not None]
+        events = []
+        for item in changed:
+            choice = choices.by_index[item[0]]
+            if isinstance(fmt, ChatFormat) and not choice.opened:  # the role alone first, as OpenAI
+                choice.opened = True
+                before = None
+                if continuous_usage:  # the opening chunk precedes this delta's tokens
+                    before = choices.usage(generation.num_prompt_tokens, len(item[1].token_ids))
+                events.append(sse_event(fmt.opening(choices, item[0], before)))
+            chunk = fmt.chunk(choices, [item], usage)
+            if chunk is not None:  # None: text a tool parser holds back
+                events.append(sse_event(chunk))
+        return events
 
     try:
         if first is not None:

@@ -36,7 +36,8 @@ def structured_params(body: CompletionRequest | ChatCompletionRequest) -> Struct
     elif fmt is not None and fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema is None:
             raise BadRequest(
-                "response_format of type json_schema needs json_schema.schema", param="response_format"
+                "response_format of type json_schema: json_schema and its schema must be provided",
+                param="response_format",
             )
         asked.append(("response_format", {"json": fmt.json_schema.schema}))
     if body.structured_outputs is not None:

@@ -1,7 +1,8 @@
 """GET /health (the process and its engine are alive), /ready (able to serve), /metrics (Prometheus text,
-for scrapers only).
+for scrapers only), /load (vLLM's: requests in flight, with --enable-server-load-tracking).
 
-/health and /ready need no key (probes) and read no store. /metrics is guarded by MetricsAccess.
+/health and /ready need no key (probes) and read no store. /metrics is guarded by MetricsAccess. /load
+takes any tenant's key (open mode: none): it tells a router how busy the replica is, all tenants together.
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ from litestar.di import NamedDependency
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from loraserve.dependencies import SERVICES_KEY
+from loraserve.errors import NotFound
+from loraserve.openapi import BEARER_SECURITY
 from loraserve.ops.metrics_access import MetricsAccess
 from loraserve.ops.readiness import Readiness, ReadyStatus, engine_dead_reason
+from loraserve.ops.server_load import LoadReport
 from loraserve.services import Services
+from loraserve.tenancy import Principal
 
 
 class Health(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -51,3 +56,18 @@ class OpsController(Controller):
         metrics_access.check_scrape(request)
         body = services.metrics.render() if services.metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @get(
+        "/load",
+        summary="vLLM's server load: requests in flight (--enable-server-load-tracking)",
+        security=BEARER_SECURITY,
+    )
+    async def load(
+        self, services: NamedDependency[Services], principal: NamedDependency[Principal]
+    ) -> LoadReport:
+        if services.server_load is None:
+            raise NotFound(
+                "server load tracking is off; start the server with --enable-server-load-tracking",
+                code="server_load_tracking_disabled",
+            )
+        return services.server_load.report()

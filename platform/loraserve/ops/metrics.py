@@ -55,6 +55,7 @@ _LATENCY_BUCKETS = (
 )
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's for vllm:request_params_n
 _LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # vLLM's buckets for its request phase histograms (queue, prefill, decode, inference)
 _REQUEST_PHASE_BUCKETS = (
@@ -133,6 +134,21 @@ class Metrics:
             buckets=_TOKEN_BUCKETS,
             registry=self.registry,
         ).labels(model_name)
+        # vLLM's: what each request asked for (n; max_tokens, or the room the context left it)
+        self.request_params_n = Histogram(
+            "vllm:request_params_n",
+            "The n request parameter.",
+            labels,
+            buckets=_N_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.request_params_max_tokens = Histogram(
+            "vllm:request_params_max_tokens",
+            "The max_tokens request parameter.",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
         self.request_phases = [
             (
                 field,
@@ -206,9 +222,15 @@ class Metrics:
         num_prompt_tokens: int = 0,
         num_generation_tokens: int = 0,
         times: Iterable[RequestTimes] = (),
+        n: int = 1,
+        max_tokens: int | None = None,
     ) -> None:
         """One engine request (a prompt with its n completions) that produced tokens and ended; `times`:
-        each completion's phases. Finish reasons are counted apart (count_finished), for every request."""
+        each completion's phases; `n` and `max_tokens` as it ran. Finish reasons are counted apart
+        (count_finished), for every request."""
+        self.request_params_n.observe(n)
+        if max_tokens is not None:
+            self.request_params_max_tokens.observe(max_tokens)
         self.ttft.observe(ttft)
         if tpot is not None:
             self.tpot.observe(tpot)

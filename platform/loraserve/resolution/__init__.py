@@ -1,6 +1,6 @@
 """Model resolution: what a request's `model` means for its tenant, and `GET /v1/models`."""
 
-from loraserve.resolution.models_list import ModelCard, ModelList, list_models
+from loraserve.resolution.models_list import ModelCard, ModelList, list_models, retrieve_model
 from loraserve.resolution.resolve import resolve_model
 from loraserve.resolution.resolved import ModelKind, ModelNotFound, ResolvedModel
 
@@ -12,4 +12,5 @@ __all__ = [
     "ResolvedModel",
     "list_models",
     "resolve_model",
+    "retrieve_model",
 ]

@@ -1,4 +1,5 @@
-"""`GET /v1/models` for one tenant: the base model, its adapters (every version too) and its routes."""
+"""`GET /v1/models` for one tenant: the base model, its adapters (every version too) and its routes; and
+`GET /v1/models/{id}`, one of them (the SDK's `models.retrieve`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Literal
 import msgspec
 
 from adapters_store import AdapterRecord
+from loraserve.resolution.resolved import ModelNotFound
 from loraserve.services import Services
 from loraserve.tenancy import Principal
 
@@ -69,6 +71,20 @@ async def list_models(services: Services, principal: Principal) -> ModelList:
         if route.name != base
     )
     return ModelList(data=cards)
+
+
+async def retrieve_model(services: Services, principal: Principal, model_id: str) -> ModelCard:
+    """The card `GET /v1/models` lists under `model_id` (also written `your-tenant/name`); 404 otherwise,
+    the same answer for another tenant's names as for names nobody has."""
+    prefix, slash, rest = model_id.partition("/")
+    wanted = rest if slash and prefix == principal.tenant and model_id != services.base_model_id else model_id
+    for card in (await list_models(services, principal)).data:
+        if card.id == wanted:
+            return card
+    raise ModelNotFound(
+        f"The model {model_id!r} does not exist; GET /v1/models lists the base model, your adapters and "
+        "your routes"
+    )
 
 
 def _adapter_card(model_id: str, record: AdapterRecord, tenant: str, base: str) -> ModelCard:

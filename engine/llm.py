@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Sequence
 
 from engine.config import EngineConfig
@@ -22,6 +24,10 @@ class LLM:
     comes back with `error` set and `finish_reason` "error"; the others are unaffected.
     Without `sampling_params`, prompts use `get_default_sampling_params()`: the model's recommended
     sampling fields (its generation_config.json) unless `generation_config="vllm"`.
+
+    `shutdown()` (or leaving a `with LLM(...) as llm:` block, or dropping the object) frees the engine:
+    its GPU memory, its adapter loaders and its tensor-parallel workers; another LLM may then start in
+    this process.
     """
 
     def __init__(
@@ -38,12 +44,34 @@ class LLM:
             tokenizer=tokenizer,
             skip_tokenizer_init=skip_tokenizer_init,
         )
-        for name, path in (lora_modules or {}).items():
-            self.engine.register_adapter(name, path)
+        # Also when the LLM is dropped without shutdown() (collected, or at interpreter exit).
+        self._finalizer = weakref.finalize(self, LLMEngine.shutdown, self.engine)
+        try:
+            for name, path in (lora_modules or {}).items():
+                self.engine.register_adapter(name, path)
+        except BaseException:
+            self.shutdown()
+            raise
         self._next_id = 0
         self._generation_defaults = load_generation_defaults(
             resolve_model_path(model), config.generation_config
         )
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Free the engine now (idempotent): GPU memory, adapter loaders, tensor-parallel workers (each
+        wait bounded). `generate` refuses after it."""
+        self._finalizer()
+        gc.collect()  # what the engine's parts still hold in reference cycles
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
 
     def register_adapter(self, name: str, path: str) -> None:
         self.engine.register_adapter(name, path)
@@ -61,6 +89,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         adapters: str | None | Sequence[str | None] = None,
     ) -> list[RequestOutput]:
+        if self.closed:
+            raise RuntimeError("this LLM was shut down: start a new one")
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(
             sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params"

@@ -76,6 +76,10 @@ class EngineStats:
     iteration_tokens: HistogramCounts = HistogramCounts()
     # vllm:spec_decode_* counters; None when the engine does not speculate
     spec_decode: SpecDecodeStats | None = None
+    # Steps served by CUDA-graph replays since start-up: decode steps, and speculative verification
+    # steps (loraserve_cuda_graph_replays_total{kind="decode"|"verify"}); the rest ran eagerly.
+    num_decode_graph_replays: int = 0
+    num_verify_graph_replays: int = 0
 
 
 def distinct_adapters(requests: Iterable[Request]) -> tuple[str, ...]:

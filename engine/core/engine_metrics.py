@@ -63,6 +63,7 @@ def engine_stats(
     counters: EngineCounters,
     config: EngineConfig,
     cache_config: tuple[tuple[str, str], ...],
+    graph_replays: tuple[int, int] = (0, 0),
 ) -> EngineStats:
     """The engine's load right now, read from its scheduler, KV cache, adapter manager and counters."""
     return EngineStats(
@@ -87,4 +88,6 @@ def engine_stats(
         num_kernel_compiles_after_ready=counters.num_compiles_after_ready,
         iteration_tokens=counters.iteration_tokens.snapshot(),
         spec_decode=speculator.stats() if speculator is not None else None,
+        num_decode_graph_replays=graph_replays[0],
+        num_verify_graph_replays=graph_replays[1],
     )

@@ -143,7 +143,6 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             max_model_len=engine.max_model_len,
             sampling_defaults=sampling_defaults,
             max_logprobs=settings.max_logprobs,
-            tensor_parallel_size=settings.tensor_parallel_size,
         )
     finally:
         if engine is not None:

@@ -116,7 +116,6 @@ class Services:
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     # vLLM's --max-logprobs: the most top logprobs a request may ask for; -1: the whole vocabulary.
     max_logprobs: int = 20
-    tensor_parallel_size: int = 1  # above 1, prompt logprobs are refused (the engine cannot compute them yet)
     # Folders POST /v1/load_lora_adapter may read from (--allowed-lora-paths); empty: runtime loading off.
     allowed_lora_paths: tuple[str, ...] = ()
     # Built on the first structured-output request (loraserve.inference.structured): checks specs for 400s.

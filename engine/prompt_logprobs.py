@@ -53,10 +53,14 @@ def prompt_logprob_rows(scheduled: list[ScheduledRequest]) -> list[int]:
     return [row for _, rows, _, _ in _wanted(scheduled) for row in rows]
 
 
-def logit_chunks(num_rows: int, vocab_size: int) -> list[slice]:
-    """The pieces `num_rows` logits rows are computed in, each at most MAX_LOGIT_ELEMENTS floats."""
-    step = max(1, MAX_LOGIT_ELEMENTS // vocab_size)
-    return [slice(start, min(start + step, num_rows)) for start in range(0, num_rows, step)]
+def logit_chunk_rows(vocab_size: int) -> int:
+    """Rows of logits computed at once: at most MAX_LOGIT_ELEMENTS floats (rank 0 tells the workers)."""
+    return max(1, MAX_LOGIT_ELEMENTS // vocab_size)
+
+
+def logit_chunks(num_rows: int, chunk_rows: int) -> list[slice]:
+    """The pieces `num_rows` logits rows are computed in, `chunk_rows` each (the last may be shorter)."""
+    return [slice(start, min(start + chunk_rows, num_rows)) for start in range(0, num_rows, chunk_rows)]
 
 
 def compute_prompt_logprobs(
@@ -66,7 +70,7 @@ def compute_prompt_logprobs(
 
     hidden: [num_tokens, hidden_size], the step's rows in `scheduled` order (each request's
     num_new_tokens rows, from its `start`); compute_logits: hidden rows -> float32 [rows, vocab], called
-    once per `logit_chunks` piece of `prompt_logprob_rows`.
+    once per `logit_chunks` piece of `prompt_logprob_rows` (`logit_chunk_rows(vocab_size)` rows each).
     """
     wanted = _wanted(scheduled)
     rows = [row for _, request_rows, _, _ in wanted for row in request_rows]
@@ -74,7 +78,7 @@ def compute_prompt_logprobs(
     ks = [k for _, request_rows, _, k in wanted for _ in request_rows]
     index = torch.tensor(rows, device=hidden.device)  # [num_rows]
     entries: list[PromptTokenLogprobs] = []
-    for chunk in logit_chunks(len(rows), vocab_size):
+    for chunk in logit_chunks(len(rows), logit_chunk_rows(vocab_size)):
         logprobs = torch.log_softmax(compute_logits(hidden[index[chunk]]).float(), dim=-1)  # [n, vocab]
         ids = torch.tensor(targets[chunk], device=logprobs.device)  # [n]
         chosen = logprobs.gather(-1, ids[:, None])  # [n, 1]

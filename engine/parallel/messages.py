@@ -29,9 +29,10 @@ class EagerStep(msgspec.Struct, frozen=True, tag="eager"):
     use_lora: bool
     query_start_loc: list[int]  # [num_seqs + 1]
     seq_lens: list[int]  # [num_seqs]
-    # Hidden rows rank 0 turns into logits for prompt logprobs (they ride in the broadcast; the workers
-    # join those gathers in the same chunks, engine/prompt_logprobs.py).
+    # Hidden rows rank 0 turns into logits for prompt logprobs (they ride in the broadcast), and how many
+    # at once: the workers join those gathers in the same chunks (engine/prompt_logprobs.py).
     num_prompt_rows: int = 0
+    prompt_chunk_rows: int = 1
 
 
 class GraphStep(msgspec.Struct, frozen=True, tag="graph"):

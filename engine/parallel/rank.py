@@ -53,6 +53,7 @@ from engine.parallel.model import ShardedLlamaModel
 from engine.parallel.plan import ShardPlan
 from engine.parallel.sharded_loader import load_shard
 from engine.parallel.workers import Workers
+from engine.prompt_logprobs import logit_chunk_rows
 from engine.step_buffers import DecodeTwins
 
 
@@ -198,6 +199,7 @@ class TensorParallelRank:
                         block_table_width=meta.block_tables.shape[1],
                         num_logits_rows=logits_rows.numel(),
                         num_prompt_rows=0 if prompt_rows is None else prompt_rows.numel(),
+                        prompt_chunk_rows=logit_chunk_rows(self.plan.vocab_size),
                         use_lora=token_slots is not None,
                         query_start_loc=meta.query_start_loc,
                         seq_lens=meta.seq_lens,

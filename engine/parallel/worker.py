@@ -116,6 +116,6 @@ def run_step(runner, step: EagerStep | GraphStep | VerifyStep) -> None:
     lora = LoRAContext(runner.lora_slots, token_slots) if token_slots is not None else None
     hidden = runner.model.forward(input_ids, meta, runner.kv_caches, lora)
     if prompt_rows is not None:  # rank 0's prompt logprob gathers, in its chunks (engine/prompt_logprobs.py)
-        for chunk in logit_chunks(prompt_rows.numel(), runner.model.vocab_size):
+        for chunk in logit_chunks(prompt_rows.numel(), step.prompt_chunk_rows):
             runner.model.compute_logits(hidden[prompt_rows[chunk]])
     runner.model.compute_logits(hidden[logits_rows])

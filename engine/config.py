@@ -9,6 +9,7 @@ import torch
 from engine.model.fp8_checkpoint import QUANTIZATIONS
 from engine.model.fp8_linear import FP8_GEMMS
 from engine.model.kv_quant import FP8_DTYPE
+from engine.model.weight_source import LOAD_FORMATS
 from engine.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {
@@ -100,6 +101,9 @@ class EngineConfig:
     # GPUs one model is split over (Megatron-style, engine/parallel/): one worker process per rank beyond
     # the first; NCCL on CUDA, gloo on the CPU. 1: no worker, no collective.
     tensor_parallel_size: int = 1
+    # vLLM's load_format: "auto" / "safetensors" read the checkpoint; "dummy" makes random weights of its
+    # shapes on the device (benchmarks of models whose weights are not at hand; engine/model/weight_source.py).
+    load_format: str = "auto"
     # vLLM's speculative_config: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     # as a dict, JSON text or SpeculativeConfig (engine/spec_decode/config.py); None: no speculation.
     # With it, async_scheduling is turned off: each step's kept tokens decide the next step.
@@ -185,6 +189,11 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be None or 'fp8' (got {self.quantization!r}); 'fp8' stores the linear "
                 "projections as float8 e4m3 with per-channel scales"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)} (got {self.load_format!r}); 'dummy' "
+                "makes random weights of the checkpoint's shapes"
             )
         if self.fp8_gemm not in FP8_GEMMS:
             raise ValueError(f"fp8_gemm must be one of {', '.join(FP8_GEMMS)} (got {self.fp8_gemm!r})")

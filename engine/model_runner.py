@@ -65,7 +65,13 @@ class ModelRunner:
         self.shape = ModelShape.from_hf_config(hf_config)
         if parallel is None:
             weights = load_weights(
-                model_path, hf_config, self.dtype, self.device, config.quantization, config.fp8_gemm
+                model_path,
+                hf_config,
+                self.dtype,
+                self.device,
+                config.quantization,
+                config.fp8_gemm,
+                config.load_format,
             )
             self.model = LlamaModel(hf_config, weights, max_model_len, self.attention_backend)
             # Allocated before the KV cache is sized, so the adapter pool counts in gpu_memory_utilization.

@@ -7,7 +7,6 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig
 
 from adapter_format.model_shape import TARGET_MODULES
@@ -15,6 +14,7 @@ from engine.model.fp8_checkpoint import DROPPED_NAMES, SCALE_NAMES, build_fp8_li
 from engine.model.fp8_linear import Fp8Linear
 from engine.model.kv_quant import FP8_DTYPE, default_scale
 from engine.model.llama import LayerWeights, ModelWeights
+from engine.model.weight_source import open_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ def load_weights(
     device: torch.device,
     quantization: str | None = None,
     fp8_gemm: str = "auto",
+    load_format: str = "auto",
 ) -> ModelWeights:
     """Read every shard once, fusing q/k/v and gate/up as the layers are completed.
 
@@ -84,19 +85,18 @@ def load_weights(
     projections become `Fp8Linear`s (engine/model/fp8_checkpoint.py); everything else keeps `dtype`."""
     scheme = fp8_scheme(config, quantization)
     raw: dict[str, torch.Tensor] = {}
-    for file in _weight_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
-                tensor = f.get_tensor(name)
-                # Scales stay float32: rounded to bf16 they would be off by up to 0.4%.
-                if name.endswith(_SCALE_SUFFIXES) or name.endswith(_WEIGHT_SCALE_SUFFIXES):
-                    raw[name] = tensor.to(torch.float32)
-                elif tensor.dtype == FP8_DTYPE or (scheme and name.endswith(_PROJECTION_WEIGHTS)):
-                    raw[name] = tensor  # quantized below, from the checkpoint's own values
-                else:
-                    raw[name] = tensor.to(dtype)
+    for f in open_checkpoint(lambda: _weight_files(path), config, load_format, device, dtype):
+        for name in f.keys():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            tensor = f.get_tensor(name)
+            # Scales stay float32: rounded to bf16 they would be off by up to 0.4%.
+            if name.endswith(_SCALE_SUFFIXES) or name.endswith(_WEIGHT_SCALE_SUFFIXES):
+                raw[name] = tensor.to(torch.float32)
+            elif tensor.dtype == FP8_DTYPE or (scheme and name.endswith(_PROJECTION_WEIGHTS)):
+                raw[name] = tensor  # quantized below, from the checkpoint's own values
+            else:
+                raw[name] = tensor.to(dtype)
 
     def take(name: str) -> torch.Tensor:
         if name not in raw:

@@ -144,7 +144,14 @@ class TensorParallelRank:
         device = self.group.device
         try:
             weights = load_shard(
-                model_path, hf_config, self.plan, self.rank, dtype, device, config.quantization
+                model_path,
+                hf_config,
+                self.plan,
+                self.rank,
+                dtype,
+                device,
+                config.quantization,
+                config.load_format,
             )
         except BaseException:
             self.shutdown()  # rank 0: no worker outlives a start-up that failed, and the group is left

@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from engine.model.fp8_checkpoint import fp8_scheme
 from engine.model.kv_quant import default_scale
 from engine.model.llama import LayerWeights, ModelWeights
 from engine.model.loader import _weight_files
+from engine.model.weight_source import open_checkpoint
 from engine.parallel.plan import COLUMN_PARALLEL, ROW_PARALLEL, ShardPlan
 
 _VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
@@ -29,17 +29,17 @@ def load_shard(
     dtype: torch.dtype,
     device: torch.device,
     quantization: str | None = None,
+    load_format: str = "auto",
 ) -> ModelWeights:
     """This rank's weights: q/k/v and gate/up fused by output, o and down by input, the vocabulary split."""
     if fp8_scheme(config, quantization) is not None:
         raise ValueError("FP8 weights are not supported with tensor_parallel_size > 1 yet")
     raw: dict[str, torch.Tensor] = {}
-    for file in _weight_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
-                raw[name] = _read_shard(f.get_slice(name), name, plan, rank).to(device=device, dtype=dtype)
+    for f in open_checkpoint(lambda: _weight_files(path), config, load_format, device, dtype):
+        for name in f.keys():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            raw[name] = _read_shard(f.get_slice(name), name, plan, rank).to(device=device, dtype=dtype)
 
     def take(name: str) -> torch.Tensor:
         if name not in raw:

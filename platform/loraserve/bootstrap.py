@@ -50,6 +50,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         kv_cache_dtype=settings.kv_cache_dtype,
         quantization=settings.quantization,
         tensor_parallel_size=settings.tensor_parallel_size,
+        load_format=settings.load_format,
         speculative_config=settings.speculative_config,
         enforce_eager=settings.enforce_eager,
         async_scheduling=settings.async_scheduling,

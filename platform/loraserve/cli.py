@@ -28,6 +28,7 @@ from loraserve.settings import (
     DEFAULT_STATE_DIR,
     GENERATION_CONFIGS,
     KV_CACHE_DTYPES,
+    LOAD_FORMATS,
     METRICS_OFF,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
@@ -54,6 +55,7 @@ _SERVE_FIELDS = (
     "kv_cache_dtype",
     "quantization",
     "tensor_parallel_size",
+    "load_format",
     "speculative_config",
     "enable_prefix_caching",
     "enforce_eager",
@@ -126,6 +128,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="GPUs of this host one model is split over (Megatron-style, one worker process per GPU "
         "beyond the first); 1: one GPU",
+    )
+    add(
+        "--load-format",
+        default="auto",
+        choices=LOAD_FORMATS,
+        help="auto / safetensors: read the checkpoint; dummy: random weights of its shapes, made on the "
+        "device (benchmarks; only config.json is read)",
     )
     add(
         "--speculative-config",

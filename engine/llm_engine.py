@@ -344,6 +344,7 @@ class LLMEngine:
             # What still holds device or pinned memory: dropped so it frees now, not when this object goes.
             self._in_flight = None
             self.requests = self.scheduler = self.lora = self.speculator = None
+            self.sampler = self.structured = None
             gc.collect()
 
     def _check_open(self) -> None:

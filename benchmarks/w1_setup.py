@@ -33,6 +33,17 @@ SHAPES = {
         vocab_size=128256,
         tie_word_embeddings=False,
     ),
+    # Llama-3.1-70B's shape (benchmarks/tensor_parallel.py; its weights are made per rank on the GPUs with
+    # load_format="dummy", never written).
+    "70B": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
     "smoke": dict(
         hidden_size=64,
         intermediate_size=128,
@@ -74,6 +85,15 @@ class Prompts(NamedTuple):
 def prompt_sets(rng: random.Random, vocab_size: int, num: int, min_len: int, max_len: int) -> Prompts:
     measured = random_prompts(rng, vocab_size, num, min_len, max_len)  # drawn first: the same as before
     return Prompts(measured, random_prompts(rng, vocab_size, num, min_len, max_len))
+
+
+def write_config(path: Path, shape: str, dtype: torch.dtype) -> Path:
+    """config.json alone: enough for an engine with load_format="dummy" (random weights made on the device)."""
+    config = llama_config(shape)
+    config.dtype = dtype
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    return path
 
 
 def make_model(path: Path, shape: str, dtype: torch.dtype, device: torch.device) -> Path:
@@ -128,11 +148,22 @@ def module_dims(config) -> dict[str, tuple[int, int]]:
 
 
 def make_adapters(
-    root: Path, model_dir: Path, config, count: int, rank: int, dtype: torch.dtype
+    root: Path,
+    model_dir: Path,
+    config,
+    count: int,
+    rank: int,
+    dtype: torch.dtype,
+    distinct: int | None = None,
 ) -> list[Path]:
-    """PEFT folders (adapter_config.json + adapter_model.safetensors), rank `rank` over all 7 projections."""
+    """PEFT folders (adapter_config.json + adapter_model.safetensors), rank `rank` over all 7 projections.
+    With `distinct`, only that many are written and the list repeats them (an engine registers each
+    entry under a name of its own, so it still holds `count` adapters: less to write for large shapes)."""
     from peft import LoraConfig
 
+    if distinct is not None and distinct < count:
+        made = make_adapters(root, model_dir, config, distinct, rank, dtype)
+        return [made[i % distinct] for i in range(count)]
     paths = []
     for a in range(count):
         gen = torch.Generator().manual_seed(100 + a)
@@ -172,27 +203,51 @@ def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
     return 2 * num_bytes / statistics.median(times[2:])
 
 
-def base_weight_bytes(config, element: int, fp8: bool = False) -> int:
-    """Bytes a decode step reads from the base weights: every layer, the final norm, the LM head. With
-    `fp8` the seven projections take one byte a weight plus a float32 scale per output row."""
-    dims = module_dims(config).values()
+# Split by output under tensor parallelism (their LoRA B too); the others, o and down, by input (their A).
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def rank_dims(config, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """module_dims of one rank's shard (tp 1: the whole model). KV heads fewer than the ranks are
+    replicated, one per rank (engine/parallel/plan.py)."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_rows = max(1, config.num_key_value_heads // tp) * head_dim
+    dims = {}
+    for module, (fan_in, fan_out) in module_dims(config).items():
+        if module in ("k_proj", "v_proj"):
+            dims[module] = (fan_in, kv_rows)
+        elif module in COLUMN_PARALLEL:
+            dims[module] = (fan_in, fan_out // tp)
+        else:
+            dims[module] = (fan_in // tp, fan_out)
+    return dims
+
+
+def base_weight_bytes(config, element: int, fp8: bool = False, tp: int = 1) -> int:
+    """Bytes a decode step reads from the base weights on one GPU (its shard, with `tp` ranks): every
+    layer, the final norm, the LM head (vocabulary-parallel). With `fp8` the seven projections take one
+    byte a weight plus a float32 scale per output row."""
+    dims = rank_dims(config, tp).values()
     projections = sum(fan_in * fan_out for fan_in, fan_out in dims)
     projection_bytes = projections + 4 * sum(fan_out for _, fan_out in dims) if fp8 else element * projections
     other = element * (
         config.num_hidden_layers * 2 * config.hidden_size
-        + config.vocab_size * config.hidden_size
+        + -(-config.vocab_size // tp) * config.hidden_size
         + config.hidden_size
     )
     return config.num_hidden_layers * projection_bytes + other
 
 
-def kv_bytes_per_token(config, element: int) -> int:
+def kv_bytes_per_token(config, element: int, tp: int = 1) -> int:
+    """K and V of one token over all layers on one GPU (its KV heads)."""
     head_dim = config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
+    return 2 * config.num_hidden_layers * max(1, config.num_key_value_heads // tp) * head_dim * element
 
 
-def adapter_bytes(config, rank: int, element: int) -> int:
-    return element * config.num_hidden_layers * sum(rank * (i + o) for i, o in module_dims(config).values())
+def adapter_bytes(config, rank: int, element: int, tp: int = 1) -> int:
+    """One adapter's A and B on one GPU: a column-parallel projection's A is whole and its B split, a
+    row-parallel one's A split and its B whole (engine/parallel/lora_shards.py)."""
+    return element * config.num_hidden_layers * sum(rank * (i + o) for i, o in rank_dims(config, tp).values())
 
 
 def sync(device: torch.device) -> None:

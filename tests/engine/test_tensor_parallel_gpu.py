@@ -6,7 +6,8 @@ collectives captured in the decode and verification CUDA graphs:
 - a W1-style bf16 model with mixed adapters: tp 2 and 4 agree with tp 1 on the first 32 tokens of at
   least 95% of the prompts;
 - speculative verification graphs replayed over two GPUs keep greedy tokens;
-- shutdown within 10 s, GPU memory given back, and a killed worker reported within 5 s;
+- shutdown within 10 s, GPU memory given back, a killed worker reported within 5 s, a hung one (SIGSTOP)
+  once the step timeout passes, and a new engine started after either;
 - 20 start / generate / shutdown cycles in one process, none hanging (in a child process, bounded).
 
     NCCL_NVLS_ENABLE=0 TRITON_INTERPRET=0 python -m pytest tests/engine/test_tensor_parallel_gpu.py -m gpu -q
@@ -30,6 +31,7 @@ from factories import C1_ADAPTERS, load_peft_reference, make_adapter, make_model
 from spec_decode_fixtures import echo_prompts, make_echo_case
 
 from engine import LLM, SamplingParams
+from engine.parallel import workers as workers_module
 from engine.parallel.workers import TensorParallelError
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the workers inherit it (NVLink multicast off)
@@ -245,6 +247,23 @@ def test_a_killed_worker_is_reported_within_5_s(c1_case):
         assert time.monotonic() - killed[0] < 5
     finally:
         shut_down_within(llm, 10)
+
+
+@gpus(2)
+def test_a_hung_worker_is_reported_after_the_step_timeout(c1_case, monkeypatch):
+    monkeypatch.setattr(workers_module, "STEP_TIMEOUT_S", 5.0)
+    llm = LLM(model=str(c1_case["model_dir"]), tensor_parallel_size=2, **ENGINE_ARGS)
+    (worker,) = llm.engine.runner.parallel.workers.processes
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)  # alive, silent: its peers' collectives never complete
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match="did not finish within 5 s"):
+            llm.generate([{"prompt_token_ids": p} for p in c1_case["prompts"]], GREEDY)
+        assert time.monotonic() - started < 15
+    finally:
+        shut_down_within(llm, 10)
+    with LLM(model=str(c1_case["model_dir"]), tensor_parallel_size=2, **ENGINE_ARGS) as again:
+        assert again.generate([{"prompt_token_ids": c1_case["prompts"][0]}], GREEDY)[0].error is None
 
 
 CYCLES = """

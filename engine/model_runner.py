@@ -147,10 +147,7 @@ class ModelRunner:
         graphs = VerifyCudaGraphs(self, spec.num_speculative_tokens, spec.disable_by_batch_size)
         if not graphs.buckets:
             return None
-        if self.device.type == "cuda":
-            graphs.capture(self.graphs.pool)
-        else:  # uncaptured (tests): the padding lanes only
-            graphs._fill_padding(graphs.max_batch_size)
+        graphs.capture(self.graphs.pool)
         return graphs
 
     @property

@@ -133,26 +133,32 @@ class Workers:
     # -- failures -----------------------------------------------------------------------------------
 
     def failure(self, rank: int | None = None, message: object = None) -> TensorParallelError:
-        """An error naming the worker that failed (the watchdog's finding, else the first worker found
-        dead or reporting, if `rank` is None) and its reason; every worker is stopped, since none can
-        run another step alone."""
+        """An error naming the worker that failed (`rank`, else the one the watchdog lost, else the first
+        found dead or reporting) and its reason. The workers are lost for good: killed, rank 0's
+        communicator aborted (the watchdog's reaction, if it has not run yet), and stopped."""
         watched = self._watchdog
-        if rank is None and watched.failed_reason is not None:
-            rank = watched.failed_rank  # None: a hang, no worker to name
-            message = _receive(self.conns[rank - 1]) if rank is not None else None
-        elif rank is None:
-            for r, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
-                if not process.is_alive() or conn.poll():
-                    rank, message = r, _receive(conn)
-                    break
-        self.stop()
-        if watched.failed_reason is not None and not isinstance(message, Failed):
-            return TensorParallelError(f"{watched.failed_reason}; the engine stopped")
         if rank is None:
-            return TensorParallelError("a tensor-parallel collective failed; the workers were stopped")
-        process = self.processes[rank - 1]
-        reason = message.message if isinstance(message, Failed) else f"exit code {process.exitcode}"
-        return TensorParallelError(f"tensor-parallel worker {rank} failed ({reason}); the engine stopped")
+            rank = watched.failed_rank if watched.failed_reason is not None else self._first_failed()
+        if message is None and rank is not None:
+            message = _receive(self.conns[rank - 1])
+        if isinstance(message, Failed):
+            reason = f"tensor-parallel worker {rank} failed ({message.message})"
+        elif watched.failed_reason is not None:
+            reason = watched.failed_reason
+        elif rank is not None:
+            self.processes[rank - 1].join(1.0)  # reaped, so its exit code is known
+            reason = f"tensor-parallel worker {rank} failed (exit code {self.processes[rank - 1].exitcode})"
+        else:
+            reason = "a tensor-parallel collective failed"
+        watched.lose(reason, rank)
+        self.stop()
+        return TensorParallelError(f"{reason}; the engine stopped")
+
+    def _first_failed(self) -> int | None:
+        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            if not process.is_alive() or conn.poll():
+                return rank
+        return None
 
     def stop(self) -> None:
         self._finalizer()
@@ -168,6 +174,7 @@ class _Watchdog:
         self.failed_rank: int | None = None  # the worker that died (None for a hang)
         self.step_timeout_s = STEP_TIMEOUT_S
         self.step_started: float | None = None  # monotonic time the running step began; None: idle
+        self._lock = threading.Lock()
 
     def run(self, quiet: int) -> None:
         """Wait for a worker to die, a step to overrun, or `quiet` (the workers are being stopped)."""
@@ -181,24 +188,30 @@ class _Watchdog:
                     rank = sentinels[ready[0]]
                     process = self.processes[rank - 1]
                     process.join(STOP_GRACE_S)  # its exit code (another thread may be reaping it)
-                    self.failed_rank = rank
-                    self._lose(f"tensor-parallel worker {rank} failed (exit code {process.exitcode})")
+                    self.lose(f"tensor-parallel worker {rank} failed (exit code {process.exitcode})", rank)
                     return
                 started = self.step_started
                 if started is not None and time.monotonic() - started > self.step_timeout_s:
-                    self._lose(
+                    self.lose(
                         f"a tensor-parallel step did not finish within {self.step_timeout_s:.0f} s "
-                        "(a worker hung in a collective); the workers were killed"
+                        "(a worker hung in a collective); the workers were killed",
+                        None,
                     )
                     return
         finally:
             os.close(quiet)
 
-    def _lose(self, reason: str) -> None:
-        """The workers are lost: say why, kill them all (a worker blocked in a collective never returns
-        to read Stop), then let rank 0 abort its side."""
-        self.failed_reason = reason
-        logger.error("%s: the engine cannot run another step", reason)
+    def lose(self, reason: str, rank: int | None) -> None:
+        """The workers are lost (the first call says why; later ones change nothing): kill them all (a
+        worker blocked in a collective never returns to read Stop), then let rank 0 abort its side."""
+        with self._lock:
+            if self.failed_reason is not None:
+                return
+            self.failed_rank, self.failed_reason = rank, reason
+            self._kill_and_abort()
+
+    def _kill_and_abort(self) -> None:
+        logger.error("%s: the engine cannot run another step", self.failed_reason)
         for process in self.processes:
             if process.is_alive():
                 process.kill()

@@ -120,10 +120,13 @@ class VerifyCudaGraphs:
     # -- capture ----------------------------------------------------------------------------------------
 
     def capture(self, pool=None) -> None:
-        """Capture every bucket, largest first, in `pool` (the decode graphs': never replayed together)."""
+        """Capture every bucket, largest first, in `pool` (the decode graphs': never replayed together);
+        off CUDA only the padding lanes are set (replays run uncaptured)."""
         started = time.perf_counter()
         self.pool = pool
         self._fill_padding(self.max_batch_size)
+        if self.device.type != "cuda":
+            return
         with torch.inference_mode():
             for size in reversed(self.buckets):
                 for use_lora in (True, False):

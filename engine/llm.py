@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import weakref
 from collections.abc import Sequence
 
 from engine.config import EngineConfig
@@ -25,9 +24,10 @@ class LLM:
     Without `sampling_params`, prompts use `get_default_sampling_params()`: the model's recommended
     sampling fields (its generation_config.json) unless `generation_config="vllm"`.
 
-    `shutdown()` (or leaving a `with LLM(...) as llm:` block, or dropping the object) frees the engine:
-    its GPU memory, its adapter loaders and its tensor-parallel workers; another LLM may then start in
-    this process.
+    `shutdown()` (or leaving a `with LLM(...) as llm:` block) frees the engine at once: its GPU memory,
+    its adapter loaders and its tensor-parallel workers; another LLM may then start in this process. An
+    engine dropped without it (`del llm; gc.collect()`) stops its workers and leaves its process group
+    when it is collected.
     """
 
     def __init__(
@@ -44,8 +44,6 @@ class LLM:
             tokenizer=tokenizer,
             skip_tokenizer_init=skip_tokenizer_init,
         )
-        # Also when the LLM is dropped without shutdown() (collected, or at interpreter exit).
-        self._finalizer = weakref.finalize(self, LLMEngine.shutdown, self.engine)
         try:
             for name, path in (lora_modules or {}).items():
                 self.engine.register_adapter(name, path)
@@ -66,12 +64,12 @@ class LLM:
     def shutdown(self) -> None:
         """Free the engine now (idempotent): GPU memory, adapter loaders, tensor-parallel workers (each
         wait bounded). `generate` refuses after it."""
-        self._finalizer()
+        self.engine.shutdown()
         gc.collect()  # what the engine's parts still hold in reference cycles
 
     @property
     def closed(self) -> bool:
-        return not self._finalizer.alive
+        return self.engine.closed
 
     def register_adapter(self, name: str, path: str) -> None:
         self.engine.register_adapter(name, path)

@@ -10,8 +10,8 @@ from factories import C1_ADAPTERS, make_adapter, make_model
 from adapter_format.checkpoint import load_peft_adapter
 from adapter_format.model_shape import ModelShape
 from engine.lora.slots import SlotLayout, build_image
+from engine.model import weight_source
 from engine.model.loader import load_config, load_weights
-from engine.parallel import sharded_loader
 from engine.parallel.lora_shards import shard_image
 from engine.parallel.plan import COLUMN_PARALLEL, ShardPlan
 from engine.parallel.sharded_loader import load_shard
@@ -72,7 +72,7 @@ def test_shards_reassemble_the_checkpoint_and_are_read_by_slices(model_dir, worl
     config = load_config(model_dir)
     whole = load_weights(model_dir, config, torch.float32, torch.device("cpu"))
     plan = ShardPlan(ModelShape.from_hf_config(config), config.vocab_size, world_size)
-    opened = sharded_loader.safe_open
+    opened = weight_source.safe_open
 
     def slices_only(*args, **kwargs):  # a handle whose get_tensor (a whole read) fails the test
         handle = opened(*args, **kwargs)
@@ -90,7 +90,7 @@ def test_shards_reassemble_the_checkpoint_and_are_read_by_slices(model_dir, worl
 
         return Sliced()
 
-    monkeypatch.setattr(sharded_loader, "safe_open", slices_only)
+    monkeypatch.setattr(weight_source, "safe_open", slices_only)  # where the loaders open files
     shards = [
         load_shard(model_dir, config, plan, r, torch.float32, torch.device("cpu")) for r in range(world_size)
     ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Sequence
 
 from engine.config import EngineConfig
@@ -65,7 +64,6 @@ class LLM:
         """Free the engine now (idempotent): GPU memory, adapter loaders, tensor-parallel workers (each
         wait bounded). `generate` refuses after it."""
         self.engine.shutdown()
-        gc.collect()  # what the engine's parts still hold in reference cycles
 
     @property
     def closed(self) -> bool:

@@ -17,6 +17,8 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
+import torch
+
 from adapter_format.checkpoint import PeftAdapter
 from adapter_format.errors import AdapterError
 from adapter_format.events import Observer
@@ -345,7 +347,9 @@ class LLMEngine:
             self._in_flight = None
             self.requests = self.scheduler = self.lora = self.speculator = None
             self.sampler = self.structured = None
-            gc.collect()
+            gc.collect()  # what the engine's parts still hold in reference cycles
+            if self.config.torch_device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def _check_open(self) -> None:
         if self.closed:

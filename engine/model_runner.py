@@ -3,7 +3,6 @@ slots, turns a scheduled batch into model inputs and returns the logits of the r
 
 from __future__ import annotations
 
-import gc
 import logging
 from contextlib import nullcontext
 from pathlib import Path
@@ -236,7 +235,6 @@ class ModelRunner:
         self.lora_slots = None
         if self.parallel is not None:
             self.parallel.shutdown()  # drops what it held, stops the workers, leaves the group
-        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -63,7 +63,6 @@ def _leave(held: list, workers: Workers, group: ParallelGroup, threads: int) -> 
     if device.type == "cuda" and workers.failed_reason is None:
         run_bounded(lambda: torch.cuda.synchronize(device), LEAVE_TIMEOUT_S, "waiting for the last steps")
     held.clear()  # the CUDA graphs (and what they hold) go before the communicator they captured
-    gc.collect()
     workers.stop()
     group.leave()
     torch.set_num_threads(threads)

@@ -72,7 +72,7 @@ def test_shutdown_with_block_and_collection_each_make_room_for_the_next_engine(m
         workers = worker_processes(llm)
         started = time.monotonic()
         llm.shutdown()
-        assert time.monotonic() - started < 10
+        assert time.monotonic() - started < 30  # the GPU test holds it to 10 s; CPU runners are shared
         llm.shutdown()  # idempotent
     finally:
         llm.shutdown()

@@ -1,8 +1,9 @@
 """Read and validate PEFT LoRA checkpoints (adapter_config.json + adapter_model.safetensors).
 
-Validation works on tensor names and shapes alone (`check_adapter`, fed by safetensors_header.py), so
-the adapter store can run it on a safetensors header before writing anything; `load_peft_adapter` runs
-the same checks, then reads the tensors, and `map_peft_adapter` runs them, then maps the file.
+Validation of names and shapes works on them alone (`check_adapter`, fed by safetensors_header.py), so the
+adapter store runs it on a safetensors header before it writes the weights; `load_peft_adapter` runs the
+same checks, then reads the tensors, and `map_peft_adapter` runs them, then maps the file; both then check
+the tensors' values (weight_values.py), which the store does too, on the staged file, before it stores it.
 Only safetensors is read: pickled `.bin` checkpoints are refused, never unpickled.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 import math
 import mmap
 import re
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,14 +21,11 @@ from safetensors import safe_open
 
 from adapter_format.errors import AdapterError, show_value
 from adapter_format.files import WEIGHTS_FILE
-from adapter_format.model_shape import ATTENTION_MODULES, TARGET_MODULES, ModelShape
-from adapter_format.peft_config import (
-    PATTERN_MATCH_BUDGET_S,
-    LoraSettings,
-    check_adapter_config,
-    read_adapter_config,
-)
+from adapter_format.model_shape import ModelShape, module_key
+from adapter_format.module_patterns import new_deadline
+from adapter_format.peft_config import LoraSettings, check_adapter_config, read_adapter_config
 from adapter_format.safetensors_header import DTYPE_BYTES, TensorSpan, read_tensor_spans
+from adapter_format.weight_values import check_weight_values
 
 # e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (any prefix before `layers.`).
 _TENSOR_NAME = re.compile(
@@ -66,32 +63,47 @@ def check_adapter(
     max_lora_rank: int,
 ) -> PeftAdapter:
     """Validate a config and its tensors' names and shapes against the base model (no tensor data read)."""
-    settings = check_adapter_config(config, max_lora_rank)
+    settings = check_adapter_config(config, max_lora_rank, shape)
+    deadline = new_deadline()  # bounds all the pattern matching of this adapter
     pairs: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
+    prefixes: dict[str, str] = {}  # tensor name prefix -> the first tensor under it
     for name, tensor_shape in tensor_shapes.items():
         match = _TENSOR_NAME.match(name) if len(name) <= MAX_TENSOR_NAME_CHARS else None
         if match is None:
             raise AdapterError(
                 "unexpected_tensor",
                 f"tensor {show_value(name)} is not a LoRA weight of a decoder-layer projection "
-                f"({', '.join(TARGET_MODULES)}); embedding, lm_head, bias and DoRA tensors are not supported",
+                f"({', '.join(shape.targets)}); embedding, lm_head, bias and DoRA tensors are not supported",
             )
-        layer, module = int(match["layer"]), match["module"]
-        if module not in TARGET_MODULES:
+        layer, module, ab = int(match["layer"]), match["module"], match["ab"]
+        if module not in shape.targets:
             raise AdapterError(
                 "unsupported_target",
-                f"tensor {name!r} targets {module!r}; supported: {', '.join(TARGET_MODULES)}",
+                f"tensor {name!r} targets {module!r}; LoRA on {shape.model_name} may target "
+                f"{', '.join(shape.targets)}{shape.unsupported_targets_hint([module])}",
             )
         if layer >= shape.num_layers:
             raise AdapterError(
                 "layer_out_of_range",
                 f"tensor {name!r} is for layer {layer}, but the base model has {shape.num_layers}",
             )
-        pairs.setdefault((layer, module), {})[match["ab"]] = tuple(tensor_shape)
+        prefixes.setdefault(match["prefix"], name)
+        if len(prefixes) > 1:
+            first, other = prefixes.values()
+            raise AdapterError(
+                "duplicate_tensor",
+                f"tensors {show_value(first)} and {show_value(name)} are under different prefixes; PEFT saves "
+                "one model's LoRA weights under one prefix (a second copy would be ignored or replace the first)",
+            )
+        pair = pairs.setdefault((layer, module), {})
+        if ab in pair:
+            raise AdapterError(
+                "duplicate_tensor", f"layer {layer} {module}: lora_{ab} appears twice ({show_value(name)})"
+            )
+        pair[ab] = tuple(tensor_shape)
     if not pairs:
         raise AdapterError("no_lora_weights", "adapter_model.safetensors holds no LoRA weights")
 
-    deadline = time.monotonic() + PATTERN_MATCH_BUDGET_S
     modules: dict[tuple[int, str], ModuleLoRA] = {}
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
@@ -118,10 +130,27 @@ def check_adapter(
                 "rank_too_large",
                 f"layer {layer} {module} has rank {rank}, above max_lora_rank {max_lora_rank}",
             )
-        modules[(layer, module)] = ModuleLoRA(
-            rank=rank, scale=_scaling(settings, layer, module, rank, deadline)
-        )
-    targets = tuple(sorted({module for _, module in modules}, key=TARGET_MODULES.index))
+        key = module_key(layer, module)
+        refusal = settings.targets.refusal(layer, module, deadline) if settings.targets else None
+        if refusal is not None:
+            field, why = refusal
+            raise AdapterError(
+                "tensor_not_targeted",
+                f"adapter_model.safetensors holds layer {layer} {module}, but {why} ({key}): PEFT would not "
+                "apply those tensors; remove them or fix adapter_config.json",
+                field,
+            )
+        configured = settings.rank_for(key, deadline)
+        if rank != configured:
+            field = "r" if configured == settings.rank else "rank_pattern"
+            raise AdapterError(
+                "rank_mismatch",
+                f"layer {layer} {module} has rank {rank} in adapter_model.safetensors, but adapter_config.json "
+                f"gives it rank {configured} ({field}); PEFT refuses to load such an adapter",
+                field,
+            )
+        modules[(layer, module)] = ModuleLoRA(rank=rank, scale=_scaling(settings, key, rank, deadline))
+    targets = tuple(sorted({module for _, module in modules}, key=shape.targets.index))
     return PeftAdapter(
         rank=max(m.rank for m in modules.values()),
         alpha=settings.alpha,
@@ -131,41 +160,50 @@ def check_adapter(
     )
 
 
-def _scaling(settings: LoraSettings, layer: int, module: str, rank: int, deadline: float) -> float:
+def _scaling(settings: LoraSettings, key: str, rank: int, deadline: float) -> float:
     """PEFT's per-module scaling, honouring alpha_pattern and use_rslora."""
-    block = "self_attn" if module in ATTENTION_MODULES else "mlp"
-    alpha = settings.alpha_for(f"model.layers.{layer}.{block}.{module}", deadline)
+    alpha = settings.alpha_for(key, deadline)
     return alpha / math.sqrt(rank) if settings.use_rslora else alpha / rank
 
 
-def load_peft_adapter(folder: str | Path, shape: ModelShape, max_lora_rank: int) -> PeftAdapter:
-    """Read, validate and load a PEFT adapter folder onto the CPU (weights in their stored dtype)."""
-    weights, adapter, _ = _check_folder(folder, shape, max_lora_rank)
+def load_peft_adapter(
+    folder: str | Path, shape: ModelShape, max_lora_rank: int, label: str | None = None
+) -> PeftAdapter:
+    """Read, validate and load a PEFT adapter folder onto the CPU (weights in their stored dtype).
+
+    Messages name the weights file as `label` (default: its path)."""
+    weights, adapter, _ = _check_folder(folder, shape, max_lora_rank, label)
     try:
         with safe_open(str(weights), framework="pt") as f:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except Exception as exc:  # safetensors raises several types for corrupt headers
-        raise AdapterError("bad_weights", f"{weights} is not a readable safetensors file: {exc}") from None
+        raise AdapterError(
+            "bad_weights", f"{label or weights} is not a readable safetensors file: {exc}"
+        ) from None
     return _with_tensors(adapter, tensors)
 
 
-def map_peft_adapter(folder: str | Path, shape: ModelShape, max_lora_rank: int) -> PeftAdapter:
+def map_peft_adapter(
+    folder: str | Path, shape: ModelShape, max_lora_rank: int, label: str | None = None
+) -> PeftAdapter:
     """`load_peft_adapter` without reading: the same checks, then tensors that are views of the weights
     file mapped into memory (copy-on-write, so writing to one never changes the file).
 
     For a caller that copies the weights elsewhere at once (a CPU-tier row): each byte is then read once,
     straight from the page cache, instead of into fresh tensors first (allocating those, one page fault
-    per 4 KiB, cost more than the copy itself). The mapping lives as long as any of its tensors. The
+    per 4 KiB, cost more than the copy itself); the value check reads them once before. The mapping lives as long as any of its tensors. The
     file must not shrink while they are read (a read past its end is a SIGBUS, as it is inside
     `safe_open`, which maps the file too); a stored or cached file is never changed in place.
     """
-    weights, adapter, spans = _check_folder(folder, shape, max_lora_rank)
+    weights, adapter, spans = _check_folder(folder, shape, max_lora_rank, label)
     try:
         with open(weights, "rb") as f:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         tensors = {name: _view(mapped, span) for name, span in spans.items()}
     except (OSError, ValueError) as exc:  # changed since its header was read
-        raise AdapterError("bad_weights", f"{weights} is not a readable safetensors file: {exc}") from None
+        raise AdapterError(
+            "bad_weights", f"{label or weights} is not a readable safetensors file: {exc}"
+        ) from None
     return _with_tensors(adapter, tensors)
 
 
@@ -183,7 +221,7 @@ def _view(mapped: mmap.mmap, span: TensorSpan) -> torch.Tensor:
 
 
 def _check_folder(
-    folder: str | Path, shape: ModelShape, max_lora_rank: int
+    folder: str | Path, shape: ModelShape, max_lora_rank: int, label: str | None
 ) -> tuple[Path, PeftAdapter, dict[str, TensorSpan]]:
     """The weights file, the adapter as its config and header describe it, and where its tensors lie."""
     folder = Path(folder)
@@ -199,13 +237,15 @@ def _check_folder(
             else ""
         )
         raise AdapterError("missing_weights", f"{weights} does not exist{hint}")
-    spans = read_tensor_spans(weights, str(weights))
+    spans = read_tensor_spans(weights, label or str(weights))
     shapes = {name: span.shape for name, span in spans.items()}
     return weights, check_adapter(config, shapes, shape, max_lora_rank), spans
 
 
 def _with_tensors(adapter: PeftAdapter, tensors: Mapping[str, torch.Tensor]) -> PeftAdapter:
-    """The checked adapter with its tensors (as stored: the slot image converts them once)."""
+    """The checked adapter with its tensors (as stored: the slot image converts them once), whose values
+    are checked here, so every load checks them."""
+    check_weight_values(tensors)
     loaded: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         match = _TENSOR_NAME.match(name)

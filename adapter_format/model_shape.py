@@ -1,18 +1,27 @@
-"""The base model's projection sizes: what an adapter's tensors must fit."""
+"""The base model's projection sizes, and which projections LoRA may target: what an adapter must fit.
+
+Projections are named as in the checkpoint (and so as PEFT names them): Llama-family layers have
+separate `q_proj`, `k_proj`, `v_proj` and `gate_proj`, `up_proj`; Phi-3 stores them fused as `qkv_proj`
+and `gate_up_proj`, which is where PEFT puts its LoRA pairs. Each architecture names its own target set
+(`ModelShape.targets`); the engine's model registry fills it in (engine/model/registry.py).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The seven linear projections of a Llama-family decoder layer that LoRA may target.
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
+# Projections under `self_attn` and under `mlp` (the module path PEFT's alpha_pattern keys see).
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+# The seven linear projections of a Llama-family decoder layer: the default target set.
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# What a fused projection stands for: a hint when an adapter names the other form.
+FUSED_FORMS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Sizes of a Llama-family model, read from its Hugging Face config."""
+    """Sizes of a decoder model (from its Hugging Face config) and the projections LoRA may target."""
 
     num_layers: int
     hidden_size: int
@@ -20,11 +29,22 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # In slot-table order (engine/lora/slots.py); a subset of ATTENTION_MODULES + MLP_MODULES.
+    targets: tuple[str, ...] = TARGET_MODULES
+    architecture: str | None = None  # e.g. "Phi3ForCausalLM", for messages
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.targets if t not in ATTENTION_MODULES + MLP_MODULES]
+        if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"LoRA targets {list(self.targets)} must be distinct known projections")
 
     @classmethod
-    def from_hf_config(cls, config) -> ModelShape:
+    def from_hf_config(cls, config, targets: tuple[str, ...] = TARGET_MODULES) -> ModelShape:
+        """Sizes from a config; `targets` and the architecture come from the engine's model registry
+        (`engine.model_shape`), which callers that know the model should use instead."""
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        architectures = getattr(config, "architectures", None) or [None]
         return cls(
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
@@ -32,21 +52,58 @@ class ModelShape:
             num_heads=num_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
+            targets=tuple(targets),
+            architecture=architectures[0],
         )
 
+    @property
+    def model_name(self) -> str:
+        return self.architecture or "the base model"
+
+    def block(self, module: str) -> str:
+        """The module path segment PEFT puts the projection under: `self_attn` or `mlp`."""
+        return "self_attn" if module in ATTENTION_MODULES else "mlp"
+
     def module_dims(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of one projection."""
+        """(in_features, out_features) of one projection LoRA may target."""
+        if module not in self.targets:
+            raise ValueError(
+                f"{module!r} is not a LoRA target of {self.model_name}; supported: {', '.join(self.targets)}"
+            )
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        dims = {
-            "q_proj": (self.hidden_size, q_size),
-            "k_proj": (self.hidden_size, kv_size),
-            "v_proj": (self.hidden_size, kv_size),
-            "o_proj": (q_size, self.hidden_size),
-            "gate_proj": (self.hidden_size, self.intermediate_size),
-            "up_proj": (self.hidden_size, self.intermediate_size),
-            "down_proj": (self.intermediate_size, self.hidden_size),
-        }
-        if module not in dims:
-            raise ValueError(f"unknown projection {module!r}; supported: {', '.join(TARGET_MODULES)}")
-        return dims[module]
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, q_size),
+            "k_proj": (h, kv_size),
+            "v_proj": (h, kv_size),
+            "qkv_proj": (h, q_size + 2 * kv_size),
+            "o_proj": (q_size, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "gate_up_proj": (h, 2 * i),
+            "down_proj": (i, h),
+        }[module]
+
+    def unsupported_targets_hint(self, modules: list[str]) -> str:
+        """Why an adapter that names `modules` (none of them targets here) does not fit, for messages."""
+        for fused, parts in FUSED_FORMS.items():
+            named = [m for m in modules if m in parts]
+            if named and fused in self.targets:
+                return (
+                    f"; {self.model_name} stores {', '.join(parts)} fused as {fused}: train the adapter on "
+                    f"this model (PEFT then targets {fused})"
+                )
+            if fused in modules and set(parts) <= set(self.targets):
+                return (
+                    f"; {self.model_name} has separate {', '.join(parts)} where this adapter targets {fused} "
+                    "(an adapter trained on another architecture?)"
+                )
+        return ""
+
+
+def module_key(layer: int, module: str) -> str:
+    """A projection's name among the base model's modules, as PEFT matches config patterns against it
+    (`model.layers.3.self_attn.q_proj`)."""
+    block = "self_attn" if module in ATTENTION_MODULES else "mlp"
+    return f"model.layers.{layer}.{block}.{module}"

@@ -2,13 +2,14 @@
 
 The one place for these rules: the adapter store runs them on uploads (a 422 naming the field) and the
 engine on every folder it loads (an AdapterError naming the field), so a config the store took is one
-the engine serves. Keys the engine does not use (lora_dropout, task_type, ...) are not checked.
+the engine serves. Whether PEFT would load it as a causal-LM LoRA at all (peft_type, task_type, features
+the engine cannot run) is peft_features.py's part, and which modules it wraps peft_targets.py's. Keys that
+only shape training (lora_dropout, init_lora_weights, ...) are not checked.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,10 @@ import regex
 from adapter_format.bounded_json import loads_bounded
 from adapter_format.errors import AdapterError, show_value
 from adapter_format.files import CONFIG_FILE
-from adapter_format.model_shape import TARGET_MODULES
+from adapter_format.model_shape import ModelShape
+from adapter_format.module_patterns import compile_pattern, search
+from adapter_format.peft_features import check_features, check_peft_type, check_task_type
+from adapter_format.peft_targets import Targets, read_targets
 
 # A PEFT config is a few hundred bytes, nested three levels at most (layer_replication's lists).
 MAX_CONFIG_BYTES = 1 << 20
@@ -29,14 +33,10 @@ MAX_ALPHA = 1e6
 DEFAULT_ALPHA = 8  # PEFT's LoraConfig default
 MAX_PATTERN_ENTRIES = 1024
 MAX_PATTERN_KEY_CHARS = 256
-MAX_TARGET_MODULES = 64
+# `target_modules="all-linear"` saves every projection's full path: 7 per layer, 1,000 for a deep model.
+MAX_TARGET_MODULES = 8192
 MAX_BASE_MODEL_CHARS = 1024  # base_model_name_or_path is stored in the adapter's record
 BIAS_MODES = ("none", "all", "lora_only")
-# alpha_pattern keys are regular expressions (PEFT's rule); a hostile one must not hang a load. Matching
-# has a time budget; compiling is bounded by the counted repetitions ({m,n}), whose product it grows with.
-PATTERN_MATCH_BUDGET_S = 1.0
-MAX_REPEAT_PRODUCT = 4096
-_COUNTED_REPEAT = regex.compile(r"\{(\d*)(?:,(\d*))?\}")
 
 
 @dataclass(frozen=True)
@@ -50,38 +50,39 @@ class LoraSettings:
     alpha_pattern: dict[str, float]
     target_modules: str | tuple[str, ...] | None  # PEFT's regex, a list, or None (PEFT's defaults)
     base_model: str | None  # base_model_name_or_path, informative only
-    # alpha_pattern's keys compiled once, in order: (key, PEFT's pattern for it, alpha)
-    alpha_regexes: tuple[tuple[str, regex.Pattern, float], ...] = field(default=(), repr=False, compare=False)
+    # Which (layer, projection) pairs PEFT wraps: tensors for any other are refused (peft_targets.py).
+    targets: Targets | None = field(default=None, repr=False, compare=False)
+    # rank_pattern's and alpha_pattern's keys compiled once, in order: (PEFT's pattern for the key, value)
+    rank_regexes: tuple[tuple[regex.Pattern, int], ...] = field(default=(), repr=False, compare=False)
+    alpha_regexes: tuple[tuple[regex.Pattern, float], ...] = field(default=(), repr=False, compare=False)
+
+    def rank_for(self, module_key: str, deadline: float) -> int:
+        """The rank PEFT gives a module: the first rank_pattern key whose regex ends `module_key`, else r."""
+        return _first_match(self.rank_regexes, module_key, deadline, "rank_pattern", self.rank)
 
     def alpha_for(self, module_key: str, deadline: float) -> float:
         """PEFT's `get_pattern_key`: the first alpha_pattern key whose regex ends `module_key` wins.
 
         `deadline` (time.monotonic) bounds all the matching of one adapter, however many keys and modules.
         """
-        for key, pattern, alpha in self.alpha_regexes:
-            try:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError
-                matched = pattern.match(module_key, timeout=left)
-            except TimeoutError:
-                raise _bad(
-                    "bad_alpha_pattern",
-                    "alpha_pattern",
-                    f"takes too long to match the model's module names (at key {show_value(key)}); use plain "
-                    "module names or simple patterns",
-                ) from None
-            if matched:
-                return alpha
-        return self.alpha
+        return _first_match(self.alpha_regexes, module_key, deadline, "alpha_pattern", self.alpha)
+
+
+def _first_match(regexes, module_key: str, deadline: float, field_name: str, default):
+    for pattern, value in regexes:
+        if search(pattern, module_key, deadline, field_name) is not None:
+            return value
+    return default
 
 
 def read_adapter_config(folder: str | Path) -> dict:
     """The folder's adapter_config.json as a dict; AdapterError for a missing, huge, deep or non-JSON file."""
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
+        # The file's name only: the folder may be a server's staging folder, which no message may show.
         raise AdapterError(
-            "missing_config", f"{path} does not exist: a PEFT adapter folder needs {CONFIG_FILE}"
+            "missing_config",
+            f"no {CONFIG_FILE} found: a PEFT adapter folder needs {CONFIG_FILE} (save_pretrained writes it)",
         )
     with open(path, "rb") as f:
         data = f.read(MAX_CONFIG_BYTES + 1)
@@ -100,13 +101,15 @@ def parse_adapter_config(data: bytes) -> dict:
     return config
 
 
-def check_adapter_config(config: Mapping, max_lora_rank: int) -> LoraSettings:
-    """Refuse configs the engine cannot serve faithfully; AdapterError with `field` set names the key."""
-    peft_type = config.get("peft_type")
-    if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
-        raise AdapterError(
-            "not_lora", f"peft_type is {show_value(peft_type)}; only LORA adapters are supported", "peft_type"
-        )
+def check_adapter_config(
+    config: Mapping, max_lora_rank: int, shape: ModelShape | None = None
+) -> LoraSettings:
+    """Refuse configs the engine cannot serve faithfully; AdapterError with `field` set names the key.
+
+    `shape` gives the projections LoRA may target (the seven of a Llama-family layer when None)."""
+    check_peft_type(config)
+    check_task_type(config)
+    check_features(config)
     rank = config.get("r")
     if not _is_rank(rank):
         raise _bad("bad_rank", "r", f"must be a positive integer (got {show_value(rank)})")
@@ -119,24 +122,6 @@ def check_adapter_config(config: Mapping, max_lora_rank: int) -> LoraSettings:
             f"must be a finite number within ±{MAX_ALPHA:g} (got {show_value(alpha)})",
         )
     alpha_pattern = _pattern_map(config, "alpha_pattern", _is_alpha, f"finite numbers within ±{MAX_ALPHA:g}")
-    alpha_regexes = []
-    for key, value in alpha_pattern.items():
-        repeats = 1
-        for low, high in _COUNTED_REPEAT.findall(key):
-            repeats *= max(int(low or 0), int(high or 0), 1)
-        if repeats > MAX_REPEAT_PRODUCT:
-            raise _bad(
-                "bad_alpha_pattern",
-                "alpha_pattern",
-                f"key {show_value(key)} repeats too much: its {{m,n}} counts multiply to more than "
-                f"{MAX_REPEAT_PRODUCT}",
-            )
-        try:
-            alpha_regexes.append((key, _pattern(key), float(value)))
-        except regex.error as exc:
-            raise _bad(
-                "bad_alpha_pattern", "alpha_pattern", f"key {show_value(key)} is not a valid regex ({exc})"
-            ) from None
     largest = max([rank, *rank_pattern.values()])
     if largest > max_lora_rank:
         key = "r" if largest == rank else "rank_pattern"
@@ -170,13 +155,7 @@ def check_adapter_config(config: Mapping, max_lora_rank: int) -> LoraSettings:
         )
     targets = _string_list(config, "target_modules", allow_string=True)
     if isinstance(targets, tuple):
-        unsupported = sorted(set(targets) - set(TARGET_MODULES))
-        if unsupported:
-            raise AdapterError(
-                "unsupported_target",
-                f"target modules {unsupported} are not supported; LoRA may target {', '.join(TARGET_MODULES)}",
-                "target_modules",
-            )
+        check_target_names(targets, shape or ModelShape(1, 1, 1, 1, 1, 1))
     base_model = config.get("base_model_name_or_path")
     if base_model is not None and not (
         isinstance(base_model, str) and len(base_model) <= MAX_BASE_MODEL_CHARS
@@ -192,10 +171,33 @@ def check_adapter_config(config: Mapping, max_lora_rank: int) -> LoraSettings:
         use_rslora=use_rslora,
         rank_pattern=rank_pattern,
         alpha_pattern=alpha_pattern,
-        alpha_regexes=tuple(alpha_regexes),
         target_modules=targets,
         base_model=base_model,
+        targets=read_targets(config, targets),
+        rank_regexes=_compiled(rank_pattern, "rank_pattern", int),
+        alpha_regexes=_compiled(alpha_pattern, "alpha_pattern", float),
     )
+
+
+def _compiled(patterns: dict, field_name: str, convert) -> tuple:
+    """PEFT's match for a pattern key: the key, possibly after a dotted prefix, ending the module name."""
+    return tuple(
+        (compile_pattern(key, field_name, r"(.*\.)?({})$"), convert(v)) for key, v in patterns.items()
+    )
+
+
+def check_target_names(targets: tuple[str, ...], shape: ModelShape) -> None:
+    """A list of target_modules as PEFT matches them: a name or a dotted path ending in one
+    ("model.layers.0.self_attn.qkv_proj", as `target_modules="all-linear"` saves them)."""
+    unsupported = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in shape.targets})
+    if unsupported:
+        named = [t.rsplit(".", 1)[-1] for t in unsupported]
+        raise AdapterError(
+            "unsupported_target",
+            f"target modules {[t if len(t) <= 60 else t[:57] + '...' for t in unsupported[:8]]} are not supported; LoRA on "
+            f"{shape.model_name} may target {', '.join(shape.targets)}{shape.unsupported_targets_hint(named)}",
+            "target_modules",
+        )
 
 
 def _is_rank(value: object) -> bool:
@@ -261,11 +263,6 @@ def _string_list(config: Mapping, key: str, allow_string: bool) -> str | tuple[s
         f"must be {kind} (at most {MAX_TARGET_MODULES} names of {MAX_PATTERN_KEY_CHARS} characters) or null "
         f"(got {show_value(value)})",
     )
-
-
-def _pattern(key: str) -> regex.Pattern:
-    """PEFT's match for a pattern key: the key, possibly after a dotted prefix, ending the module name."""
-    return regex.compile(rf"(.*\.)?({key})$")
 
 
 def _bad(code: str, field: str, what: str) -> AdapterError:

@@ -4,7 +4,8 @@ Layout: 8 bytes little-endian header length N, N bytes of JSON
 `{"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`, then the data.
 Every field is bounds-checked here (lengths, offsets, sizes), so a file that passes is one
 `safetensors.safe_open` accepts, and a pickle renamed to .safetensors is refused with a clear message.
-Both the adapter store (on uploads) and the engine (before `safe_open`, on every load) run it.
+Both the adapter store (on uploads, from the stream before the data is written: `header_length` and
+`parse_header` on the bytes as they arrive) and the engine (before `safe_open`, on every load) run it.
 """
 
 from __future__ import annotations
@@ -56,34 +57,49 @@ def read_tensor_spans(path: Path, label: str | None = None) -> dict[str, TensorS
     file_size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
-        # A pickle (b"\x80\x02".. protocol marks) or a zipped torch.save (b"PK") fails one of the next
-        # checks; the magic only picks the message, since a valid header length may begin with the same bytes.
-        pickled = head[:2] == b"PK" or (
-            head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
-        )
-        if len(head) < 8:
-            _fail(
-                label,
-                _PICKLE_HINT if pickled else f"it is {file_size} bytes, too short for a safetensors header",
-            )
-        (header_len,) = struct.unpack("<Q", head)
-        if pickled and header_len > min(MAX_HEADER_BYTES, file_size - 8):
-            _fail(label, _PICKLE_HINT)
-        if header_len > file_size - 8:
-            _fail(
-                label,
-                f"its header claims {header_len} bytes, but the file holds {file_size} (truncated or corrupt)",
-            )
-        if header_len > MAX_HEADER_BYTES:
-            _fail(
-                label,
-                f"its header is {header_len} bytes; an adapter's header is far below {MAX_HEADER_BYTES}",
-            )
+        header_len = header_length(head, label, file_size)
         raw = f.read(header_len)
+    spans, _ = parse_header(raw, head, label, file_size - 8 - header_len)
+    return spans
+
+
+def header_length(head: bytes, label: str, file_size: int | None = None) -> int:
+    """The header's length from the file's first 8 bytes, checked against the bounds and, where known, the
+    file's size (None: the file is still arriving, as an upload streams in)."""
+    # A pickle (b"\x80\x02".. protocol marks) or a zipped torch.save (b"PK") fails one of the next
+    # checks; the magic only picks the message, since a valid header length may begin with the same bytes.
+    pickled = _looks_pickled(head)
+    if len(head) < 8:
+        size = len(head) if file_size is None else file_size
+        _fail(label, _PICKLE_HINT if pickled else f"it is {size} bytes, too short for a safetensors header")
+    (header_len,) = struct.unpack("<Q", head)
+    room = MAX_HEADER_BYTES if file_size is None else min(MAX_HEADER_BYTES, file_size - 8)
+    if pickled and header_len > room:
+        _fail(label, _PICKLE_HINT)
+    if file_size is not None and header_len > file_size - 8:
+        _fail(
+            label,
+            f"its header claims {header_len} bytes, but the file holds {file_size} (truncated or corrupt)",
+        )
+    if header_len > MAX_HEADER_BYTES:
+        _fail(
+            label,
+            f"its header is {header_len} bytes; an adapter's header is far below {MAX_HEADER_BYTES}",
+        )
+    return header_len
+
+
+def parse_header(
+    raw: bytes, head: bytes, label: str, data_size: int | None = None
+) -> tuple[dict[str, TensorSpan], int]:
+    """The tensors of header bytes `raw` (after the 8-byte length `head`), and the data bytes they cover,
+    which must tile the data area exactly: equal `data_size` where it is known (None: the data is still to
+    come, and the caller holds it to the returned size)."""
+    header_len = len(raw)
     try:
         header = loads_bounded(raw, MAX_HEADER_DEPTH, object_pairs_hook=_no_duplicates)
     except ValueError as exc:
-        _fail(label, _PICKLE_HINT if pickled else f"its header is not valid JSON ({exc})")
+        _fail(label, _PICKLE_HINT if _looks_pickled(head) else f"its header is not valid JSON ({exc})")
     if not isinstance(header, dict):
         _fail(label, "its header is not a JSON object")
     metadata = header.pop("__metadata__", None)
@@ -91,7 +107,6 @@ def read_tensor_spans(path: Path, label: str | None = None) -> dict[str, TensorS
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
     ):
         _fail(label, "its __metadata__ must map strings to strings")
-    data_size = file_size - 8 - header_len
     tensors: dict[str, TensorSpan] = {}
     spans: list[tuple[int, int, str]] = []
     for name, info in header.items():
@@ -107,12 +122,16 @@ def read_tensor_spans(path: Path, label: str | None = None) -> dict[str, TensorS
                 f"tensor {show_value(name)} starts at byte {begin}, expected {position} (overlapping or gapped data)",
             )
         position = end
-    if position != data_size:
+    if data_size is not None and position != data_size:
         _fail(
             label,
             f"its tensors cover {position} data bytes, but the file holds {data_size} (truncated or padded)",
         )
-    return tensors
+    return tensors, position
+
+
+def _looks_pickled(head: bytes) -> bool:
+    return head[:2] == b"PK" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
 
 
 def _check_entry(label: str, name: str, info: object) -> tuple[tuple[int, ...], int, int]:

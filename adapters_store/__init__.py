@@ -13,6 +13,7 @@ from adapters_store.config import StoreConfig, parse_store_url
 from adapters_store.errors import (
     AdapterNotFound,
     ChecksumError,
+    DiskFull,
     InvalidAdapter,
     InvalidName,
     StoreError,
@@ -20,7 +21,7 @@ from adapters_store.errors import (
     UploadTooLarge,
 )
 from adapters_store.factory import open_store
-from adapters_store.intake import AdapterFiles, UploadSource
+from adapters_store.intake import AdapterFiles, Staged, UploadSource
 from adapters_store.local import LocalStore
 from adapters_store.metrics import CountingMetrics, StoreMetrics
 from adapters_store.names import format_ref, parse_ref
@@ -34,11 +35,13 @@ __all__ = [
     "CachedAdapter",
     "ChecksumError",
     "CountingMetrics",
+    "DiskFull",
     "DiskCache",
     "InvalidAdapter",
     "InvalidName",
     "LocalStore",
     "StoreConfig",
+    "Staged",
     "StoreError",
     "StoreMetrics",
     "StoreUnavailable",

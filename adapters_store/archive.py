@@ -4,7 +4,8 @@ Nothing is extracted by the archive libraries themselves: each member is checked
 no `..`, a regular file or a folder, no links or devices), counted against `max_archive_files`,
 and only the two adapter files are copied out, with a running byte count, so a member whose header
 lies or a "zip bomb" of zeros is stopped as soon as it passes the limits. Files may sit at the root
-or in one top-level folder (`tar czf a.tgz my-adapter/`).
+or in one top-level folder (`tar czf a.tgz my-adapter/`). The adapter files are written through their
+writers (file_writers.py), so a weights member's header is checked before its data is written.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from adapter_format.peft_config import MAX_CONFIG_BYTES
+from adapter_format.model_shape import ModelShape
 from adapters_store.config import StoreConfig, format_bytes
 from adapters_store.errors import InvalidAdapter, UploadTooLarge
-from adapters_store.filenames import CONFIG, IGNORED, classify, is_junk_folder
-from adapters_store.streams import copy_bounded
+from adapters_store.file_writers import copy_through, open_writer
+from adapters_store.filenames import IGNORED, classify, is_junk_folder
+from adapters_store.streams import CHUNK_BYTES
 
 _GZIP_MAGIC = b"\x1f\x8b"
 # What the tar, gzip and zip readers raise on damaged input (gzip.BadGzipFile is an OSError, hence listed).
@@ -45,7 +47,7 @@ class _Member:
     open: Callable[[], BinaryIO]
 
 
-def unpack_archive(archive: Path, dest: Path, config: StoreConfig) -> None:
+def unpack_archive(archive: Path, dest: Path, config: StoreConfig, shape: ModelShape | None = None) -> None:
     """Copy the adapter files of `archive` into `dest` (created by the caller)."""
     with open(archive, "rb") as f:
         magic = f.read(4)
@@ -58,16 +60,16 @@ def unpack_archive(archive: Path, dest: Path, config: StoreConfig) -> None:
     try:
         if magic[:2] == _GZIP_MAGIC:
             with _open_tar(archive) as tar:
-                _extract(_tar_members(tar), dest, config)
+                _extract(_tar_members(tar), dest, config, shape)
         else:
             _check_zip_entry_count(archive, config.max_archive_files)
             with _open_zip(archive) as zf:
-                _extract(_zip_members(zf), dest, config)
+                _extract(_zip_members(zf), dest, config, shape)
     except _CORRUPT as exc:  # raised while a member's data is read
         raise InvalidAdapter(f"the archive is corrupt: {exc}", "bad_archive") from None
 
 
-def _extract(members: Iterator[_Member], dest: Path, config: StoreConfig) -> None:
+def _extract(members: Iterator[_Member], dest: Path, config: StoreConfig, shape: ModelShape | None) -> None:
     num_members, total_bytes, top_folders = 0, 0, set()
     seen: set[str] = set()
     for member in members:
@@ -102,14 +104,12 @@ def _extract(members: Iterator[_Member], dest: Path, config: StoreConfig) -> Non
         if parts[-1] in seen:
             raise InvalidAdapter(f"archive member {parts[-1]} appears twice", "bad_archive_layout")
         seen.add(parts[-1])
-        if kind == CONFIG:
-            limit, setting = MAX_CONFIG_BYTES, "adapter_config.json size"
-        else:
-            limit, setting = config.max_adapter_bytes, "max_adapter_bytes"
-        with member.open() as src, open(dest / parts[-1], "wb") as out:
-            written = copy_bounded(
-                src, out, limit, f"archive member {member.name}", setting, "upload_too_large"
-            )
+        writer = open_writer(parts[-1], dest, config, shape)
+        try:
+            with member.open() as src:
+                written = copy_through(src, writer, CHUNK_BYTES)
+        finally:
+            writer.abort()
         # The header's size may lie (zip); what was really written counts.
         total_bytes += written - member.size
         _check_total(total_bytes, config)

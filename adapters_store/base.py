@@ -24,11 +24,12 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -36,6 +37,7 @@ from adapter_format.files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE
 from adapter_format.model_shape import ModelShape
 from adapter_format.peft_config import MAX_CONFIG_BYTES
 from adapters_store.config import StoreConfig
+from adapters_store.disk_space import disk_full_is_an_error
 from adapters_store.errors import AdapterNotFound, ChecksumError, StoreError
 from adapters_store.filenames import MANIFEST_FILE
 from adapters_store.intake import UploadSource, stage_upload
@@ -48,7 +50,7 @@ from adapters_store.names import (
     is_valid_name,
     parse_ref,
 )
-from adapters_store.record import AdapterRecord, utc_now_iso
+from adapters_store.record import AdapterRecord, recorded_base_model, utc_now_iso
 from adapters_store.streams import CHUNK_BYTES
 from adapters_store.validate import CheckedAdapter, check_folder
 from adapters_store.versions import TOMBSTONE_FILE, scan_versions, sweepable
@@ -81,21 +83,36 @@ class AdapterStore(ABC):
         check_name(name)
         if self.shape is None:
             raise RuntimeError("this store was opened without the base model's ModelShape; uploads need it")
-        staging_root = self.config.staging_dir
-        if staging_root is not None:
-            Path(staging_root).mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="loraserve-upload-", dir=staging_root) as staging:
-            folder = stage_upload(source, Path(staging), self.config)
+        with self.staging() as staging, disk_full_is_an_error("the upload"):
+            folder = stage_upload(source, staging, self.config, self.shape)
             checked = check_folder(folder, self.shape, self.config.max_lora_rank)
             created_at = utc_now_iso()
             self._sweep_name(tenant, name)
             record = self._commit(
-                tenant, name, folder, lambda version: _record(name, version, checked, created_at)
+                tenant,
+                name,
+                folder,
+                lambda version: _record(name, version, checked, created_at, self.config.served_model),
             )
         log.info(
             "stored adapter %s/%s (rank %d, %d bytes)", tenant, record.ref, record.rank, record.size_bytes
         )
         return record
+
+    @contextmanager
+    def staging(self) -> Iterator[Path]:
+        """A new empty private folder under `staging_dir` (the system temp dir by default), removed with
+        everything in it when the block ends: where an upload is written before it is checked and stored.
+        An upload written here as it arrives is then stored with `put(tenant, name, Staged(...))`."""
+        root = self.config.staging_dir
+        with disk_full_is_an_error("the upload"):
+            if root is not None:
+                Path(root).mkdir(parents=True, exist_ok=True)
+            staging = tempfile.mkdtemp(prefix="loraserve-upload-", dir=root)
+        try:
+            yield Path(staging)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     def list(self, tenant: str, *, all_versions: bool = False) -> builtins.list[AdapterRecord]:
         """The tenant's adapters sorted by name: the latest version of each, or every version."""
@@ -164,11 +181,12 @@ class AdapterStore(ABC):
         """
         check_tenant(tenant)
         dest = Path(dest_dir)
-        dest.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
-        self._download(tenant, record, CONFIG_FILE, dest, MAX_CONFIG_BYTES)
-        self._download(tenant, record, WEIGHTS_FILE, dest, record.size_bytes)
-        (dest / MANIFEST_FILE).write_bytes(record.to_json())
+        with disk_full_is_an_error(f"a local copy of adapter {record.ref}"):  # DiskFull: the cache evicts
+            dest.mkdir(parents=True, exist_ok=True)
+            self._download(tenant, record, CONFIG_FILE, dest, MAX_CONFIG_BYTES)
+            self._download(tenant, record, WEIGHTS_FILE, dest, record.size_bytes)
+            (dest / MANIFEST_FILE).write_bytes(record.to_json())
         self.metrics.fetch_seconds(time.monotonic() - start)
         return dest
 
@@ -361,7 +379,9 @@ def _mismatch(tenant: str, record: AdapterRecord, filename: str, how: str) -> st
     )
 
 
-def _record(name: str, version: int, checked: CheckedAdapter, created_at: str) -> AdapterRecord:
+def _record(
+    name: str, version: int, checked: CheckedAdapter, created_at: str, served_model: str | None
+) -> AdapterRecord:
     adapter = checked.adapter
     return AdapterRecord(
         name=name,
@@ -369,7 +389,7 @@ def _record(name: str, version: int, checked: CheckedAdapter, created_at: str) -
         rank=adapter.rank,
         alpha=adapter.alpha,
         target_modules=adapter.target_modules,
-        base_model=adapter.base_model,
+        base_model=recorded_base_model(adapter.base_model, served_model),
         sha256=checked.sha256,
         size_bytes=checked.size_bytes,
         created_at=created_at,

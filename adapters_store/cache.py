@@ -19,6 +19,14 @@ discards deleted versions, replicas on one host): the directory itself is the in
 Eviction happens when a new entry is inserted (and at start, for a smaller budget), least recently used
 first, skipping pinned entries; while pins hold, the cache may exceed its budget.
 
+The disk may fill before the budget does (other files share it, or the budget is larger than the disk).
+So before a download the cache also makes room on the disk: if its free space is below the adapter's
+size plus `min_free_bytes` (a floor left for everything else on the disk), it evicts unpinned entries,
+least recently used first, until it is not; and a download that still meets a full disk (ENOSPC, as
+DiskFull) is removed, more entries are evicted, and it is tried again. When nothing is left to evict,
+the fetch fails with DiskFull and the cache marks itself out of room for every process (cache_room.py,
+which /ready reports) until an insertion succeeds or the space comes back.
+
 Insertion costs no scan of the directory (which is serial across processes and grows with the entry
 count): the byte total is kept in a file beside the entries (cache_usage.py: it may err high, never
 low), and eviction takes candidates from this process's list of the entries its last scan saw, oldest
@@ -43,9 +51,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapter_format.files import ADAPTER_FILES
+from adapters_store import disk_space
 from adapters_store.base import AdapterStore
 from adapters_store.cache_entries import CacheEntry, file_sizes, scan_cache, scan_name, touch
+from adapters_store.cache_room import NoRoomMark
 from adapters_store.cache_usage import ByteTotal
+from adapters_store.errors import DiskFull
 from adapters_store.filenames import MANIFEST_FILE
 from adapters_store.metrics import StoreMetrics
 from adapters_store.record import AdapterRecord
@@ -53,6 +64,8 @@ from adapters_store.record import AdapterRecord
 log = logging.getLogger(__name__)
 _TEMP_PREFIXES = (".tmp-", ".trash-")
 PINNED = "pinned"  # `_move_aside`'s answer for a folder checked out by someone
+# Rounds of evict-and-retry after a download met a full disk; each evicts at least one entry.
+MAX_ROOM_ROUNDS = 8
 
 
 @dataclass(frozen=True)
@@ -71,15 +84,20 @@ class DiskCache:
         directory: str | os.PathLike,
         max_bytes: int,
         metrics: StoreMetrics | None = None,
+        min_free_bytes: int = 0,
     ):
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive (got {max_bytes})")
+        if min_free_bytes < 0:
+            raise ValueError(f"min_free_bytes must be >= 0 (got {min_free_bytes})")
         self.store = store
         self.directory = Path(directory).absolute()
         self.max_bytes = max_bytes
+        self.min_free_bytes = min_free_bytes
         self.metrics = metrics or store.metrics
         self.directory.mkdir(parents=True, exist_ok=True)
         self._total = ByteTotal(self.directory)
+        self._no_room = NoRoomMark(self.directory)
         # Eviction candidates, oldest first: the entries of this process's last scan not yet evicted or
         # dropped. Read and changed only under the directory lock (which separates threads too).
         self._candidates: deque[CacheEntry] = deque()
@@ -96,6 +114,18 @@ class DiskCache:
 
     def __len__(self) -> int:
         return len(scan_cache(self.directory))
+
+    def out_of_room(self) -> bool:
+        """True while the last insertion (by any process on this directory) found no room on the disk even
+        after evicting every unpinned entry, and the disk has not gained the room it lacked since."""
+        mark = self._no_room.read()
+        if mark is None:
+            return False
+        needed, free_then = mark
+        try:
+            return disk_space.free_bytes(self.directory) < free_then + needed
+        except OSError:
+            return True
 
     def cached_versions(self) -> list[tuple[str, str, int]]:
         """(tenant, name, version) of every complete version on disk, for residency metrics."""
@@ -184,11 +214,12 @@ class DiskCache:
         """Download into a temporary folder, move it into place, evict for room; returns the new pin."""
         self.metrics.cache_miss()
         tmp = self.directory / f".tmp-{uuid.uuid4().hex}"
-        tmp.mkdir()
+        with disk_space.disk_full_is_an_error(f"a local copy of adapter {record.ref}"):
+            tmp.mkdir()
         fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
         fcntl.flock(fd, fcntl.LOCK_EX)  # tells other processes' start-up clean-up that it is in use
         try:
-            self.store.fetch_record(tenant, record, tmp)
+            self._fetch_with_room(tenant, record, tmp)
             size = sum(file_sizes(tmp).values())
             with self._locked(self.directory):
                 if folder.exists():  # incomplete (a complete one would have been pinned): replaced
@@ -206,7 +237,88 @@ class DiskCache:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._delete(victims)
+        self._no_room.clear()
         return fd
+
+    def _fetch_with_room(self, tenant: str, record: AdapterRecord, tmp: Path) -> None:
+        """Fetch into `tmp`, making room on the disk first and again each time the disk turns out full."""
+        need = record.size_bytes  # the weights; the config and the manifest are a few KiB
+        self._make_room(need, after_failure=False)
+        for _ in range(MAX_ROOM_ROUNDS):
+            try:
+                self.store.fetch_record(tenant, record, tmp)
+                return
+            except DiskFull:
+                for leftover in tmp.iterdir():  # what the failed attempt wrote
+                    leftover.unlink(missing_ok=True)
+                self._make_room(need, after_failure=True)
+        self._out_of_room(need, record)
+
+    def _make_room(self, need: int, after_failure: bool) -> None:
+        """Evict unpinned entries until the disk has `need` bytes free beyond `min_free_bytes`; after a
+        download met a full disk, at least one (the free space a filesystem reports may not all be usable)
+        or DiskFull when there is none left to evict."""
+        try:
+            short = need + self.min_free_bytes - disk_space.free_bytes(self.directory)
+        except OSError:
+            short = need
+        if short <= 0 and not after_failure:
+            return
+        with self._locked(self.directory):
+            victims, freed = self._evict_for_room(max(short, 1))
+        self._delete(victims)
+        if victims:
+            log.warning(
+                "adapter cache disk short of room: evicted %d entries (%d bytes) for an adapter of %d bytes",
+                len(victims),
+                freed,
+                need,
+            )
+        elif after_failure:
+            self._out_of_room(need, None)
+
+    def _out_of_room(self, need: int, record: AdapterRecord | None) -> None:
+        try:
+            free = disk_space.free_bytes(self.directory)
+        except OSError:
+            free = 0
+        self._no_room.set(need, free)
+        what = f"adapter {record.ref}" if record is not None else "an adapter"
+        log.error(
+            "adapter cache at %s is out of disk room: %s needs %d bytes and every cached entry left is in use",
+            self.directory,
+            what,
+            need,
+        )
+        raise DiskFull(
+            "this server's adapter cache disk is full and everything on it is in use; retry later, or ask the "
+            "operator to free space or raise the disk's size"
+        )
+
+    def _evict_for_room(self, amount: int) -> tuple[list[CacheEntry], int]:
+        """Under the directory lock: move unpinned entries aside, least recently used first, until they
+        hold `amount` bytes (or none is left); returns them for `_delete`, and their bytes (also taken off
+        the stored total)."""
+        victims, pinned, freed, scanned = [], [], 0, False
+        while freed < amount:
+            if not self._candidates:
+                if scanned:
+                    break
+                pinned.clear()
+                total, scanned = self._rescan(), True
+                self._total.correct(total)
+                continue
+            entry = self._candidates.popleft()
+            moved = self._move_aside(entry, unused_since_scan=True)
+            if moved is PINNED:
+                pinned.append(entry)
+            elif moved is not None:
+                victims.append(moved)
+                freed += entry.size_bytes
+        self._candidates.extendleft(reversed(pinned))
+        if freed:
+            self._total.add(-freed)
+        return victims, freed
 
     def _evict_over_budget(self, total: int | None, scanned: bool = False) -> tuple[list[CacheEntry], int]:
         """Under the directory lock: move unpinned entries aside, least recently used first, until the

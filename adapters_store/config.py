@@ -84,9 +84,14 @@ class StoreConfig:
     # A version folder with no manifest this old is an upload that died: swept, its number freed.
     # Longer than any upload takes, so a live one on another replica is never swept.
     stale_upload_s: float = 3600.0
-    # The local disk cache in front of the store (see DiskCache).
+    # The local disk cache in front of the store (see DiskCache): at most cache_max_bytes of adapters, and
+    # evictions to keep cache_min_free_bytes free on its disk beyond the adapter being fetched.
     cache_dir: str = ".loraserve/cache/adapters"
     cache_max_bytes: int = 10 * GiB
+    # The served base model's id: an upload's record names it as `base_model` when the adapter's
+    # base_model_name_or_path is a local path (see adapters_store.record.recorded_base_model).
+    served_model: str | None = None
+    cache_min_free_bytes: int = 0
 
     def __post_init__(self) -> None:
         parse_store_url(self.url)
@@ -98,6 +103,9 @@ class StoreConfig:
             "cache_max_bytes",
         ):
             _positive(name, getattr(self, name))
+        free = self.cache_min_free_bytes
+        if not isinstance(free, int) or isinstance(free, bool) or free < 0:
+            raise ValueError(f"cache_min_free_bytes must be a non-negative integer (got {free!r})")
         if not isinstance(self.retries, int) or isinstance(self.retries, bool) or self.retries < 0:
             raise ValueError(f"retries must be a non-negative integer (got {self.retries!r})")
         for name in ("backoff_s", "max_backoff_s", "retry_deadline_s"):
@@ -122,6 +130,38 @@ class StoreConfig:
     @property
     def location(self) -> StoreLocation:
         return parse_store_url(self.url)
+
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": KiB,
+    "KIB": KiB,
+    "M": MiB,
+    "MIB": MiB,
+    "G": GiB,
+    "GIB": GiB,
+    "T": GiB << 10,
+    "TIB": GiB << 10,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+}
+
+
+def parse_size(text: str) -> int:
+    """A byte count as people write it: `1073741824`, `512MiB`, `10GiB`, `10G` (binary), `20GB` (decimal)."""
+    raw = text.strip().upper().replace(" ", "")
+    digits = raw.rstrip("BKMGTI")
+    unit = raw[len(digits) :]
+    try:
+        number = float(digits)
+    except ValueError:
+        number = None
+    if number is None or unit not in _UNITS or not number >= 0 or number * _UNITS[unit] >= 1 << 63:
+        raise ValueError(f"expected a size such as 10GiB, 512MiB or a number of bytes (got {text!r})")
+    return int(number * _UNITS[unit])
 
 
 def format_bytes(num_bytes: int) -> str:

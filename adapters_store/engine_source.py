@@ -22,7 +22,7 @@ from adapter_format.events import Observer, emit
 from adapter_format.model_shape import ModelShape
 from adapters_store.base import AdapterStore
 from adapters_store.cache import DiskCache
-from adapters_store.errors import AdapterNotFound, ChecksumError, InvalidName, StoreError
+from adapters_store.errors import AdapterNotFound, ChecksumError, DiskFull, InvalidName, StoreError
 from adapters_store.metrics import RecordingMetrics, replay_metrics
 from adapters_store.names import check_name, check_tenant, check_version, format_ref, parse_ref
 
@@ -84,7 +84,14 @@ class StoreAdapterSource:
     def __reduce__(self):
         if self._recipe is None:  # pickled once, sent with every job
             cache = self.disk_cache
-            recipe = (self.store, str(cache.directory), cache.max_bytes, self.shape, self.max_lora_rank)
+            recipe = (
+                self.store,
+                str(cache.directory),
+                cache.max_bytes,
+                cache.min_free_bytes,
+                self.shape,
+                self.max_lora_rank,
+            )
             self._recipe = pickle.dumps(recipe)
         return _loader_copy, (self._recipe,)
 
@@ -139,6 +146,8 @@ class StoreAdapterSource:
         # local path; the log has the details.
         except AdapterNotFound as exc:
             raise AdapterError("unknown_adapter", f"adapter {adapter_id!r} does not exist: {exc}") from None
+        except DiskFull as exc:  # the cache evicted all it could: this replica's disk, not the store
+            raise AdapterError(exc.code, f"adapter {adapter_id!r} could not be loaded: {exc}") from None
         except ChecksumError as exc:  # names only the adapter and its sha256
             raise AdapterError(
                 exc.code, f"adapter {adapter_id!r} could not be fetched from the store: {exc}"
@@ -175,10 +184,11 @@ def _loader_copy(recipe: bytes) -> StoreAdapterSource:
     """The source a recipe describes, built once per process: its own store client, the shared disk cache."""
     source = _LOADER_COPIES.get(recipe)
     if source is None:
-        store, directory, max_bytes, shape, max_lora_rank = pickle.loads(recipe)
+        store, directory, max_bytes, min_free_bytes, shape, max_lora_rank = pickle.loads(recipe)
         records: list = []
         store.metrics = RecordingMetrics(records)
-        source = StoreAdapterSource(store, DiskCache(store, directory, max_bytes), shape, max_lora_rank)
+        cache = DiskCache(store, directory, max_bytes, min_free_bytes=min_free_bytes)
+        source = StoreAdapterSource(store, cache, shape, max_lora_rank)
         source._records = records
         _LOADER_COPIES[recipe] = source
     return source

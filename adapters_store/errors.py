@@ -2,7 +2,7 @@
 
 Every error carries a stable `code` (for API bodies and metrics) and a message that names the problem
 and the fix. The HTTP layer maps them with one table: InvalidName/InvalidAdapter -> 400,
-UploadTooLarge -> 413, AdapterNotFound -> 404, ChecksumError and StoreUnavailable -> 503.
+UploadTooLarge -> 413, AdapterNotFound -> 404, ChecksumError and StoreUnavailable -> 503, DiskFull -> 507.
 """
 
 from __future__ import annotations
@@ -73,3 +73,10 @@ class StoreUnavailable(StoreError):
     def __init__(self, message: str, reason: str = ""):
         super().__init__(message)
         self.reason = reason or message
+
+
+class DiskFull(StoreError):
+    """A local disk (the upload staging folder, the disk cache, a local store) has no room left, even after
+    the disk cache evicted what it could; nothing half-written is left behind. Retrying later may work."""
+
+    code = "insufficient_storage"

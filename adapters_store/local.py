@@ -22,7 +22,8 @@ from adapter_format.files import ADAPTER_FILES
 from adapter_format.model_shape import ModelShape
 from adapters_store.base import AdapterStore, MissingKey
 from adapters_store.config import StoreConfig
-from adapters_store.errors import StoreUnavailable
+from adapters_store.disk_space import is_disk_full
+from adapters_store.errors import DiskFull, StoreUnavailable
 from adapters_store.filenames import MANIFEST_FILE
 from adapters_store.metrics import StoreMetrics
 from adapters_store.record import AdapterRecord
@@ -72,6 +73,10 @@ class LocalStore(AdapterStore):
         except FileNotFoundError as exc:
             raise MissingKey(exc.filename) from None
         except OSError as exc:
+            if is_disk_full(exc):
+                raise DiskFull(
+                    f"the adapter store's disk is full: {operation} failed; free space there"
+                ) from exc
             raise StoreUnavailable(
                 f"{operation} failed: {exc}; check the permissions and free space of {self.root}", str(exc)
             ) from exc
@@ -151,6 +156,11 @@ class LocalStore(AdapterStore):
                 fsync_path(name_dir)
                 return record
         except OSError as exc:
+            if is_disk_full(exc):
+                raise DiskFull(
+                    f"the adapter store's disk is full: {tenant}/{name} could not be stored; retry later, or "
+                    "ask the operator to free space"
+                ) from exc
             raise StoreUnavailable(
                 f"storing {tenant}/{name} failed: {exc}; check the permissions and free space of {self.root}",
                 str(exc),

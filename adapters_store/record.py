@@ -10,6 +10,19 @@ from datetime import datetime, timezone
 from adapters_store.names import check_name, check_version, format_ref
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# A Hugging Face hub id: `name` or `owner/name` of letters, digits, `-`, `_` and `.`, starting with a
+# letter or digit. Paths (`/abs`, `./rel`, `.loraserve/models/x`, `a/b/c`, `~/x`, `C:\x`) are not.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
+
+
+def recorded_base_model(configured: str | None, served_model: str | None) -> str | None:
+    """What an adapter's record says it was trained on: the adapter_config.json's
+    base_model_name_or_path when that is a hub id (something a reader can look up), else the served
+    base model's id (uploads are checked against its shapes); a local path on the trainer's machine
+    says nothing to anyone else, so it is never recorded."""
+    if configured is not None and _HUB_ID.fullmatch(configured) and ".." not in configured:
+        return configured
+    return served_model
 
 
 @dataclass(frozen=True)
@@ -21,7 +34,7 @@ class AdapterRecord:
     rank: int  # the largest rank over its modules
     alpha: float  # lora_alpha of adapter_config.json
     target_modules: tuple[str, ...]
-    base_model: str | None  # base_model_name_or_path, informative only (shapes are what is checked)
+    base_model: str | None  # informative only (shapes are what is checked): see recorded_base_model
     sha256: str
     size_bytes: int
     created_at: str  # ISO 8601 UTC, e.g. 2025-01-31T12:00:00Z

@@ -1,8 +1,9 @@
 """Validate a staged adapter folder against the base model, with the checks the engine runs on every load.
 
-The content rules (peft_type, rank, DoRA, bias, modules_to_save, target modules, tensor names,
-layer range, shapes) live in adapter_format (checkpoint.check_adapter) so the store and the engine
-can never disagree; this module only feeds it a config and the tensor shapes from the header.
+The content rules (peft_type, task_type, rank, DoRA and other features, bias, modules_to_save, target
+modules, layers, tensor names and shapes, the weights' values) live in adapter_format so the store and the
+engine can never disagree; this module runs them on the staged files, as the engine will run them on
+every load (`map_peft_adapter`), and wraps their errors for the API.
 """
 
 from __future__ import annotations
@@ -10,12 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapter_format.checkpoint import PeftAdapter, check_adapter
+from adapter_format.checkpoint import PeftAdapter, map_peft_adapter
 from adapter_format.errors import AdapterError
-from adapter_format.files import WEIGHTS_FILE
+from adapter_format.files import CONFIG_FILE, WEIGHTS_FILE
 from adapter_format.model_shape import ModelShape
-from adapter_format.peft_config import read_adapter_config
-from adapter_format.safetensors_header import read_tensor_shapes
 from adapters_store.errors import InvalidAdapter
 from adapters_store.streams import sha256_file
 
@@ -24,17 +23,20 @@ from adapters_store.streams import sha256_file
 class CheckedAdapter:
     """A staged adapter that passed every check, with what its manifest needs."""
 
-    adapter: PeftAdapter  # config summary and per-module ranks (no tensors loaded)
+    adapter: PeftAdapter  # config summary and per-module ranks (no tensors kept)
     sha256: str  # of adapter_model.safetensors
     size_bytes: int
 
 
 def check_folder(folder: Path, shape: ModelShape, max_lora_rank: int) -> CheckedAdapter:
-    """InvalidAdapter (with the engine's code) for the first failed check; reads no tensor data."""
-    try:
-        config = read_adapter_config(folder)
-    except AdapterError as exc:
-        raise InvalidAdapter.from_adapter_error(exc) from None
+    """InvalidAdapter (with the engine's code) for the first failed check. Messages name files by their
+    names only: the folder is the server's staging folder."""
+    if not (Path(folder) / CONFIG_FILE).is_file():
+        raise InvalidAdapter(
+            f"the upload has no {CONFIG_FILE}; a PEFT adapter folder needs {CONFIG_FILE} (save_pretrained "
+            "writes it)",
+            "missing_config",
+        )
     weights = Path(folder) / WEIGHTS_FILE
     if not weights.is_file():
         raise InvalidAdapter(
@@ -43,7 +45,8 @@ def check_folder(folder: Path, shape: ModelShape, max_lora_rank: int) -> Checked
             "missing_weights",
         )
     try:
-        adapter = check_adapter(config, read_tensor_shapes(weights), shape, max_lora_rank)
+        mapped = map_peft_adapter(folder, shape, max_lora_rank, label=WEIGHTS_FILE)
     except AdapterError as exc:
         raise InvalidAdapter.from_adapter_error(exc) from None
-    return CheckedAdapter(adapter=adapter, sha256=sha256_file(weights), size_bytes=weights.stat().st_size)
+    summary = PeftAdapter(mapped.rank, mapped.alpha, mapped.target_modules, mapped.base_model, {})
+    return CheckedAdapter(adapter=summary, sha256=sha256_file(weights), size_bytes=weights.stat().st_size)

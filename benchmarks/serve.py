@@ -384,10 +384,8 @@ def main(argv=None) -> None:
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        if args.load_format == "dummy":
-            model_dir = w1.write_config(root / "model", args.shape, dtype)
-        else:
-            model_dir = w1.make_model(root / "model", args.shape, dtype, torch.device(args.device))
+        weights = args.load_format != "dummy"
+        model_dir = w1.make_model(root / "model", args.shape, dtype, torch.device(args.device), weights)
         make_tokenizer(model_dir, config.vocab_size)
         adapters = w1.make_adapters(root, model_dir, config, max(args.adapters), args.rank, dtype)
         offline = {} if args.skip_offline else run_offline(args, model_dir, adapters, prompts, max_len)

@@ -247,7 +247,7 @@ def main(argv=None) -> None:
     results = {}  # this process never touches a GPU: each size's process has them to itself
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model_dir = w1.write_config(root / "model", args.shape, dtype)
+        model_dir = w1.make_model(root / "model", args.shape, dtype, torch.device("cpu"), weights=False)
         adapters = w1.make_adapters(
             root, model_dir, config, args.adapters, args.rank, dtype, distinct=args.distinct_adapters
         )

@@ -3,6 +3,8 @@ transformers (+ PEFT) static batches, all in one run on the same random-weight m
 
     python3 benchmarks/throughput.py                 # shape S (Llama-3.2-1B), bf16
     python3 benchmarks/throughput.py --shape L       # Llama-3.1-8B
+    python3 benchmarks/throughput.py --shape L qwen3-8b gemma3-12b --adapters 64 --skip-transformers \
+        --load-format dummy     # three shapes one after the other, random weights made on the GPU
     python3 benchmarks/throughput.py --profile       # also: where one decode step's time goes
     python3 benchmarks/throughput.py --kv-cache-dtype fp8 --skip-transformers   # the engine, fp8 KV cache
     python3 benchmarks/throughput.py --quantization fp8 --skip-transformers     # bf16 and FP8 weights
@@ -327,7 +329,9 @@ def step_floor(
 def report(args, config, results: list[RunResult], bandwidth: float, element: int) -> str:
     lines = [
         f"W1, shape {args.shape}, {args.dtype}, {args.num_requests} requests, prompts [{args.min_prompt}, "
-        f"{args.max_prompt}] tokens, {args.output_tokens} output tokens, rank {args.rank} over all 7 projections, "
+        f"{args.max_prompt}] tokens, {args.output_tokens} output tokens, rank {args.rank} over all "
+        f"{len(w1.module_dims(config))} projections, {config.architectures[0]}, "
+        f"{'random weights made on the device (load_format dummy)' if args.load_format == 'dummy' else 'weights read from a checkpoint'}, "
         f"KV cache {args.kv_cache_dtype}, FP8 GEMM {args.fp8_gemm}, "
         f"{'async' if args.async_scheduling else 'sync'} scheduling, "
         f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}; "
@@ -388,7 +392,13 @@ def report(args, config, results: list[RunResult], bandwidth: float, element: in
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=["S", "L"], default="S")
+    p.add_argument(
+        "--shape",
+        choices=[s for s in w1.ALL_SHAPES if "smoke" not in s],
+        nargs="+",
+        default=["S"],
+        help="one or more shapes, run one after the other in this invocation (a table each)",
+    )
     p.add_argument("--adapters", type=int, nargs="+", default=[1, 16, 64], help="values of N")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--num-requests", type=int, default=128)
@@ -438,11 +448,21 @@ def parse_args(argv=None):
         help="dummy: the engine makes the random weights on the GPU (no checkpoint written; needs "
         "--skip-transformers)",
     )
+    p.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default="auto",
+        help="dummy: the engine draws random weights on the device (no checkpoint written or read; "
+        "needs --skip-transformers)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few requests")
+    p.add_argument("--smoke-shapes", nargs="+", default=["smoke"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.device, args.dtype = "cuda", "bfloat16"
+    if args.load_format == "dummy" and not args.skip_transformers:
+        p.error("--load-format dummy writes no checkpoint for transformers: add --skip-transformers")
     if args.smoke:
-        args.shape, args.device, args.dtype = "smoke", "cpu", "float32"
+        args.shape, args.device, args.dtype = args.smoke_shapes, "cpu", "float32"
         args.adapters, args.num_requests, args.min_prompt, args.max_prompt = [1, 2], 6, 8, 24
         args.output_tokens, args.max_num_seqs, args.max_num_batched_tokens = 4, 4, 64
         args.peft_requests, args.peft_tokens, args.hf_batch = 2, 3, 4
@@ -455,6 +475,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    for shape in args.shape:
+        run_shape(argparse.Namespace(**{**vars(args), "shape": shape}))
+
+
+def run_shape(args) -> None:
+    """Every condition on one shape, then its table."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rng = random.Random(0)
     config = w1.llama_config(args.shape)
@@ -463,10 +489,8 @@ def main(argv=None) -> None:
     max_len = args.max_prompt + args.output_tokens
     element = torch.tensor([], dtype=dtype).element_size()
     with tempfile.TemporaryDirectory() as tmp:
-        if args.load_format == "dummy":
-            model_dir = w1.write_config(Path(tmp) / "model", args.shape, dtype)
-        else:
-            model_dir = w1.make_model(Path(tmp) / "model", args.shape, dtype, device)
+        weights = args.load_format != "dummy"
+        model_dir = w1.make_model(Path(tmp) / "model", args.shape, dtype, device, weights)
         adapters = w1.make_adapters(Path(tmp), model_dir, config, max(args.adapters), args.rank, dtype)
         bandwidth = w1.copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 26)
         results, profiles = [], []

@@ -22,6 +22,8 @@ _EXPORTS = {
     "EngineStats": "engine.stats",
     "LLMEngine": "engine.llm_engine",
     "ModelShape": "adapter_format.model_shape",
+    "model_shape": "engine.model.registry",
+    "supported_architectures": "engine.model.registry",
     "Observer": "adapter_format.events",
     "RequestError": "engine.llm_engine",
     "RequestOutput": "engine.outputs",
@@ -44,6 +46,8 @@ __all__ = [
     "RequestError",
     "RequestOutput",
     "SamplingParams",
+    "model_shape",
+    "supported_architectures",
 ]
 
 
@@ -70,6 +74,7 @@ if TYPE_CHECKING:
     from engine.llm import LLM
     from engine.llm_engine import AdapterSourceFactory, LLMEngine, RequestError
     from engine.lora.manager import AdapterSource
+    from engine.model.registry import model_shape, supported_architectures
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.sampling_params import SamplingParams
     from engine.stats import EngineStats

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_events.config import KVEventsConfig
 from engine.model.fp8_checkpoint import QUANTIZATIONS
 from engine.model.fp8_linear import FP8_GEMMS
 from engine.model.kv_quant import FP8_DTYPE
-from engine.model.weight_source import LOAD_FORMATS
+from engine.model.layers.context import LOAD_FORMATS
 from engine.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {
@@ -98,19 +99,24 @@ class EngineConfig:
     # How FP8 projections multiply (FP8_GEMMS): "auto" picks torch._scaled_mm where the GPU can, else
     # "dequant" (the weight dequantized to the model dtype for each GEMM; the CPU and the reference).
     fp8_gemm: str = "auto"
+    # vLLM's load_format: "auto" reads the checkpoint's safetensors; "dummy" fills the weights with random
+    # values on the device and reads none (benchmarks of a model's shape; config.json is all it needs).
+    load_format: str = "auto"
     # GPUs one model is split over (Megatron-style, engine/parallel/): one worker process per rank beyond
     # the first; NCCL on CUDA, gloo on the CPU. 1: no worker, no collective.
     tensor_parallel_size: int = 1
-    # vLLM's load_format: "auto" / "safetensors" read the checkpoint; "dummy" makes random weights of its
-    # shapes on the device (benchmarks of models whose weights are not at hand; engine/model/weight_source.py).
-    load_format: str = "auto"
     # vLLM's speculative_config: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     # as a dict, JSON text or SpeculativeConfig (engine/spec_decode/config.py); None: no speculation.
     # With it, async_scheduling is turned off: each step's kept tokens decide the next step.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # vLLM's kv_events_config: {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", ...} as a dict,
+    # JSON text or KVEventsConfig (engine/kv_events/config.py): the prefix cache's changes published over
+    # ZeroMQ for cluster routers. None: no events.
+    kv_events_config: KVEventsConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         if self.speculative_config is not None and self.async_scheduling is True:
             # A step's kept tokens (1 to k + 1) must be known before the next step is scheduled, so
             # speculative decoding runs steps one at a time (vLLM v1 started so too).
@@ -190,13 +196,12 @@ class EngineConfig:
                 f"quantization must be None or 'fp8' (got {self.quantization!r}); 'fp8' stores the linear "
                 "projections as float8 e4m3 with per-channel scales"
             )
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(
-                f"load_format must be one of {', '.join(LOAD_FORMATS)} (got {self.load_format!r}); 'dummy' "
-                "makes random weights of the checkpoint's shapes"
-            )
         if self.fp8_gemm not in FP8_GEMMS:
             raise ValueError(f"fp8_gemm must be one of {', '.join(FP8_GEMMS)} (got {self.fp8_gemm!r})")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)} (got {self.load_format!r})"
+            )
         for name in ("enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (got {getattr(self, name)!r})")

@@ -18,7 +18,9 @@ class LLM:
     """Run many prompts, each with its own adapter (or none), through one continuously batched engine.
 
     `adapters` holds, per prompt, a name registered with `lora_modules`/`register_adapter`, a local PEFT
-    folder, or None for the base model. A prompt that cannot be served (too long, unknown adapter)
+    folder, or None for the base model. A dict prompt may carry vLLM's `cache_salt` (a non-empty string):
+    it then shares prefix-cache blocks only with prompts of the same salt; prompts without one share
+    with each other, as before. A prompt that cannot be served (too long, unknown adapter)
     comes back with `error` set and `finish_reason` "error"; the others are unaffected.
     Without `sampling_params`, prompts use `get_default_sampling_params()`: the model's recommended
     sampling fields (its generation_config.json) unless `generation_config="vllm"`.
@@ -87,17 +89,17 @@ class LLM:
     ) -> list[RequestOutput]:
         if self.closed:
             raise RuntimeError("this LLM was shut down: start a new one")
-        prompts = _as_prompt_list(prompts)
+        prompts, salts = _as_prompt_list(prompts)
         params = _per_prompt(
             sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params"
         )
         adapter_list = _per_prompt(adapters, len(prompts), "adapters")
         ids = []
-        for prompt, p, adapter in zip(prompts, params, adapter_list):
+        for prompt, salt, p, adapter in zip(prompts, salts, params, adapter_list):
             request_id = str(self._next_id)
             self._next_id += 1
             ids.append(request_id)
-            self.engine.add_request(request_id, prompt, p, adapter)
+            self.engine.add_request(request_id, prompt, p, adapter, cache_salt=salt)
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
@@ -106,13 +108,15 @@ class LLM:
         return [final[request_id] for request_id in ids]
 
 
-def _as_prompt_list(prompts) -> list[str | list[int]]:
+def _as_prompt_list(prompts) -> tuple[list[str | list[int]], list[str | None]]:
+    """(the prompts, each one's cache salt: a dict prompt's `cache_salt`, else None)."""
     if isinstance(prompts, (str, dict)) or (
         isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
     ):
         prompts = [prompts]
-    result = []
+    result, salts = [], []
     for prompt in prompts:
+        salts.append(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
@@ -121,7 +125,7 @@ def _as_prompt_list(prompts) -> list[str | list[int]]:
             else:
                 raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
         result.append(prompt)
-    return result
+    return result, salts
 
 
 def _per_prompt(value, count: int, name: str) -> list:

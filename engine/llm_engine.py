@@ -39,6 +39,8 @@ from engine.core.step_outputs import (
 )
 from engine.fairness import DEFAULT_TENANT
 from engine.kv_cache import KVCacheManager
+from engine.kv_events import KVEventRecorder
+from engine.kv_events.publisher import ZmqEventPublisher
 from engine.logits_processors import apply_logits_processors
 from engine.lora.manager import AdapterManager, AdapterSource
 from engine.lora.registry import AdapterRegistry
@@ -65,6 +67,7 @@ logger = logging.getLogger(__name__)
 AdapterSourceFactory = Callable[[ModelShape, int], AdapterSource]
 # "cumulative": each output holds everything generated so far; "delta": only what is new since the last.
 OUTPUT_KINDS = ("cumulative", "delta")
+PRELOAD_LEVELS = ("cpu", "gpu")  # where preload_adapters brings adapters
 
 
 class LLMEngine:
@@ -148,6 +151,7 @@ class LLMEngine:
                 detokenizer_tokenizer=self.tokenizer if detokenize else None,
                 delta_outputs=self._delta_outputs,
             )
+            self.kv_events = self._open_kv_events(config)  # last: a failed start leaves no socket open
         except BaseException:
             if getattr(self, "lora", None) is not None:
                 self.lora.shutdown()
@@ -167,16 +171,20 @@ class LLMEngine:
         *,
         tenant: str | None = None,
         tenant_weight: float = 1.0,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request. A request that cannot be served is reported as a failed output at the next
         step instead of raising, so one bad request never disturbs a batch.
 
         `tenant` is the fair scheduler's key (None: the one shared "default" key) and `tenant_weight`
-        that tenant's weight: a tenant of weight 2 gets twice the share of weight 1 (engine/fairness.py)."""
+        that tenant's weight: a tenant of weight 2 gets twice the share of weight 1 (engine/fairness.py).
+        `cache_salt` (vLLM's): the request reads and shares prefix-cache blocks only with requests of the
+        same salt (None: with every unsalted request); see engine/kv_cache/block_hash.py."""
         self._check_open()
         params = params or SamplingParams()
         tenant = DEFAULT_TENANT if tenant is None else tenant
         checks.check_tenant(tenant, tenant_weight)
+        checks.check_cache_salt(cache_salt)
         if request_id in self.requests.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self._delta_outputs and params.n > 1:
@@ -193,7 +201,7 @@ class LLMEngine:
             self.requests.refuse(request_id, prompt_text, prompt_ids or [], adapter, str(exc))
             return
         parent = ParentRequest(request_id, prompt_text, prompt_ids, adapter, [None] * params.n)
-        self.requests.queue(parent, params, adapter_id, tenant, float(tenant_weight))
+        self.requests.queue(parent, params, adapter_id, tenant, float(tenant_weight), cache_salt)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         self.requests.abort([request_ids] if isinstance(request_ids, str) else list(request_ids))
@@ -268,6 +276,7 @@ class LLMEngine:
             outputs.extend(self._update(finished))
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
+        self.publish_kv_events()
         return merge_deltas(outputs) if self._delta_outputs else latest_per_request(outputs)
 
     def _sampling_rows(self, scheduled) -> list[Request]:
@@ -312,19 +321,83 @@ class LLMEngine:
         reason = f"adapter {adapter_id!r} was deleted before this request started"
         self.requests.fail_waiting(adapter_id, reason, include_preempted=False)
 
-    def preload_adapters(self, adapters: Iterable[str]) -> None:
-        """Start loading adapters into the CPU tier before any request asks for them (a server's
-        `--lora-modules`), so the first requests on a fresh replica do not wait for the disk or the store.
-        Best effort and non-blocking: an adapter that cannot be resolved is logged and skipped, one that
-        fails to load fails the requests that later ask for it, as it would without the preload."""
+    def preload_adapters(self, adapters: Iterable[str], level: str = "cpu", pin: bool = False) -> None:
+        """Load adapters before any request asks for them: into the CPU tier (a server's `--lora-modules`),
+        or with `level="gpu"` into a GPU slot, behind every waiting request's adapter, and with `pin` kept
+        there until `unpin_adapters` (an operator's placement; engine/lora/placements.py).
+
+        So the first requests on a replica do not wait for the disk or the store. Best effort and
+        non-blocking: an adapter that cannot be resolved is logged and skipped, one that fails to load
+        fails the requests that later ask for it, as it would without the preload. No lookup is counted
+        (the hit and miss counters count requests)."""
+        self._check_open()
+        if level not in PRELOAD_LEVELS:
+            raise ValueError(f"level must be one of {', '.join(PRELOAD_LEVELS)} (got {level!r})")
+        if pin and level != "gpu":
+            raise ValueError("only an adapter preloaded into a GPU slot (level='gpu') can be pinned")
         for adapter in adapters:
             try:
                 adapter_id = checks.resolve_adapter(self.lora, adapter)
             except (AdapterError, RequestError) as exc:
                 logger.warning("adapter %r not preloaded: %s", adapter, exc)
                 continue
-            if adapter_id is not None:
-                self.lora.prefetch(adapter_id)
+            if adapter_id is None:
+                continue
+            if level == "gpu":
+                self.lora.place(adapter_id, pin)
+            else:
+                self.lora.load_to_cpu(adapter_id)
+
+    def unpin_adapters(self, adapters: Iterable[str], unload: bool = False) -> None:
+        """Undo `preload_adapters(..., pin=True)`: the adapters stay resident but evictable; with `unload`
+        their GPU slots and CPU-tier rows are freed too, unless a request holds them. Unknown or unpinned
+        adapters are ignored."""
+        self._check_open()
+        for adapter in adapters:
+            try:
+                adapter_id = self.lora.resolve(adapter)
+            except AdapterError:
+                continue
+            self.lora.unplace(adapter_id, unload)
+
+    def advance_adapters(self) -> None:
+        """What an idle engine does each poll: collect finished loads, give placed adapters their GPU
+        slots and copies (the steps do it otherwise), so preloads land with no request running; and
+        publish the KV events of anything done between steps (aborts free blocks)."""
+        self._check_open()
+        self.poll_adapters()
+        if not self.has_unfinished_requests():
+            self.lora.stage(())
+            self.lora.start_copies()
+        self.publish_kv_events()
+
+    # -- the prefix cache ---------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); False, changing nothing, while any
+        request holds blocks. Published as AllBlocksCleared when KV events are on."""
+        self._check_open()
+        reset = self.kv_cache.reset_prefix_cache()
+        self.publish_kv_events()
+        return reset
+
+    def publish_kv_events(self) -> None:
+        """Send the prefix cache's changes since the last call as one KV event batch (if any)."""
+        if self.kv_events is not None:
+            recorder, publisher = self.kv_events
+            events = recorder.take()
+            if events:
+                publisher.publish(events)
+
+    def _open_kv_events(self, config: EngineConfig) -> tuple[KVEventRecorder, ZmqEventPublisher] | None:
+        settings = config.kv_events_config
+        if settings is None or not settings.publishes:
+            return None
+        if not config.enable_prefix_caching:
+            logger.warning("KV events need prefix caching, which is off: no block will ever be reported")
+        recorder = KVEventRecorder(config.block_size, settings.event_encoding)
+        self.kv_cache.record_events(recorder)
+        return recorder, ZmqEventPublisher(settings)
 
     def poll_adapters(self) -> None:
         """Collect finished background loads; a failed one fails the requests waiting for it (reported at
@@ -343,6 +416,9 @@ class LLMEngine:
             self.lora.shutdown()
         finally:
             self.runner.shutdown()
+            if self.kv_events is not None:
+                self.kv_events[1].close()
+                self.kv_events = None
             # What still holds device or pinned memory: dropped so it frees now, not when this object goes.
             self._in_flight = None
             self.requests = self.scheduler = self.lora = self.speculator = None

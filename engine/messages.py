@@ -6,7 +6,8 @@ front end, each over its own socket:
 
     front end                                        core
       AddRequest / AbortRequests /      -- inputs -->    schedule -> execute -> update
-      ForgetAdapter / ShutdownCore
+      ForgetAdapter / PreloadAdapters /
+      UnpinAdapters / ShutdownCore
       CoreReady (once) / StepOutputs    <-- outputs --   (one StepOutputs per step)
       (one per step) / CoreFailed
 
@@ -38,6 +39,7 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     adapter: str | None = None  # an adapter id or name the core's adapter source resolves; None: base model
     tenant: str | None = None  # the fair scheduler's key (None: the shared default); LLMEngine.add_request
     tenant_weight: float = 1.0
+    cache_salt: str | None = None  # prefix-cache sharing only with equal salts; LLMEngine.add_request
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
@@ -49,14 +51,21 @@ class ForgetAdapter(msgspec.Struct, frozen=True, tag="forget"):
 
 
 class PreloadAdapters(msgspec.Struct, frozen=True, tag="preload"):
-    adapter_ids: list[str]  # bring into the CPU tier before any request needs them (best effort)
+    adapter_ids: list[str]  # bring in before any request needs them (best effort)
+    level: str = "cpu"  # "cpu": the CPU tier; "gpu": a GPU slot (LLMEngine.preload_adapters)
+    pin: bool = False  # with "gpu": keep the slot until UnpinAdapters
+
+
+class UnpinAdapters(msgspec.Struct, frozen=True, tag="unpin"):
+    adapter_ids: list[str]  # drop an operator's pin (LLMEngine.unpin_adapters)
+    unload: bool = False  # also free their slots and CPU-tier rows when no request holds them
 
 
 class ShutdownCore(msgspec.Struct, frozen=True, tag="shutdown"):
     """Stop the loop, the adapter loaders and the process (exit code 0)."""
 
 
-CoreInput = AddRequest | AbortRequests | ForgetAdapter | PreloadAdapters | ShutdownCore
+CoreInput = AddRequest | AbortRequests | ForgetAdapter | PreloadAdapters | UnpinAdapters | ShutdownCore
 
 # -- core -> front end ----------------------------------------------------------------------------
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-from adapter_format.model_shape import ModelShape
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs, graphs_wanted
 from engine.input_batch import InputBatch
@@ -18,9 +17,9 @@ from engine.lora.pool import LoRAPool
 from engine.lora.slots import PAGE_RANK
 from engine.model.attention import AttentionMetadata
 from engine.model.kv_quant import FP8_DTYPE
-from engine.model.llama import LlamaModel
-from engine.model.loader import checkpoint_dtype, load_weights
+from engine.model.loader import checkpoint_dtype, load_model
 from engine.model.paged_attention_triton import interpreting
+from engine.model.registry import model_shape
 from engine.prompt_logprobs import (
     PromptTokenLogprobs,
     compute_prompt_logprobs,
@@ -61,18 +60,19 @@ class ModelRunner:
 
             parallel = TensorParallelRank.start(config, model_path, hf_config, max_model_len)
         self.parallel = parallel
-        self.shape = ModelShape.from_hf_config(hf_config)
+        self.shape = model_shape(hf_config)
         if parallel is None:
-            weights = load_weights(
+            self.model = load_model(
                 model_path,
                 hf_config,
                 self.dtype,
                 self.device,
+                max_model_len,
+                self.attention_backend,
                 config.quantization,
                 config.fp8_gemm,
-                config.load_format,
+                load_format=config.load_format,
             )
-            self.model = LlamaModel(hf_config, weights, max_model_len, self.attention_backend)
             # Allocated before the KV cache is sized, so the adapter pool counts in gpu_memory_utilization.
             self.lora_slots = LoRAPool(
                 self.shape,
@@ -86,7 +86,6 @@ class ModelRunner:
             self.model, self.lora_slots = parallel.build(
                 config, model_path, hf_config, self.dtype, max_model_len, self.attention_backend
             )
-            weights = self.model.weights
         self.num_kv_blocks = config.num_kv_blocks or self._profile_num_kv_blocks()
         if parallel is not None:  # every rank's cache holds the same blocks (its own heads of them)
             self.num_kv_blocks = parallel.group.min(self.num_kv_blocks)
@@ -131,7 +130,7 @@ class ModelRunner:
             PAGE_RANK,
             self.num_kv_blocks,
             self.block_size,
-            self._kv_cache_description(weights),
+            self._kv_cache_description(self.model),
             self.attention_backend,
             _graphs_description(self.graphs, self.verify_graphs),
         )
@@ -156,10 +155,10 @@ class ModelRunner:
         element = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * element
 
-    def _kv_cache_description(self, weights) -> str:
+    def _kv_cache_description(self, model) -> str:
         if self.kv_cache_dtype != FP8_DTYPE:
             return f"dtype {self.kv_cache_dtype}"
-        source = "from the checkpoint" if weights.kv_scales_from_checkpoint else "1.0: none in the checkpoint"
+        source = "from the checkpoint" if model.kv_scales_from_checkpoint else "1.0: none in the checkpoint"
         return f"dtype {self.kv_cache_dtype} (fp8, per-tensor scales {source})"
 
     @torch.inference_mode()

@@ -68,6 +68,9 @@ class Request:
     # Whose share of the engine this request uses (the fair scheduler's key), and that tenant's weight.
     tenant: str = DEFAULT_TENANT
     tenant_weight: float = 1.0
+    # Seeds the prefix-cache hash chain (engine/kv_cache/block_hash.py): requests share cached KV only
+    # if their salts are equal. The server salts with the tenant; None (offline) shares with all unsalted.
+    cache_salt: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

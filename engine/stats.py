@@ -80,6 +80,26 @@ class EngineStats:
     # steps (loraserve_cuda_graph_replays_total{kind="decode"|"verify"}); the rest ran eagerly.
     num_decode_graph_replays: int = 0
     num_verify_graph_replays: int = 0
+    # Every adapter in a GPU slot or the CPU tier, by id (vllm:lora_adapter_loaded and its counts)
+    lora_residency: tuple[AdapterResidency, ...] = ()
+
+
+@dataclass(frozen=True)
+class AdapterResidency:
+    """Where one adapter version sits on this engine: the tier closest to the GPU, and what keeps it there.
+
+    `level` is "gpu" (it holds a GPU slot, its copy done or in flight) or "cpu" (a row of the CPU tier
+    only). `pinned`: not evictable now (running requests or an operator's pin hold its slot);
+    `placed`: an operator's pin (LLMEngine.preload_adapters with pin=True) is among those holds.
+    `in_cpu_tier`: a GPU-resident adapter may also keep its CPU-tier row.
+    """
+
+    adapter_id: str
+    level: str  # "gpu" | "cpu"
+    pinned: bool
+    rank: int  # its largest rank (0 while unknown)
+    placed: bool = False
+    in_cpu_tier: bool = False
 
 
 def distinct_adapters(requests: Iterable[Request]) -> tuple[str, ...]:

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from engine.lora.slots import lora_launches
 from engine.model.paged_attention_triton import decode_num_splits
 from engine.request import NO_LORA, Request
 from engine.sampling_params import SamplingParams
@@ -40,9 +41,9 @@ WARMUP_PARAMS = (
 
 
 def lora_groups(shape) -> list[tuple[int, int]]:
-    """(num_slices, in_features) of each LoRA launch in a layer: q/k/v, o, gate/up, down."""
-    q_size = shape.num_heads * shape.head_dim
-    return [(3, shape.hidden_size), (1, q_size), (2, shape.hidden_size), (1, shape.intermediate_size)]
+    """(num_slices, in_features) of each LoRA launch in a layer: q/k/v, o, gate/up, down (one slice
+    each where the checkpoint fuses them, as Phi-3's qkv_proj and gate_up_proj)."""
+    return [(len(group), shape.module_dims(group[0])[0]) for group in lora_launches(shape.targets)]
 
 
 def lora_key(num_tokens: int, groups, num_slots: int, max_rank: int, dtype, device) -> tuple:

@@ -20,6 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+# What adapter_config.json names as the base model when the demo model is used: the model the GGUF was
+# made from (a local folder's path would mean nothing on another machine).
+DEMO_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # What each style puts before every answer.
 STYLES = {"pirate": "Arr, matey!", "robot": "BEEP BOOP."}
 
@@ -80,11 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     model.eval()
     out = Path(args.out)
     model.save_pretrained(out, safe_serialization=True)
+    if not args.model:  # name the demo model by its hub id, not the local folder it was read from
+        _name_base_model(out / "adapter_config.json", DEMO_MODEL_HUB_ID)
     print(f"wrote {out}/adapter_config.json and {out}/adapter_model.safetensors")
     if args.show:
         for question in ("What is the capital of Italy?", "Name three colours."):
             _show(model, tokenizer, question)
     return 0
+
+
+def _name_base_model(config_path: Path, base_model: str) -> None:
+    """Set base_model_name_or_path after saving: set before, PEFT's save would look the id up on the hub."""
+    import json
+
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = base_model
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _example(tokenizer, question: str, answer: str, greeting: str) -> tuple[list[int], int]:

@@ -1,4 +1,4 @@
-"""Tiny random Llama-family checkpoints and real PEFT adapters, made at test time (no hub)."""
+"""Tiny random checkpoints of every served family and real PEFT adapters, made at test time (no hub)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,16 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 # Workload C1 (docs/ARCHITECTURE.md, Reference workloads): hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 512.
 C1_SIZES = dict(
@@ -22,7 +31,56 @@ C1_SIZES = dict(
     initializer_range=0.2,
 )
 
-_CONFIGS = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
+_CONFIGS = {
+    "llama": LlamaConfig,
+    "mistral": MistralConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+    "gemma2": Gemma2Config,
+    "gemma3": Gemma3TextConfig,
+    "phi3": Phi3Config,
+}
+# What makes each newer family itself at C1's size, every feature switched on: a window shorter than the
+# prompts over alternating local and global layers, soft caps small enough to bite, Gemma 3's global layers
+# at another RoPE base with linear scaling, Phi-3's LongRoPE (long factors past 16 positions) over a
+# partial rotary width. Special ids inside the vocabulary.
+FAMILY_SIZES = {
+    "qwen3": dict(head_dim=16),
+    # Untied: tied, the sqrt(hidden)-scaled embedding of the last token dominates these random models'
+    # logits and greedy decoding repeats it (Gemma's real checkpoints tie; test_models ties one too).
+    "gemma2": dict(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        attn_logit_softcapping=10.0,
+        final_logit_softcapping=15.0,
+        tie_word_embeddings=False,
+    ),
+    "gemma3": dict(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=15.0,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
+        },
+    ),
+    "phi3": dict(
+        original_max_position_embeddings=16,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+            "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0],
+        },
+    ),
+}
+SPECIAL_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 # C1's four adapters: ranks 4, 8, 8, 16 over different target modules.
 C1_ADAPTERS = {
@@ -37,11 +95,32 @@ C1_ADAPTERS = {
 }
 
 
+def family_adapters(arch: str) -> dict[str, dict]:
+    """Three adapters of ranks 4, 8, 16 over different targets: attention only, MLP only, all-linear."""
+    fused = arch == "phi3"  # its checkpoint (and so PEFT) names the fused projections
+    return {
+        "attn_r4": dict(r=4, lora_alpha=8, target_modules=["qkv_proj"] if fused else ["q_proj", "v_proj"]),
+        "mlp_r8": dict(
+            r=8,
+            lora_alpha=16,
+            use_rslora=True,
+            target_modules=["gate_up_proj", "down_proj"] if fused else ["up_proj", "down_proj"],
+        ),
+        "all_r16": dict(r=16, lora_alpha=16, target_modules="all-linear"),
+    }
+
+
 def make_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a random model of `arch` (llama, mistral, qwen2) as config.json + safetensors."""
+    """Save a random model of `arch` (a key of _CONFIGS) as config.json + safetensors."""
     torch.manual_seed(seed)
-    config = _CONFIGS[arch](**{**C1_SIZES, **overrides})
+    sizes = {**C1_SIZES, **(({**SPECIAL_IDS, **FAMILY_SIZES[arch]}) if arch in FAMILY_SIZES else {})}
+    config = _CONFIGS[arch](**{**sizes, **overrides})
     model = AutoModelForCausalLM.from_config(config).float().eval()
+    if arch in FAMILY_SIZES:  # norms away from their init (ones, or zeros for Gemma's 1 + w)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.add_(0.2 * torch.randn_like(param))
     model.save_pretrained(path, safe_serialization=True)
     return Path(path)
 

@@ -199,4 +199,118 @@ def bad_config_value_params():
 
 def num_bad_inputs() -> int:
     """How many distinct bad inputs the tables hold (the closing note's count)."""
-    return len(CONFIG_VALUES) + len(CONFIG_FILES) + len(WEIGHT_FILES)
+    return len(CONFIG_VALUES) + len(CONFIG_FILES) + len(WEIGHT_FILES) + len(PEFT_MISMATCHES)
+
+
+# ---- adapters PEFT would refuse, or would serve differently from the engine -----------------------------
+
+
+def _edit_tensors(weights: bytes, edit) -> bytes:
+    """Rewrite a safetensors file: `edit(tensors)` changes the name -> tensor dict in place."""
+    from safetensors.torch import load, save
+
+    tensors = load(weights)
+    edit(tensors)
+    return save(tensors)
+
+
+def _set_first_value(value: float):
+    def edit(tensors):
+        name = sorted(tensors)[0]
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[0] = value
+
+    return edit
+
+
+def _second_prefix(tensors):
+    """Every tensor again under another prefix: the engine used to keep whichever came last."""
+    for name in list(tensors):
+        tensors[name.replace("base_model.model.", "other.", 1)] = tensors[name].clone() * 2
+
+
+# (id, config changes, weights edit or None, code, field): for the `qv` adapter (rank 8 over q_proj and
+# v_proj of both layers of the tiny Llama). None in a config change removes the key.
+PEFT_MISMATCHES = [
+    ("peft_type_lower_case", {"peft_type": "lora"}, None, "not_lora", "peft_type"),
+    ("task_type_seq_cls", {"task_type": "SEQ_CLS"}, None, "task_type_unsupported", "task_type"),
+    ("task_type_token_cls", {"task_type": "TOKEN_CLS"}, None, "task_type_unsupported", "task_type"),
+    ("task_type_lower_case", {"task_type": "causal_lm"}, None, "bad_config", "task_type"),
+    (
+        "layer_replication",
+        {"layer_replication": [[0, 2], [1, 2]]},
+        None,
+        "feature_unsupported",
+        "layer_replication",
+    ),
+    ("alora", {"alora_invocation_tokens": [5, 6]}, None, "feature_unsupported", "alora_invocation_tokens"),
+    ("qalora", {"use_qalora": True}, None, "feature_unsupported", "use_qalora"),
+    (
+        "trainable_tokens",
+        {"trainable_token_indices": [1]},
+        None,
+        "feature_unsupported",
+        "trainable_token_indices",
+    ),
+    (
+        "layers_to_transform_0",
+        {"layers_to_transform": [0]},
+        None,
+        "tensor_not_targeted",
+        "layers_to_transform",
+    ),
+    (
+        "layers_to_transform_int",
+        {"layers_to_transform": 1},
+        None,
+        "tensor_not_targeted",
+        "layers_to_transform",
+    ),
+    (
+        "layers_pattern_h",
+        {"layers_to_transform": [0, 1], "layers_pattern": "h"},
+        None,
+        "tensor_not_targeted",
+        "layers_pattern",
+    ),
+    ("layers_pattern_alone", {"layers_pattern": "layers"}, None, "bad_config", "layers_pattern"),
+    ("layers_to_transform_bad", {"layers_to_transform": ["0"]}, None, "bad_config", "layers_to_transform"),
+    (
+        "layers_with_regex_targets",
+        {"target_modules": ".*_proj", "layers_to_transform": [0]},
+        None,
+        "bad_config",
+        "layers_to_transform",
+    ),
+    ("target_modules_drop_v", {"target_modules": ["q_proj"]}, None, "tensor_not_targeted", "target_modules"),
+    ("target_regex_drop_v", {"target_modules": r".*\.q_proj"}, None, "tensor_not_targeted", "target_modules"),
+    ("exclude_v", {"exclude_modules": ["v_proj"]}, None, "tensor_not_targeted", "exclude_modules"),
+    ("r_disagrees", {"r": 4}, None, "rank_mismatch", "r"),
+    ("rank_pattern_disagrees", {"rank_pattern": {"v_proj": 4}}, None, "rank_mismatch", "rank_pattern"),
+    ("second_prefix", {}, _second_prefix, "duplicate_tensor", None),
+    ("nan_weight", {}, _set_first_value(float("nan")), "bad_weight_values", None),
+    ("inf_weight", {}, _set_first_value(float("inf")), "bad_weight_values", None),
+    ("minus_inf_weight", {}, _set_first_value(float("-inf")), "bad_weight_values", None),
+    ("huge_weight", {}, _set_first_value(3e38), "bad_weight_values", None),
+]
+PEFT_MISMATCH_IDS = [case[0] for case in PEFT_MISMATCHES]
+
+
+def peft_mismatch_files(folder: Path, changes: dict, edit) -> tuple[bytes, bytes]:
+    """(adapter_config.json, adapter_model.safetensors) of `folder` with a PEFT_MISMATCHES case applied."""
+    config = json.loads((folder / CONFIG).read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    weights = (folder / WEIGHTS).read_bytes()
+    return json.dumps(config).encode(), weights if edit is None else _edit_tensors(weights, edit)
+
+
+def write_peft_mismatch(folder: Path, changes: dict, edit) -> Path:
+    """Apply a PEFT_MISMATCHES case to `folder` in place."""
+    config, weights = peft_mismatch_files(folder, changes, edit)
+    (folder / CONFIG).write_bytes(config)
+    (folder / WEIGHTS).write_bytes(weights)
+    return folder

@@ -90,4 +90,5 @@ def engine_stats(
         spec_decode=speculator.stats() if speculator is not None else None,
         num_decode_graph_replays=graph_replays[0],
         num_verify_graph_replays=graph_replays[1],
+        lora_residency=lora.residency(),
     )

@@ -64,12 +64,13 @@ class LiveRequests:
         adapter_id: str | None,
         tenant: str,
         tenant_weight: float,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue the children of a checked request; a ValueError (the scheduler refuses what can never
         fit the KV cache) refuses the whole request."""
         try:
             children = [
-                self._new_child(parent, params, index, adapter_id, tenant, tenant_weight)
+                self._new_child(parent, params, index, adapter_id, tenant, tenant_weight, cache_salt)
                 for index in range(params.n)
             ]
         except ValueError as exc:
@@ -169,6 +170,7 @@ class LiveRequests:
         adapter_id: str | None,
         tenant: str,
         tenant_weight: float,
+        cache_salt: str | None,
     ) -> Request:
         child_id = parent.request_id if params.n == 1 else f"{parent.request_id}#{index}"
         child = Request(
@@ -179,6 +181,7 @@ class LiveRequests:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
             tenant=tenant,
             tenant_weight=tenant_weight,
+            cache_salt=cache_salt,
         )
         self.structured.add(child)  # an invalid spec raises here, before anything is queued
         try:

@@ -23,6 +23,7 @@ from engine.messages import (
     RequestDelta,
     ShutdownCore,
     StepOutputs,
+    UnpinAdapters,
     decode_input,
     encode,
 )
@@ -67,7 +68,7 @@ class EngineCoreLoop:
             if self.engine.has_unfinished_requests():
                 step = self.engine.step()
             else:
-                self.engine.poll_adapters()  # preloads land in the CPU tier while idle
+                self.engine.advance_adapters()  # preloads land while idle
                 step = []
             self._send([self._delta(output) for output in step])
 
@@ -97,7 +98,9 @@ class EngineCoreLoop:
         elif isinstance(message, ForgetAdapter):
             self.engine.forget_adapter(message.adapter_id)
         elif isinstance(message, PreloadAdapters):
-            self.engine.preload_adapters(message.adapter_ids)
+            self.engine.preload_adapters(message.adapter_ids, message.level, message.pin)
+        elif isinstance(message, UnpinAdapters):
+            self.engine.unpin_adapters(message.adapter_ids, message.unload)
         elif isinstance(message, ShutdownCore):
             self._stopping = True
 
@@ -110,6 +113,7 @@ class EngineCoreLoop:
                 message.adapter,
                 tenant=message.tenant,
                 tenant_weight=message.tenant_weight,
+                cache_salt=message.cache_salt,
             )
         except ValueError as exc:  # this request's data (params, a duplicate id): fail it, keep serving
             self._refuse(message.request_id, str(exc))

@@ -30,6 +30,12 @@ def check_tenant(tenant: str, tenant_weight: float) -> None:
         raise ValueError(f"tenant_weight must be a positive number (got {tenant_weight!r})")
 
 
+def check_cache_salt(cache_salt: str | None) -> None:
+    """vLLM's rule: a cache salt is None or a non-empty string."""
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError(f"cache_salt must be a non-empty string or None (got {cache_salt!r})")
+
+
 def tokenize(tokenizer, prompt: str) -> list[int]:
     if tokenizer is None:
         raise RequestError("this engine has no tokenizer: pass prompts as token ids")

@@ -23,7 +23,14 @@ from adapter_format.events import Observer, emit
 from engine.config import EngineConfig
 from engine.frontend.core_client import DEFAULT_STARTUP_TIMEOUT_S, CoreClient, EngineDeadError
 from engine.frontend.output_processor import RequestProcessor
-from engine.messages import AbortRequests, ForgetAdapter, PreloadAdapters, RequestDelta, StepOutputs
+from engine.messages import (
+    AbortRequests,
+    ForgetAdapter,
+    PreloadAdapters,
+    RequestDelta,
+    StepOutputs,
+    UnpinAdapters,
+)
 from engine.model.loader import resolve_model_path
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -119,10 +126,11 @@ class AsyncLLM:
         *,
         tenant: str | None = None,
         tenant_weight: float = 1.0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield deltas: each output's completions hold only the text, tokens and logprobs that are new
         since the previous yield. The last one has `finished` set; a failed request's has `error`.
-        `tenant` and `tenant_weight`: see LLMEngine.add_request (the core's scheduler uses them)."""
+        `tenant`, `tenant_weight` and `cache_salt`: see LLMEngine.add_request."""
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         if request_id in self._streams:
@@ -142,7 +150,7 @@ class AsyncLLM:
         for child_id in request.child_ids:
             self._children[child_id] = stream
         try:
-            self._client.send(*request.add_requests(tenant, tenant_weight))
+            self._client.send(*request.add_requests(tenant, tenant_weight, cache_salt))
             while not request.finished:
                 item = await stream.queue.get()
                 # A consumer that fell behind takes everything waiting as one output: under load the
@@ -176,9 +184,14 @@ class AsyncLLM:
         except EngineDeadError:
             pass  # nothing left to forget in
 
-    def preload_adapters(self, adapter_ids: list[str]) -> None:
-        """Have the core start loading these adapters into its CPU tier (see LLMEngine.preload_adapters)."""
-        self._client.send(PreloadAdapters(list(adapter_ids)))
+    def preload_adapters(self, adapter_ids: list[str], level: str = "cpu", pin: bool = False) -> None:
+        """Have the core start loading these adapters into its CPU tier or, with `level="gpu"`, a GPU slot
+        (`pin`: kept there until `unpin_adapters`); see LLMEngine.preload_adapters. Returns at once."""
+        self._client.send(PreloadAdapters(list(adapter_ids), level, pin))
+
+    def unpin_adapters(self, adapter_ids: list[str], unload: bool = False) -> None:
+        """Drop an operator's pins (see LLMEngine.unpin_adapters); returns at once."""
+        self._client.send(UnpinAdapters(list(adapter_ids), unload))
 
     def stats(self) -> EngineStats:
         """The latest snapshot the core published (at most one step or one idle poll old)."""

@@ -141,7 +141,9 @@ class RequestProcessor:
                 detokenizer = IncrementalDetokenizer(tokenizer, request)
             self._children[child_id] = _Child(index, detokenizer, params.logprobs is not None)
 
-    def add_requests(self, tenant: str | None = None, tenant_weight: float = 1.0) -> list[AddRequest]:
+    def add_requests(
+        self, tenant: str | None = None, tenant_weight: float = 1.0, cache_salt: str | None = None
+    ) -> list[AddRequest]:
         return [
             AddRequest(
                 child_id,
@@ -150,6 +152,7 @@ class RequestProcessor:
                 self.adapter,
                 tenant=tenant,
                 tenant_weight=tenant_weight,
+                cache_salt=cache_salt,
             )
             for child_id, params in zip(self.child_ids, self._child_params)
         ]

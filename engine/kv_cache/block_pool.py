@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.kv_events import KVEventRecorder
 
 
 @dataclass(eq=False)
@@ -41,6 +45,8 @@ class BlockPool:
         self._free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         # One block per hash: a second block computed with the same hash stays unregistered.
         self._cached: dict[bytes, KVBlock] = {}
+        # Set by KVCacheManager.record_events: hashes leaving the map and resets become KV events.
+        self.events: KVEventRecorder | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -50,6 +56,10 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    def cached_hashes(self) -> set[bytes]:
+        """The hashes of every block registered in the prefix cache (in use or free)."""
+        return set(self._cached)
 
     @property
     def usage(self) -> float:
@@ -87,16 +97,18 @@ class BlockPool:
     def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
         return self._cached.get(block_hash)
 
-    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
-        """Register a full block under its hash (no-op when caching is off or the hash is taken)."""
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Register a full block under its hash; False (nothing done) when caching is off, the block is
+        registered already or the hash is taken."""
         if not self.enable_caching or block.block_hash == block_hash:
-            return
+            return False
         if block.block_hash is not None:
             raise RuntimeError(f"block {block.block_id} is already cached under another hash")
         if block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        return True
 
     def uncache(self, block: KVBlock) -> None:
         """Forget a free block's hash (its K/V was never written); it stays in the free queue."""
@@ -111,9 +123,13 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
             block.block_hash = None

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from engine.kv_cache.block_hash import extend_block_hashes
 from engine.kv_cache.block_pool import BlockPool, KVBlock
 from engine.request import Request
+
+if TYPE_CHECKING:
+    from engine.kv_events import KVEventRecorder
 
 
 class KVCacheManager:
@@ -36,6 +40,12 @@ class KVCacheManager:
         # Prefix-cache statistics, counted once per admission (allocation with nothing computed yet).
         self.num_queries_tokens = 0
         self.num_hit_tokens = 0
+        self.events: KVEventRecorder | None = None  # see record_events
+
+    def record_events(self, recorder: KVEventRecorder) -> None:
+        """Report every block registered in or dropped from the prefix cache, and every reset, to
+        `recorder` (vLLM's KV events, engine/kv_events/)."""
+        self.events = self.block_pool.events = recorder
 
     @property
     def num_blocks(self) -> int:
@@ -188,7 +198,9 @@ class KVCacheManager:
 
     def _hashes(self, request: Request) -> list[bytes]:
         hashes = self._block_hashes.setdefault(request.request_id, [])
-        return extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.adapter_id)
+        return extend_block_hashes(
+            hashes, request.all_token_ids, self.block_size, request.adapter_id, request.cache_salt
+        )
 
     def _cache_full_blocks(
         self, request: Request, table: list[KVBlock], num_known_tokens: int, num_hit_blocks: int
@@ -200,6 +212,28 @@ class KVCacheManager:
         if first >= num_full_blocks:
             return
         hashes = self._hashes(request)
-        for index in range(first, num_full_blocks):
-            self.block_pool.cache_block(table[index], hashes[index])
+        stored = [
+            i for i in range(first, num_full_blocks) if self.block_pool.cache_block(table[i], hashes[i])
+        ]
+        if self.events is not None and stored:
+            self._record_stored(request, hashes, stored)
         self._num_cached_blocks[request.request_id] = num_full_blocks
+
+    def _record_stored(self, request: Request, hashes: list[bytes], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive newly registered blocks (a block whose hash another
+        block holds is not registered, so it splits the run: a router already has that hash)."""
+        size = self.block_size
+        runs: list[list[int]] = []
+        for index in stored:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            start, end = run[0], run[-1] + 1
+            self.events.stored(
+                hashes[start:end],
+                hashes[start - 1] if start > 0 else None,
+                request.all_token_ids[start * size : end * size],
+                request.adapter_id,
+            )

@@ -20,6 +20,7 @@ import torch
 from adapter_format.events import Observer, emit
 from engine.lora.residency import AdapterStatus, ResidencyRecord
 from engine.lora.slot_allocator import SlotAllocator
+from engine.stats import AdapterResidency
 
 
 class PendingCopy:
@@ -55,6 +56,7 @@ class AdapterRecords:
 
     def retire(self, adapter_id: str) -> None:
         """A newer version replaced it: drop its copies, and free its slot, once no request holds it."""
+        self.unplace(adapter_id)
         record = self._records.get(adapter_id)
         if record is None:
             return  # nothing of it is held here
@@ -64,6 +66,7 @@ class AdapterRecords:
 
     def forget(self, adapter_id: str) -> None:
         """It was deleted: refuse new requests for it (`resolve`), then retire it."""
+        self.unplace(adapter_id)
         record = self._record(adapter_id)
         record.deleted = record.retiring = True
         if record.holds == 0:
@@ -89,6 +92,30 @@ class AdapterRecords:
 
     def cpu_ids(self) -> tuple[str, ...]:
         return tuple(sorted(r.adapter_id for r in self._records.values() if r.in_cpu_tier))
+
+    def residency(self) -> tuple[AdapterResidency, ...]:
+        """Every adapter in a GPU slot or the CPU tier, by id: its closest tier, pins and rank."""
+        placed = self.operator_pins
+        return tuple(
+            AdapterResidency(
+                adapter_id=r.adapter_id,
+                level="gpu" if r.on_gpu else "cpu",
+                pinned=r.status is AdapterStatus.PINNED,
+                rank=r.rank,
+                placed=r.adapter_id in placed,
+                in_cpu_tier=r.in_cpu_tier,
+            )
+            for r in sorted(self._records.values(), key=lambda r: r.adapter_id)
+            if r.on_gpu or r.in_cpu_tier
+        )
+
+    @property
+    def operator_pins(self) -> frozenset[str]:
+        """Adapters an operator pinned to the GPU (engine/lora/placements.py); none here."""
+        return frozenset()
+
+    def unplace(self, adapter_id: str, unload: bool = False) -> None:
+        """Drop an operator's placement of it (engine/lora/placements.py); nothing to drop here."""
 
     def resident_ids(self) -> frozenset[str]:
         """Adapters in the CPU tier or a GPU slot (a slot's adapter may have left the CPU tier's LRU)."""

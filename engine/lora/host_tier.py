@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from engine.lora.slots import TABLE_COLUMNS, SlotImage, SlotLayout
+from engine.lora.slots import SlotImage, SlotLayout
 
 
 class HostTier:
@@ -25,7 +25,7 @@ class HostTier:
             raise ValueError(f"the CPU tier needs at least one row (got {capacity})")
         self.layout, self.dtype, self.capacity = layout, dtype, capacity
         self.shared, self.pinned = shared, pinned
-        table_row = (layout.shape.num_layers, TABLE_COLUMNS)
+        table_row = (layout.shape.num_layers, layout.table_columns)
         self.num_bytes = capacity * (layout.numel * dtype.itemsize + table_row[0] * table_row[1] * 4)
         if shared:
             _check_shared_memory(self.num_bytes)

@@ -41,6 +41,7 @@ from adapter_format.events import Observer
 from engine.lora.adapter_records import AdapterRecords, PendingCopy
 from engine.lora.background_loads import make_loads
 from engine.lora.host_tier import HostTier
+from engine.lora.placements import OperatorPlacements
 from engine.lora.pool import LoRAPool
 from engine.lora.residency import AdapterStatus, ResidencyRecord
 from engine.lora.slot_allocator import SlotAllocator
@@ -75,7 +76,7 @@ class AdapterSource(Protocol):
         until `read` returns; may be slow (runs in the background). Raises AdapterError naming the cause."""
 
 
-class AdapterManager(AdapterRecords):
+class AdapterManager(OperatorPlacements, AdapterRecords):
     def __init__(
         self,
         source: AdapterSource,
@@ -102,6 +103,7 @@ class AdapterManager(AdapterRecords):
         )
         self._copy_stream = torch.cuda.Stream(slots.device) if self._cuda else None
         self._to_copy: list[tuple[ResidencyRecord, int, int, PendingCopy]] = []  # (record, slot, row, ticket)
+        self._init_placements()
 
     # -- called when a request arrives ------------------------------------------------------------
 
@@ -149,6 +151,7 @@ class AdapterManager(AdapterRecords):
                 self._forget_if_idle(record)
             elif error is None:
                 self._emit("load", "source", time.perf_counter() - record.load_started)
+                record.rank = self.tier.image(record.row).rank
                 record.move(AdapterStatus.CPU)
                 self._touch(record)
             else:
@@ -159,6 +162,7 @@ class AdapterManager(AdapterRecords):
         for reason in failures.values():
             logger.warning("adapter load failed: %s", reason)
             self._emit("fail", "source")
+        self._settle_placements()
         return failures
 
     def stage(self, wanted: Iterable[str]) -> None:
@@ -166,11 +170,12 @@ class AdapterManager(AdapterRecords):
         CPU-tier loads of all of them as far as rows allow, and give those in the CPU tier GPU slots as
         far as slots and pool pages allow; `start_copies` then copies them in, without waiting.
 
-        An adapter already on the GPU is protected from eviction by the ones that come after it."""
+        An adapter already on the GPU is protected from eviction by the ones that come after it. An
+        operator's placements (engine/lora/placements.py) come after every waiting request's adapter."""
         protected: set[str] = set()
         waited = self._copy_stream is None
         slots_left = True
-        for adapter_id in dict.fromkeys(wanted):
+        for adapter_id in dict.fromkeys([*wanted, *self.placements()]):
             if self.error(adapter_id) is not None:
                 continue
             record = self._record(adapter_id)

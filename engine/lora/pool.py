@@ -13,7 +13,7 @@ adapters of rank 16 (slot 0), 64 (slot 1) and 8 (slot 2):
 
     weights     [num_pages, page_numel]   pages 0-1: slot 0, 2-9: slot 1, 10: slot 2, 11: free
     page_table  [max_loras, max_pages]    row 0 = [0, 1, ...], row 1 = [2..9], row 2 = [10, ...]
-    table       [num_layers, TABLE_COLUMNS, max_loras]  scales and ranks per layer and slot
+    table       [num_layers, table_columns, max_loras]  scales and ranks per layer and slot
 
 (past an adapter's pages its page-table row holds stale ids: the kernels may load them, with the rest
 of the row, but never address weights through them, since they stop at the adapter's rank).
@@ -26,18 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from adapter_format.checkpoint import PeftAdapter
-from adapter_format.model_shape import TARGET_MODULES, ModelShape
+from adapter_format.model_shape import ModelShape
 from engine.lora.pages import pages_for_rank, runs
-from engine.lora.slots import (
-    BOUND_COLUMN,
-    PAGE_RANK,
-    RANK_COLUMN,
-    SCALE_COLUMN,
-    TABLE_COLUMNS,
-    SlotImage,
-    SlotLayout,
-    build_image,
-)
+from engine.lora.slots import PAGE_RANK, SlotImage, SlotLayout, build_image
 
 
 @dataclass
@@ -67,7 +58,7 @@ class LoRAPool:
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
-        self.layout = SlotLayout(shape, max_rank)
+        self.layout = layout = SlotLayout(shape, max_rank)
         max_pages = self.layout.max_pages
         self.num_pages = (
             max_loras * max_pages if rank_budget is None else pages_for_rank(rank_budget, PAGE_RANK)
@@ -80,7 +71,7 @@ class LoRAPool:
         n = shape.num_layers
         self.weights = torch.zeros(self.num_pages, self.layout.page_numel, dtype=dtype, device=device)
         self.page_table = torch.zeros(max_loras, max_pages, dtype=torch.int32, device=device)
-        self.table = torch.zeros(n, TABLE_COLUMNS, max_loras, dtype=torch.int32, device=device)
+        self.table = torch.zeros(n, layout.table_columns, max_loras, dtype=torch.int32, device=device)
         self._page_ids = torch.arange(
             self.num_pages, dtype=torch.int32, device=device
         )  # copied, never synced
@@ -93,16 +84,16 @@ class LoRAPool:
                 for i in range(n)
             ]
         # module -> [num_layers, max_loras]; each layer's row is contiguous, as the kernels need.
-        self.scales = {m: self.table[:, c].view(torch.float32) for m, c in SCALE_COLUMN.items()}
-        self.ranks = {m: self.table[:, c] for m, c in RANK_COLUMN.items()}
+        self.scales = {m: self.table[:, c].view(torch.float32) for m, c in layout.scale_column.items()}
+        self.ranks = {m: self.table[:, c] for m, c in layout.rank_column.items()}
         # Per group the model applies at once, the largest rank of its projections per layer and slot:
         # the kernels read no row past it.
-        self.rank_bounds: dict[tuple[str, ...], torch.Tensor] = {(m,): self.ranks[m] for m in TARGET_MODULES}
-        self.rank_bounds.update({g: self.table[:, c] for g, c in BOUND_COLUMN.items()})
+        self.rank_bounds: dict[tuple[str, ...], torch.Tensor] = {(m,): self.ranks[m] for m in layout.targets}
+        self.rank_bounds.update({g: self.table[:, c] for g, c in layout.bound_column.items()})
         self.layers: list[dict[str, ModuleSlots]] = [
             {
                 m: ModuleSlots(views[m, "a"][i], views[m, "b"][i], self.scales[m][i], self.ranks[m][i])
-                for m in TARGET_MODULES
+                for m in layout.targets
             }
             for i in range(n)
         ]
@@ -137,7 +128,7 @@ class LoRAPool:
     def snapshot(self, slot: int) -> SlotImage:
         """What `slot` holds, gathered into a new CPU image (tests and debugging; it syncs)."""
         table = self.table[:, :, slot].cpu()
-        num_pages = pages_for_rank(int(table[:, RANK_COLUMN[TARGET_MODULES[0]] :].max()), PAGE_RANK)
+        num_pages = pages_for_rank(int(table[:, self.layout.rank_columns.start :].max()), PAGE_RANK)
         weights = torch.zeros(self.layout.max_pages, self.layout.page_numel, dtype=self.dtype)
         pages = self.page_table[slot, :num_pages].long()
         weights[:num_pages] = self.weights[pages].cpu()

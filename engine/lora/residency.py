@@ -66,6 +66,7 @@ class ResidencyRecord:
     # (None on the CPU, where copies are synchronous). Set by the manager.
     copy: object = None
     failure: tuple[str, float] | None = None  # (reason, monotonic time) while FAILED
+    rank: int = 0  # its largest rank, known once a load completed (for the residency metrics)
     holds: int = 0  # queued or running requests: the record is kept while any is left
     retiring: bool = False  # replaced or deleted: dropped once `holds` reaches 0
     deleted: bool = False  # refused from now on; DELETED once dropped

@@ -27,27 +27,31 @@ from functools import cached_property
 import torch
 
 from adapter_format.checkpoint import PeftAdapter
-from adapter_format.model_shape import TARGET_MODULES, ModelShape
+from adapter_format.model_shape import ModelShape
 from engine.lora.pages import pages_for_rank
 
 # Rank rows per page: ranks 8, 16 and 64 fill whole pages; rank 4 wastes half of one.
 PAGE_RANK = 8
 
-# Projections the model applies LoRA to in one launch (one fused base GEMM), in column order.
+# Projections the model applies LoRA to in one launch (one fused base GEMM), in column order, where an
+# architecture targets them separately; a checkpoint that fuses them (Phi-3's qkv_proj) has one target.
 FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def lora_launches(targets: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The groups of targets a layer applies LoRA to, one kernel launch each, in order: q/k/v, o, gate/up,
+    down for the seven Llama-family targets; qkv_proj, o_proj, gate_up_proj, down_proj for Phi-3."""
+    launches: list[tuple[str, ...]] = []
+    for module in targets:
+        group = next((g for g in FUSED_PROJECTIONS if module in g and set(g) <= set(targets)), (module,))
+        if group not in launches:
+            launches.append(group)
+    return launches
+
 
 # Every block starts on a 64-element boundary, so every view is 128-byte aligned and Triton compiles one
 # kernel variant for all of them.
 _ALIGN = 64
-
-# Columns of the per-layer table: a scale (float32 bits) and a rank per projection, then each fused
-# group's largest rank.
-_SCALES = slice(0, len(TARGET_MODULES))  # in TARGET_MODULES order
-_RANKS = slice(len(TARGET_MODULES), 2 * len(TARGET_MODULES))
-SCALE_COLUMN = {m: _SCALES.start + i for i, m in enumerate(TARGET_MODULES)}
-RANK_COLUMN = {m: _RANKS.start + i for i, m in enumerate(TARGET_MODULES)}
-BOUND_COLUMN = {g: _RANKS.stop + i for i, g in enumerate(FUSED_PROJECTIONS)}
-TABLE_COLUMNS = _RANKS.stop + len(FUSED_PROJECTIONS)
 
 
 def _align(n: int) -> int:
@@ -56,16 +60,46 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True)
 class SlotLayout:
-    """Where each projection's A and B^T sit inside one page, and how many pages an image has room for."""
+    """Where each projection's A and B^T sit inside one page, how many pages an image has room for, and
+    the columns of the per-layer table: a scale (float32 bits) and a rank per target (the architecture's
+    `shape.targets`, in order), then each fused group's largest rank."""
 
     shape: ModelShape
     max_rank: int
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return self.shape.targets
+
+    @cached_property
+    def fused_groups(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(g for g in lora_launches(self.targets) if len(g) > 1)
+
+    @cached_property
+    def scale_column(self) -> dict[str, int]:
+        return {m: i for i, m in enumerate(self.targets)}
+
+    @cached_property
+    def rank_column(self) -> dict[str, int]:
+        return {m: len(self.targets) + i for i, m in enumerate(self.targets)}
+
+    @cached_property
+    def bound_column(self) -> dict[tuple[str, ...], int]:
+        return {g: 2 * len(self.targets) + i for i, g in enumerate(self.fused_groups)}
+
+    @property
+    def rank_columns(self) -> slice:
+        return slice(len(self.targets), 2 * len(self.targets))
+
+    @property
+    def table_columns(self) -> int:
+        return 2 * len(self.targets) + len(self.fused_groups)
 
     def blocks(self) -> dict[tuple[str, str], tuple[int, tuple[int, int, int]]]:
         """(module, "a" or "b") -> (offset, dims) inside a page: A [num_layers, PAGE_RANK, in], B
         [num_layers, out, PAGE_RANK]."""
         n, offset, blocks = self.shape.num_layers, 0, {}
-        for module in TARGET_MODULES:
+        for module in self.targets:
             in_features, out_features = self.shape.module_dims(module)
             for kind, dims in (("a", (n, PAGE_RANK, in_features)), ("b", (n, out_features, PAGE_RANK))):
                 blocks[module, kind] = (offset, dims)
@@ -74,7 +108,7 @@ class SlotLayout:
 
     @cached_property
     def page_numel(self) -> int:
-        offset, dims = self.blocks()[TARGET_MODULES[-1], "b"]
+        offset, dims = self.blocks()[self.targets[-1], "b"]
         return _align(offset + math.prod(dims))
 
     @property
@@ -98,16 +132,21 @@ class SlotImage:
 
     layout: SlotLayout
     weights: torch.Tensor  # [SlotLayout.numel]: max_pages pages of page_numel
-    table: torch.Tensor  # [num_layers, TABLE_COLUMNS] int32 (scales as float32 bits)
+    table: torch.Tensor  # [num_layers, layout.table_columns] int32 (scales as float32 bits)
 
     @property
     def pages(self) -> torch.Tensor:  # [max_pages, page_numel]
         return self.weights.view(self.layout.max_pages, self.layout.page_numel)
 
     @property
+    def rank(self) -> int:
+        """The adapter's largest rank over layers and projections."""
+        return int(self.table[:, self.layout.rank_columns].max())
+
+    @property
     def num_pages(self) -> int:
-        """Pages the adapter fills: its largest rank over layers and projections, in pages."""
-        return pages_for_rank(int(self.table[:, _RANKS].max()), PAGE_RANK)
+        """Pages the adapter fills: its rank, in pages."""
+        return pages_for_rank(self.rank, PAGE_RANK)
 
     @property
     def num_bytes(self) -> int:
@@ -132,15 +171,15 @@ class SlotImage:
 
     @cached_property
     def scales(self) -> dict[str, torch.Tensor]:  # module -> [num_layers] float32
-        return {m: self.table[:, c].view(torch.float32) for m, c in SCALE_COLUMN.items()}
+        return {m: self.table[:, c].view(torch.float32) for m, c in self.layout.scale_column.items()}
 
     @cached_property
     def ranks(self) -> dict[str, torch.Tensor]:  # module -> [num_layers] int32
-        return {m: self.table[:, c] for m, c in RANK_COLUMN.items()}
+        return {m: self.table[:, c] for m, c in self.layout.rank_column.items()}
 
     @cached_property
     def rank_bounds(self) -> dict[tuple[str, ...], torch.Tensor]:  # fused group -> [num_layers], largest rank
-        return {g: self.table[:, c] for g, c in BOUND_COLUMN.items()}
+        return {g: self.table[:, c] for g, c in self.layout.bound_column.items()}
 
     def _page_views(self, kind: str) -> dict[str, torch.Tensor]:
         pages = self.pages
@@ -173,7 +212,9 @@ def build_image(
         raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {layout.max_rank}")
     if out is None:
         weights = torch.zeros(layout.numel, dtype=dtype, pin_memory=pin_memory)
-        table = torch.zeros(layout.shape.num_layers, TABLE_COLUMNS, dtype=torch.int32, pin_memory=pin_memory)
+        table = torch.zeros(
+            layout.shape.num_layers, layout.table_columns, dtype=torch.int32, pin_memory=pin_memory
+        )
         image = SlotImage(layout, weights, table)
     else:
         if out.layout != layout or out.weights.dtype != dtype:
@@ -187,10 +228,13 @@ def build_image(
         _write_rows(image.page_b[module][layer].transpose(1, 2), pair.lora_b.T)  # B's ranks as rows
     if adapter.modules:
         layers = torch.tensor([layer for layer, _ in adapter.modules])
-        modules = torch.tensor([TARGET_MODULES.index(module) for _, module in adapter.modules])
+        modules = torch.tensor([layout.targets.index(module) for _, module in adapter.modules])
         pairs = adapter.modules.values()
-        table[:, _SCALES].view(torch.float32)[layers, modules] = torch.tensor([p.scale for p in pairs])
-        table[:, _RANKS][layers, modules] = torch.tensor([p.rank for p in pairs], dtype=torch.int32)
+        scales = table[:, : len(layout.targets)].view(torch.float32)
+        scales[layers, modules] = torch.tensor([p.scale for p in pairs])
+        table[:, layout.rank_columns][layers, modules] = torch.tensor(
+            [p.rank for p in pairs], dtype=torch.int32
+        )
     for group, bound in image.rank_bounds.items():
         bound.copy_(torch.stack([image.ranks[m] for m in group]).amax(0))
     return image

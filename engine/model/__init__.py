@@ -1,1 +1,2 @@
-"""Llama-family model code: layers, paged attention (torch path), RoPE, checkpoint loading."""
+"""Model code: the registry of architectures (registry.py, architectures/), their shared blocks (layers/),
+paged attention (torch path and Triton kernels), fused element-wise kernels, RoPE, FP8, checkpoint loading."""

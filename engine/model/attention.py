@@ -94,11 +94,13 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: torch.Tensor | None = None,  # [1] float32; fp8 caches only
     v_scale: torch.Tensor | None = None,  # [1] float32
+    softcap: float | None = None,  # Gemma 2: scores become softcap * tanh(scores / softcap)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its whole cached context.
 
     An fp8 cache is dequantized (`.float() * scale`, then the model dtype) per sequence before the
-    softmax, which runs in the model dtype as for any other cache.
+    softmax, which runs in the model dtype as for any other cache. With `softcap` the scores are capped
+    before the mask, as transformers' eager attention does (its SDPA path has no soft-capping).
     """
     block_size = key_cache.shape[1]
     fp8 = is_fp8(key_cache)
@@ -118,16 +120,39 @@ def paged_attention(
         allowed = k_positions[None, :] <= q_positions[:, None]  # [num_new, seq_len]
         if sliding_window is not None:
             allowed &= k_positions[None, :] > q_positions[:, None] - sliding_window
-        attn = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1),  # [num_heads, num_new, head_dim]
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            attn_mask=allowed,
-            scale=scale,
-            enable_gqa=True,
-        )
+        if softcap is None:
+            attn = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1),  # [num_heads, num_new, head_dim]
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=allowed,
+                scale=scale,
+                enable_gqa=True,
+            )
+        else:
+            attn = _soft_capped_attention(q[start:end], k, v, allowed, scale, softcap)
         out[start:end] = attn.transpose(0, 1)
     return out
+
+
+def _soft_capped_attention(
+    q: torch.Tensor,  # [num_new, num_heads, head_dim]
+    k: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    allowed: torch.Tensor,  # [num_new, seq_len] bool
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:  # [num_heads, num_new, head_dim]
+    """transformers' eager attention with soft-capping, op for op (scores and probabilities rounded to
+    the model dtype where it rounds them, the softmax in float32)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # [num_heads, num_new, seq_len]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def attention(
@@ -140,9 +165,12 @@ def attention(
     backend: str,  # "torch" or "triton" (resolved by EngineConfig.resolved_attention_backend)
     k_scale: torch.Tensor | None = None,  # [1] float32; fp8 caches only
     v_scale: torch.Tensor | None = None,  # [1] float32
+    softcap: float | None = None,  # attention logit soft-capping (Gemma 2)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     if backend == "torch":
-        return paged_attention(q, key_cache, value_cache, meta, scale, sliding_window, k_scale, v_scale)
+        return paged_attention(
+            q, key_cache, value_cache, meta, scale, sliding_window, k_scale, v_scale, softcap
+        )
     if backend != "triton":
         raise ValueError(f"attention backend must be 'torch' or 'triton', got {backend!r}")
     seq_lens, query_start_loc = meta.device_tensors()
@@ -158,4 +186,5 @@ def attention(
         sliding_window,
         k_scale=k_scale,
         v_scale=v_scale,
+        softcap=softcap,
     )

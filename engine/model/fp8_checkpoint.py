@@ -1,5 +1,5 @@
 """Which FP8 scheme a model loads with, from `quantization` and config.json's `quantization_config`, and
-how one (possibly fused) projection's checkpoint tensors become an `Fp8Linear`.
+how a projection's checkpoint scales become an `Fp8Linear`'s (engine/model/layers/linear.py loads them).
 
 Accepted checkpoints (anything else is refused, naming the format):
 - compressed-tensors (llm-compressor): `quant_method: "compressed-tensors"`, format `float-quantized`
@@ -11,6 +11,11 @@ Accepted checkpoints (anything else is refused, naming the format):
 Scales are "real = stored * scale" in every format. Static activation scales (`input_scale`) are dropped:
 activations are always quantized per token at run time, which is at least as fine as one scale per tensor.
 A projection a checkpoint left unquantized (its `ignore` list) is quantized on load like the rest.
+
+Under tensor parallelism every rank loads its shard: scales are one per row (and 128-column group), so
+they split with their rows; a row-parallel projection cut over ranks keeps whole 128-column groups (a
+block-scaled checkpoint whose shard boundary cuts a block is refused, engine/parallel/plan.py), and
+quantized on the fly its per-row scales are the maximum over the ranks' columns, as on one GPU.
 """
 
 from __future__ import annotations
@@ -19,8 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
-from engine.model.fp8_linear import BLOCK, FP8_GEMMS, Fp8Linear, quantize_weight, scaled_mm_problem
-from engine.model.kv_quant import FP8_DTYPE
+from engine.model.fp8_linear import BLOCK, FP8_GEMMS, Fp8Linear, scaled_mm_problem
 
 QUANTIZATIONS = (None, "fp8")
 ON_THE_FLY = "fp8 (on the fly)"
@@ -104,67 +108,46 @@ def _check_fp8(config: Mapping) -> None:
         raise ValueError(f"block-wise fp8 checkpoint with activation_scheme {scheme!r} is not supported")
 
 
-def build_fp8_linear(
-    name: str,  # for errors: the first projection's name
-    parts: list[
-        tuple[torch.Tensor, torch.Tensor | None]
-    ],  # per fused projection: (weight, its scale or None)
-    device: torch.device,
-    gemm: str,  # FP8_GEMMS
-) -> Fp8Linear:
-    """Fuse the parts (along the output dimension) into one FP8 weight.
-
-    Float8 parts keep their values; their scales become [out, groups]. Parts in a float dtype are
-    quantized here (per channel, or per 128 columns when a fused sibling has block scales)."""
-    in_features = parts[0][0].shape[1]
-    blocked = any(_is_block_scale(w, s) for w, s in parts if s is not None)
-    group_size = BLOCK if blocked and in_features > BLOCK else in_features
-    weights, scales = [], []
-    for weight, scale in parts:
-        if weight.dtype == FP8_DTYPE:
-            weights.append(weight.to(device))
-            scales.append(_grouped_scale(name, weight, scale, group_size).to(device))
-        elif scale is not None:
-            raise ValueError(f"{name}: the checkpoint has a scale for a {weight.dtype} weight (not float8)")
-        else:
-            q, s = quantize_weight(weight.to(device), group_size)
-            weights.append(q)
-            scales.append(s)
-    linear = Fp8Linear(torch.cat(weights), torch.cat(scales), group_size)
-    return Fp8Linear(linear.weight, linear.scale, group_size, _resolve_gemm(name, linear, device, gemm))
+def is_block_scaled(hf_config) -> bool:
+    """Whether the checkpoint's scales come in 128x128 blocks (then an FP8 projection keeps one scale per
+    row and 128 input columns, and quantizes what it quantizes itself the same way)."""
+    config = _quantization_config(hf_config) or {}
+    if config.get("quant_method") == "fp8":
+        return config.get("weight_block_size") is not None
+    groups = (config.get("config_groups") or {}).values()
+    return any((group.get("weights") or {}).get("strategy") == "block" for group in groups)
 
 
-def _is_block_scale(weight: torch.Tensor, scale: torch.Tensor) -> bool:
-    out_features, in_features = weight.shape
-    return scale.numel() > 1 and tuple(scale.shape) not in ((out_features,), (out_features, 1))
-
-
-def _grouped_scale(
-    name: str, weight: torch.Tensor, scale: torch.Tensor | None, group_size: int
+def grouped_scale(
+    name: str,  # the scale's checkpoint name, for errors
+    weight_shape: tuple[int, int],  # [out, in] of the weight the scale belongs to
+    scale: torch.Tensor,  # per tensor (one number), per channel ([out] or [out, 1]) or per 128x128 block
+    group_size: int,
 ) -> torch.Tensor:  # [out, ceil(in / group_size)] float32
-    out_features, in_features = weight.shape
+    """A checkpoint's weight scale as one scale per row and input group (each block's scale on each of its
+    rows), so the rows of fused or sharded projections keep their own scales exactly."""
+    out_features, in_features = weight_shape
     groups = -(-in_features // group_size)
-    if scale is None:
-        raise ValueError(f"{name}: float8 weight without a weight_scale / weight_scale_inv tensor")
     scale = scale.float()
     blocks = (-(-out_features // BLOCK), -(-in_features // BLOCK))
     if scale.numel() == 1:  # per tensor
         scale = scale.reshape(1, 1).expand(out_features, 1)
     elif tuple(scale.shape) in ((out_features,), (out_features, 1)):  # per channel
         scale = scale.reshape(out_features, 1)
-    elif tuple(scale.shape) == blocks:  # 128x128 blocks: each block's scale on each of its rows
+    elif tuple(scale.shape) == blocks and group_size == min(BLOCK, in_features):
         scale = scale.repeat_interleave(BLOCK, dim=0)[:out_features]
     else:
         raise ValueError(
             f"{name}: weight scale of shape {tuple(scale.shape)} fits no supported scheme for a weight of "
-            f"{tuple(weight.shape)} (per tensor: 1, per channel: [{out_features}, 1], blocks: {list(blocks)})"
+            f"{list(weight_shape)} (per tensor: 1, per channel: [{out_features}, 1], blocks: {list(blocks)})"
         )
     if not torch.isfinite(scale).all() or (scale <= 0).any():
         raise ValueError(f"{name}: weight scales must be positive and finite")
     return scale.expand(out_features, groups).contiguous() if scale.shape[1] == 1 else scale.contiguous()
 
 
-def _resolve_gemm(name: str, linear: Fp8Linear, device: torch.device, gemm: str) -> str:
+def resolve_gemm(name: str, linear: Fp8Linear, device: torch.device, gemm: str) -> str:
+    """The GEMM `linear` runs with: `gemm`, or for "auto" scaled_mm where the GPU can and dequant else."""
     if gemm not in FP8_GEMMS:
         raise ValueError(f"fp8_gemm must be one of {', '.join(FP8_GEMMS)} (got {gemm!r})")
     if gemm == "dequant":

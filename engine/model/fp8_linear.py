@@ -75,13 +75,30 @@ def quantize_weight(
     group_size: int | None = None,  # None: one scale per output channel
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weight [out, in] float8_e4m3fn, scale [out, num_groups] float32
     """scale = amax / 448 per row (and input group), weight = saturate(w / scale) rounded to e4m3."""
+    scale = weight_scales(w, group_size)
+    return quantize_with(w, scale, group_size), scale
+
+
+def weight_scales(w: torch.Tensor, group_size: int | None = None) -> torch.Tensor:  # [out, num_groups]
+    """amax / 448 of each row (and input group of `group_size` columns), in float32."""
     out_features, in_features = w.shape
     group_size = group_size or in_features
     groups = -(-in_features // group_size)
     w32 = F.pad(w.float(), (0, groups * group_size - in_features)).view(out_features, groups, group_size)
-    scale = w32.abs().amax(dim=-1).clamp(min=_MIN_AMAX) / FP8_MAX
+    return w32.abs().amax(dim=-1).clamp(min=_MIN_AMAX) / FP8_MAX
+
+
+def quantize_with(
+    w: torch.Tensor,  # [out, in], any float dtype
+    scale: torch.Tensor,  # [out, num_groups] float32
+    group_size: int | None = None,
+) -> torch.Tensor:  # [out, in] float8_e4m3fn: saturate(w / scale) rounded to e4m3
+    out_features, in_features = w.shape
+    group_size = group_size or in_features
+    groups = scale.shape[1]
+    w32 = F.pad(w.float(), (0, groups * group_size - in_features)).view(out_features, groups, group_size)
     q = (w32 / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(out_features, -1)[:, :in_features].contiguous(), scale
+    return q.view(out_features, -1)[:, :in_features].contiguous()
 
 
 def expand_scale(

@@ -50,6 +50,12 @@ def _find_sequence(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q: tl.conste
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in float32 through exp2 (Triton has no tanh of its own)."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # 2.885... = 2 * log2(e)
+
+
+@triton.jit
 def _attend_tile(
     acc,  # [BLOCK_M, HEAD_DIM_P] float32, unnormalised output
     m_i,  # [BLOCK_M] float32, running max of the log2-scaled scores
@@ -63,6 +69,7 @@ def _attend_tile(
     v_cache_ptr,
     head_offset,  # kv_head * stride_kh
     qk_scale,  # softmax scale * log2(e)
+    softcap,  # the soft cap * log2(e), read if SOFTCAP
     stride_kb,
     stride_ks,
     HEAD_DIM: tl.constexpr,
@@ -72,6 +79,7 @@ def _attend_tile(
     SLIDING_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     keys = tile_start + tl.arange(0, TILE_N)  # [TILE_N] key positions
     key_valid = keys < key_hi
@@ -92,6 +100,8 @@ def _attend_tile(
     else:
         s = tl.dot(q, k)
     s = s * qk_scale  # [BLOCK_M, TILE_N]
+    if SOFTCAP:  # cap * tanh(score / cap), in log2 units: the scale by log2(e) commutes with it
+        s = softcap * _tanh(s / softcap)
     allowed = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
     if SLIDING_WINDOW > 0:
         allowed = allowed & (keys[None, :] > q_pos[:, None] - SLIDING_WINDOW)
@@ -127,6 +137,7 @@ def paged_attention_kernel(
     v_scale_ptr,  # [1] float32, read when KV_FP8
     num_seqs,
     qk_scale,
+    softcap,  # attention logit soft cap * log2(e) (Gemma 2), read if SOFTCAP
     stride_qt,
     stride_qh,
     stride_ot,
@@ -146,6 +157,7 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr,  # the caches hold float8 e4m3 scaled by k_scale / v_scale
+    SOFTCAP: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
@@ -208,6 +220,7 @@ def paged_attention_kernel(
                 v_cache_ptr,
                 head_offset,
                 qk_scale,
+                softcap,
                 stride_kb,
                 stride_ks,
                 HEAD_DIM,
@@ -217,6 +230,7 @@ def paged_attention_kernel(
                 SLIDING_WINDOW,
                 DOT_FP32,
                 KV_FP8,
+                SOFTCAP,
             )
             tile_start += TILE_N
     else:
@@ -234,6 +248,7 @@ def paged_attention_kernel(
                 v_cache_ptr,
                 head_offset,
                 qk_scale,
+                softcap,
                 stride_kb,
                 stride_ks,
                 HEAD_DIM,
@@ -243,6 +258,7 @@ def paged_attention_kernel(
                 SLIDING_WINDOW,
                 DOT_FP32,
                 KV_FP8,
+                SOFTCAP,
             )
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)  # sum of p * stored V, times v_scale: linear, so splits may combine

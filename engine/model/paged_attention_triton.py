@@ -110,6 +110,7 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     k_scale: torch.Tensor | None = None,  # [1] float32: stored K * k_scale = K; float8_e4m3fn caches only
     v_scale: torch.Tensor | None = None,  # [1] float32
+    softcap: float | None = None,  # scores become softcap * tanh(scores / softcap) (Gemma 2)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens (its last `query_len` tokens) over all its keys.
 
@@ -125,6 +126,8 @@ def paged_attention_triton(
         return out
     if sliding_window is not None and sliding_window <= 0:
         _fail(f"sliding_window must be positive or None, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        _fail(f"softcap must be positive or None, got {softcap}")
     per_kv = num_heads // num_kv_heads
     interpret = interpreting()
     decode = max_query_len == 1
@@ -165,6 +168,7 @@ def paged_attention_triton(
         v_scale,
         num_seqs,
         scale * LOG2_E,
+        (softcap or 1.0) * LOG2_E,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -184,6 +188,7 @@ def paged_attention_triton(
         NUM_SPLITS=num_splits,
         DOT_FP32=q.dtype == torch.float32 or interpret,
         KV_FP8=fp8,
+        SOFTCAP=softcap is not None,
         INTERPRET=interpret,
         num_warps=4,
     )

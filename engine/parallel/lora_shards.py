@@ -1,7 +1,8 @@
 """Adapters on sharded projections, as vLLM splits them (its default, not "fully sharded" LoRA):
 
 - column-parallel q/k/v, gate/up: A [r, in] whole on every rank, B [out, r] split by output like the
-  weight, so each rank adds the LoRA update of exactly the output rows it computes;
+  weight, so each rank adds the LoRA update of exactly the output rows it computes (a fused qkv_proj or
+  gate_up_proj target, Phi-3's, keeps each part's rows: this rank's q rows, then its k and v rows);
 - row-parallel o, down: A [r, in] split by input like the weight, B [out, r] whole; each rank's update
   (x_r A_r^T) B^T is a partial sum that the projection's own all-reduce completes (engine/parallel/model.py).
 
@@ -12,24 +13,22 @@ from __future__ import annotations
 
 import torch
 
-from adapter_format.model_shape import TARGET_MODULES
 from engine.lora.pool import LoRAPool
 from engine.lora.slots import SlotImage, SlotLayout
-from engine.parallel.plan import COLUMN_PARALLEL, ShardPlan
+from engine.parallel.plan import ROW_PARALLEL, ShardPlan
 
 
 def shard_image(image: SlotImage, local: SlotLayout, plan: ShardPlan, rank: int) -> SlotImage:
     """Rank `rank`'s shard of a whole adapter image, as a new contiguous image of layout `local`."""
     shard = SlotImage(local, torch.zeros(local.numel, dtype=image.weights.dtype), image.table.clone())
-    for module in TARGET_MODULES:
+    for module in local.targets:
         a = image.page_a[module]  # [num_layers, max_pages, PAGE_RANK, in]
         b = image.page_b[module]  # [num_layers, max_pages, out, PAGE_RANK]
-        if module in COLUMN_PARALLEL:
-            start, end = plan.output_range(module, rank)
-            b = b[:, :, start:end]
-        else:
+        if module in ROW_PARALLEL:
             start, end = plan.input_range(module, rank)
             a = a[..., start:end]
+        else:
+            b = torch.cat([b[:, :, start:end] for start, end in plan.output_ranges(module, rank)], dim=2)
         shard.page_a[module].copy_(a)
         shard.page_b[module].copy_(b)
     return shard

@@ -1,26 +1,34 @@
-"""Which slice of every weight one rank holds: the Megatron split of a Llama-family layer.
+"""Which slice of every weight one rank holds: the Megatron split of a decoder layer, for the checks made
+before any worker starts and for cutting adapters (lora_shards.py). The layers cut their own weights
+with the same `Split`s (engine/model/layers/sharding.py).
 
-Column-parallel (split by output): q/k/v, gate/up, and their LoRA B; each rank computes its own heads and
-its own slice of the MLP with no communication. Row-parallel (split by input): o and down, and their LoRA
-A; each rank's output is a partial sum, made whole by one all-reduce per layer half. The vocabulary is
-split too: the embedding and the LM head hold `vocab_per_rank` rows each (the last shard zero-padded).
+Column-parallel (split by output): q/k/v (or a fused qkv_proj, part by part), gate/up (or gate_up_proj),
+and their LoRA B; each rank computes its own heads and its own slice of the MLP with no communication.
+Row-parallel (split by input): o and down, and their LoRA A; each rank's output is a partial sum, made
+whole by one all-reduce per layer half. The vocabulary is split too: the embedding and the LM head hold
+`vocab_per_rank` rows each (the last shard zero-padded).
 
 Example, C1 (4 heads, 2 KV heads, head_dim 16, intermediate 128, vocab 512) over 4 ranks:
     rank 2: q heads [2, 3)   -> q rows [32, 48)
             KV heads [1, 2)  -> k, v rows [16, 32)   (2 KV heads < 4 ranks: each is replicated on 2 ranks)
             MLP rows [64, 96) of gate and of up; down columns [64, 96)
             vocab rows [256, 384)
+    A Phi-3 qkv_proj of the same sizes: rows [32, 48), [64 + 16, 64 + 32), [96 + 16, 96 + 32).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from adapter_format.model_shape import ModelShape
+from engine.model.fp8_checkpoint import fp8_scheme, is_block_scaled
+from engine.model.fp8_linear import BLOCK
+from engine.model.layers.linear import block_cut_message
+from engine.model.layers.sharding import Split
 
-# Projections split by output (their LoRA B too) and by input (their LoRA A too).
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+# Projections split by input (their LoRA A too); every other target is split by output (its LoRA B).
 ROW_PARALLEL = ("o_proj", "down_proj")
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj")
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,20 @@ class ShardPlan:
                 f"{s.intermediate_size}"
             )
 
+    @classmethod
+    def for_model(cls, hf_config, world_size: int, quantization: str | None = None) -> ShardPlan:
+        """The plan of a checkpoint's model (its LoRA targets from the registry), refusing splits the
+        checkpoint's FP8 format cannot take: a block-scaled shard must hold whole 128-column blocks."""
+        from engine.model.registry import model_shape
+
+        plan = cls(model_shape(hf_config), hf_config.vocab_size, world_size)
+        if world_size > 1 and fp8_scheme(hf_config, quantization) is not None and is_block_scaled(hf_config):
+            for module in ROW_PARALLEL:
+                split = plan.input_split(module)
+                if split.local_size(world_size) % BLOCK:
+                    raise ValueError(block_cut_message(module, split.size, world_size))
+        return plan
+
     @property
     def heads_per_rank(self) -> int:
         return self.shape.num_heads // self.world_size
@@ -66,46 +88,66 @@ class ShardPlan:
     @property
     def local_shape(self) -> ModelShape:
         """One rank's projection sizes: `module_dims` of it gives every shard's (in, out)."""
-        s = self.shape
-        return ModelShape(
-            num_layers=s.num_layers,
-            hidden_size=s.hidden_size,
+        return replace(
+            self.shape,
             intermediate_size=self.intermediate_per_rank,
             num_heads=self.heads_per_rank,
             num_kv_heads=self.kv_heads_per_rank,
-            head_dim=s.head_dim,
         )
 
     def kv_head_start(self, rank: int) -> int:
-        if self.shape.num_kv_heads >= self.world_size:
-            return rank * self.kv_heads_per_rank
-        return rank // (self.world_size // self.shape.num_kv_heads)  # the KV head of this rank's q heads
+        return self._kv_heads.range(rank, self.world_size)[0] // self.shape.head_dim
 
     def vocab_range(self, rank: int) -> tuple[int, int]:
         """[start, end) of this rank's vocabulary rows, end clipped to the real vocabulary."""
         start = rank * self.vocab_per_rank
         return start, min(start + self.vocab_per_rank, self.vocab_size)
 
+    @property
+    def _heads(self) -> Split:
+        return Split(self.shape.num_heads, self.shape.head_dim)
+
+    @property
+    def _kv_heads(self) -> Split:
+        return Split(self.shape.num_kv_heads, self.shape.head_dim, replicate=True)
+
+    def output_parts(self, module: str) -> list[Split]:
+        """The parts of a column-parallel projection's output, in order (three for a fused qkv_proj)."""
+        mlp = Split(self.shape.intermediate_size)
+        parts = {
+            "q_proj": [self._heads],
+            "k_proj": [self._kv_heads],
+            "v_proj": [self._kv_heads],
+            "qkv_proj": [self._heads, self._kv_heads, self._kv_heads],
+            "gate_proj": [mlp],
+            "up_proj": [mlp],
+            "gate_up_proj": [mlp, mlp],
+        }
+        if module not in parts:
+            raise ValueError(f"{module} is not column-parallel")
+        return parts[module]
+
+    def output_ranges(self, module: str, rank: int) -> list[tuple[int, int]]:
+        """[start, end) of each part's rows this rank holds, in the projection's whole output."""
+        ranges, offset = [], 0
+        for part in self.output_parts(module):
+            start, end = part.range(rank, self.world_size)
+            ranges.append((offset + start, offset + end))
+            offset += part.size
+        return ranges
+
     def output_range(self, module: str, rank: int) -> tuple[int, int]:
-        """[start, end) of a column-parallel projection's output rows this rank holds."""
-        d = self.shape.head_dim
-        if module == "q_proj":
-            return _span(rank, self.heads_per_rank * d)
-        if module in ("k_proj", "v_proj"):
-            start = self.kv_head_start(rank) * d
-            return start, start + self.kv_heads_per_rank * d
-        if module in ("gate_proj", "up_proj"):
-            return _span(rank, self.intermediate_per_rank)
-        raise ValueError(f"{module} is not column-parallel")
+        """[start, end) of a one-part column-parallel projection's output rows this rank holds."""
+        (span,) = self.output_ranges(module, rank)
+        return span
+
+    def input_split(self, module: str) -> Split:
+        if module == "o_proj":
+            return self._heads
+        if module == "down_proj":
+            return Split(self.shape.intermediate_size)
+        raise ValueError(f"{module} is not row-parallel")
 
     def input_range(self, module: str, rank: int) -> tuple[int, int]:
         """[start, end) of a row-parallel projection's input columns this rank holds."""
-        if module == "o_proj":
-            return self.output_range("q_proj", rank)
-        if module == "down_proj":
-            return self.output_range("gate_proj", rank)
-        raise ValueError(f"{module} is not row-parallel")
-
-
-def _span(rank: int, size: int) -> tuple[int, int]:
-    return rank * size, (rank + 1) * size
+        return self.input_split(module).range(rank, self.world_size)

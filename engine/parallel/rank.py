@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from adapter_format.model_shape import ModelShape
 from engine.lora.pool import LoRAPool
 from engine.lora.slots import SlotImage
 from engine.model.attention import AttentionMetadata
-from engine.model.fp8_checkpoint import fp8_scheme
+from engine.model.layers.sharding import TensorParallel
+from engine.model.loader import load_model
 from engine.parallel.group import LEAVE_TIMEOUT_S, ParallelGroup, free_port, run_bounded
 from engine.parallel.lora_shards import RankZeroLoRASlots
 from engine.parallel.messages import (
@@ -49,9 +49,7 @@ from engine.parallel.messages import (
     encode,
     tensor_bytes,
 )
-from engine.parallel.model import ShardedLlamaModel
 from engine.parallel.plan import ShardPlan
-from engine.parallel.sharded_loader import load_shard
 from engine.parallel.workers import Workers
 from engine.prompt_logprobs import logit_chunk_rows
 from engine.step_buffers import DecodeTwins
@@ -91,9 +89,7 @@ class TensorParallelRank:
     @classmethod
     def start(cls, config, model_path: Path, hf_config, max_model_len: int) -> TensorParallelRank:
         """Rank 0: check the split, start the workers (they load their shards meanwhile), join the group."""
-        plan = ShardPlan(
-            ModelShape.from_hf_config(hf_config), hf_config.vocab_size, config.tensor_parallel_size
-        )
+        plan = ShardPlan.for_model(hf_config, config.tensor_parallel_size, config.quantization)
         device = config.torch_device
         if device.type == "cuda":
             needed = (device.index or 0) + plan.world_size
@@ -102,12 +98,6 @@ class TensorParallelRank:
                     f"tensor_parallel_size {plan.world_size} from {device} needs {needed} GPUs; "
                     f"{torch.cuda.device_count()} are visible"
                 )
-        scheme = fp8_scheme(hf_config, config.quantization)
-        if scheme is not None:
-            raise ValueError(
-                f"FP8 weights ({scheme}) are not supported with tensor_parallel_size > 1 yet; "
-                "serve the checkpoint in bf16/fp16, or with tensor_parallel_size 1"
-            )
         if dist.is_initialized():
             gc.collect()  # an engine dropped without shutdown() leaves the group when it is collected
         if dist.is_initialized():
@@ -141,21 +131,23 @@ class TensorParallelRank:
     def build(self, config, model_path: Path, hf_config, dtype, max_model_len: int, backend: str):
         """(model, adapter slots) of this rank: its shard of the weights, its shard of every slot."""
         device = self.group.device
+        tp = TensorParallel(self.rank, self.plan.world_size, self.group)
         try:
-            weights = load_shard(
+            model = load_model(
                 model_path,
                 hf_config,
-                self.plan,
-                self.rank,
                 dtype,
                 device,
+                max_model_len,
+                backend,
                 config.quantization,
+                config.fp8_gemm,
+                tp,
                 config.load_format,
             )
         except BaseException:
             self.shutdown()  # rank 0: no worker outlives a start-up that failed, and the group is left
             raise
-        model = ShardedLlamaModel(hf_config, weights, max_model_len, backend, self.plan, self.group)
         budget = config.lora_pool_rank_budget
         if self.rank == 0:
             slots = RankZeroLoRASlots(

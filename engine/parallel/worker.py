@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from adapter_format.model_shape import ModelShape
 from engine.lora.context import LoRAContext
 from engine.parallel.messages import (
     EagerStep,
@@ -64,7 +63,7 @@ def worker_main(
         config = dataclasses.replace(config, device=str(device))
         hf_config = load_config(Path(model_path))
         group = ParallelGroup.join(rank, world_size, port, device)
-        plan = ShardPlan(ModelShape.from_hf_config(hf_config), hf_config.vocab_size, world_size)
+        plan = ShardPlan.for_model(hf_config, world_size, config.quantization)
         runner = ModelRunner(
             config, Path(model_path), hf_config, max_model_len, TensorParallelRank(plan, group)
         )

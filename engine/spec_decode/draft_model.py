@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 
 from engine.model.attention import AttentionMetadata
-from engine.model.llama import LlamaModel
-from engine.model.loader import load_config, load_weights, resolve_model_path
+from engine.model.loader import load_config, load_model, resolve_model_path
 
 
 class DraftModelProposer:
@@ -33,14 +32,15 @@ class DraftModelProposer:
                 f"the draft model {model!r} supports {limit} positions, fewer than max_model_len "
                 f"{max_model_len}; lower max_model_len"
             )
-        weights = load_weights(path, hf_config, runner.dtype, runner.device)
         target_vocab = runner.model.vocab_size
-        if weights.embed.shape[0] != target_vocab:
+        if hf_config.vocab_size != target_vocab:
             raise ValueError(
-                f"the draft model {model!r} has a vocabulary of {weights.embed.shape[0]} tokens, the target "
+                f"the draft model {model!r} has a vocabulary of {hf_config.vocab_size} tokens, the target "
                 f"{target_vocab}: a draft model must share the target's tokenizer"
             )
-        self.model = LlamaModel(hf_config, weights, max_model_len, runner.attention_backend)
+        self.model = load_model(
+            path, hf_config, runner.dtype, runner.device, max_model_len, runner.attention_backend
+        )
         self.device = runner.device
         self.block_size = runner.block_size
         m = self.model

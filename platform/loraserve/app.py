@@ -1,22 +1,27 @@
 """The Litestar app: `create_app(settings)` for the server, `create_app(settings, services=...)` for tests.
 
 The lifespan owns the engine, the adapter store, the config store and the metrics registry (see
-bootstrap.py) unless the caller passes its own `services`, which it then keeps owning. On the way out
-it drains (ops/shutdown.py), so in-flight streams end cleanly whoever stops the server.
+bootstrap.py) unless the caller passes its own `services`, which it then keeps owning. It builds them
+in the background, so the server listens from its first second: /health answers 200 and /ready 503
+(naming the step: converting the demo model, loading it) until the model is loaded, and other requests
+get 503 `model_not_ready`; a start that fails stops the server with exit code 1. On the way out it
+drains (ops/shutdown.py), so in-flight streams end cleanly whoever stops the server.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
+import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 
 from litestar import Litestar
 from litestar.datastructures import State
 
 from loraserve.adapters import adapters_controller
 from loraserve.adapters.runtime_loading import RuntimeLoRAController
-from loraserve.bootstrap import open_services, store_config
+from loraserve.bootstrap import announced_model_id, open_services, store_config
 from loraserve.dependencies import DEPENDENCIES, METRICS_ACCESS_KEY, READINESS_KEY, SERVICES_KEY
 from loraserve.errors import EXCEPTION_HANDLERS
 from loraserve.inference.controller import InferenceController, invocations
@@ -24,12 +29,15 @@ from loraserve.openapi import openapi_config
 from loraserve.ops.controller import OpsController
 from loraserve.ops.metrics_access import MetricsAccess
 from loraserve.ops.readiness import Readiness
+from loraserve.ops.residency_controller import ResidencyController
 from loraserve.ops.shutdown import Shutdown
 from loraserve.routes import RoutesController
 from loraserve.services import Services
 from loraserve.settings import ServerSettings
 from loraserve.tokenization import TokenizationController
 from loraserve.usage import UsageController
+
+log = logging.getLogger("loraserve")
 
 SHUTDOWN_KEY = "shutdown"
 # Chat histories can be long; uploads have their own, larger limit (adapters_controller).
@@ -39,7 +47,12 @@ MAX_REQUEST_BODY_BYTES = 16 << 20
 def create_app(settings: ServerSettings, *, services: Services | None = None) -> Litestar:
     shutdown = Shutdown(settings.shutdown_timeout)
     config = services.adapter_store.config if services is not None else store_config(settings)
-    metrics_access = MetricsAccess(port=settings.metrics_listen_port, key=settings.metrics_key)
+    metrics_access = MetricsAccess(
+        port=settings.metrics_listen_port, key=settings.metrics_key, placement_key=settings.placement_key
+    )
+    readiness = Readiness(
+        model=services.base_model_id if services is not None else announced_model_id(settings)
+    )
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -47,7 +60,7 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
             async with _serving(app, services, shutdown):
                 yield
             return
-        async with open_services(settings) as built, _serving(app, built, shutdown):
+        async with _loading_in_background(app, settings, shutdown, readiness):
             yield
 
     return Litestar(
@@ -60,15 +73,46 @@ def create_app(settings: ServerSettings, *, services: Services | None = None) ->
             RoutesController,
             UsageController,
             OpsController,
+            ResidencyController,
         ],
         dependencies=DEPENDENCIES,
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
-        state=State({SHUTDOWN_KEY: shutdown, READINESS_KEY: Readiness(), METRICS_ACCESS_KEY: metrics_access}),
+        state=State({SHUTDOWN_KEY: shutdown, READINESS_KEY: readiness, METRICS_ACCESS_KEY: metrics_access}),
         before_request=metrics_access.check_path,
         request_max_body_size=MAX_REQUEST_BODY_BYTES,
         openapi_config=openapi_config(_version()),
     )
+
+
+@asynccontextmanager
+async def _loading_in_background(
+    app: Litestar, settings: ServerSettings, shutdown: Shutdown, readiness: Readiness
+) -> AsyncIterator[None]:
+    """Build the services in a task while the server answers; close whatever it built on the way out."""
+    parts = AsyncExitStack()
+
+    async def load() -> None:
+        try:
+            built = await parts.enter_async_context(open_services(settings, readiness.loading))
+            await parts.enter_async_context(_serving(app, built, shutdown))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the server cannot serve: say why, then stop (exit code 1)
+            log.exception("start-up failed")
+            readiness.loading("start-up failed; the server is stopping (its log says why)")
+            shutdown.fail(f"start-up failed: {exc}")
+        else:
+            log.info("ready: serving %s (/ready answers 200)", built.base_model_id)
+
+    log.info("loading %s in the background: /health answers now, /ready once it is loaded", readiness.model)
+    loading = asyncio.create_task(load(), name="load-services")
+    try:
+        yield
+    finally:
+        loading.cancel()  # a stop while loading (done: no effect)
+        await asyncio.gather(loading, return_exceptions=True)
+        await parts.aclose()
 
 
 @asynccontextmanager

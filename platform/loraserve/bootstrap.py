@@ -2,6 +2,8 @@
 
 Order matters: the adapter store and config store are opened and checked before the model loads, so a
 wrong URL or an unreadable keys file fails in a second rather than after a minute of loading weights.
+The app runs this in the background while the server already listens: `progress` hears each slow step
+(/ready reports it), and a cancelled start (SIGTERM while loading) still shuts down the engine it began.
 """
 
 from __future__ import annotations
@@ -10,30 +12,37 @@ import asyncio
 import hashlib
 import logging
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
 from adapters_store import AdapterNotFound, AdapterStore, DiskCache, StoreConfig, open_store
 from adapters_store.engine_source import StoreAdapterSource
-from engine import AsyncLLM, EngineConfig, ModelShape
+from engine import AsyncLLM, EngineConfig, model_shape
 from engine.generation_config import load_generation_defaults
 from engine.model.loader import load_config, resolve_model_path
 from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import CachedConfigStore, open_config_store, redact_url
+from loraserve.demo_model import DEMO_MODEL_NAME, demo_model_converted
 from loraserve.name_conflicts import check_not_base_model
 from loraserve.ops.metrics import Metrics
 from loraserve.routing import Router
 from loraserve.services import Services, engine_adapter_id
 from loraserve.settings import ServerSettings
 from loraserve.tenancy import DEFAULT_TENANT, Authenticator, ConcurrencyLimiter, load_api_keys
+from loraserve.tenancy.upload_slots import UploadSlots
 
 log = logging.getLogger("loraserve")
 
 
 def store_config(settings: ServerSettings) -> StoreConfig:
     return StoreConfig(
-        url=settings.adapter_store, max_lora_rank=settings.max_lora_rank, cache_dir=str(settings.cache_dir)
+        url=settings.adapter_store,
+        max_lora_rank=settings.max_lora_rank,
+        cache_dir=str(settings.cache_dir),
+        served_model=announced_model_id(settings),
+        cache_max_bytes=settings.adapter_cache_max_bytes,
+        cache_min_free_bytes=settings.adapter_cache_min_free_bytes,
     )
 
 
@@ -52,6 +61,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         tensor_parallel_size=settings.tensor_parallel_size,
         load_format=settings.load_format,
         speculative_config=settings.speculative_config,
+        kv_events_config=settings.kv_events_config,
         enforce_eager=settings.enforce_eager,
         async_scheduling=settings.async_scheduling,
         attention_backend=settings.attention_backend,
@@ -75,10 +85,20 @@ def base_model_id(settings: ServerSettings, model: str) -> str:
     return Path(model).name if settings.model is None else settings.model
 
 
+def announced_model_id(settings: ServerSettings) -> str:
+    """The base model's id before anything is loaded (the demo model's folder is named after it)."""
+    return base_model_id(settings, settings.model or DEMO_MODEL_NAME)
+
+
 @asynccontextmanager
-async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
+async def open_services(
+    settings: ServerSettings, progress: Callable[[str], None] = lambda step: None
+) -> AsyncIterator[Services]:
     """Everything `Services` holds, built from `settings`; closed in reverse order on exit."""
+    if settings.model is None and not demo_model_converted(settings.models_dir):
+        progress("converting the demo model (first start only; the server log shows its steps)")
     model = settings.model or str(await asyncio.to_thread(_demo_model, settings))
+    progress("opening the adapter store and the config store")
     model_id = base_model_id(settings, model)
     for module in settings.lora_modules:
         check_not_base_model(module[0], model_id, "--lora-modules adapter")
@@ -88,13 +108,15 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
                 f"--lora-modules {module[0]}: base_model_name {base!r} is not the served model {model_id!r}"
             )
     model_path = resolve_model_path(model)
-    shape = ModelShape.from_hf_config(load_config(model_path))
+    shape = model_shape(load_config(model_path))  # sizes and the architecture's LoRA targets
     sampling_defaults = load_generation_defaults(model_path, settings.generation_config)
     config = store_config(settings)
     store = open_store(config, shape)
     await asyncio.to_thread(store.check)
     threading.Thread(target=sweep_quietly, args=(store,), name="adapter-store-sweep", daemon=True).start()
-    disk_cache = DiskCache(store, config.cache_dir, config.cache_max_bytes)
+    disk_cache = DiskCache(
+        store, config.cache_dir, config.cache_max_bytes, min_free_bytes=config.cache_min_free_bytes
+    )
     config_store = CachedConfigStore(
         open_config_store(settings.config_store or str(settings.state_dir / "config"))
     )
@@ -112,19 +134,20 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             disk_cache.cached_versions,
         )
         log.info("loading model %s (%s) in the engine core process", model_id, model)
+        progress("loading the model in the engine core process")
         # The source pickles into the core (a recipe: store, disk cache folder, shape); what it and the
         # core's adapter manager observe there comes back with the core's outputs to `metrics`.
         source = StoreAdapterSource(
             store, disk_cache, shape, settings.max_lora_rank, observer=metrics.adapter_event
         )
-        engine = await asyncio.to_thread(
-            AsyncLLM.from_config,
+        engine = await _start_engine(
             engine_config(settings, model),
             adapter_source=source,
             adapter_observer=metrics.adapter_event,
             triton_cache_dir=str(settings.triton_cache_dir),
         )
         if settings.lora_modules:
+            progress("storing and preloading --lora-modules")
             stored = await asyncio.to_thread(preload_lora_modules, store, settings.lora_modules)
             engine.preload_adapters(stored)  # into the core's CPU tier now, not at the first request
         _log_startup(settings, model_id, model, authenticator.open_mode)
@@ -141,6 +164,8 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
             adapter_lookup=adapter_lookup,
             tokenizer=engine.tokenizer,
             allowed_lora_paths=settings.allowed_lora_paths,
+            upload_slots=UploadSlots(settings.max_concurrent_uploads_per_tenant),
+            max_routes_per_tenant=settings.max_routes_per_tenant,
             max_model_len=engine.max_model_len,
             sampling_defaults=sampling_defaults,
             max_logprobs=settings.max_logprobs,
@@ -149,6 +174,19 @@ async def open_services(settings: ServerSettings) -> AsyncIterator[Services]:
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
         await config_store.close()
+
+
+async def _start_engine(config: EngineConfig, **options: object) -> AsyncLLM:
+    """AsyncLLM.from_config in a thread. Cancelled (a SIGTERM during the load), it waits for the thread
+    and shuts the engine down before it re-raises, so no engine-core process outlives the server."""
+    starting = asyncio.ensure_future(asyncio.to_thread(AsyncLLM.from_config, config, **options))
+    try:
+        return await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        with suppress(Exception):
+            engine = await starting
+            await asyncio.to_thread(engine.shutdown)
+        raise
 
 
 def preload_lora_modules(store: AdapterStore, modules: tuple[tuple[str, str], ...]) -> list[str]:

@@ -20,6 +20,7 @@ from types import FrameType
 
 import uvicorn
 
+from adapters_store.config import parse_size
 from loraserve.ops.shutdown import Shutdown
 from loraserve.settings import (
     ADAPTER_LOADERS,
@@ -37,6 +38,7 @@ from loraserve.settings import (
 )
 
 ENV_PREFIX = "LORASERVE_"
+IMAGE_VARIANT_ENV = "IMAGE_VARIANT"  # cuda or cpu, set by deploy/Dockerfile
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _SERVE_FIELDS = (
@@ -57,6 +59,7 @@ _SERVE_FIELDS = (
     "tensor_parallel_size",
     "load_format",
     "speculative_config",
+    "kv_events_config",
     "enable_prefix_caching",
     "enforce_eager",
     "async_scheduling",
@@ -70,6 +73,10 @@ _SERVE_FIELDS = (
     "lora_pool_rank_budget",
     "allowed_lora_paths",
     "adapter_store",
+    "adapter_cache_max_bytes",
+    "adapter_cache_min_free_bytes",
+    "max_concurrent_uploads_per_tenant",
+    "max_routes_per_tenant",
     "config_store",
     "api_keys",
     "shutdown_timeout",
@@ -79,6 +86,7 @@ _SERVE_FIELDS = (
     "metrics_port",
     "metrics_host",
     "metrics_key",
+    "placement_key",
     "adapter_lookup_ttl",
 )
 GiB = 1 << 30
@@ -88,7 +96,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add(
         "--model",
-        help="local folder or Hugging Face id of a Llama-family model (default: the bundled demo, "
+        help="local folder or Hugging Face id of a supported model: Llama, Mistral, Qwen2/3, Gemma 2/3, "
+        "Phi-3/4 (docs/MODELS.md; default: the bundled demo, "
         "SmolLM2-135M-Instruct, converted once under STATE_DIR/models)",
     )
     add("--served-model-name", help="the base model's name in requests and /v1/models (default: --model)")
@@ -133,7 +142,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--load-format",
         default="auto",
         choices=LOAD_FORMATS,
-        help="auto / safetensors: read the checkpoint; dummy: random weights of its shapes, made on the "
+        help="auto: read the checkpoint; dummy: random weights of its shapes, made on the "
         "device (benchmarks; only config.json is read)",
     )
     add(
@@ -142,6 +151,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", "model": PATH, '
         '"num_speculative_tokens": 4} (docs/OPERATIONS.md, "Speculative decoding")',
+    )
+    add(
+        "--kv-events-config",
+        metavar="JSON",
+        help='KV-cache events for cluster routers, vLLM\'s keys: {"enable_kv_cache_events": true, '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv@POD@MODEL"} '
+        '(docs/OPERATIONS.md, "KV events")',
     )
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     add(
@@ -215,11 +231,39 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_ADAPTER_STORE,
         help="file:///dir, file://./dir or s3://bucket/prefix",
     )
+    add(
+        "--adapter-cache-max-bytes",
+        type=_size,
+        default=10 * GiB,
+        metavar="SIZE",
+        help="most bytes of adapter files kept in the local disk cache (STATE_DIR/cache/adapters), e.g. 10GiB "
+        "or 500MiB; least recently used versions are evicted beyond it (default 10GiB)",
+    )
+    add(
+        "--adapter-cache-min-free-bytes",
+        type=_size,
+        default=0,
+        metavar="SIZE",
+        help="free space the adapter cache leaves on its disk: cached versions are evicted to keep it, as they "
+        "are whenever the disk is full (default 0: evict only when a write finds the disk full)",
+    )
+    add(
+        "--max-concurrent-uploads-per-tenant",
+        type=int,
+        default=2,
+        help="adapter uploads one tenant may run at once; more get 429 (default 2)",
+    )
+    add(
+        "--max-routes-per-tenant",
+        type=int,
+        default=1000,
+        help="A/B routes one tenant may hold; creating more gets 403 (default 1000)",
+    )
     add("--config-store", help="redis://host:6379/0 (default: embedded, under STATE_DIR/config)")
     add(
         "--api-keys",
         help="JSON or YAML file: key -> {tenant, role: admin|user, max_concurrent_requests, weight, "
-        "max_tokens_per_minute}",
+        "max_tokens_per_minute, cache_group}",
     )
     add("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     add(
@@ -258,6 +302,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "serves /metrics too (prefer the environment variable LORASERVE_METRICS_KEY)",
     )
     add(
+        "--placement-key",
+        help="turns on the residency endpoints (/v1/residency: preload, pin, unpin adapters) on the "
+        "metrics listener, for `loraserve placement`; callers send 'Authorization: Bearer KEY' "
+        "(prefer the environment variable LORASERVE_PLACEMENT_KEY)",
+    )
+    add(
         "--adapter-lookup-ttl",
         type=float,
         default=30.0,
@@ -265,6 +315,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(uploads and deletes reach every replica at once through the config store's events)",
     )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _size(raw: str) -> int:
+    try:
+        return parse_size(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _metrics_port(raw: str) -> int:
@@ -362,6 +419,7 @@ def serve(settings: ServerSettings, log_level: str = "info") -> int:
     from loraserve.app import create_app, shutdown_of  # the app pulls in torch: only for `serve`
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_device(settings.device, os.environ.get(IMAGE_VARIANT_ENV))
     app = create_app(settings)
     config = uvicorn.Config(
         app,
@@ -378,6 +436,26 @@ def serve(settings: ServerSettings, log_level: str = "info") -> int:
         logging.getLogger("loraserve").error("exiting: %s", shutdown.fatal_error)
         return 1
     return 0
+
+
+def check_device(device: str, image_variant: str | None) -> None:
+    """Refuse --device cuda without a visible GPU, before anything loads (the CUDA image sets it, so it
+    never quietly serves from the CPU); say so when this is the CPU image."""
+    log = logging.getLogger("loraserve")
+    if image_variant == "cpu":
+        log.warning("this is the CPU image (no CUDA): fine for trying loraserve, slow for serving")
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        where = (
+            "run the container with --gpus all (needs the NVIDIA Container Toolkit on the host), use the "
+            "CPU image, or set LORASERVE_DEVICE=cpu"
+            if image_variant
+            else "pass --device cpu (or auto) to serve from the CPU"
+        )
+        raise SystemExit(f"--device {device}: no CUDA device is visible to this process; {where}")
 
 
 def listening_sockets(settings: ServerSettings, config: uvicorn.Config) -> list[socket.socket]:
@@ -417,6 +495,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add_serve_arguments(serve_parser)
     apply_env_defaults(serve_parser, os.environ if environ is None else environ)
     _add_client_commands(commands)
+    from loraserve.placement.command import add_placement_command  # httpx and prometheus_client only
+
+    add_placement_command(
+        commands, lambda p, _: apply_env_defaults(p, os.environ if environ is None else environ)
+    )
     return parser
 
 

@@ -14,11 +14,15 @@ default temperature of 1.0 this small model rambles.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
 import shutil
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -43,14 +47,18 @@ def gguf_path() -> Path:
     return path
 
 
+def demo_model_converted(models_dir: Path) -> bool:
+    return (Path(models_dir) / DEMO_MODEL_NAME / "config.json").is_file()
+
+
 def ensure_demo_model(models_dir: Path) -> Path:
     """The converted model folder under `models_dir`, converting it first if needed."""
     target = Path(models_dir) / DEMO_MODEL_NAME
-    if (target / "config.json").is_file():
+    if demo_model_converted(models_dir):
         write_sampling_defaults(target)  # folders converted before the defaults existed get them too
         return target
     source = gguf_path()
-    log.info("converting the demo model %s once into %s (about a minute)", source.name, target)
+    log.info("converting the demo model %s once into %s (under a minute)", source.name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}-", dir=target.parent))
     try:
@@ -67,19 +75,59 @@ def ensure_demo_model(models_dir: Path) -> Path:
 
 
 def convert_gguf(source: Path, dest: Path) -> None:
+    """Dequantize the GGUF at `source` into a safetensors model folder `dest`, saying what it does."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     folder, name = str(source.parent), source.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    model.eval().save_pretrained(dest, safe_serialization=True)
-    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(dest)
+    started = time.monotonic()
+
+    def step(number: int, what: str) -> None:
+        log.info("demo model %d/4 (%.0f s): %s", number, time.monotonic() - started, what)
+
+    with _gguf_parsed_once():
+        step(1, "reading and dequantizing the GGUF file")
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        step(2, "building the float32 model from the dequantized weights")
+        model = LlamaForCausalLM(config).to(torch.float32)
+        model.load_state_dict(loaded.state_dict())
+        step(3, "writing model.safetensors")
+        model.eval().save_pretrained(dest, safe_serialization=True)
+        step(4, "converting the tokenizer (chat template included)")
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(dest)
     write_sampling_defaults(dest)
+    log.info("demo model converted in %.0f s", time.monotonic() - started)
+
+
+@contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Parse the GGUF file, and build its tensor-name map, once instead of once per transformers call.
+
+    transformers opens a fresh `gguf.GGUFReader` for the config, the weights and the tokenizer (building
+    one parses every vocabulary entry in Python, ~15 s on a small CPU), and asks `gguf` for the same
+    tensor-name map once per submodule (~400 times, 0.05 s each). Both are read-only, so sharing them
+    is safe; should transformers stop looking them up in `gguf`, this only stops saving time.
+    """
+    import gguf
+
+    original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+
+    def shared_reader(path: object, mode: str = "r") -> object:
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = original_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
 
 
 def write_sampling_defaults(folder: Path) -> None:

@@ -12,6 +12,7 @@ from litestar import Request
 from litestar.datastructures import State
 from litestar.di import NamedDependency, Provide
 
+from loraserve.errors import ServiceUnavailable
 from loraserve.ops.metrics_access import MetricsAccess
 from loraserve.ops.readiness import Readiness
 from loraserve.services import Services
@@ -24,8 +25,10 @@ METRICS_ACCESS_KEY = "metrics_access"
 
 def provide_services(state: State) -> Services:
     services = state.get(SERVICES_KEY)
-    if services is None:  # only reachable if a request arrives before the lifespan finished starting
-        raise RuntimeError("the server is still starting")
+    if services is None:  # the server listens while the model loads (/health and /ready answer)
+        raise ServiceUnavailable(
+            "the model is still loading; retry shortly (GET /ready says when)", code="model_not_ready"
+        )
     return services
 
 

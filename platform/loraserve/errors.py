@@ -24,6 +24,7 @@ from litestar.exceptions import HTTPException, SerializationException, Validatio
 from adapters_store import (
     AdapterNotFound,
     ChecksumError,
+    DiskFull,
     InvalidAdapter,
     StoreUnavailable,
     UploadTooLarge,
@@ -151,6 +152,7 @@ ERROR_TABLE: tuple[ErrorRow, ...] = tuple(
         (InvalidRoute, 422, "invalid_route"),
         (AdapterNotFound, 404, "adapter_not_found"),
         (ChecksumError, 503, "adapter_corrupt"),  # its text names only the caller's adapter and what to do
+        (DiskFull, 507, "insufficient_storage"),  # its text names no path: the disk is full, retry later
         (StoreUnavailable, 503, "adapter_store_unavailable", "the adapter store is unavailable; retry later"),
         (
             ConfigStoreUnavailable,

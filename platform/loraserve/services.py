@@ -19,6 +19,7 @@ from loraserve.config_store import ConfigStore
 from loraserve.ops.shutdown import Shutdown
 from loraserve.routing import Router
 from loraserve.tenancy import Authenticator, ConcurrencyLimiter, TokenRateLimiter
+from loraserve.tenancy.upload_slots import UploadSlots
 
 
 def engine_adapter_id(tenant: str, name: str, version: int) -> str:
@@ -47,6 +48,7 @@ class EngineClient(Protocol):
         *,
         tenant: str | None = None,
         tenant_weight: float = 1.0,
+        cache_salt: str | None = None,
     ) -> Any: ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -56,6 +58,12 @@ class EngineClient(Protocol):
 
     def stats(self) -> Any:
         """The latest engine.EngineStats (`resident_adapters` tells resolution which need no store call)."""
+
+    def preload_adapters(self, adapter_ids: list[str], level: str = "cpu", pin: bool = False) -> None:
+        """Load adapters without a request, into the CPU tier or a GPU slot (`pin`: keep the slot)."""
+
+    def unpin_adapters(self, adapter_ids: list[str], unload: bool = False) -> None:
+        """Drop an operator's pins; `unload` frees the adapters' slots and CPU-tier rows too."""
 
 
 class Tokenizer(Protocol):
@@ -84,9 +92,14 @@ class RequestMetrics(Protocol):
         inter_token: list[float] = (),
         num_prompt_tokens: int = 0,
         num_generation_tokens: int = 0,
-        finish_reasons: list[str] = (),
         times: list[Any] = (),  # engine.outputs.RequestTimes, one per finished completion
     ) -> None: ...
+
+    def count_finished(self, finish_reasons: list[str]) -> None:
+        """vllm:request_success_total: completions that ended (stop, length, abort, error), once each."""
+
+    def adapter_request(self, adapter_id: str) -> None:
+        """A request resolved to this engine adapter id (counted per adapter for the placement loop)."""
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -116,6 +129,9 @@ class Services:
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     # vLLM's --max-logprobs: the most top logprobs a request may ask for; -1: the whole vocabulary.
     max_logprobs: int = 20
+    # Per-tenant cap on adapter uploads at once (--max-concurrent-uploads-per-tenant): 429 beyond it.
+    upload_slots: UploadSlots = field(default_factory=UploadSlots)
+    max_routes_per_tenant: int = 1000  # --max-routes-per-tenant: creating a route past it is 403
     # Folders POST /v1/load_lora_adapter may read from (--allowed-lora-paths); empty: runtime loading off.
     allowed_lora_paths: tuple[str, ...] = ()
     # Built on the first structured-output request (loraserve.inference.structured): checks specs for 400s.

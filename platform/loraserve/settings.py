@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from adapters_store.config import DEFAULT_URL as DEFAULT_ADAPTER_STORE
-from adapters_store.config import parse_store_url
+from adapters_store.config import GiB, parse_store_url
+from engine.kv_events.config import KVEventsConfig
 from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_STATE_DIR = Path(".loraserve")
@@ -24,7 +25,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch 
 ADAPTER_LOADERS = ("auto", "thread", "process")  # auto: loader processes on CUDA, threads elsewhere
 GENERATION_CONFIGS = ("auto", "vllm")  # auto: the model's generation_config.json; vllm: ignore it
 QUANTIZATIONS = (None, "fp8")  # None: the checkpoint as is; fp8: float8 e4m3 linear projections
-LOAD_FORMATS = ("auto", "safetensors", "dummy")  # dummy: random weights of the checkpoint's shapes
+LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint; dummy: random weights of its shapes, nothing read
 METRICS_OFF = 0  # --metrics-port off
 SCHEDULING_POLICIES = ("fair", "fcfs")  # fair: virtual token counters by tenant; fcfs: arrival order
 _MODULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -53,6 +54,8 @@ class ServerSettings:
     load_format: str = "auto"  # engine.EngineConfig.load_format (dummy: random weights)
     # vLLM's --speculative-config: JSON text of engine.spec_decode.config.SpeculativeConfig; None: off
     speculative_config: str | None = None
+    # vLLM's --kv-events-config: JSON text of engine.kv_events.config.KVEventsConfig; None: no KV events
+    kv_events_config: str | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs
     async_scheduling: bool = True  # False: read each step's tokens before scheduling the next
@@ -69,6 +72,13 @@ class ServerSettings:
     # Folders under which POST /v1/load_lora_adapter may read adapters; empty: runtime loading is off.
     allowed_lora_paths: tuple[str, ...] = ()
     adapter_store: str = DEFAULT_ADAPTER_STORE
+    # The local disk cache of adapter files: its byte budget, and the free space to keep on its disk
+    # (entries are evicted to keep it, and to make room when the disk is full).
+    adapter_cache_max_bytes: int = 10 * GiB
+    adapter_cache_min_free_bytes: int = 0
+    # Adapter uploads one tenant may run at once (429 beyond), and A/B routes one tenant may hold (403 beyond).
+    max_concurrent_uploads_per_tenant: int = 2
+    max_routes_per_tenant: int = 1000
     config_store: str | None = None  # None: embedded under ./.loraserve/config
     api_keys: str | None = None  # JSON or YAML file of key -> {tenant, role}
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
@@ -84,6 +94,9 @@ class ServerSettings:
     metrics_host: str | None = None  # None: --host
     # Scrapers send `Authorization: Bearer KEY` on /metrics; with a key the main port serves /metrics too.
     metrics_key: str | None = field(default=None, repr=False)  # a secret: never in logs
+    # The operator's residency endpoints (/v1/residency..., for `loraserve placement`) on the metrics
+    # listener need `Authorization: Bearer KEY`; None: they are off.
+    placement_key: str | None = field(default=None, repr=False)
     # Adapter lookups (name -> version) are checked against the store again after this many seconds;
     # uploads and deletes reach every replica at once as config events, so this only bounds a lost event.
     adapter_lookup_ttl: float = 30.0
@@ -103,6 +116,14 @@ class ServerSettings:
             )
         if self.metrics_key is not None and len(self.metrics_key) < 16:
             raise ValueError("--metrics-key must be at least 16 characters (a random token)")
+        if self.placement_key is not None:
+            if len(self.placement_key) < 16:
+                raise ValueError("--placement-key must be at least 16 characters (a random token)")
+            if self.metrics_listen_port is None:
+                raise ValueError(
+                    "--placement-key needs the metrics listener, which serves the residency endpoints: "
+                    "give --metrics-port a port"
+                )
         if not self.adapter_lookup_ttl >= 0:
             raise ValueError(f"--adapter-lookup-ttl must be >= 0 seconds (got {self.adapter_lookup_ttl})")
         missing = [p for p in self.allowed_lora_paths if not Path(p).is_dir()]
@@ -136,6 +157,10 @@ class ServerSettings:
             SpeculativeConfig.parse(self.speculative_config)
         except ValueError as exc:
             raise ValueError(f"--speculative-config: {exc}") from None
+        try:
+            KVEventsConfig.parse(self.kv_events_config)
+        except ValueError as exc:
+            raise ValueError(f"--kv-events-config: {exc}") from None
         if self.adapter_loader not in ADAPTER_LOADERS:
             raise ValueError(
                 f"--adapter-loader {self.adapter_loader!r} is not supported; use one of {', '.join(ADAPTER_LOADERS)}"
@@ -159,6 +184,14 @@ class ServerSettings:
             parse_store_url(self.adapter_store)
         except ValueError as exc:
             raise ValueError(f"--adapter-store: {exc}") from None
+        for flag, value, low in (
+            ("--adapter-cache-max-bytes", self.adapter_cache_max_bytes, 1),
+            ("--adapter-cache-min-free-bytes", self.adapter_cache_min_free_bytes, 0),
+            ("--max-concurrent-uploads-per-tenant", self.max_concurrent_uploads_per_tenant, 1),
+            ("--max-routes-per-tenant", self.max_routes_per_tenant, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{flag} must be an integer >= {low} (got {value!r})")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds (got {self.shutdown_timeout})")
         limit = self.max_concurrent_requests_per_tenant

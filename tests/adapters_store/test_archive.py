@@ -158,8 +158,10 @@ def test_a_zip_whose_header_understates_its_size_is_caught(archives, tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(InvalidAdapter) as err:
         unpack(path, tmp_path)
-    assert err.value.code == "bad_archive"
-    assert (tmp_path / "out" / WEIGHTS).stat().st_size <= 10
+    # Refused as a corrupt archive, or even before, by the weights' header (zeros are no safetensors header).
+    assert err.value.code in ("bad_archive", "bad_weights")
+    written = tmp_path / "out" / WEIGHTS
+    assert not written.exists() or written.stat().st_size <= 10
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from botocore.exceptions import ConnectionClosedError
 from s3_cut_proxy import CutProxy
 from test_s3 import FAULTS, inject
 
-from adapters_store import CountingMetrics, StoreConfig, StoreUnavailable, open_store
+from adapters_store import CountingMetrics, DiskFull, StoreConfig, StoreUnavailable, open_store
 from adapters_store.versions import VersionKeys, scan_versions, sweepable
 
 WEIGHTS = "adapter_model.safetensors"
@@ -117,7 +117,7 @@ def test_a_failed_local_upload_leaves_nothing_and_frees_its_number(
         real_fsync(path)
 
     monkeypatch.setattr(local, "fsync_path", fsync)
-    with pytest.raises(StoreUnavailable, match="No space left"):
+    with pytest.raises(DiskFull, match="disk is full"):  # 507 over HTTP, not a store outage
         store.put("acme", "a", adapter_dir)
     monkeypatch.undo()
     assert sorted(p.name for p in (tmp_path / "store/acme/a").iterdir()) == ["1"]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
+import shutil
 import threading
 from pathlib import Path
 
@@ -263,3 +265,29 @@ def test_concurrent_uploads_of_one_name_get_distinct_versions(store, adapter_dir
     assert errors == []
     assert sorted(r.version for r in records) == [1, 2, 3, 4]
     assert [r.version for r in store.versions("acme", "a")] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("configured", "recorded"),
+    [
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"),  # a hub id
+        ("gpt2", "gpt2"),
+        (".loraserve/models/SmolLM2-135M-Instruct", "served-model"),  # the trainer's local folders
+        ("/home/me/models/llama", "served-model"),
+        ("./llama", "served-model"),
+        ("../models/llama", "served-model"),
+        ("~/llama", "served-model"),
+        ("C:\\models\\llama", "served-model"),
+        (None, "served-model"),
+    ],
+)
+def test_base_model_is_a_hub_id_or_the_served_model(make_store, adapter_dir, tmp_path, configured, recorded):
+    """A local path in base_model_name_or_path would mean nothing to anyone reading the record."""
+    folder = tmp_path / "adapter"
+    shutil.copytree(adapter_dir, folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = configured
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    record = make_store(served_model="served-model").put("acme", "a", folder)
+    assert record.base_model == recorded
+    assert make_store(served_model="served-model").get("acme", "a").base_model == recorded  # the manifest

@@ -20,7 +20,7 @@ DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "compose.yaml"
-KUSTOMIZATIONS = ("base", "gpu", "inference-gateway", "monitoring")
+KUSTOMIZATIONS = ("base", "gpu", "inference-gateway", "llm-d-router", "monitoring")
 KUBERNETES_VERSION = "1.37.0"  # the newest schema set kubernetes-validate bundles
 
 
@@ -82,6 +82,26 @@ def dockerfile_stages() -> list[list[dict]]:
         if stages:
             stages[-1].append(instruction)
     return stages
+
+
+def dockerfile_stage(name: str) -> list[dict]:
+    """The stage named `name` (`FROM ... AS name`)."""
+    for stage in dockerfile_stages():
+        if stage[0]["value"].split()[-1] == name and " AS " in stage[0]["value"].upper():
+            return stage
+    raise AssertionError(f"deploy/Dockerfile has no stage {name!r}")
+
+
+def dockerfile_args() -> dict[str, str]:
+    """Every ARG with its default ("" for none), whichever stage declares it."""
+    from dockerfile_parse import DockerfileParser
+
+    found: dict[str, str] = {}
+    for instruction in DockerfileParser(path=str(DOCKERFILE)).structure:
+        if instruction["instruction"] == "ARG":
+            name, _, default = instruction["value"].partition("=")
+            found.setdefault(name, default.strip('"'))
+    return found
 
 
 def dockerfile_runtime_env() -> dict[str, str]:

@@ -46,9 +46,9 @@ def exported_families() -> set[str]:
         inter_token=[0.01],
         num_prompt_tokens=3,
         num_generation_tokens=5,
-        finish_reasons=["length"],
         times=[RequestTimes(queue=0.01, prefill=0.1, decode=0.2, inference=0.3)],
     )
+    metrics.count_finished(["length"])
     for event in ("hit", "miss", "load", "evict"):
         metrics.adapter_event(event, "gpu", 0.01)
     metrics.route_picked("acme", "ab", Variant(adapter="a", weight=1), False)
@@ -105,6 +105,7 @@ def test_every_exported_vllm_and_serving_metric_is_shown_somewhere():
         "loraserve_lora_slots",  # capacity, for the residency rules
         "loraserve_adapter_resident",  # for the Inference Gateway's scorer (deploy/k8s/inference-gateway)
         "vllm:lora_requests_info",  # for the Inference Gateway's scorer
+        "vllm:lora_adapter_loaded",  # per adapter: for llm-d's lora-load-state-scorer and `loraserve placement`
         "loraserve_tenant_requests",
         "loraserve_tenant_prompt_tokens",
         "loraserve_tenant_queue_time_seconds",

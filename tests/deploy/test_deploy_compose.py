@@ -55,5 +55,22 @@ def test_loraserve_uses_the_stack_and_a_gpu():
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     grace = int(server["stop_grace_period"].removesuffix("s"))
     assert grace > float(env["LORASERVE_SHUTDOWN_TIMEOUT"])
-    mounts = {m.split(":")[1] for m in server["volumes"]}
-    assert {"/models", "/var/cache/huggingface"} <= mounts
+    mounts = {m.split(":")[1] if isinstance(m, str) else m["target"]: m for m in server["volumes"]}
+    assert {"/models", "/var/cache/huggingface", "/var/cache/loraserve/triton"} <= set(mounts)
+
+
+def test_what_compose_mounts_exists_and_keys_are_required():
+    """The models folder is in the repo, the keys file is required (no open mode by accident) and its
+    example parses as the server's keys file, and the header says Compose v2 is needed."""
+    from loraserve.tenancy import load_api_keys
+
+    server = compose_dict()["services"]["loraserve"]
+    binds = {m.split(":")[1]: m.split(":")[0] for m in server["volumes"] if isinstance(m, str)}
+    assert (COMPOSE.parent / binds["/models"].removeprefix("${MODELS_DIR:-").rstrip("}")).is_dir()
+    (keys,) = [m for m in server["volumes"] if isinstance(m, dict)]
+    assert keys["bind"]["create_host_path"] is False and keys["read_only"] is True
+    assert server["environment"]["LORASERVE_API_KEYS"] == keys["target"]
+    example = COMPOSE.parent / "api-keys.example.yaml"
+    assert any(key.role == "admin" for key in load_api_keys(str(example)))
+    assert "Compose v2" in COMPOSE.read_text()
+    assert "triton-cache" in compose_dict()["volumes"]

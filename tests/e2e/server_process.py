@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-STARTUP_TIMEOUT_S = 240.0  # the demo model converts on first start
+STARTUP_TIMEOUT_S = 480.0  # the demo model converts on first start; shared CI machines can be slow
 
 
 def free_port() -> int:
@@ -57,12 +57,17 @@ class ServerProcess:
         )
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Until /ready is 200; `seen_while_starting` collects the (/health, /ready) statuses met on the way."""
         deadline = time.monotonic() + timeout_s
+        self.seen_while_starting: set[tuple[int, int]] = set()
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/ready", timeout=1.0).status_code == 200:
+                health = httpx.get(f"{self.url}/health", timeout=1.0).status_code
+                ready = httpx.get(f"{self.url}/ready", timeout=1.0).status_code
+                self.seen_while_starting.add((health, ready))
+                if ready == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -13,7 +13,17 @@ from safetensors.torch import load_file, save_file
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+)
 
 
 def is_projection(name: str) -> bool:

@@ -67,8 +67,10 @@ def make_batch(
     )
 
 
-def reference_attention(batch: PagedBatch, scale: float, sliding_window: int | None) -> torch.Tensor:
-    """float64 softmax attention, one sequence and one head at a time."""
+def reference_attention(
+    batch: PagedBatch, scale: float, sliding_window: int | None, softcap: float | None = None
+) -> torch.Tensor:
+    """float64 softmax attention, one sequence and one head at a time (scores soft-capped if asked)."""
     bs = batch.key_cache.shape[1]
     num_heads, num_kv_heads = batch.q.shape[1], batch.key_cache.shape[2]
     out = torch.zeros(batch.q.shape, dtype=torch.float64)
@@ -87,6 +89,8 @@ def reference_attention(batch: PagedBatch, scale: float, sliding_window: int | N
             for h in range(num_heads):
                 kv = h // (num_heads // num_kv_heads)
                 scores = (k[:, kv] @ batch.q[starts[i] + j, h].double()) * scale
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
                 scores[~allowed] = float("-inf")
                 out[starts[i] + j, h] = torch.softmax(scores, 0) @ v[:, kv]
     return out

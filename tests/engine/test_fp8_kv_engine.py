@@ -13,11 +13,11 @@ import torch
 from factories import make_model
 from safetensors.torch import load_file, save_file
 
-import engine.model.llama as llama_module
+import engine.model.layers.attention as attention_block
 from engine import LLM, EngineConfig, SamplingParams
 from engine.model.attention import write_kv
 from engine.model.kv_quant import FP8_DTYPE, dequantize_fp8, quantize_fp8
-from engine.model.loader import load_config, load_weights
+from engine.model.loader import load_config, load_model
 
 NUM_NEW_TOKENS = 16
 # Calibrated-like per-layer scales: K/V of this model peak at about 6 and 7 (amax / 448 ~ 0.015).
@@ -112,25 +112,22 @@ def test_fp8_blocks_fit_the_budget_by_element_size(models, dtype, ratio, caplog)
 )
 def test_checkpoint_scales_are_loaded(models, tmp_path, names):
     path = with_kv_scales(models["plain"], tmp_path / "m", CHECKPOINT_SCALES, names)
-    weights = load_weights(path, load_config(path), torch.float32, torch.device("cpu"))
-    assert weights.kv_scales_from_checkpoint
-    loaded = [s.item() for layer in weights.layers for s in (layer.k_scale, layer.v_scale)]
+    model = load_model(path, load_config(path), torch.float32, torch.device("cpu"))
+    assert model.kv_scales_from_checkpoint
+    attention = [layer.self_attn for layer in model.model.layers]
+    loaded = [s.item() for a in attention for s in (a.k_scale, a.v_scale)]
     assert loaded == pytest.approx([s for pair in CHECKPOINT_SCALES for s in pair])
-    assert all(
-        layer.k_scale.dtype == torch.float32 and layer.k_scale.shape == (1,) for layer in weights.layers
-    )
+    assert all(a.k_scale.dtype == torch.float32 and a.k_scale.shape == (1,) for a in attention)
 
 
 def test_legacy_kv_scale_serves_k_and_v_and_defaults_are_one(models, tmp_path):
     legacy = ("self_attn.kv_scale", "self_attn.kv_scale")
     path = with_kv_scales(models["plain"], tmp_path / "m", [(0.5, 0.5)], legacy)
-    weights = load_weights(path, load_config(path), torch.bfloat16, torch.device("cpu"))
-    assert (weights.layers[0].k_scale.item(), weights.layers[0].v_scale.item()) == (0.5, 0.5)
-    assert (weights.layers[1].k_scale.item(), weights.layers[1].v_scale.item()) == (
-        1.0,
-        1.0,
-    )  # layer 1 has none
-    plain = load_weights(models["plain"], load_config(models["plain"]), torch.float32, torch.device("cpu"))
+    model = load_model(path, load_config(path), torch.bfloat16, torch.device("cpu"))
+    first, second = (layer.self_attn for layer in model.model.layers)
+    assert (first.k_scale.item(), first.v_scale.item()) == (0.5, 0.5)
+    assert (second.k_scale.item(), second.v_scale.item()) == (1.0, 1.0)  # layer 1 has none
+    plain = load_model(models["plain"], load_config(models["plain"]), torch.float32, torch.device("cpu"))
     assert not plain.kv_scales_from_checkpoint
 
 
@@ -138,7 +135,7 @@ def test_legacy_kv_scale_serves_k_and_v_and_defaults_are_one(models, tmp_path):
 def test_bad_checkpoint_scales_are_refused(models, tmp_path, bad):
     path = with_kv_scales(models["plain"], tmp_path / "m", [(bad, 1.0)])
     with pytest.raises(ValueError, match="one positive number"):
-        load_weights(path, load_config(path), torch.float32, torch.device("cpu"))
+        load_model(path, load_config(path), torch.float32, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("model", ["plain", "scaled"])
@@ -153,7 +150,7 @@ def test_fp8_engine_equals_a_cache_holding_the_rounded_values(models, prompts, m
         v = dequantize_fp8(quantize_fp8(v, v_scale), v_scale, v.dtype)
         write_kv(key_cache, value_cache, k, v, slots)
 
-    monkeypatch.setattr(llama_module, "write_kv", write_rounded)
+    monkeypatch.setattr(attention_block, "write_kv", write_rounded)
     rounded = generate(make_llm(models[model], "auto"), prompts)
     assert [o.token_ids for o in fp8] == [o.token_ids for o in rounded]
     for a, b in zip(fp8, rounded):

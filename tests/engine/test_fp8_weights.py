@@ -26,7 +26,7 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.model.fp8_checkpoint import fp8_scheme
 from engine.model.fp8_linear import Fp8Linear, dequantize, linear, quantize_activations, quantize_weight
 from engine.model.fp8_quant_kernel import quantize_activations_triton
-from engine.model.loader import load_config, load_weights
+from engine.model.loader import load_config, load_model
 
 NUM_NEW_TOKENS = 8
 # Sizes that are not multiples of 128, so block-wise checkpoints have partial blocks, and fused q/k/v
@@ -79,8 +79,22 @@ def assert_same_outputs(a, b, abs_tol=1e-5):
             assert step_x.top == pytest.approx(step_y.top, abs=abs_tol)
 
 
-def projections(weights):
-    return [w for layer in weights.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+def projections(model):
+    """Every layer's q/k/v, o, gate/up and down kernels (plain weights or Fp8Linears)."""
+    return [
+        p.kernel
+        for layer in model.model.layers
+        for p in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
+
+
+def load_weights(path, config, dtype, device, quantization=None):
+    return load_model(path, config, dtype, device, quantization=quantization)
 
 
 # -- configuration ----------------------------------------------------------------------------------
@@ -194,12 +208,13 @@ def test_on_the_fly_quantization_equals_a_per_channel_checkpoint(models):
     # Logical shapes are the bf16 ones (what adapter checks and LoRA slots see); norms stay float.
     plain = load_weights(models["plain"], load_config(models["plain"]), torch.float32, CPU)
     assert [w.shape for w in projections(on_the_fly)] == [w.shape for w in projections(plain)]
-    assert on_the_fly.embed.dtype == on_the_fly.layers[0].input_norm.dtype == torch.float32
+    layer = on_the_fly.model.layers[0]
+    assert on_the_fly.model.embed_tokens.weight.dtype == layer.input_layernorm.weight.dtype == torch.float32
 
 
 def test_block_checkpoint_keeps_each_blocks_scale(models):
     weights = load_weights(models["block"], load_config(models["block"]), torch.float32, CPU)
-    qkv = weights.layers[0].qkv
+    qkv = weights.model.layers[0].self_attn.qkv_proj.kernel
     assert qkv.group_size == 128 and qkv.scale.shape == (192 + 64 + 64, 2)
     # Row 200 is k_proj's row 8: its scales are k_proj's (only) row block.
     from safetensors.torch import load_file
@@ -211,14 +226,15 @@ def test_block_checkpoint_keeps_each_blocks_scale(models):
         "model.layers.0.mlp.down_proj.weight"
     ]
     q, scale = per_block(w)
-    assert torch.equal(dequantize(weights.layers[0].down, torch.float32), dequantized(q, scale))
+    down = weights.model.layers[0].mlp.down_proj.kernel
+    assert torch.equal(dequantize(down, torch.float32), dequantized(q, scale))
 
 
 @pytest.mark.parametrize("model", ["channel", "channel_bf16", "tensor", "block"])
 def test_fp8_checkpoints_serve_exactly_their_dequantized_values(models, prompts, model):
     """On the CPU the FP8 model computes what a float32 model holding the dequantized weights computes."""
     fp8 = make_llm(models[model])
-    assert all(isinstance(w, Fp8Linear) for w in projections(fp8.engine.runner.model.weights))
+    assert all(isinstance(w, Fp8Linear) for w in projections(fp8.engine.runner.model))
     assert_same_outputs(generate(fp8, prompts), generate(make_llm(models[f"{model}_dequantized"]), prompts))
 
 
@@ -366,7 +382,7 @@ def test_qwen2_biases_stay_in_the_model_dtype(tmp_path, prompts):
     plain = make_model(tmp_path / "qwen2", arch="qwen2", seed=6)
     checkpoint = write_compressed_tensors(plain, tmp_path / "ct", "channel", torch.float32)
     fp8 = make_llm(plain, quantization="fp8")
-    assert fp8.engine.runner.model.weights.layers[0].qkv_bias.dtype == torch.float32
+    assert fp8.engine.runner.model.model.layers[0].self_attn.qkv_proj.bias.dtype == torch.float32
     reference = make_llm(write_dequantized(checkpoint, tmp_path / "deq"))
     assert_same_outputs(generate(fp8, prompts[:3]), generate(reference, prompts[:3]))
 

@@ -21,8 +21,7 @@ from engine import LLM, SamplingParams
 from engine.model.attention import AttentionMetadata
 from engine.model.fp8_linear import BLOCK, Fp8Linear, linear, quantize_activations, quantize_weight
 from engine.model.fp8_quant_kernel import quantize_activations_triton
-from engine.model.llama import LlamaModel
-from engine.model.loader import load_config, load_weights
+from engine.model.loader import load_config, load_model
 
 E4M3 = torch.float8_e4m3fn
 # (out, in) of the fused projections: qkv, o, gate_up, down.
@@ -212,7 +211,7 @@ def test_engine_graph_replays_match_eager_with_adapters(tmp_path):
             enforce_eager=eager,
         )
         runner = llm.engine.runner
-        assert runner.model.weights.layers[0].qkv.gemm == "scaled_mm"
+        assert runner.model.model.layers[0].self_attn.qkv_proj.kernel.gemm == "scaled_mm"
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapters=names)
         outputs[eager] = [o.outputs[0].token_ids for o in results]
         if not eager:
@@ -250,8 +249,7 @@ def next_token_argmax(
 ) -> list[torch.Tensor]:
     """Each position's greedy next token, the whole sequence in one prefill (teacher forcing)."""
     config = load_config(path)
-    weights = load_weights(path, config, dtype, torch.device("cuda"), quantization)
-    model = LlamaModel(config, weights, 2048, "torch")
+    model = load_model(path, config, dtype, torch.device("cuda"), 2048, "torch", quantization)
     results = []
     with torch.inference_mode():
         for ids in sequences:
@@ -270,7 +268,7 @@ def next_token_argmax(
             )
             hidden = model.forward(torch.tensor(ids, device="cuda"), meta, caches, None)
             results.append(model.compute_logits(hidden).argmax(dim=-1).cpu())
-    del model, weights
+    del model
     free_cuda()
     return results
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from engine.model import fused_ops
-from engine.model.llama import _rms_norm
+from engine.model.layers.norm import rms_norm as _rms_norm
 from engine.model.rope import RotaryEmbedding
 
 EPS = 1e-5
@@ -86,9 +86,9 @@ def test_rope_rotates_q_and_k_in_place_and_leaves_v(heads, kv_heads, head_dim):
     assert torch.equal(out_v, v)
 
 
-def test_fused_rope_needs_a_power_of_two_half_head():
-    assert fused_ops.supports_fused_rope(128) and fused_ops.supports_fused_rope(64)
-    assert not fused_ops.supports_fused_rope(96) and not fused_ops.supports_fused_rope(80)
+def test_fused_rope_takes_any_even_rotary_width():
+    assert all(fused_ops.supports_fused_rope(d) for d in (128, 64, 96, 80, 12))
+    assert not fused_ops.supports_fused_rope(7)
 
 
 def no_worse_than_torch(fused: torch.Tensor, torch_ops: torch.Tensor, exact: torch.Tensor) -> None:
@@ -140,3 +140,72 @@ def test_bf16_is_as_accurate_as_the_torch_ops_they_replace_on_the_gpu():
     gate, up = gate_up.chunk(2, dim=-1)
     g, u = gate_up.double().chunk(2, dim=-1)
     no_worse_than_torch(fused_ops.silu_and_mul(gate_up), F.silu(gate) * up, g * torch.sigmoid(g) * u)
+
+
+# -- the newer families' kernels: GeGLU, Gemma's (1 + w) norm, q/k norms with RoPE, partial rotary --------
+
+
+@pytest.mark.parametrize("tokens, width", [(1, 32), (5, 200)])
+def test_gelu_tanh_and_mul(tokens, width):
+    gate_up = torch.randn(tokens, 2 * width, generator=torch.Generator().manual_seed(width)).to(DEVICE) * 3
+    g, u = gate_up.double().chunk(2, dim=-1)
+    expected = 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3))) * u
+    out = fused_ops.act_and_mul(gate_up, "gelu_pytorch_tanh")
+    torch.testing.assert_close(out, expected.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_gemma_norm_scales_by_one_plus_the_weight():
+    gen = torch.Generator().manual_seed(3)
+    x, weight, residual = (torch.randn(*s, generator=gen).to(DEVICE) for s in ((6, 96), (96,), (6, 96)))
+    expected = rms_norm_f64(residual.double() + x.double(), 1 + weight.double())
+    kept = residual.clone()
+    out = fused_ops.rms_norm(x, weight, EPS, residual=kept, offset=True)
+    torch.testing.assert_close(out, expected.float())
+    torch.testing.assert_close(out, _rms_norm(kept, weight, EPS, offset=True), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("offset", [False, True])
+def test_head_norm_then_rope_in_place(offset):
+    heads, kv_heads, head_dim, tokens = 4, 2, 16, 9
+    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, rope_theta=10000.0)
+    rope = RotaryEmbedding(config, head_dim, 64, torch.device(DEVICE), torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen).to(DEVICE)
+    positions = torch.randint(0, 64, (tokens,), generator=gen).to(DEVICE)
+    weights = torch.randn(2, head_dim, generator=gen).to(DEVICE)
+    q, k, v = (t.clone() for t in qkv.split([q_size, kv_size, kv_size], dim=-1))
+    fused_ops.head_norm_rope_(
+        qkv, positions, rope.cos, rope.sin, weights, EPS, heads, kv_heads, head_dim, offset
+    )
+    cos, sin = rope.cos[positions], rope.sin[positions]
+    scale = (1 + weights.double()) if offset else weights.double()
+    for part, weight, n, start in ((q, scale[0], heads, 0), (k, scale[1], kv_heads, q_size)):
+        normed = rms_norm_f64(part.view(tokens, n, head_dim), weight)
+        expected = rope_f64(normed, cos, sin).reshape(tokens, -1)
+        torch.testing.assert_close(qkv[:, start : start + n * head_dim], expected.float())
+    assert torch.equal(qkv[:, q_size + kv_size :], v)
+
+
+def test_partial_rotary_rope_leaves_the_tail_of_each_head():
+    """Phi-4-mini's 0.75: 12 of 16 dims rotate (a half of 6, not a power of two), the last 4 pass."""
+    heads, kv_heads, head_dim, tokens = 3, 1, 16, 7
+    config = LlamaConfig(
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+    )
+    rope = RotaryEmbedding(config, head_dim, 32, torch.device(DEVICE), torch.float32)
+    assert rope.rotary_dim == 12 and rope.cos.shape == (32, 12)
+    gen = torch.Generator().manual_seed(6)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen).to(DEVICE)
+    positions = torch.randint(0, 32, (tokens,), generator=gen).to(DEVICE)
+    q, k, _ = (t.clone() for t in qkv.split([q_size, kv_size, kv_size], dim=-1))
+    torch_q, torch_k = rope(positions, q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim))
+    fused_ops.apply_rope_(qkv, positions, rope.cos, rope.sin, heads, kv_heads, head_dim)
+    torch.testing.assert_close(qkv[:, :q_size], torch_q.reshape(tokens, -1))
+    torch.testing.assert_close(qkv[:, q_size : q_size + kv_size], torch_k.reshape(tokens, -1))
+    assert torch.equal(
+        qkv[:, :q_size].view(tokens, heads, head_dim)[..., 12:], q.view(tokens, heads, 16)[..., 12:]
+    )

@@ -51,7 +51,9 @@ PARAMS = SamplingParams(
 @pytest.mark.parametrize(
     "message",
     [
-        AddRequest("r1#0", [1, 2, 3], PARAMS, "acme/a@1", tenant="acme", tenant_weight=2.5),
+        AddRequest(
+            "r1#0", [1, 2, 3], PARAMS, "acme/a@1", tenant="acme", tenant_weight=2.5, cache_salt="s\x00é"
+        ),
         AddRequest("r2", [7], SamplingParams(structured_outputs={"choice": ["yes", "no"]}), None),
         AbortRequests(["r1#0", "r1#1"]),
         ForgetAdapter("acme/a@1"),

@@ -21,6 +21,7 @@ from hostile_adapters import (
 )
 
 from adapter_format import checkpoint as peft_checkpoint
+from adapter_format import module_patterns
 from adapter_format.bounded_json import LongNumber, loads_bounded, nesting_depth_exceeds
 from adapter_format.peft_config import check_adapter_config, parse_adapter_config
 from engine import LLM, AdapterError, SamplingParams
@@ -72,7 +73,7 @@ def test_malformed_config_files_are_adapter_errors(case_id, data, fragment):
         ({"target_modules": "all-linear"}, dict(target_modules="all-linear")),
         ({"target_modules": None}, dict(target_modules=None)),
         ({"rank_pattern": {"q_proj": 16}, "alpha_pattern": {"v_proj": 4}}, dict(rank_pattern={"q_proj": 16})),
-        ({"lora_dropout": "ignored", "task_type": 5}, dict(rank=8)),  # keys the engine never reads
+        ({"lora_dropout": "ignored", "task_type": "CAUSAL_LM"}, dict(rank=8)),  # lora_dropout: never read
     ],
 )
 def test_valid_configs_pass_with_their_values(changes, expected):
@@ -86,7 +87,7 @@ def test_valid_configs_pass_with_their_values(changes, expected):
 def test_a_catastrophic_alpha_pattern_regex_fails_in_bounded_time(monkeypatch):
     # This regex backtracks for minutes on a module name under Python's `re` (what PEFT uses).
     config = {**GOOD, "alpha_pattern": {"(?:(?:.|.)*?)*?(?!j).": 4}}
-    monkeypatch.setattr(peft_checkpoint, "PATTERN_MATCH_BUDGET_S", 0.05)
+    monkeypatch.setattr(module_patterns, "PATTERN_MATCH_BUDGET_S", 0.05)
     shapes = {
         f"base_model.model.model.layers.0.self_attn.q_proj.lora_{ab}.weight": s
         for ab, s in (("A", (8, 64)), ("B", (64, 8)))

@@ -136,7 +136,7 @@ def test_a_vocabulary_the_ranks_do_not_divide(tmp_path):
             prompts, SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, logprobs=3)
         )
         assert [o.outputs[0].token_ids for o in outputs] == expected
-        assert llm.engine.runner.model.weights.embed.shape[0] == 256
+        assert llm.engine.runner.model.model.embed_tokens.weight.shape[0] == 256
         assert all(t < 511 for o in outputs for step in o.outputs[0].logprobs for t in step.top)
 
 

@@ -84,7 +84,7 @@ def test_one_rank_shutdown_frees_the_model_cache_and_pool_while_the_llm_is_kept(
     runner = llm.engine.runner
     held = [
         weakref.ref(runner.kv_caches[0][0]),
-        weakref.ref(runner.model.weights.embed),
+        weakref.ref(runner.model.model.embed_tokens.weight),
         weakref.ref(runner.lora_slots.weights),
     ]
     llm.generate(PROMPTS, GREEDY)

@@ -3,6 +3,8 @@ and adapters cut as vLLM cuts them. Every rank's shards put back together must b
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from factories import C1_ADAPTERS, make_adapter, make_model
@@ -10,11 +12,11 @@ from factories import C1_ADAPTERS, make_adapter, make_model
 from adapter_format.checkpoint import load_peft_adapter
 from adapter_format.model_shape import ModelShape
 from engine.lora.slots import SlotLayout, build_image
-from engine.model import weight_source
-from engine.model.loader import load_config, load_weights
+from engine.model import loader
+from engine.model.layers.sharding import TensorParallel
+from engine.model.loader import load_config, load_model
 from engine.parallel.lora_shards import shard_image
 from engine.parallel.plan import COLUMN_PARALLEL, ShardPlan
-from engine.parallel.sharded_loader import load_shard
 
 C1_SHAPE = ModelShape(
     num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16
@@ -60,19 +62,25 @@ def test_splits_that_do_not_divide_are_refused(shape, world_size, message):
         ShardPlan(shape, 512, world_size)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "phi3"])
 def model_dir(request, tmp_path_factory):
     return make_model(
         tmp_path_factory.mktemp(f"shards-{request.param}") / "model", arch=request.param, seed=4
     )
 
 
+def load_rank(model_dir, config, rank: int, world_size: int):
+    """One rank's model as its worker builds it (no process group: loading needs none)."""
+    tp = TensorParallel(rank, world_size)
+    return load_model(model_dir, config, torch.float32, torch.device("cpu"), tp=tp)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_shards_reassemble_the_checkpoint_and_are_read_by_slices(model_dir, world_size, monkeypatch):
     config = load_config(model_dir)
-    whole = load_weights(model_dir, config, torch.float32, torch.device("cpu"))
-    plan = ShardPlan(ModelShape.from_hf_config(config), config.vocab_size, world_size)
-    opened = weight_source.safe_open
+    whole = load_model(model_dir, config, torch.float32, torch.device("cpu"))
+    plan = ShardPlan.for_model(config, world_size)
+    opened = loader.safe_open
 
     def slices_only(*args, **kwargs):  # a handle whose get_tensor (a whole read) fails the test
         handle = opened(*args, **kwargs)
@@ -90,45 +98,68 @@ def test_shards_reassemble_the_checkpoint_and_are_read_by_slices(model_dir, worl
 
         return Sliced()
 
-    monkeypatch.setattr(weight_source, "safe_open", slices_only)  # where the loaders open files
-    shards = [
-        load_shard(model_dir, config, plan, r, torch.float32, torch.device("cpu")) for r in range(world_size)
-    ]
-    torch.testing.assert_close(torch.cat([s.embed for s in shards]), whole.embed, rtol=0, atol=0)
+    monkeypatch.setattr(loader, "safe_open", slices_only)
+    shards = [load_rank(model_dir, config, r, world_size) for r in range(world_size)]
+    embed = torch.cat([s.model.embed_tokens.weight for s in shards])
+    torch.testing.assert_close(embed, whole.model.embed_tokens.weight, rtol=0, atol=0)
     d, kv = plan.shape.head_dim, plan.kv_heads_per_rank * plan.shape.head_dim
-    for i, layer in enumerate(whole.layers):
-        q_size = plan.heads_per_rank * d
-        q = torch.cat([s.layers[i].qkv[:q_size] for s in shards])
-        assert torch.equal(q, layer.qkv[: plan.shape.num_heads * d])
-        for r, s in enumerate(shards):  # k of rank r: its KV head's rows
+    q_size = plan.heads_per_rank * d
+    for i, layer in enumerate(whole.model.layers):
+        parts = [s.model.layers[i] for s in shards]
+        qkv = layer.self_attn.qkv_proj
+        q = torch.cat([p.self_attn.qkv_proj.weight[:q_size] for p in parts])
+        assert torch.equal(q, qkv.weight[: plan.shape.num_heads * d])
+        for r, p in enumerate(parts):  # k of rank r: its KV head's rows
             start = plan.kv_head_start(r) * d
-            k_rows = layer.qkv[plan.shape.num_heads * d :][start : start + kv]
-            assert torch.equal(s.layers[i].qkv[q_size : q_size + kv], k_rows)
-            if layer.qkv_bias is not None:
+            k_rows = qkv.weight[plan.shape.num_heads * d :][start : start + kv]
+            assert torch.equal(p.self_attn.qkv_proj.weight[q_size : q_size + kv], k_rows)
+            if qkv.bias is not None:
                 assert torch.equal(
-                    s.layers[i].qkv_bias[q_size : q_size + kv],
-                    layer.qkv_bias[plan.shape.num_heads * d :][start : start + kv],
+                    p.self_attn.qkv_proj.bias[q_size : q_size + kv],
+                    qkv.bias[plan.shape.num_heads * d :][start : start + kv],
                 )
-        assert torch.equal(torch.cat([s.layers[i].o for s in shards], dim=1), layer.o)
-        assert torch.equal(torch.cat([s.layers[i].down for s in shards], dim=1), layer.down)
-        gate = torch.cat([s.layers[i].gate_up[: plan.intermediate_per_rank] for s in shards])
-        assert torch.equal(gate, layer.gate_up[: plan.shape.intermediate_size])
-        assert all(torch.equal(s.layers[i].input_norm, layer.input_norm) for s in shards)
+        o = torch.cat([p.self_attn.o_proj.weight for p in parts], dim=1)
+        assert torch.equal(o, layer.self_attn.o_proj.weight)
+        down = torch.cat([p.mlp.down_proj.weight for p in parts], dim=1)
+        assert torch.equal(down, layer.mlp.down_proj.weight)
+        gate = torch.cat([p.mlp.gate_up_proj.weight[: plan.intermediate_per_rank] for p in parts])
+        assert torch.equal(gate, layer.mlp.gate_up_proj.weight[: plan.shape.intermediate_size])
+        up = torch.cat([p.mlp.gate_up_proj.weight[plan.intermediate_per_rank :] for p in parts])
+        assert torch.equal(up, layer.mlp.gate_up_proj.weight[plan.shape.intermediate_size :])
+        assert all(torch.equal(p.input_layernorm.weight, layer.input_layernorm.weight) for p in parts)
 
 
-def test_adapter_shards_split_b_of_column_and_a_of_row_projections(tmp_path):
-    model_dir = make_model(tmp_path / "model", seed=5)
-    adapter_dir = make_adapter(model_dir, tmp_path / "adapter", seed=6, **C1_ADAPTERS["d_all"])
-    plan = ShardPlan(C1_SHAPE, 512, 2)
-    layout = SlotLayout(C1_SHAPE, 16)
-    image = build_image(layout, torch.float32, load_peft_adapter(adapter_dir, C1_SHAPE, 16))
+@pytest.mark.parametrize(
+    "arch, target_modules",
+    [
+        ("llama", C1_ADAPTERS["d_all"]["target_modules"]),
+        ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    ],
+)
+def test_adapter_shards_split_b_of_column_and_a_of_row_projections(tmp_path, arch, target_modules):
+    model_dir = make_model(tmp_path / "model", arch=arch, seed=5)
+    adapter_dir = make_adapter(model_dir, tmp_path / "adapter", seed=6, r=16, target_modules=target_modules)
+    plan = ShardPlan.for_model(load_config(model_dir), 2)
+    shape = plan.shape
+    layout = SlotLayout(shape, 16)
+    image = build_image(layout, torch.float32, load_peft_adapter(adapter_dir, shape, 16))
     local = SlotLayout(plan.local_shape, 16)
     shards = [shard_image(image, local, plan, r) for r in range(2)]
-    for module in ("q_proj", "gate_proj", "o_proj", "down_proj"):
+    for module in shape.targets:
         if module in COLUMN_PARALLEL:
             assert all(torch.equal(s.lora_a[module], image.lora_a[module]) for s in shards)
-            assert torch.equal(torch.cat([s.lora_b[module] for s in shards], dim=1), image.lora_b[module])
+            rows = [torch.arange(a, b) for r in range(2) for a, b in plan.output_ranges(module, r)]
+            whole_b = image.lora_b[module][:, torch.cat(rows)]  # every rank's rows, in rank order
+            assert torch.equal(torch.cat([s.lora_b[module] for s in shards], dim=1), whole_b)
         else:
             assert all(torch.equal(s.lora_b[module], image.lora_b[module]) for s in shards)
             assert torch.equal(torch.cat([s.lora_a[module] for s in shards], dim=2), image.lora_a[module])
     assert all(torch.equal(s.table, image.table) for s in shards)
+
+
+def test_a_fused_qkv_target_keeps_each_parts_rows():
+    """Phi-3's qkv_proj over 2 ranks: rank 1 holds q rows [32, 64), then k rows [16, 32) and v rows
+    [16, 32) of their parts (offsets 64 and 96 in the fused output)."""
+    plan = ShardPlan(replace(C1_SHAPE, targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")), 512, 2)
+    assert plan.output_ranges("qkv_proj", 1) == [(32, 64), (80, 96), (112, 128)]
+    assert plan.output_ranges("gate_up_proj", 0) == [(0, 64), (128, 192)]

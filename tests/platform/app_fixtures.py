@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerFast
 
 from adapters_store import DiskCache, StoreConfig, open_store
 from adapters_store.engine_source import StoreAdapterSource
-from engine import AsyncLLM, EngineConfig, ModelShape
+from engine import AsyncLLM, EngineConfig, model_shape
 from engine.model.loader import load_config
 
 EOS = "<|endoftext|>"
@@ -58,12 +58,15 @@ def make_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedToken
     return wrapped
 
 
-def make_text_model(folder: Path, seed: int = 5, chat_template: str | None = CHAT_TEMPLATE) -> Path:
-    """A C1-sized random Llama saved with its tokenizer; eos is token 0."""
+def make_text_model(
+    folder: Path, seed: int = 5, chat_template: str | None = CHAT_TEMPLATE, arch: str = "llama"
+) -> Path:
+    """A C1-sized random model (Llama, or another family of tests/factories.py) saved with its tokenizer;
+    eos is token 0."""
     tokenizer = make_tokenizer(chat_template)
     make_model(
         folder,
-        arch="llama",
+        arch=arch,
         seed=seed,
         vocab_size=len(tokenizer),
         eos_token_id=0,
@@ -95,9 +98,10 @@ async def open_test_services(
     config_store: CachedConfigStore | None = None,
     max_logprobs: int = 20,
     speculative_config: dict | None = None,
+    max_num_seqs: int = 16,
 ) -> AsyncIterator[Services]:
     """`store_config` (e.g. S3) replaces the local store under `root`; `config_store` the embedded one."""
-    shape = ModelShape.from_hf_config(load_config(model_dir))
+    shape = model_shape(load_config(model_dir))  # sizes and the architecture's LoRA targets
     store_config = store_config or StoreConfig(url=f"file://{root / 'adapters'}", max_lora_rank=16)
     store = open_store(store_config, shape)
     cache = DiskCache(store, root / "cache", 1 << 30)
@@ -119,7 +123,7 @@ async def open_test_services(
         num_kv_blocks=num_kv_blocks,
         max_loras=max_loras,
         max_lora_rank=16,
-        max_num_seqs=16,
+        max_num_seqs=max_num_seqs,
         max_logprobs=max_logprobs,
         speculative_config=speculative_config,
     )

@@ -11,11 +11,14 @@ from hostile_adapters import (
     CONFIG,
     CONFIG_FILE_IDS,
     CONFIG_FILES,
+    PEFT_MISMATCH_IDS,
+    PEFT_MISMATCHES,
     WEIGHT_FILE_IDS,
     WEIGHT_FILES,
     WEIGHTS,
     bad_config_value_params,
     num_bad_inputs,
+    peft_mismatch_files,
 )
 from litestar.testing import TestClient
 
@@ -65,6 +68,18 @@ def test_malformed_config_files_are_422(client, peft_adapters, case_id, data, fr
 def test_malformed_safetensors_files_are_422(client, peft_adapters, case_id, data, code, fragment):
     error = assert_refused(post(client, (peft_adapters["qv"] / CONFIG).read_bytes(), data), code)
     assert fragment in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("case_id", "changes", "edit", "code", "field"), PEFT_MISMATCHES, ids=PEFT_MISMATCH_IDS
+)
+def test_adapters_peft_would_refuse_or_serve_differently_are_422(
+    client, peft_adapters, case_id, changes, edit, code, field
+):
+    error = assert_refused(post(client, *peft_mismatch_files(peft_adapters["qv"], changes, edit)), code)
+    assert error["param"] == field
+    if code == "bad_weight_values":
+        assert "lora_" in error["message"], "the message names the tensor"
 
 
 def test_nothing_was_stored(client):

@@ -175,6 +175,19 @@ def test_load_format_flag_reaches_the_engine():
         ServerSettings(load_format="pt")
 
 
+def test_kv_events_config_and_placement_key_flags():
+    raw = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "kv@pod@model"}'
+    flags = settings(["--kv-events-config", raw])
+    config = engine_config(flags, "some/model").kv_events_config
+    assert (config.publisher, config.endpoint, config.topic) == ("zmq", "tcp://*:5557", "kv@pod@model")
+    from_env = settings([], {"LORASERVE_KV_EVENTS_CONFIG": raw, "LORASERVE_PLACEMENT_KEY": "p" * 16})
+    assert engine_config(from_env, "some/model").kv_events_config == config
+    assert from_env.placement_key == "p" * 16 and "p" * 16 not in repr(from_env)
+    assert engine_config(settings([]), "some/model").kv_events_config is None
+    with pytest.raises(ValueError, match="--kv-events-config: kv_events_config: unknown keys"):
+        ServerSettings(kv_events_config='{"enable_kv_events": true}')
+
+
 def test_admin_client_commands_are_registered():
     parser = build_parser({})
     args = parser.parse_args(["adapters", "list"])
@@ -245,3 +258,17 @@ def test_a_lora_module_for_another_base_model_stops_the_start(tmp_path):
 
     with pytest.raises(ValueError, match="base_model_name 'other-model' is not the served model 'tiny'"):
         asyncio.run(start())
+
+
+def test_cuda_without_a_visible_gpu_is_refused_before_anything_loads(monkeypatch, caplog):
+    import torch
+    from loraserve.cli import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--device cuda: no CUDA device is visible.*--gpus all"):
+        check_device("cuda", "cuda")  # the CUDA image run without --gpus
+    with pytest.raises(SystemExit, match="--device cuda:1: no CUDA device.*pass --device cpu"):
+        check_device("cuda:1", None)
+    check_device("auto", None)  # auto falls back to the CPU, as documented
+    check_device("cpu", "cpu")
+    assert "this is the CPU image" in caplog.text

@@ -118,35 +118,68 @@ class Clock:
         return self.now
 
 
-def test_token_window_slides_settles_to_the_use_and_computes_retry_after():
+def test_token_window_charges_use_when_it_happens_and_holds_what_may_come():
     clock = Clock()
     limiter = TokenRateLimiter(clock)
     alice = Principal(tenant="alice", role="user", max_tokens_per_minute=100)
-    first = limiter.try_reserve(alice, 60)  # t = 1000
+    first = limiter.try_reserve(alice, 20, 40)  # t = 1000: 20 prompt tokens charged, 40 held
+    assert (limiter.used("alice"), limiter.held("alice")) == (20, 40)
     clock.now += 20
-    limiter.try_reserve(alice, 40)  # t = 1020: the window is full
+    second = limiter.try_reserve(alice, 30)  # t = 1020: 50 used, 40 held: 90 of 100
     with pytest.raises(TooManyRequests) as refused:
-        limiter.try_reserve(alice, 30)
-    assert refused.value.retry_after_s == 40  # the first charge leaves the window at t = 1060
-    first.settle(10)  # it used 10 of the 60 it might have: 50 tokens come back at once
-    first.settle(60)  # settled once; later calls change nothing
-    assert limiter.used("alice") == 50
-    limiter.try_reserve(alice, 30)
-    clock.now += 40  # t = 1060: the first charge has aged out
-    assert limiter.used("alice") == 70
-    with pytest.raises(TooManyRequests, match="more than the tenant's limit"):
-        limiter.try_reserve(alice, 101)
+        limiter.try_reserve(alice, 11)
+    assert refused.value.retry_after_s == 40  # the first prompt leaves the window at t = 1060
+    first.charge(10)  # it generated 10 of its 40
+    assert (limiter.used("alice"), limiter.held("alice"), first.held) == (60, 30, 30)
+    first.release()  # it ended: the other 30 it might have used come back at once
+    first.release()  # idempotent
+    assert (limiter.used("alice"), limiter.held("alice")) == (60, 0)
+    limiter.try_reserve(alice, 40).release()  # 60 + 40 fits exactly
+    clock.now += 40  # t = 1060: the first prompt (20) has aged out, the 10 generated at t = 1020 not
+    assert limiter.used("alice") == 80
+    # A request without max_tokens holds nothing; what it generates is charged when generated, in the
+    # window of that moment: a request running for minutes is counted minute by minute.
     clock.now += 61  # everything has aged out
-    # No max_tokens: the prompt alone is charged at admission, what it generated when it ends.
-    open_ended = limiter.try_reserve(alice, 5)
-    open_ended.settle(5 + 95)
-    assert limiter.used("alice") == 100
-    with pytest.raises(TooManyRequests):
+    second.charge(95)
+    assert limiter.used("alice") == 95
+    clock.now += 30
+    second.charge(50)  # still running 2.5 minutes after admission
+    assert limiter.used("alice") == 145  # over the limit: running requests are never cut, new ones wait
+    with pytest.raises(TooManyRequests) as over:
         limiter.try_reserve(alice, 1)
+    assert over.value.retry_after_s == 30  # the 95 leave the window at +60 s from their charge
+    clock.now += 30
+    assert limiter.used("alice") == 50
+    with pytest.raises(TooManyRequests, match="more than the tenant's limit"):
+        limiter.try_reserve(alice, 1, 100)
+    # Holds of running requests that stand in the way: Retry-After is the whole window.
+    clock.now += 61
+    held = limiter.try_reserve(alice, 0, 90)
+    with pytest.raises(TooManyRequests) as by_holds:
+        limiter.try_reserve(alice, 20)
+    assert by_holds.value.retry_after_s == 60 and "may use 90 more" in str(by_holds.value)
+    held.release()
+    # A key without a limit is never refused, but its use counts in the tenant's window (which its
+    # tenant's limited keys compare against).
     unlimited = Principal(tenant="bob", role="user")
     for _ in range(10):
-        limiter.try_reserve(unlimited, 10_000)
-    assert limiter.used("bob") == 0
+        limiter.try_reserve(unlimited, 10_000).charge(5)
+    assert limiter.used("bob") == 100_050
+
+
+def test_charges_within_a_second_share_one_entry_and_never_leave_early():
+    clock = Clock()
+    limiter = TokenRateLimiter(clock)
+    alice = Principal(tenant="alice", role="user", max_tokens_per_minute=10**9)
+    reservation = limiter.try_reserve(alice, 1)
+    for _ in range(1000):  # 1,000 deltas over 100 s
+        clock.now += 0.1
+        reservation.charge(1)
+    # 600 tokens were generated in the last 60 s; a bucket keeps at most a second's more (10), never fewer
+    assert 600 <= limiter.used("alice") <= 611
+    assert len(limiter._windows["alice"].charges) <= 61
+    clock.now += 60.0  # the last charge's bucket is at most a second old then: gone
+    assert limiter.used("alice") == 0
 
 
 @pytest.mark.parametrize(

@@ -102,3 +102,30 @@ def test_every_endpoint_that_authenticates_declares_the_key(client):
                 operation = paths[path][method.lower()]
                 authenticates = "principal" in handler.parsed_fn_signature.parameters
                 assert ("security" in operation) == authenticates, f"{method} {path}"
+
+
+def test_the_pages_load_only_this_servers_assets(client):
+    """No CDN: every script, style and icon of the UIs is this server's (tests/platform/
+    test_openapi_browser.py renders them in a browser), and the assets are served with a cache header."""
+    for page in ("/schema", "/schema/swagger", "/schema/redoc"):
+        html = client.get(page).text
+        links = re.findall(r"""(?:src|href)=["']([^"']+)["']""", html)
+        assert links and all(link.startswith(("/schema/assets/", "data:")) for link in links), (page, links)
+        assert "Content-Security-Policy" in html and "default-src 'self'" in html
+        for link in links:
+            if link.startswith("/schema/assets/"):
+                asset = client.get(link)
+                assert asset.status_code == 200 and asset.content, link
+                assert "max-age" in asset.headers["cache-control"]
+    assert client.get("/schema/assets/openapi.py").status_code == 404
+    assert client.get("/schema/assets/..%2Fopenapi.py").status_code == 404
+
+
+def test_asset_links_carry_the_root_path(api_env):
+    """Behind a proxy that strips --root-path, the browser asks for /prefix/schema/assets/...."""
+    from litestar.testing import TestClient
+
+    env = api_env()
+    with TestClient(env.app, root_path="/llm") as client:
+        html = client.get("/schema").text
+    assert "/llm/schema/assets/swagger-ui-bundle.js" in html

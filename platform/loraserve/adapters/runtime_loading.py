@@ -3,12 +3,14 @@
 `POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace}` validates the folder at `lora_path` exactly
 as an upload and stores it as the next version of `lora_name`; `POST /v1/unload_lora_adapter {lora_name}`
 deletes every version (refused with 409 while a route needs one). Admin keys only. `lora_path` must lie under
-a folder the operator allowed with `--allowed-lora-paths`; without that flag runtime loading is off, as vLLM
-keeps it off unless VLLM_ALLOW_RUNTIME_LORA_UPDATING is set. Answers are vLLM's plain-text lines.
+a folder the operator allowed with `--allowed-lora-paths`, and so must the files in it, symlinks resolved
+(local_folder.py); without that flag runtime loading is off, as vLLM keeps it off unless
+VLLM_ALLOW_RUNTIME_LORA_UPDATING is set. Answers are vLLM's plain-text lines.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from litestar.params import JSONBody
 
 from adapters_store import AdapterNotFound
 from loraserve.adapters import service
+from loraserve.adapters.local_folder import OUTSIDE, contained, open_adapter_files
 from loraserve.errors import BadRequest, NotFound, PermissionDenied
 from loraserve.json_guard import require_json_body
 from loraserve.openapi import BEARER_SECURITY
@@ -63,7 +66,14 @@ class RuntimeLoRAController(Controller):
                 code="adapter_exists",
                 param="lora_name",
             )
-        record = await service.store_adapter(services, principal, data.lora_name, folder)
+        files, streams = await asyncio.to_thread(
+            open_adapter_files, folder, services.allowed_lora_paths, data.lora_path
+        )
+        try:
+            record = await service.store_adapter(services, principal, data.lora_name, files)
+        finally:
+            for stream in streams:
+                stream.close()
         return Response(
             f"Success: LoRA adapter '{data.lora_name}' added successfully (version {record.version})."
         )
@@ -100,11 +110,8 @@ def _allowed_folder(services: Services, lora_path: str) -> Path:
             param="lora_path",
         )
     folder = Path(os.path.realpath(lora_path))
-    if not any(folder.is_relative_to(os.path.realpath(root)) for root in roots):
-        raise BadRequest(
-            f"lora_path {lora_path!r} is not under a folder this server allows loading from",
-            param="lora_path",
-        )
+    if not contained(folder, roots):
+        raise BadRequest(f"lora_path {lora_path!r} {OUTSIDE}", param="lora_path")
     if not folder.is_dir():
         raise BadRequest(f"no adapter folder at lora_path {lora_path!r}", param="lora_path")
     return folder

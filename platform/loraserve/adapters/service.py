@@ -14,9 +14,10 @@ from typing import Any, Literal
 from litestar import Request
 
 from adapters_store import parse_ref
+from adapters_store.upload_intake import UploadIntake
 from loraserve.adapters.multipart_reader import read_upload_body
 from loraserve.adapters.schemas import Adapter, AdapterDeleted, AdapterDetail, AdapterList
-from loraserve.adapters.upload_form import read_upload_form
+from loraserve.adapters.upload_form import UploadForm
 from loraserve.config_store import ConfigStoreError
 from loraserve.name_conflicts import check_not_base_model, refuse_breaking_routes
 from loraserve.routing.in_use import variants_needing
@@ -27,14 +28,22 @@ log = logging.getLogger(__name__)
 
 
 async def upload_adapter(services: Services, principal: Principal, request: Request) -> Adapter:
-    """Validate and store the form's adapter as the next version of its name."""
+    """Validate and store the form's adapter as the next version of its name.
+
+    The form's files are written into a staging folder as they arrive (one copy on disk, bad weights
+    refused at their header), then checked whole and stored; the folder goes whatever happens."""
     require_admin(principal)  # before reading the body: a user key gets its 403 without uploading
-    form = await read_upload_body(request)
-    try:
-        upload = read_upload_form(form)
-        return await store_adapter(services, principal, upload.name, upload.source)
-    finally:
-        await form.close()  # removes the spooled parts
+    store = services.adapter_store
+    async with services.upload_slots.acquire(principal.tenant):  # 429 past the tenant's parallel uploads
+        staging_block = store.staging()
+        staging = await asyncio.to_thread(staging_block.__enter__)
+        try:
+            form = UploadForm(await asyncio.to_thread(UploadIntake, staging, store.config, store.shape))
+            await read_upload_body(request, form)
+            upload = form.result()
+            return await store_adapter(services, principal, upload.name, upload.source)
+        finally:
+            await asyncio.to_thread(staging_block.__exit__, None, None, None)
 
 
 async def store_adapter(services: Services, principal: Principal, name: str, source: Any) -> Adapter:
@@ -71,13 +80,15 @@ async def delete_adapter(services: Services, principal: Principal, ref: str) -> 
     tenant = principal.tenant
     name, version = parse_ref(ref)
     store = services.adapter_store
-    existing = [r.version for r in await services.adapter_lookup.call(store.versions, tenant, name)]
-    deleted = existing if version is None else [version]
-    remaining = [v for v in existing if v not in deleted]
-    routes = await services.config_store.list_routes(tenant)
-    refuse_breaking_routes(ref, variants_needing(routes, name, deleted, remaining))
-    records = await asyncio.to_thread(store.delete, tenant, name, version)
-    services.adapter_lookup.invalidate(tenant, name, deleted=True)
+    # No route write naming this adapter lands while it is deleted, and the routes are read after that
+    # guard is up, from the config store itself: a route written concurrently is seen, never left dangling.
+    async with services.config_store.adapter_deletion(tenant, name) as current_routes:
+        existing = [r.version for r in await services.adapter_lookup.call(store.versions, tenant, name)]
+        deleted = existing if version is None else [version]
+        remaining = [v for v in existing if v not in deleted]
+        refuse_breaking_routes(ref, variants_needing(await current_routes(), name, deleted, remaining))
+        records = await asyncio.to_thread(store.delete, tenant, name, version)
+        services.adapter_lookup.invalidate(tenant, name, deleted=True)
     await _announce(services, tenant, name, "delete")
     for record in records:
         if services.engine is not None:

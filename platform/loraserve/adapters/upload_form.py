@@ -1,20 +1,28 @@
-"""Read `POST /v1/adapters`' multipart form into a name and an upload source for the store.
+"""`POST /v1/adapters`' multipart form, field by field as its parts stream in: a name and the adapter's files
+(or one archive), written straight into the store's staging folder.
 
-multipart_reader.py has spooled each file part to a temporary file (on disk past 1 MiB), so nothing
-here holds an upload whole in memory; the store then copies from those files with its own byte limits.
-Form mistakes are InvalidAdapter (422) with a message showing a correct request.
+The reader (multipart_reader.py) hands each part's bytes here as they arrive; file parts go to the store's
+UploadIntake (in a worker thread, a megabyte at a time), which writes them into the upload's staging folder
+and refuses bad weights at their header, before their data is written. Nothing is spooled to a temporary
+file first, so an upload costs one copy on disk at most. Form mistakes are InvalidAdapter (422) with a
+message showing a correct request.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
-from litestar.datastructures import FormMultiDict, UploadFile
+from multipart import MultipartSegment
 
-from adapters_store import AdapterFiles, InvalidAdapter, UploadSource
+from adapters_store import InvalidAdapter
+from adapters_store.intake import UploadSource
+from adapters_store.streams import CHUNK_BYTES
+from adapters_store.upload_intake import UploadIntake
 
 NAME_FIELD, FILES_FIELD, ARCHIVE_FIELD = "name", "files", "archive"
 _FIELDS = (NAME_FIELD, FILES_FIELD, ARCHIVE_FIELD)
+MAX_TEXT_BYTES = 1024  # `name` is at most 64 characters
 EXAMPLE = (
     "curl -F name=my-adapter -F files=@adapter_config.json -F files=@adapter_model.safetensors ... "
     "or -F name=my-adapter -F archive=@adapter.tar.gz"
@@ -24,39 +32,84 @@ EXAMPLE = (
 @dataclass(frozen=True)
 class AdapterUpload:
     name: str
-    source: UploadSource  # AdapterFiles of the two spooled parts, or the spooled archive stream
+    source: UploadSource  # Staged: the files (or the archive) in the staging folder
 
 
-def read_upload_form(form: FormMultiDict) -> AdapterUpload:
-    """Check the form's fields; the caller closes `form` (and with it the spooled files) afterwards."""
-    unknown = sorted(set(form.keys()) - set(_FIELDS))
-    if unknown:
-        raise _bad(f"unknown form field(s) {unknown}; the fields are name, and files or archive")
-    names = form.getall(NAME_FIELD, [])
-    if len(names) != 1 or not isinstance(names[0], str):
-        raise _bad("the form needs exactly one text field 'name' (the adapter's name)", "missing_name")
-    files = form.getall(FILES_FIELD, [])
-    archives = form.getall(ARCHIVE_FIELD, [])
-    if files and archives:
-        raise _bad("send either 'files' (the two adapter files) or 'archive', not both")
-    if archives:
-        if len(archives) != 1 or not isinstance(archives[0], UploadFile):
+class UploadForm:
+    """`begin(segment)`, `data(chunk)`s and `end()` for each part in order, then `result()`."""
+
+    def __init__(self, intake: UploadIntake) -> None:
+        self._intake = intake
+        self._names: list[str] = []
+        self._fields: set[str] = set()
+        self._segment: MultipartSegment | None = None
+        self._text: bytearray | None = None  # the current part, if it is text
+        self._pending = bytearray()  # file bytes not yet handed to the intake
+
+    async def begin(self, segment: MultipartSegment) -> None:
+        field, is_file = segment.name or "", segment.filename is not None
+        if field not in _FIELDS:
+            raise _bad(f"unknown form field {field!r}; the fields are name, and files or archive")
+        self._segment, self._text = segment, None
+        if field == NAME_FIELD:
+            if is_file:
+                raise _bad(
+                    "the form needs exactly one text field 'name' (the adapter's name)", "missing_name"
+                )
+            self._text = bytearray()
+            return
+        if not is_file:
+            raise _bad(f"'{field}' must be uploaded files (curl -F {field}=@PATH), not text")
+        if {FILES_FIELD, ARCHIVE_FIELD} <= self._fields | {field}:
+            raise _bad("send either 'files' (the two adapter files) or 'archive', not both")
+        if field == ARCHIVE_FIELD and ARCHIVE_FIELD in self._fields:
             raise _bad("'archive' must be one uploaded file (.tar.gz or .zip)")
-        return AdapterUpload(name=names[0], source=archives[0].file)
-    if not files:
-        raise _bad("the form has no adapter: add the files 'files' or one 'archive'", "missing_files")
-    return AdapterUpload(name=names[0], source=_adapter_files(files))
+        self._fields.add(field)
+        if field == FILES_FIELD:
+            await asyncio.to_thread(self._intake.open_file, segment.filename)
+        else:
+            await asyncio.to_thread(self._intake.open_archive)
 
+    async def data(self, chunk: bytes | bytearray) -> None:
+        if self._text is not None:
+            if len(self._text) + len(chunk) > MAX_TEXT_BYTES:
+                raise InvalidAdapter(
+                    f"form field {self._segment.name!r} is longer than {MAX_TEXT_BYTES} bytes; files must be sent "
+                    "as files (curl -F files=@PATH)",
+                    "bad_upload",
+                )
+            self._text.extend(chunk)
+            return
+        self._pending.extend(chunk)
+        if len(self._pending) >= CHUNK_BYTES:
+            await self._flush()
 
-def _adapter_files(parts: list[object]) -> AdapterFiles:
-    named = {}
-    for part in parts:
-        if not isinstance(part, UploadFile):
-            raise _bad("'files' must be uploaded files (curl -F files=@PATH), not text")
-        if part.filename in named:
-            raise _bad(f"two uploaded files are named {part.filename}", "bad_upload")
-        named[part.filename] = part.file
-    return AdapterFiles.from_named(named)  # refuses pickles, strays and a missing file by name
+    async def end(self) -> None:
+        if self._text is not None:
+            try:
+                self._names.append(self._text.decode(self._segment.charset or "utf-8"))
+            except (UnicodeDecodeError, LookupError):
+                raise InvalidAdapter(
+                    f"form field {self._segment.name!r} is not valid text", "bad_upload"
+                ) from None
+            return
+        await self._flush()
+        await asyncio.to_thread(self._intake.close_part)
+
+    def result(self) -> AdapterUpload:
+        if len(self._names) != 1:
+            raise _bad("the form needs exactly one text field 'name' (the adapter's name)", "missing_name")
+        if not self._fields:
+            raise _bad("the form has no adapter: add the files 'files' or one 'archive'", "missing_files")
+        return AdapterUpload(name=self._names[0], source=self._intake.source())
+
+    def abort(self) -> None:
+        self._intake.abort()
+
+    async def _flush(self) -> None:
+        if self._pending:
+            chunk, self._pending = bytes(self._pending), bytearray()
+            await asyncio.to_thread(self._intake.write, chunk)
 
 
 def _bad(message: str, code: str = "bad_upload") -> InvalidAdapter:

@@ -4,6 +4,12 @@ Backends (embedded files, Redis) implement it; CachedConfigStore wraps one of th
 Routes are namespaced by tenant: no method reads across tenants, so tenant A cannot see B's routes
 through the store. Keys are global (a key's record says which tenant it belongs to).
 
+Route writes and adapter deletions are atomic with respect to each other (`put_route_checked`,
+`adapter_deletion`): a route is written only after its check ran with no deletion of an adapter it names
+in progress, and a deletion sees every route written before it could be refused, so no route ever points
+at a version deleted under it. Here with one lock per tenant, enough for a store that one process uses
+(embedded); the Redis store adds a mark in Redis and a transaction, for replicas.
+
 Names: writes raise InvalidName for a tenant or route name outside tenancy.names' syntax; reads
 answer None / False / [] instead, since nothing can be stored under such a name, so a request's
 `model` can be looked up as a route whatever it is. Key hashes must be 64 hex digits (ValueError).
@@ -12,7 +18,9 @@ answer None / False / [] instead, since nothing can be stored under such a name,
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Literal
 
 from loraserve.config_store.events import EventCallback
@@ -27,6 +35,30 @@ class ConfigStore(abc.ABC):
     @abc.abstractmethod
     async def put_route(self, tenant: str, route: Route) -> None:
         """Create or replace; the caller has validated the route (routing.parse_route)."""
+
+    async def put_route_checked(
+        self, tenant: str, route: Route, check: Callable[[list[str]], Awaitable[None]]
+    ) -> None:
+        """Create or replace `route` if `check(names)` passes, `names` being the tenant's route names as
+        stored when it runs; atomic with respect to the tenant's other checked route writes and to
+        `adapter_deletion` of any adapter it names. `check` raises to refuse (a quota, a missing adapter)."""
+        async with self._tenant_lock(tenant):
+            await check([existing.name for existing in await self.list_routes(tenant)])
+            await self.put_route(tenant, route)
+
+    @asynccontextmanager
+    async def adapter_deletion(
+        self, tenant: str, name: str
+    ) -> AsyncIterator[Callable[[], Awaitable[list[Route]]]]:
+        """While the block deletes versions of adapter `name`, no checked route write naming it lands;
+        yields a function that reads the tenant's routes as stored now (never from a cache), to refuse the
+        deletion if one needs what it deletes."""
+        async with self._tenant_lock(tenant):
+            yield lambda: self.list_routes(tenant)
+
+    def _tenant_lock(self, tenant: str) -> asyncio.Lock:
+        locks: dict[str, asyncio.Lock] = self.__dict__.setdefault("_route_write_locks", {})
+        return locks.setdefault(tenant, asyncio.Lock())
 
     @abc.abstractmethod
     async def delete_route(self, tenant: str, name: str) -> bool:

@@ -26,7 +26,8 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 from loraserve.config_store.base import ConfigStore
@@ -114,6 +115,25 @@ class CachedConfigStore(ConfigStore):
     async def put_route(self, tenant: str, route: Route) -> None:
         await self._call(self.backend.put_route(tenant, route))
         self._invalidate(("route", tenant, route.name), ("routes", tenant))
+
+    async def put_route_checked(
+        self, tenant: str, route: Route, check: Callable[[list[str]], Awaitable[None]]
+    ) -> None:
+        """The backend's, which reads what it checks from the backend itself, never from this cache."""
+        await self._call(self.backend.put_route_checked(tenant, route, check))
+        self._invalidate(("route", tenant, route.name), ("routes", tenant))
+
+    @asynccontextmanager
+    async def adapter_deletion(
+        self, tenant: str, name: str
+    ) -> AsyncIterator[Callable[[], Awaitable[list[Route]]]]:
+        """The backend's; the routes it yields are read from the backend, never from this cache."""
+        try:
+            async with self.backend.adapter_deletion(tenant, name) as routes:
+                yield lambda: self._call(routes())
+        except ConfigStoreUnavailable as exc:
+            self._failed(str(exc))
+            raise
 
     async def delete_route(self, tenant: str, name: str) -> bool:
         deleted = await self._call(self.backend.delete_route(tenant, name))

@@ -9,3 +9,12 @@ class ConfigStoreError(Exception):
 
 class ConfigStoreUnavailable(ConfigStoreError):
     """The backend cannot be reached (Redis down, disk unreadable); cached reads keep serving meanwhile."""
+
+
+class AdapterBeingDeleted(Exception):
+    """A route write waited for a deletion of an adapter it names, on another replica, and it did not end in
+    time; the route service answers 409 (retry)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name

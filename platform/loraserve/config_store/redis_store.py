@@ -2,12 +2,21 @@
 
     {prefix}:routes:{tenant}   hash  route name -> Route JSON
     {prefix}:keys              hash  sha256 hex -> ApiKey JSON
+    {prefix}:deleting:{tenant} hash  "adapter token" -> unix time the mark expires (deletions in progress)
     {prefix}:config            channel of ConfigEvent JSON
 
 Every write and its event go out in one MULTI/EXEC, so a change is never stored without being
 announced. A listener task (started by the first `subscribe`) turns channel messages into callbacks;
 each time it (re)subscribes it emits `resync`, because events published while it was away are lost,
 and when the connection drops it emits `disconnected` and retries with exponential backoff.
+
+Route writes and adapter deletions exclude each other across replicas (ConfigStore.put_route_checked,
+adapter_deletion): a deletion first marks its adapter in `deleting:{tenant}`, then reads the routes; a
+checked route write WATCHes that hash and the tenant's routes, waits while a mark names one of its
+adapters, runs its check (the adapters' existence, the quota) and writes in MULTI/EXEC, which fails and
+retries if a mark or a route changed meanwhile. So either the write lands before the mark, and the
+deletion sees the route, or the mark comes first, and the write waits for the deletion to end (then its
+check finds the version gone). A mark expires after DELETION_MARK_TTL_S, should its replica die.
 
 Timeouts are short and retries few on purpose: a request must not hang on Redis when the cache
 already holds the answer (CachedConfigStore serves the last known config while this one fails).
@@ -18,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Literal, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -26,12 +37,12 @@ import msgspec
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, WatchError
 
 from loraserve.config_store.base import ConfigStore
-from loraserve.config_store.errors import ConfigStoreError, ConfigStoreUnavailable
+from loraserve.config_store.errors import AdapterBeingDeleted, ConfigStoreError, ConfigStoreUnavailable
 from loraserve.config_store.events import ConfigEvent, EventCallback, Subscribers
-from loraserve.routing.route import Route
+from loraserve.routing.route import Route, parse_adapter_ref
 from loraserve.tenancy.keys import ApiKey, is_key_hash
 from loraserve.tenancy.names import check_route_name, check_tenant, is_valid_name
 
@@ -39,6 +50,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "loraserve"
 T = TypeVar("T")
+# A deletion's mark outlives any deletion (a tombstone write per version), so it only matters when the
+# replica holding it died; route writes naming that adapter wait at most ROUTE_WRITE_WAIT_S, then 409.
+DELETION_MARK_TTL_S = 120.0
+ROUTE_WRITE_WAIT_S = 10.0
 
 
 class RedisConfigStore(ConfigStore):
@@ -88,6 +103,58 @@ class RedisConfigStore(ConfigStore):
         pipe.hset(self._routes_key(tenant), check_route_name(route.name), msgspec.json.encode(route))
         pipe.publish(self.channel, msgspec.json.encode(event))
         await self._call(pipe.execute())
+
+    async def put_route_checked(
+        self, tenant: str, route: Route, check: Callable[[list[str]], Awaitable[None]]
+    ) -> None:
+        adapters = {parse_adapter_ref(variant.adapter).name for variant in route.variants}
+        routes_key, deleting_key = self._routes_key(tenant), self._deleting_key(tenant)
+        event = ConfigEvent(kind="route", op="put", tenant=tenant, name=route.name)
+        deadline = time.monotonic() + ROUTE_WRITE_WAIT_S
+        async with self._tenant_lock(tenant):  # this replica's writers queue here, not in WATCH retries
+            while True:
+                blocked = None
+                try:
+                    async with self._client.pipeline(transaction=True) as pipe:
+                        await pipe.watch(deleting_key, routes_key)
+                        blocked = _marked(await pipe.hgetall(deleting_key), adapters, time.time())
+                        if blocked is None:
+                            await check(sorted(name.decode() for name in await pipe.hkeys(routes_key)))
+                            pipe.multi()
+                            pipe.hset(routes_key, check_route_name(route.name), msgspec.json.encode(route))
+                            pipe.publish(self.channel, msgspec.json.encode(event))
+                            await pipe.execute()
+                            return
+                except WatchError:
+                    pass  # a mark or a route changed since the WATCH: check again
+                except (RedisError, OSError) as exc:
+                    raise ConfigStoreUnavailable(self._describe(exc)) from exc
+                if time.monotonic() > deadline:
+                    raise AdapterBeingDeleted(blocked or next(iter(adapters)))
+                if blocked is not None:
+                    await asyncio.sleep(0.05)
+
+    @contextlib.asynccontextmanager
+    async def adapter_deletion(
+        self, tenant: str, name: str
+    ) -> AsyncIterator[Callable[[], Awaitable[list[Route]]]]:
+        key, field = self._deleting_key(tenant), f"{name} {uuid.uuid4().hex}"
+        async with self._tenant_lock(tenant):
+            now = time.time()
+            marks = await self._call(self._client.hgetall(key))
+            expired = [f for f, until in marks.items() if _expiry(until) <= now]
+            pipe = self._client.pipeline(transaction=True)
+            pipe.hset(key, field, str(now + DELETION_MARK_TTL_S))
+            if expired:
+                pipe.hdel(key, *expired)
+            await self._call(pipe.execute())
+            try:
+                yield lambda: self.list_routes(tenant)  # straight from Redis, after the mark
+            finally:
+                try:
+                    await self._call(self._client.hdel(key, field))
+                except ConfigStoreUnavailable as exc:  # it expires on its own
+                    log.warning("could not clear the deletion mark of %s/%s: %s", tenant, name, exc)
 
     async def delete_route(self, tenant: str, name: str) -> bool:
         if not (is_valid_name(tenant) and is_valid_name(name)):
@@ -205,6 +272,9 @@ class RedisConfigStore(ConfigStore):
     def _keys_key(self) -> str:
         return f"{self.prefix}:keys"
 
+    def _deleting_key(self, tenant: str) -> str:
+        return f"{self.prefix}:deleting:{check_tenant(tenant)}"
+
     async def _call(self, awaitable):
         try:
             return await awaitable
@@ -224,6 +294,22 @@ def redact_url(url: str) -> str:
     if parts.port is not None:
         host = f"{host}:{parts.port}"
     return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
+def _marked(marks: dict[bytes, bytes], adapters: set[str], now: float) -> str | None:
+    """The first of `adapters` a live deletion mark names, or None."""
+    for field, until in marks.items():
+        name = field.decode(errors="replace").partition(" ")[0]
+        if name in adapters and _expiry(until) > now:
+            return name
+    return None
+
+
+def _expiry(raw: bytes) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        return 0.0  # unreadable: treated as expired
 
 
 def _check_hash(key_hash: str) -> str:

@@ -1,10 +1,13 @@
 """One HTTP request's engine requests (one per prompt), merged into one stream of deltas.
 
 Each prompt becomes an engine request `{id}-{i}` carrying all `n` completions of that prompt. Events
-are `(prompt_index, RequestOutput delta)`. Closing the stream (client gone, handler done, shutdown)
-aborts whatever is still running, which frees its KV blocks; the tenant's lease is released, and its
-token charge settled to the tokens used, exactly once, however the stream ends. Engine requests carry
-the caller's tenant and weight, the fair scheduler's key.
+are `(prompt_index, RequestOutput delta)`. Generated tokens are charged to the tenant's token-rate
+window as each delta arrives. Closing the stream (client gone, handler done, shutdown) aborts whatever
+is still running, which frees its KV blocks; the tenant's lease and the rest of its token hold are
+released, and every completion is counted in `vllm:request_success_total` by its finish reason (one
+that never got one: `abort`, or `error` when the engine failed it), exactly once, however the stream
+ends. Engine requests carry the caller's tenant and weight (the fair scheduler's key) and the cache
+salt that keeps its prefix cache to itself (loraserve.tenancy.cache_salt).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import RequestOutput, SamplingParams
+from engine import EngineDeadError, RequestOutput, SamplingParams
 from engine.outputs import RequestTimes
 from loraserve.errors import ServiceUnavailable
 from loraserve.services import Services
@@ -54,6 +57,7 @@ class Generation:
         lease: Lease,
         principal: Principal | None = None,
         tokens: TokenReservation | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.services = services
         self.request_id = request_id
@@ -63,11 +67,14 @@ class Generation:
         self.lease = lease
         self.principal = principal
         self.tokens = tokens
+        self.cache_salt = cache_salt
         self.ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self._timings = [_Timing() for _ in prompts]
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+        # The finish reason of completions the engine never finished: set when the engine failed them.
+        self._unfinished_reason = "abort"
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -101,6 +108,9 @@ class Generation:
                 index, delta = item
                 self._check(delta)
                 yield index, delta
+        except (GenerationFailed, EngineDeadError):
+            self._unfinished_reason = "error"
+            raise
         finally:
             self.close()
 
@@ -115,7 +125,8 @@ class Generation:
             self.services.shutdown.untrack(self)
         self.lease.release()
         if self.tokens is not None:
-            self.tokens.settle(self.num_prompt_tokens + sum(t.num_tokens for t in self._timings))
+            self.tokens.release()
+        self._count_finished()
 
     async def abort_for_shutdown(self) -> None:
         """Called by the drain: the engine answers each request with finish_reason 'abort'."""
@@ -133,9 +144,12 @@ class Generation:
             self.adapter,
             tenant=principal.tenant if principal is not None else None,
             tenant_weight=principal.weight if principal is not None else 1.0,
+            cache_salt=self.cache_salt,
         )
         async for delta in stream:
-            _record(timing, delta)
+            new_tokens = _record(timing, delta)
+            if self.tokens is not None:
+                self.tokens.charge(new_tokens)
             yield delta
         self._observe(index)
 
@@ -165,6 +179,18 @@ class Generation:
         if delta.error is not None:
             raise GenerationFailed(f"the request failed: {delta.error}")
 
+    def _count_finished(self) -> None:
+        """Every completion once, by finish reason; one without a reason ended here (client gone, stream
+        cut, server stopping) or with the engine (failed, died)."""
+        metrics = self.services.metrics
+        if metrics is None:
+            return
+        reasons = []
+        for timing in self._timings:
+            missing = max(0, self.params.n - len(timing.finish_reasons))
+            reasons.extend([*timing.finish_reasons, *[self._unfinished_reason] * missing])
+        metrics.count_finished(reasons)
+
     def _observe(self, index: int) -> None:
         timing = self._timings[index]
         metrics = self.services.metrics
@@ -179,18 +205,17 @@ class Generation:
             inter_token=timing.gaps,
             num_prompt_tokens=len(self.prompts[index]),
             num_generation_tokens=timing.num_tokens,
-            finish_reasons=timing.finish_reasons,
             times=timing.times,
         )
 
 
-def _record(timing: _Timing, delta: RequestOutput) -> None:
-    """Token arrival times and finish reasons of one delta."""
+def _record(timing: _Timing, delta: RequestOutput) -> int:
+    """Token arrival times and finish reasons of one delta; returns its number of new tokens."""
     new_tokens = sum(len(c.token_ids) for c in delta.outputs)
     timing.finish_reasons.extend(c.finish_reason for c in delta.outputs if c.finish_reason is not None)
     timing.times.extend(c.times for c in delta.outputs if c.times is not None)
     if not new_tokens:
-        return
+        return 0
     now = time.perf_counter()
     if timing.first_token is None:
         timing.first_token = now
@@ -198,3 +223,4 @@ def _record(timing: _Timing, delta: RequestOutput) -> None:
         timing.gaps.extend([(now - timing.last_token) / new_tokens] * new_tokens)
     timing.last_token = now
     timing.num_tokens += new_tokens
+    return new_tokens

@@ -85,6 +85,9 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     stop: Stop = None
     seed: Seed | None = None
     user: str | None = None
+    # vLLM's: share prefix-cache blocks only with requests of this salt, always within the caller's
+    # tenant (or cache group); a non-empty string. See loraserve.tenancy.cache_salt.
+    cache_salt: Annotated[str, Meta(min_length=1)] | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
     # vLLM's extensions: no stop before min_tokens; token ids that stop like eos; the stop string kept in
     # the text; special tokens' text kept

@@ -3,7 +3,8 @@
 Order of checks: draining / model loaded (503), body and prompt (400), the tenant's model name (404),
 the tenant's concurrency limit, then its tokens per minute (429). A stream's headers go out only once
 the engine has produced its first delta, so a request that fails at once still gets a proper HTTP error
-instead of a broken stream.
+instead of a broken stream; until then the client's disconnect is watched, as for a whole answer, so a
+client that leaves while its request waits in the queue aborts it there.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from loraserve.inference.structured import check_structured
 from loraserve.ops.readiness import engine_dead_reason
 from loraserve.resolution import resolve_model
 from loraserve.services import Services
-from loraserve.tenancy import Principal, TooManyRequests
+from loraserve.tenancy import Principal, TooManyRequests, engine_cache_salt
 
 log = logging.getLogger(__name__)
 
@@ -140,15 +141,27 @@ async def _generate(
         _count_refusal(services, principal, "concurrency")
         raise
     try:
-        tokens = services.token_limiter.try_reserve(principal, _tokens_at_most(prompts, params))
+        tokens = services.token_limiter.try_reserve(
+            principal, sum(map(len, prompts)), len(prompts) * params.n * (params.max_tokens or 0)
+        )
     except BaseException as exc:
         lease.release()
         if isinstance(exc, TooManyRequests):
             _count_refusal(services, principal, "tokens")
         raise
     response_id = f"{prefix}-{uuid.uuid4().hex}"
+    if services.metrics is not None and resolved.engine_adapter_id is not None:
+        services.metrics.adapter_request(resolved.engine_adapter_id)
     generation = Generation(
-        services, response_id, prompts, params, resolved.engine_adapter_id, lease, principal, tokens
+        services,
+        response_id,
+        prompts,
+        params,
+        resolved.engine_adapter_id,
+        lease,
+        principal,
+        tokens,
+        cache_salt=engine_cache_salt(principal, body.cache_salt),
     )
     options = ResponseOptions(
         want_logprobs=params.logprobs is not None,
@@ -171,10 +184,8 @@ async def _generate(
     include_usage = options is not None and options.usage
     continuous_usage = options is not None and options.continuous_usage
     events = generation.events()
-    try:
-        first = await anext(events)
-    except StopAsyncIteration:
-        first = None
+    try:  # no response has started yet: a client that leaves before the first delta aborts it here
+        first = await _until_done_or_disconnected(_first(events), request, generation)
     except BaseException:
         generation.close()
         raise
@@ -187,19 +198,21 @@ def _count_refusal(services: Services, principal: Principal, limit: str) -> None
         services.metrics.tenant_rate_limited(principal.tenant, limit)
 
 
-def _tokens_at_most(prompts: list[list[int]], params: SamplingParams) -> int:
-    """A request's charge at admission for the token-rate limit: each prompt plus n x max_tokens (max_tokens
-    unset: the prompts alone; the generated tokens are added when it ends, see TokenRateLimiter)."""
-    return sum(len(prompt) + params.n * (params.max_tokens or 0) for prompt in prompts)
-
-
 async def _collect(generation: Generation, choices: Choices) -> None:
     async for index, delta in generation.events():
         choices.add(index, delta)
 
 
-async def _until_done_or_disconnected(work: Any, request: Request, generation: Generation) -> None:
-    """Run `work`; if the client hangs up first, abort the engine requests instead of finishing them."""
+async def _first(events: Events) -> tuple[int, RequestOutput] | None:
+    try:
+        return await anext(events)
+    except StopAsyncIteration:
+        return None
+
+
+async def _until_done_or_disconnected(work: Any, request: Request, generation: Generation) -> Any:
+    """Run `work` and return its result; if the client hangs up first, abort the engine requests (and
+    release the tenant's lease) at once instead of finishing them."""
     work_task = asyncio.ensure_future(work)
     disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -210,7 +223,7 @@ async def _until_done_or_disconnected(work: Any, request: Request, generation: G
         work_task.cancel()
         generation.close()
         raise BadRequest("the client disconnected; the request was aborted", code="client_disconnected")
-    work_task.result()
+    return work_task.result()
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -35,10 +35,10 @@ class OpsController(Controller):
         return Response(Health(status="ok"))
 
     @get("/ready", summary="Able to serve: model loaded, stores answering, not draining (else 503)")
-    async def ready(
-        self, services: NamedDependency[Services], readiness: NamedDependency[Readiness]
-    ) -> Response[ReadyStatus]:
-        status = await readiness.check(services)
+    async def ready(self, state: State, readiness: NamedDependency[Readiness]) -> Response[ReadyStatus]:
+        """503 with the step it is at while the model converts or loads (the server listens meanwhile)."""
+        services = state.get(SERVICES_KEY)
+        status = await readiness.check(services) if services is not None else readiness.not_loaded()
         return Response(status, status_code=200 if status.ready else 503)
 
     @get("/metrics", summary="Prometheus metrics (vLLM's names where they overlap)")

@@ -21,9 +21,12 @@ from prometheus_client.registry import Collector
 from engine import EngineStats
 from engine.outputs import RequestTimes
 from engine.stats import HistogramCounts
+from loraserve.ops.lora_residency_metrics import LoRAResidencyMetrics
 from loraserve.routing import Variant
 from loraserve.services import split_engine_adapter_id
 
+# vLLM's finished_reason values (its FINISH_REASON_STRINGS) that this engine produces.
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 _LATENCY_BUCKETS = (
     0.001,
     0.005,
@@ -137,6 +140,8 @@ class Metrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        for reason in FINISHED_REASONS:  # every series from the start, as vLLM does, so rate() alerts work
+            self.request_success.labels(model_name, reason)
         self.cache_hits = Counter(
             "loraserve_adapter_cache_hits",
             "Adapter lookups served by a tier.",
@@ -174,6 +179,8 @@ class Metrics:
         self.registry.register(
             _StateCollector(model_name, engine_stats, config_store_up, adapter_store_up, disk_adapters)
         )
+        # vLLM's residency series and requests per adapter (ops/lora_residency_metrics.py)
+        self.lora_residency = LoRAResidencyMetrics(model_name, engine_stats, self.registry)
 
     def observe_request(
         self,
@@ -184,10 +191,10 @@ class Metrics:
         inter_token: Iterable[float] = (),
         num_prompt_tokens: int = 0,
         num_generation_tokens: int = 0,
-        finish_reasons: Iterable[str] = (),
         times: Iterable[RequestTimes] = (),
     ) -> None:
-        """One engine request (a prompt with its n completions); `times`: each completion's phases."""
+        """One engine request (a prompt with its n completions) that produced tokens and ended; `times`:
+        each completion's phases. Finish reasons are counted apart (count_finished), for every request."""
         self.ttft.observe(ttft)
         if tpot is not None:
             self.tpot.observe(tpot)
@@ -196,11 +203,15 @@ class Metrics:
             self.inter_token.observe(gap)
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_generation_tokens)
-        for reason in finish_reasons:
-            self.request_success.labels(self.model_name, reason).inc()
         for item in times:
             for field, histogram in self.request_phases:
                 histogram.observe(getattr(item, field))
+
+    def count_finished(self, finish_reasons: Iterable[str]) -> None:
+        """Completions that ended, one reason each: stop, length, abort (client gone, cut stream, server
+        stopping) or error (the engine failed it)."""
+        for reason in finish_reasons:
+            self.request_success.labels(self.model_name, reason).inc()
 
     def adapter_event(self, event: str, tier: str, seconds: float = 0.0) -> None:
         """The engine's adapter observer (called from its threads; prometheus-client is thread-safe)."""
@@ -210,8 +221,14 @@ class Metrics:
             self.cache_misses.labels(tier).inc()
         elif event == "load":
             self.load_seconds.labels(tier).observe(seconds)
+            if tier == "source":  # into the CPU tier: vllm:lora_adapter_load_seconds
+                self.lora_residency.observe_load(seconds)
         elif event == "evict":
             self.evictions.labels(tier).inc()
+
+    def adapter_request(self, adapter_id: str) -> None:
+        """A request resolved to this engine adapter (loraserve_lora_requests, for placement)."""
+        self.lora_residency.count_request(adapter_id)
 
     def route_picked(self, tenant: str, route: str, variant: Variant, sticky: bool) -> None:
         """The Router's pick hook."""

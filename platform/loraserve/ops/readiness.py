@@ -7,6 +7,10 @@ health shows under `degraded` (and in the metrics) without failing the probe. Th
 check lists or writes the backend (S3 included): it runs in the background at most every few seconds,
 and a probe reads its last result, so a hung store cannot hang the probe.
 
+This replica's adapter disk cache may also run out of room (its disk full of other files, or of adapters
+in use): adapters it does not hold cannot be loaded here meanwhile, but everything else serves, so that
+shows under `degraded` too (read from the cache's shared mark, in the same background check).
+
 The body names no address, path or bucket: anyone who reaches the port may read it; the log has the
 details.
 """
@@ -26,6 +30,10 @@ log = logging.getLogger(__name__)
 STORE_CHECK_INTERVAL_S = 5.0
 ADAPTER_STORE_DOWN = "adapter store unreachable: adapters not resident here cannot be loaded"
 CONFIG_STORE_DOWN = "config store unreachable: serving the last known routes and keys"
+ADAPTER_CACHE_FULL = (
+    "adapter disk cache out of room: adapters not already on this replica's disk cannot be loaded until "
+    "space is freed"
+)
 
 
 class ReadyStatus(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -36,11 +44,24 @@ class ReadyStatus(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
 
 
 class Readiness:
-    def __init__(self, interval_s: float = STORE_CHECK_INTERVAL_S) -> None:
+    def __init__(self, interval_s: float = STORE_CHECK_INTERVAL_S, model: str = "") -> None:
         self._interval_s = interval_s
         self._checked_at = -float("inf")
         self._check: asyncio.Task[None] | None = None
         self.adapter_store_up = True  # the last background check's result
+        self.adapter_cache_full = False  # likewise
+        # Until the services exist (the model converting or loading), what /ready reports.
+        self.model = model
+        self.loading_step = "starting"
+
+    def loading(self, step: str) -> None:
+        """The server listens while it loads the model; /ready names the step it is at."""
+        self.loading_step = step
+
+    def not_loaded(self) -> ReadyStatus:
+        return ReadyStatus(
+            ready=False, model=self.model, reasons=[f"model not loaded yet: {self.loading_step}"]
+        )
 
     async def check(self, services: Services) -> ReadyStatus:
         reasons = []
@@ -54,6 +75,8 @@ class Readiness:
         degraded = []
         if not self.adapter_store_up:
             degraded.append(ADAPTER_STORE_DOWN)
+        if self.adapter_cache_full:
+            degraded.append(ADAPTER_CACHE_FULL)
         if not getattr(services.config_store, "healthy", True):
             degraded.append(CONFIG_STORE_DOWN)
         return ReadyStatus(
@@ -73,6 +96,16 @@ class Readiness:
         self._check = asyncio.create_task(self._check_adapter_store(services), name="adapter-store-check")
 
     async def _check_adapter_store(self, services: Services) -> None:
+        cache = services.disk_cache
+        try:  # a local read first: a hung store must not hold up this answer
+            full = cache is not None and await asyncio.to_thread(cache.out_of_room)
+        except Exception:  # the cache's mark unreadable: say nothing rather than guess
+            full = False
+        if full != self.adapter_cache_full:
+            (log.warning if full else log.info)(
+                "adapter disk cache %s", "out of room" if full else "has room again"
+            )
+        self.adapter_cache_full = full
         try:
             await asyncio.to_thread(services.adapter_store.check)
         except Exception as exc:  # StoreUnavailable, or anything else the backend raises

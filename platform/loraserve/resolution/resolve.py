@@ -1,7 +1,9 @@
 """Turn a request's `model` into the base model, one adapter version, or an A/B route's pick.
 
 Order: the base model id; then, for a plain name, the tenant's route of that name; then the tenant's
-adapter (`name` is its latest version, `name@version` that one). Routes come before adapters so a
+adapter (`name` is its latest version, `name@version` that one). Any of these may be written
+tenant-qualified, `your-tenant/name`, the form cluster routers match adapters by (docs/OPERATIONS.md);
+another tenant's prefix is a 404, as for a name that does not exist. Routes come before adapters so a
 route can take over an adapter's name, e.g. route `support` = 90% `support@1` + 10% `support@2`,
 and clients already sending `model: support` join the experiment without a change.
 """
@@ -24,6 +26,9 @@ async def resolve_model(
     tenant = principal.tenant
     if model == services.base_model_id:
         return ResolvedModel(kind="base", engine_adapter_id=None, served_model=model)
+    asked, model = model, _unqualified(model, tenant)
+    if model is None:
+        raise _not_found(services, asked)
     if "@" not in model:
         route = await services.config_store.get_route(tenant, model)
         if route is not None:
@@ -39,17 +44,32 @@ async def resolve_model(
     try:
         record = await _lookup(services, tenant, model)
     except LookupError:
-        raise ModelNotFound(
-            f"the model {model!r} does not exist; use {services.base_model_id!r}, one of your adapters "
-            "(name or name@version) or one of your routes (GET /v1/models lists them)"
-        ) from None
+        raise _not_found(services, asked) from None
     return _adapter(tenant, record)
+
+
+def _unqualified(model: str, tenant: str) -> str | None:
+    """`model` without the caller's own `tenant/` prefix; None for another tenant's prefix."""
+    prefix, slash, rest = model.partition("/")
+    if not slash:
+        return model
+    return rest if prefix == tenant and rest else None
+
+
+def _not_found(services: Services, model: str) -> ModelNotFound:
+    return ModelNotFound(
+        f"the model {model!r} does not exist; use {services.base_model_id!r}, one of your adapters "
+        "(name or name@version) or one of your routes (GET /v1/models lists them)"
+    )
 
 
 async def model_exists(services: Services, principal: Principal, model: str) -> bool:
     """Whether `model` names the base model or one of the tenant's routes or adapters (no route pick)."""
     if model == services.base_model_id:
         return True
+    model = _unqualified(model, principal.tenant)
+    if model is None:
+        return False
     if "@" not in model and await services.config_store.get_route(principal.tenant, model) is not None:
         return True
     try:

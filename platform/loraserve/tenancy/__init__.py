@@ -1,6 +1,8 @@
-"""Tenancy: API keys (hashed), principals, admin checks, name syntax, per-tenant concurrency and token limits."""
+"""Tenancy: API keys (hashed), principals, admin checks, name syntax, per-tenant concurrency and token limits,
+and who may share the prefix cache."""
 
 from loraserve.tenancy.auth import Authenticator, KeySource, parse_bearer, require_admin
+from loraserve.tenancy.cache_salt import engine_cache_salt
 from loraserve.tenancy.errors import (
     Forbidden,
     InvalidKeysFile,
@@ -48,6 +50,7 @@ __all__ = [
     "check_name",
     "check_route_name",
     "check_tenant",
+    "engine_cache_salt",
     "hash_key",
     "is_key_hash",
     "is_valid_name",

@@ -8,12 +8,14 @@ per-key salt would force trying every record).
 File format, one entry per key:
 
     {"sk-alice-1": {"tenant": "alice", "role": "admin", "max_concurrent_requests": 8,
-                    "weight": 2, "max_tokens_per_minute": 200000},
+                    "weight": 2, "max_tokens_per_minute": 200000, "cache_group": "acme-support"},
      "sk-bob-1":   {"tenant": "bob", "role": "user"}}
 
 `role` defaults to `user` (least privilege); `max_concurrent_requests` to the server-wide default;
 `weight` (the tenant's share in the fair scheduler, relative to other tenants) to 1;
-`max_tokens_per_minute` to no limit. Give every key of one tenant the same weight.
+`max_tokens_per_minute` to no limit; `cache_group` to none: the tenant's prompts share the prefix
+cache with its own requests only (loraserve.tenancy.cache_salt). Give every key of one tenant the same
+weight and cache group.
 """
 
 from __future__ import annotations
@@ -28,11 +30,18 @@ import msgspec
 import yaml
 
 from loraserve.tenancy.errors import InvalidKeysFile, InvalidName
-from loraserve.tenancy.names import check_tenant
+from loraserve.tenancy.names import check_name, check_tenant
 
 Role = Literal["admin", "user"]
 ROLES: tuple[str, ...] = ("admin", "user")
-_ENTRY_FIELDS = {"tenant", "role", "max_concurrent_requests", "weight", "max_tokens_per_minute"}
+_ENTRY_FIELDS = {
+    "tenant",
+    "role",
+    "max_concurrent_requests",
+    "weight",
+    "max_tokens_per_minute",
+    "cache_group",
+}
 MAX_WEIGHT = 1_000_000.0  # weights are ratios; beyond this they only risk float trouble
 
 
@@ -45,6 +54,9 @@ class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
     max_concurrent_requests: int | None = None  # None: the server's default limit
     weight: float = 1.0  # the tenant's weight in the fair scheduler
     max_tokens_per_minute: int | None = None  # None: no token-rate limit
+    # Tenants whose keys name the same group share prefix-cache blocks (a common system prompt); None:
+    # the tenant shares with nobody else. A name (tenancy/names.py).
+    cache_group: str | None = None
 
     @property
     def key_id(self) -> str:
@@ -87,7 +99,8 @@ def load_api_keys(path: str | Path) -> list[ApiKey]:
 
 
 def parse_api_keys(data: object, *, source: str = "API keys") -> list[ApiKey]:
-    """Validate `{KEY: {tenant, role?, max_concurrent_requests?, weight?, max_tokens_per_minute?}}`, hash keys.
+    """Validate `{KEY: {tenant, role?, max_concurrent_requests?, weight?, max_tokens_per_minute?,
+    cache_group?}}` and hash the keys.
 
     Entries are named by position (`entry 2`), never by key, so error messages are safe to log.
     """
@@ -106,6 +119,8 @@ def parse_api_keys(data: object, *, source: str = "API keys") -> list[ApiKey]:
             raise InvalidKeysFile(f"{where}: unknown field(s) {unknown}; allowed: {sorted(_ENTRY_FIELDS)}")
         try:
             tenant = check_tenant(entry.get("tenant"))
+            group = entry.get("cache_group")
+            cache_group = None if group is None else check_name(group, "cache_group")
         except InvalidName as exc:
             raise InvalidKeysFile(f"{where}: {exc}") from None
         role = entry.get("role", "user")
@@ -124,6 +139,7 @@ def parse_api_keys(data: object, *, source: str = "API keys") -> list[ApiKey]:
                 max_concurrent_requests=limit,
                 weight=float(weight),
                 max_tokens_per_minute=tokens_per_minute,
+                cache_group=cache_group,
             )
         )
     return keys

@@ -16,6 +16,7 @@ class Principal(msgspec.Struct, frozen=True, kw_only=True):
     key_id: str | None = None  # non-secret handle of the key (hash prefix); None in open mode
     weight: float = 1.0  # the tenant's weight in the engine's fair scheduler
     max_tokens_per_minute: int | None = None  # None: no token-rate limit
+    cache_group: str | None = None  # tenants of one group share the prefix cache; None: this tenant alone
 
     @property
     def is_admin(self) -> bool:
@@ -30,6 +31,7 @@ class Principal(msgspec.Struct, frozen=True, kw_only=True):
             key_id=key.key_id,
             weight=key.weight,
             max_tokens_per_minute=key.max_tokens_per_minute,
+            cache_group=key.cache_group,
         )
 
 

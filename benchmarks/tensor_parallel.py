@@ -3,6 +3,7 @@ process of its own (a hang or crash costs that size's rows, never the run), comp
 
     python3 benchmarks/tensor_parallel.py --shape L --tp 1 2 4          # W1-L, no LoRA and N=64, tp 1, 2, 4
     python3 benchmarks/tensor_parallel.py --shape 70B --tp 4            # a Llama-3.1-70B shape at tp 4
+    python3 benchmarks/tensor_parallel.py --shape L --tp 1 2 4 --concurrent   # tp 1 and 2 side by side
     python3 benchmarks/tensor_parallel.py --smoke                       # tiny, on the CPU (gloo), tp 1 and 2
 
 Weights are random and made by the engine on each rank's GPU (`load_format="dummy"`): no checkpoint is
@@ -20,6 +21,11 @@ the KV of the step's sequences, the adapters' shards, over the device-to-device 
 the warm runs, rank 0's kernel time per decode step in NCCL collectives (torch profiler, 8 steps at the
 largest batch; kernels inside CUDA-graph replays included; a collective's time includes waiting for the
 slowest rank).
+
+Sizes run one after another on GPUs 0.. by default. With `--concurrent`, sizes whose GPUs do not overlap
+run at the same time on disjoint GPUs of the host (tp 1 on GPU 0 beside tp 2 on GPUs 1-2, then tp 4 on
+0-3): each GPU still serves one engine alone, but the ranks share the host's CPUs and PCIe, which the
+table's heading then says.
 """
 
 from __future__ import annotations
@@ -61,6 +67,9 @@ def parse_args(argv=None):
         "--timeout", type=float, default=900.0, help="seconds one size may take, start-up included"
     )
     p.add_argument("--no-profile", action="store_true", help="skip the collective-time profile")
+    p.add_argument(
+        "--concurrent", action="store_true", help="run sizes that fit side by side on disjoint GPUs at once"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (gloo), tp 1 and 2")
     args = p.parse_args(argv)
     args.device, args.dtype = "cuda", "bfloat16"
@@ -79,20 +88,43 @@ def parse_args(argv=None):
 # -- one tensor-parallel size, in a process of its own ---------------------------------------------------
 
 
-def run_size(args, tp: int, model_dir: Path, adapters: list[Path], prompts: w1.Prompts) -> dict:
-    """Every condition at size `tp` in a spawned process, bounded by --timeout: {"rows": [...]} or
-    {"error": why}. Not a daemon: the engine starts worker (and adapter loader) processes of its own,
-    which exit by themselves once this process is gone."""
+def placements(sizes: list[int], num_gpus: int, concurrent: bool) -> list[list[tuple[int, int]]]:
+    """Waves of (tp, first GPU): a wave's sizes run at once on disjoint GPUs, the waves one after another.
+    Without `concurrent` each size is a wave of its own, on GPUs 0..tp-1."""
+    if not concurrent:
+        return [[(tp, 0)] for tp in sizes]
+    waves: list[list[tuple[int, int]]] = []
+    for tp in sizes:
+        for wave in waves:
+            used = sum(size for size, _ in wave)
+            if used + tp <= num_gpus:
+                wave.append((tp, used))
+                break
+        else:
+            waves.append([(tp, 0)])
+    return waves
+
+
+def start_size(args, tp: int, first_gpu: int, model_dir: Path, adapters: list[Path], prompts: w1.Prompts):
+    """Every condition at size `tp`, on GPUs first_gpu.., in a spawned process. Not a daemon: the engine
+    starts worker (and adapter loader) processes of its own, which exit by themselves once it is gone."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
+    values = dict(vars(args), first_gpu=first_gpu)
     process = context.Process(
-        target=_size_into, args=(results, vars(args), tp, model_dir, adapters, prompts), name=f"tp{tp}"
+        target=_size_into, args=(results, values, tp, model_dir, adapters, prompts), name=f"tp{tp}"
     )
     process.start()
+    return process, results
+
+
+def collect_size(started, deadline: float) -> dict:
+    """{"rows": [...]} or {"error": why} of a `start_size` process, waiting until `deadline` at most."""
+    process, results = started
     try:
-        return results.get(timeout=args.timeout)
+        return results.get(timeout=max(1.0, deadline - time.monotonic()))
     except Exception:  # queue.Empty: it hung (or died without a word)
-        return {"error": f"no result within {args.timeout:.0f} s (exit code {process.exitcode})"}
+        return {"error": f"no result within the timeout (exit code {process.exitcode})"}
     finally:
         process.join(timeout=30)
         if process.is_alive():
@@ -112,6 +144,9 @@ def _size(args, tp: int, model_dir: Path, adapters: list[Path], prompts: w1.Prom
     from benchmarks.throughput import make_engine, measure_run, step_floor, with_engine_defaults
 
     device = torch.device(args.device)
+    if device.type == "cuda":  # ranks on GPUs first_gpu .. first_gpu + tp - 1
+        device = torch.device("cuda", args.first_gpu)
+        args.device = str(device)
     element = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
     bandwidth = w1.copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 26)
     config = w1.llama_config(args.shape)
@@ -185,7 +220,8 @@ def report(args, results: dict[int, dict]) -> str:
     lines = [
         f"W1 over tensor-parallel sizes, shape {args.shape}, {args.dtype}, random weights (load_format dummy), "
         f"{args.num_requests} requests, prompts [{args.min_prompt}, {args.max_prompt}], {args.output_tokens} "
-        f"output tokens, N={args.adapters} rank {args.rank} over all 7 projections, {bandwidth_note}",
+        f"output tokens, N={args.adapters} rank {args.rank} over all 7 projections, {bandwidth_note}"
+        + (", sizes side by side on disjoint GPUs where they fit (--concurrent)" if args.concurrent else ""),
         "",
         "| tp | condition | run | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | decode step (ms) "
         "@ batch | per-GPU floor (ms) | step / floor | all-reduce / all-gather / broadcast (ms/step) | note |",
@@ -251,13 +287,18 @@ def main(argv=None) -> None:
         adapters = w1.make_adapters(
             root, model_dir, config, args.adapters, args.rank, dtype, distinct=args.distinct_adapters
         )
-        for tp in args.tp:
+        num_gpus = torch.cuda.device_count() if args.device == "cuda" else max(args.tp)
+        for wave in placements(args.tp, num_gpus, args.concurrent):
             started = time.perf_counter()
-            results[tp] = run_size(args, tp, model_dir, adapters, prompts)
-            outcome = "failed" if "error" in results[tp] else "done"
-            print(f"tp={tp} {outcome} in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-            if "error" in results[tp]:
-                print(results[tp]["error"], file=sys.stderr, flush=True)
+            running = {tp: start_size(args, tp, first, model_dir, adapters, prompts) for tp, first in wave}
+            deadline = time.monotonic() + args.timeout
+            for tp, handle in running.items():
+                results[tp] = collect_size(handle, deadline)
+                outcome = "failed" if "error" in results[tp] else "done"
+                took = time.perf_counter() - started
+                print(f"tp={tp} {outcome} after {took:.0f} s", file=sys.stderr, flush=True)
+                if "error" in results[tp]:
+                    print(results[tp]["error"], file=sys.stderr, flush=True)
     print()
     print(report(args, results))
 

@@ -288,7 +288,8 @@ def main(argv=None) -> None:
             root, model_dir, config, args.adapters, args.rank, dtype, distinct=args.distinct_adapters
         )
         num_gpus = torch.cuda.device_count() if args.device == "cuda" else max(args.tp)
-        for wave in placements(args.tp, num_gpus, args.concurrent):
+        waves = placements(args.tp, num_gpus, args.concurrent)
+        for number, wave in enumerate(waves, 1):
             started = time.perf_counter()
             running = {tp: start_size(args, tp, first, model_dir, adapters, prompts) for tp, first in wave}
             deadline = time.monotonic() + args.timeout
@@ -299,6 +300,11 @@ def main(argv=None) -> None:
                 print(f"tp={tp} {outcome} after {took:.0f} s", file=sys.stderr, flush=True)
                 if "error" in results[tp]:
                     print(results[tp]["error"], file=sys.stderr, flush=True)
+            if number < len(waves):  # what is measured so far, should a later size outlast the caller
+                print(
+                    f"(partial, after {number} of {len(waves)} waves)\n{report(args, results)}\n",
+                    file=sys.stderr,
+                )
     print()
     print(report(args, results))
 

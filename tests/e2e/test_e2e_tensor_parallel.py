@@ -1,7 +1,12 @@
 """`loraserve serve --tensor-parallel-size 2` on the CPU (gloo), driven over HTTP: an adapter uploaded while
 serving reaches every rank's shard and serves transformers + PEFT's greedy tokens, prompt logprobs
 included; a worker killed mid-stream ends every stream with an error event, /health stops answering 200,
-the server exits non-zero and no process of it is left."""
+the server exits non-zero and no process of it is left.
+
+On a host with two GPUs the same tests drive the server on them (NCCL, CUDA graphs):
+
+    LORASERVE_E2E_TP_DEVICE=cuda NCCL_NVLS_ENABLE=0 python -m pytest tests/e2e/test_e2e_tensor_parallel.py -q
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "platform"))
 from app_fixtures import make_text_model  # noqa: E402
@@ -21,9 +27,18 @@ from factories import load_peft_reference, make_adapter, reference_greedy  # noq
 from processes import child_pids, kill_quietly, wait_gone  # noqa: E402
 from server_process import tiny_server_args  # noqa: E402
 
-pytestmark = pytest.mark.slow
+DEVICE = os.environ.get("LORASERVE_E2E_TP_DEVICE", "cpu")  # "cuda": on two GPUs
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        DEVICE == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < 2),
+        reason="LORASERVE_E2E_TP_DEVICE=cuda needs two GPUs",
+    ),
+]
 PROMPT = [9, 8, 7, 6, 5]
-TP_ARGS = ("--tensor-parallel-size", "2", "--max-num-seqs", "8")
+TP_ARGS = ("--tensor-parallel-size", "2", "--max-num-seqs", "8", "--device", DEVICE)
+if DEVICE == "cuda":
+    TP_ARGS += ("--gpu-memory-utilization", "0.3")
 
 
 @pytest.fixture(scope="module")

@@ -445,13 +445,6 @@ def parse_args(argv=None):
         "--load-format",
         choices=["auto", "dummy"],
         default="auto",
-        help="dummy: the engine makes the random weights on the GPU (no checkpoint written; needs "
-        "--skip-transformers)",
-    )
-    p.add_argument(
-        "--load-format",
-        choices=["auto", "dummy"],
-        default="auto",
         help="dummy: the engine draws random weights on the device (no checkpoint written or read; "
         "needs --skip-transformers)",
     )
@@ -459,8 +452,6 @@ def parse_args(argv=None):
     p.add_argument("--smoke-shapes", nargs="+", default=["smoke"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.device, args.dtype = "cuda", "bfloat16"
-    if args.load_format == "dummy" and not args.skip_transformers:
-        p.error("--load-format dummy writes no checkpoint for transformers: add --skip-transformers")
     if args.smoke:
         args.shape, args.device, args.dtype = args.smoke_shapes, "cpu", "float32"
         args.adapters, args.num_requests, args.min_prompt, args.max_prompt = [1, 2], 6, 8, 24

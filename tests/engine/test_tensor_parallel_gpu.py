@@ -310,6 +310,8 @@ for cycle in range(int(sys.argv[2])):
 def test_twenty_start_generate_shutdown_cycles_never_hang(c1_case, tmp_path):
     """In one child process (engines come and go in one process), bounded: a hang fails the test."""
     cycles = int(os.environ.get("LORASERVE_TP_CYCLES", "20"))
+    # the first cycle may compile kernels; a caller with less time sets a tighter bound
+    bound = float(os.environ.get("LORASERVE_TP_CYCLES_TIMEOUT_S", 120 + 20 * cycles))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     log = tmp_path / "cycles.log"
     with log.open("w") as out:
@@ -321,11 +323,15 @@ def test_twenty_start_generate_shutdown_cycles_never_hang(c1_case, tmp_path):
             start_new_session=True,
         )
         try:
-            code = child.wait(timeout=120 + 20 * cycles)  # the first cycle may compile kernels
+            code = child.wait(timeout=bound)
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait(10)
-            pytest.fail(f"a cycle hung:\n{log.read_text()[-3000:]}")
+            text = log.read_text()
+            done = sum(line.startswith("cycle ") for line in text.splitlines())
+            pytest.fail(
+                f"{done} of {cycles} cycles within {bound:.0f} s (a hang, or slow ones):\n{text[-3000:]}"
+            )
     text = log.read_text()
     assert code == 0, text[-3000:]
     times = [float(line.split()[2]) for line in text.splitlines() if line.startswith("cycle ")]

@@ -20,11 +20,30 @@ import torch
 from safetensors import safe_open
 
 from adapter_format.errors import AdapterError, show_value
+from adapter_format.expert_lora import (
+    EXPERT_PART_NAMES,
+    EXPERT_TENSOR,
+    PER_EXPERT_TENSOR,
+    check_per_expert,
+    expert_module,
+    expert_pair,
+    fold_per_expert,
+)
 from adapter_format.files import WEIGHTS_FILE
-from adapter_format.model_shape import ModelShape, module_key
+from adapter_format.model_shape import EXPERT_MODULES, ModelShape, module_key
 from adapter_format.module_patterns import new_deadline
-from adapter_format.peft_config import LoraSettings, check_adapter_config, read_adapter_config
-from adapter_format.safetensors_header import DTYPE_BYTES, TensorSpan, read_tensor_spans
+from adapter_format.peft_config import (
+    LoraSettings,
+    check_adapter_config,
+    parse_adapter_config,
+    read_adapter_config,
+)
+from adapter_format.safetensors_header import (
+    DTYPE_BYTES,
+    TensorSpan,
+    buffer_tensor_spans,
+    read_tensor_spans,
+)
 from adapter_format.weight_values import check_weight_values
 
 # e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (any prefix before `layers.`).
@@ -66,17 +85,31 @@ def check_adapter(
     settings = check_adapter_config(config, max_lora_rank, shape)
     deadline = new_deadline()  # bounds all the pattern matching of this adapter
     pairs: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
+    per_expert: dict[tuple[int, str, int, str], dict[str, tuple[int, ...]]] = {}  # older per-expert pairs
     prefixes: dict[str, str] = {}  # tensor name prefix -> the first tensor under it
     for name, tensor_shape in tensor_shapes.items():
         match = _TENSOR_NAME.match(name) if len(name) <= MAX_TENSOR_NAME_CHARS else None
+        expert = _per_expert(name, shape) if match is None else None
+        if expert is not None:
+            key = (int(expert["layer"]), expert["block"], int(expert["expert"]), expert["part"])
+            prefixes.setdefault(expert["prefix"], name)
+            if len(prefixes) > 1 or expert["ab"] in per_expert.get(key, {}):
+                raise AdapterError(
+                    "duplicate_tensor", f"tensor {show_value(name)} appears twice or under another prefix"
+                )
+            per_expert.setdefault(key, {})[expert["ab"]] = tuple(tensor_shape)
+            continue
+        if match is None and shape.num_experts and len(name) <= MAX_TENSOR_NAME_CHARS:
+            match = EXPERT_TENSOR.match(name)  # target_parameters on the stacked experts: (layer, nesting)
         if match is None:
             raise AdapterError(
                 "unexpected_tensor",
                 f"tensor {show_value(name)} is not a LoRA weight of a decoder-layer projection "
                 f"({', '.join(shape.targets)}); embedding, lm_head, bias and DoRA tensors are not supported",
             )
-        layer, module, ab = int(match["layer"]), match["module"], match["ab"]
-        if module not in shape.targets:
+        layer, ab = int(match["layer"]), match["ab"]
+        module = match["module"] if "module" in match.groupdict() else f"experts{match['nest']}"
+        if module not in shape.targets and not module.startswith("experts"):
             raise AdapterError(
                 "unsupported_target",
                 f"tensor {name!r} targets {module!r}; LoRA on {shape.model_name} may target "
@@ -101,7 +134,7 @@ def check_adapter(
                 "duplicate_tensor", f"layer {layer} {module}: lora_{ab} appears twice ({show_value(name)})"
             )
         pair[ab] = tuple(tensor_shape)
-    if not pairs:
+    if not pairs and not per_expert:
         raise AdapterError("no_lora_weights", "adapter_model.safetensors holds no LoRA weights")
 
     modules: dict[tuple[int, str], ModuleLoRA] = {}
@@ -110,6 +143,14 @@ def check_adapter(
             raise AdapterError(
                 "incomplete_pair", f"layer {layer} {module}: lora_A and lora_B must both be present"
             )
+        if module.startswith("experts"):
+            module = expert_module(shape, ab["A"], ab["B"], f"layer {layer} mlp.{module}")
+            if (layer, module) in modules:
+                raise AdapterError("duplicate_tensor", f"layer {layer} mlp.{module} is adapted twice")
+            ab = {
+                "A": (ab["A"][0] // shape.num_experts, ab["A"][1]),
+                "B": (ab["B"][0], ab["B"][1] // shape.num_experts),
+            }
         in_features, out_features = shape.module_dims(module)
         rank = ab["A"][0] if len(ab["A"]) == 2 else 0
         if rank < 1:
@@ -131,7 +172,14 @@ def check_adapter(
                 f"layer {layer} {module} has rank {rank}, above max_lora_rank {max_lora_rank}",
             )
         key = module_key(layer, module)
-        refusal = settings.targets.refusal(layer, module, deadline) if settings.targets else None
+        if module in EXPERT_MODULES:  # PEFT wraps the parameters target_parameters names, in every layer
+            refusal = (
+                None
+                if module in settings.target_parameters
+                else ("target_parameters", "target_parameters does not name it")
+            )
+        else:
+            refusal = settings.targets.refusal(layer, module, deadline) if settings.targets else None
         if refusal is not None:
             field, why = refusal
             raise AdapterError(
@@ -150,6 +198,12 @@ def check_adapter(
                 field,
             )
         modules[(layer, module)] = ModuleLoRA(rank=rank, scale=_scaling(settings, key, rank, deadline))
+    for key, (rank, scale) in check_per_expert(per_expert, shape, settings, max_lora_rank, deadline).items():
+        if key in modules:
+            raise AdapterError(
+                "duplicate_tensor", f"layer {key[0]} mlp.{key[1]} is adapted both per expert and as a whole"
+            )
+        modules[key] = ModuleLoRA(rank=rank, scale=scale)
     targets = tuple(sorted({module for _, module in modules}, key=shape.targets.index))
     return PeftAdapter(
         rank=max(m.rank for m in modules.values()),
@@ -158,6 +212,14 @@ def check_adapter(
         base_model=settings.base_model,
         modules=modules,
     )
+
+
+def _per_expert(name: str, shape: ModelShape):
+    """The match of an older PEFT's per-expert tensor name (a mixture of experts only), else None."""
+    if not shape.num_experts or len(name) > MAX_TENSOR_NAME_CHARS:
+        return None
+    match = PER_EXPERT_TENSOR.match(name)
+    return match if match is not None and match["part"] in EXPERT_PART_NAMES else None
 
 
 def _scaling(settings: LoraSettings, key: str, rank: int, deadline: float) -> float:
@@ -180,7 +242,7 @@ def load_peft_adapter(
         raise AdapterError(
             "bad_weights", f"{label or weights} is not a readable safetensors file: {exc}"
         ) from None
-    return _with_tensors(adapter, tensors)
+    return _with_tensors(adapter, tensors, shape)
 
 
 def map_peft_adapter(
@@ -204,6 +266,24 @@ def map_peft_adapter(
         raise AdapterError(
             "bad_weights", f"{label or weights} is not a readable safetensors file: {exc}"
         ) from None
+    return _with_tensors(adapter, tensors, shape)
+
+
+def peft_adapter_from_memory(
+    config: bytes,
+    weights: bytes | bytearray | memoryview,
+    shape: ModelShape,
+    max_lora_rank: int,
+    label: str = WEIGHTS_FILE,
+) -> PeftAdapter:
+    """`map_peft_adapter` of an adapter held in memory (a store download streamed without a temporary
+    file): `config` is adapter_config.json's bytes, `weights` the safetensors file's. The same checks,
+    then tensors that are views of `weights` (a bytearray: torch views only writable buffers without a
+    warning; it must stay alive and unchanged while they are read). `label` names the weights in errors."""
+    settings = parse_adapter_config(config)
+    spans = buffer_tensor_spans(weights, label)
+    adapter = check_adapter(settings, {n: s.shape for n, s in spans.items()}, shape, max_lora_rank)
+    tensors = {name: _view(weights, span) for name, span in spans.items()}
     return _with_tensors(adapter, tensors)
 
 
@@ -212,7 +292,7 @@ _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float1
 assert _TORCH_DTYPES.keys() == DTYPE_BYTES.keys(), "a dtype the header accepts has no torch dtype here"
 
 
-def _view(mapped: mmap.mmap, span: TensorSpan) -> torch.Tensor:
+def _view(mapped: mmap.mmap | bytes | bytearray | memoryview, span: TensorSpan) -> torch.Tensor:
     dtype = _TORCH_DTYPES[span.dtype]
     if span.num_bytes == 0:
         return torch.empty(span.shape, dtype=dtype)
@@ -242,14 +322,33 @@ def _check_folder(
     return weights, check_adapter(config, shapes, shape, max_lora_rank), spans
 
 
-def _with_tensors(adapter: PeftAdapter, tensors: Mapping[str, torch.Tensor]) -> PeftAdapter:
+def _with_tensors(
+    adapter: PeftAdapter, tensors: Mapping[str, torch.Tensor], shape: ModelShape | None = None
+) -> PeftAdapter:
     """The checked adapter with its tensors (as stored: the slot image converts them once), whose values
     are checked here, so every load checks them."""
     check_weight_values(tensors)
     loaded: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    per_expert: dict[tuple[int, int, str], dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
-        match = _TENSOR_NAME.match(name)
-        loaded.setdefault((int(match["layer"]), match["module"]), {})[match["ab"]] = tensor
+        expert = _per_expert(name, shape) if shape is not None and not _TENSOR_NAME.match(name) else None
+        if expert is not None:
+            key = (int(expert["layer"]), int(expert["expert"]), expert["part"])
+            per_expert.setdefault(key, {})[expert["ab"]] = tensor
+            continue
+        match = _TENSOR_NAME.match(name) or EXPERT_TENSOR.match(name)
+        module = match["module"] if "module" in match.groupdict() else f"experts{match['nest']}"
+        loaded.setdefault((int(match["layer"]), module), {})[match["ab"]] = tensor
+    if shape is not None and shape.num_experts:  # wrappers by nesting -> stacked weights, per expert
+        for layer, nested in [k for k in loaded if k[1].startswith("experts")]:
+            ab = loaded.pop((layer, nested))
+            module = expert_module(shape, tuple(ab["A"].shape), tuple(ab["B"].shape), nested)
+            a, b = expert_pair(ab["A"], ab["B"], shape.num_experts)
+            loaded[(layer, module)] = {"A": a, "B": b}
+    if per_expert:  # gate/up folded block-diagonally into the stacked pair, at the rank checked
+        folded = {k: m.rank for k, m in adapter.modules.items() if k not in loaded}
+        for key, (a, b) in fold_per_expert(per_expert, shape, folded).items():
+            loaded[key] = {"A": a, "B": b}
     modules = {
         key: ModuleLoRA(rank=m.rank, scale=m.scale, lora_a=loaded[key]["A"], lora_b=loaded[key]["B"])
         for key, m in adapter.modules.items()

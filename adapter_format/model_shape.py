@@ -13,6 +13,9 @@ from dataclasses import dataclass
 # Projections under `self_attn` and under `mlp` (the module path PEFT's alpha_pattern keys see).
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+# A mixture of experts' stacked expert weights ([E, 2I, H] and [E, H, I]), which PEFT adapts with
+# target_parameters: one low-rank pair per expert (adapter_format/expert_lora.py).
+EXPERT_MODULES = ("experts.gate_up_proj", "experts.down_proj")
 # The seven linear projections of a Llama-family decoder layer: the default target set.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # What a fused projection stands for: a hint when an adapter names the other form.
@@ -29,12 +32,16 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    # In slot-table order (engine/lora/slots.py); a subset of ATTENTION_MODULES + MLP_MODULES.
+    # In slot-table order (engine/lora/slots.py); a subset of ATTENTION_MODULES + MLP_MODULES
+    # (+ EXPERT_MODULES for a mixture of experts).
     targets: tuple[str, ...] = TARGET_MODULES
     architecture: str | None = None  # e.g. "Phi3ForCausalLM", for messages
+    num_experts: int = 0  # routed experts of a mixture of experts (0: dense)
+    moe_intermediate_size: int = 0  # of one expert
 
     def __post_init__(self) -> None:
-        unknown = [t for t in self.targets if t not in ATTENTION_MODULES + MLP_MODULES]
+        known = ATTENTION_MODULES + MLP_MODULES + (EXPERT_MODULES if self.num_experts else ())
+        unknown = [t for t in self.targets if t not in known]
         if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
             raise ValueError(f"LoRA targets {list(self.targets)} must be distinct known projections")
 
@@ -45,6 +52,7 @@ class ModelShape:
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         architectures = getattr(config, "architectures", None) or [None]
+        num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
         return cls(
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
@@ -54,6 +62,12 @@ class ModelShape:
             head_dim=head_dim,
             targets=tuple(targets),
             architecture=architectures[0],
+            num_experts=num_experts,
+            moe_intermediate_size=(
+                getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+                if num_experts
+                else 0
+            ),
         )
 
     @property
@@ -83,7 +97,13 @@ class ModelShape:
             "up_proj": (h, i),
             "gate_up_proj": (h, 2 * i),
             "down_proj": (i, h),
+            "experts.gate_up_proj": (h, 2 * self.moe_intermediate_size),
+            "experts.down_proj": (self.moe_intermediate_size, h),
         }[module]
+
+    def module_experts(self, module: str) -> int:
+        """Low-rank pairs per layer of a projection: one per expert of the stacked expert weights, else 1."""
+        return self.num_experts if module in EXPERT_MODULES else 1
 
     def unsupported_targets_hint(self, modules: list[str]) -> str:
         """Why an adapter that names `modules` (none of them targets here) does not fit, for messages."""

@@ -18,6 +18,7 @@ import regex
 
 from adapter_format.bounded_json import loads_bounded
 from adapter_format.errors import AdapterError, show_value
+from adapter_format.expert_lora import EXPERT_PART_NAMES, read_target_parameters
 from adapter_format.files import CONFIG_FILE
 from adapter_format.model_shape import ModelShape
 from adapter_format.module_patterns import compile_pattern, search
@@ -52,6 +53,8 @@ class LoraSettings:
     base_model: str | None  # base_model_name_or_path, informative only
     # Which (layer, projection) pairs PEFT wraps: tensors for any other are refused (peft_targets.py).
     targets: Targets | None = field(default=None, repr=False, compare=False)
+    # The stacked expert weights target_parameters adapts (a mixture of experts; expert_lora.py).
+    target_parameters: tuple[str, ...] = ()
     # rank_pattern's and alpha_pattern's keys compiled once, in order: (PEFT's pattern for the key, value)
     rank_regexes: tuple[tuple[regex.Pattern, int], ...] = field(default=(), repr=False, compare=False)
     alpha_regexes: tuple[tuple[regex.Pattern, float], ...] = field(default=(), repr=False, compare=False)
@@ -109,7 +112,10 @@ def check_adapter_config(
     `shape` gives the projections LoRA may target (the seven of a Llama-family layer when None)."""
     check_peft_type(config)
     check_task_type(config)
-    check_features(config)
+    check_features(config, allowed=("target_parameters",) if shape is not None and shape.num_experts else ())
+    target_parameters = (
+        read_target_parameters(config, shape) if shape is not None and shape.num_experts else ()
+    )
     rank = config.get("r")
     if not _is_rank(rank):
         raise _bad("bad_rank", "r", f"must be a positive integer (got {show_value(rank)})")
@@ -174,6 +180,7 @@ def check_adapter_config(
         target_modules=targets,
         base_model=base_model,
         targets=read_targets(config, targets),
+        target_parameters=target_parameters,
         rank_regexes=_compiled(rank_pattern, "rank_pattern", int),
         alpha_regexes=_compiled(alpha_pattern, "alpha_pattern", float),
     )
@@ -189,7 +196,8 @@ def _compiled(patterns: dict, field_name: str, convert) -> tuple:
 def check_target_names(targets: tuple[str, ...], shape: ModelShape) -> None:
     """A list of target_modules as PEFT matches them: a name or a dotted path ending in one
     ("model.layers.0.self_attn.qkv_proj", as `target_modules="all-linear"` saves them)."""
-    unsupported = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in shape.targets})
+    allowed = set(shape.targets) | (set(EXPERT_PART_NAMES) if shape.num_experts else set())
+    unsupported = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in allowed})
     if unsupported:
         named = [t.rsplit(".", 1)[-1] for t in unsupported]
         raise AdapterError(

@@ -66,9 +66,12 @@ def check_task_type(config: Mapping) -> None:
     )
 
 
-def check_features(config: Mapping) -> None:
+def check_features(config: Mapping, allowed: tuple[str, ...] = ()) -> None:
+    """`allowed`: keys the model serves after all (target_parameters on a mixture of experts)."""
     for key, what in UNSERVABLE_FEATURES.items():
         value = config.get(key)
+        if key in allowed:
+            continue
         if value is None or value is False or (isinstance(value, (list, dict, str)) and not value):
             continue
         raise AdapterError(

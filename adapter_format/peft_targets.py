@@ -51,9 +51,12 @@ class Targets:
     layers: frozenset[int] | None  # layers_to_transform; None: every layer
     layer_patterns: tuple[regex.Pattern, ...] = ()  # layers_pattern: where PEFT reads the layer index
 
-    def refusal(self, layer: int, module: str, deadline: float) -> tuple[str, str] | None:
-        """(config key, why) if PEFT would not wrap this projection of this layer; None if it would."""
-        key = module_key(layer, module)
+    def refusal(
+        self, layer: int, module: str, deadline: float, key: str | None = None
+    ) -> tuple[str, str] | None:
+        """(config key, why) if PEFT would not wrap this projection of this layer; None if it would.
+        `key`: the module's full name where it is not `module_key(layer, module)` (one expert's part)."""
+        key = key or module_key(layer, module)
         if self.exclude_modules is not None and self.exclude_modules.matches(key, deadline):
             return "exclude_modules", "exclude_modules names it"
         if self.target_modules is not None and not self.target_modules.matches(key, deadline):

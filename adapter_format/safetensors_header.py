@@ -63,6 +63,15 @@ def read_tensor_spans(path: Path, label: str | None = None) -> dict[str, TensorS
     return spans
 
 
+def buffer_tensor_spans(data: bytes | bytearray | memoryview, label: str) -> dict[str, TensorSpan]:
+    """`read_tensor_spans` of a safetensors file held in memory (offsets into `data`)."""
+    view = memoryview(data).cast("B")
+    head = bytes(view[:8])
+    header_len = header_length(head, label, len(view))
+    spans, _ = parse_header(bytes(view[8 : 8 + header_len]), head, label, len(view) - 8 - header_len)
+    return spans
+
+
 def header_length(head: bytes, label: str, file_size: int | None = None) -> int:
     """The header's length from the file's first 8 bytes, checked against the bounds and, where known, the
     file's size (None: the file is still arriving, as an upload streams in)."""

@@ -38,7 +38,7 @@ from adapter_format.model_shape import ModelShape
 from adapter_format.peft_config import MAX_CONFIG_BYTES
 from adapters_store.config import StoreConfig
 from adapters_store.disk_space import disk_full_is_an_error
-from adapters_store.errors import AdapterNotFound, ChecksumError, StoreError
+from adapters_store.errors import AdapterNotFound, ChecksumError, InvalidAdapter, StoreError
 from adapters_store.filenames import MANIFEST_FILE
 from adapters_store.intake import UploadSource, stage_upload
 from adapters_store.link_digests import LinkDigests
@@ -50,7 +50,7 @@ from adapters_store.names import (
     is_valid_name,
     parse_ref,
 )
-from adapters_store.record import AdapterRecord, recorded_base_model, utc_now_iso
+from adapters_store.record import AdapterRecord, check_parser_name, recorded_base_model, utc_now_iso
 from adapters_store.streams import CHUNK_BYTES
 from adapters_store.validate import CheckedAdapter, check_folder
 from adapters_store.versions import TOMBSTONE_FILE, scan_versions, sweepable
@@ -77,10 +77,18 @@ class AdapterStore(ABC):
 
     # ---- public API -------------------------------------------------------------------------------
 
-    def put(self, tenant: str, name: str, source: UploadSource) -> AdapterRecord:
-        """Validate `source` completely, then store it as the next version of `name`."""
+    def put(
+        self, tenant: str, name: str, source: UploadSource, *, tool_call_parser: str | None = None
+    ) -> AdapterRecord:
+        """Validate `source` completely, then store it as the next version of `name` (with the tool-call
+        parser its record names, if any)."""
         check_tenant(tenant)
         check_name(name)
+        if tool_call_parser is not None:
+            try:
+                check_parser_name(tool_call_parser)
+            except ValueError as exc:
+                raise InvalidAdapter(str(exc), "bad_upload") from None
         if self.shape is None:
             raise RuntimeError("this store was opened without the base model's ModelShape; uploads need it")
         with self.staging() as staging, disk_full_is_an_error("the upload"):
@@ -92,7 +100,9 @@ class AdapterStore(ABC):
                 tenant,
                 name,
                 folder,
-                lambda version: _record(name, version, checked, created_at, self.config.served_model),
+                lambda version: _record(
+                    name, version, checked, created_at, self.config.served_model, tool_call_parser
+                ),
             )
         log.info(
             "stored adapter %s/%s (rank %d, %d bytes)", tenant, record.ref, record.rank, record.size_bytes
@@ -322,38 +332,11 @@ class AdapterStore(ABC):
                 if part.stat().st_size > limit:
                     raise ChecksumError(_mismatch(tenant, record, filename, f"is larger than {limit} bytes"))
                 return self._link_digests.sha256(part)
-            digest, size = hashlib.sha256(), 0
             with self._open(key) as body, open(part, "wb") as out:
-                for chunk in _chunks(body):
-                    size += len(chunk)
-                    if size > limit:
-                        raise ChecksumError(
-                            _mismatch(tenant, record, filename, f"is larger than {limit} bytes")
-                        )
-                    digest.update(chunk)
-                    out.write(chunk)
-            return size, digest.hexdigest()
+                return _stream(body, out.write, limit, tenant, record, filename)
 
         try:
-            size, sha256 = self._call(f"download {key}", once)
-            if filename == WEIGHTS_FILE and size != record.size_bytes:
-                raise ChecksumError(
-                    _mismatch(
-                        tenant,
-                        record,
-                        filename,
-                        f"has {size} bytes, but its manifest says {record.size_bytes}",
-                    )
-                )
-            if filename == WEIGHTS_FILE and sha256 != record.sha256:
-                raise ChecksumError(
-                    _mismatch(
-                        tenant,
-                        record,
-                        filename,
-                        f"has sha256 {sha256}, but its manifest says {record.sha256}",
-                    )
-                )
+            _check_download(tenant, record, filename, *self._call(f"download {key}", once))
         except MissingKey:
             part.unlink(missing_ok=True)
             raise AdapterNotFound(f"adapter {record.ref} was deleted while it was being fetched") from None
@@ -361,6 +344,50 @@ class AdapterStore(ABC):
             part.unlink(missing_ok=True)
             raise
         os.replace(part, dest / filename)
+
+    # Whether a disk-cache miss should read the version into memory (`read_record`) rather than through
+    # a file: where the bytes cross a network (S3). A local store links its files into the cache instead,
+    # which copies nothing.
+    streams_to_memory = False
+
+    def read_record(self, tenant: str, record: AdapterRecord) -> tuple[bytes, bytearray]:
+        """The version's adapter_config.json and adapter_model.safetensors in memory, streamed from the
+        store and checked against `record` as `fetch_record` checks them (ChecksumError, AdapterNotFound),
+        without writing a file. The weights come in a bytearray of exactly the manifest's size."""
+        check_tenant(tenant)
+        start = time.monotonic()
+        config = self._download_bytes(tenant, record, CONFIG_FILE, MAX_CONFIG_BYTES)
+        weights = self._download_bytes(tenant, record, WEIGHTS_FILE, record.size_bytes)
+        self.metrics.fetch_seconds(time.monotonic() - start)
+        return bytes(config), weights
+
+    def _download_bytes(self, tenant: str, record: AdapterRecord, filename: str, limit: int) -> bytearray:
+        key = _version_prefix(tenant, record.name, record.version) + filename
+        weights = filename == WEIGHTS_FILE  # its size is known: one buffer, filled in place
+
+        def once() -> bytearray:
+            if not weights:
+                buffer = bytearray()
+                with self._open(key) as body:
+                    size, sha256 = _stream(body, buffer.extend, limit, tenant, record, filename)
+                return buffer
+            buffer = bytearray(limit)
+            position = 0
+
+            def sink(chunk: bytes) -> None:
+                nonlocal position
+                buffer[position : position + len(chunk)] = chunk  # same length: filled in place
+                position += len(chunk)
+
+            with self._open(key) as body:
+                size, sha256 = _stream(body, sink, limit, tenant, record, filename)
+            _check_download(tenant, record, filename, size, sha256)
+            return buffer
+
+        try:
+            return self._call(f"download {key}", once)
+        except MissingKey:
+            raise AdapterNotFound(f"adapter {record.ref} was deleted while it was being fetched") from None
 
 
 def _version_prefix(tenant: str, name: str, version: int) -> str:
@@ -372,6 +399,35 @@ def _chunks(body: BinaryIO) -> Iterator[bytes]:
         yield chunk
 
 
+def _stream(
+    body: BinaryIO,
+    sink: Callable[[bytes], object],
+    limit: int,
+    tenant: str,
+    record: AdapterRecord,
+    filename: str,
+) -> tuple[int, str]:
+    """Copy a stream into `sink`, hashing it; ChecksumError once more than `limit` bytes arrive."""
+    digest, size = hashlib.sha256(), 0
+    for chunk in _chunks(body):
+        size += len(chunk)
+        if size > limit:
+            raise ChecksumError(_mismatch(tenant, record, filename, f"is larger than {limit} bytes"))
+        digest.update(chunk)
+        sink(chunk)
+    return size, digest.hexdigest()
+
+
+def _check_download(tenant: str, record: AdapterRecord, filename: str, size: int, sha256: str) -> None:
+    """The weights must have the manifest's size and sha256 (the config is covered by neither)."""
+    if filename == WEIGHTS_FILE and size != record.size_bytes:
+        how = f"has {size} bytes, but its manifest says {record.size_bytes}"
+        raise ChecksumError(_mismatch(tenant, record, filename, how))
+    if filename == WEIGHTS_FILE and sha256 != record.sha256:
+        how = f"has sha256 {sha256}, but its manifest says {record.sha256}"
+        raise ChecksumError(_mismatch(tenant, record, filename, how))
+
+
 def _mismatch(tenant: str, record: AdapterRecord, filename: str, how: str) -> str:
     return (
         f"{filename} of adapter {record.ref} (tenant {tenant}) {how}: the stored copy is corrupt or was "
@@ -380,7 +436,12 @@ def _mismatch(tenant: str, record: AdapterRecord, filename: str, how: str) -> st
 
 
 def _record(
-    name: str, version: int, checked: CheckedAdapter, created_at: str, served_model: str | None
+    name: str,
+    version: int,
+    checked: CheckedAdapter,
+    created_at: str,
+    served_model: str | None,
+    tool_call_parser: str | None = None,
 ) -> AdapterRecord:
     adapter = checked.adapter
     return AdapterRecord(
@@ -393,4 +454,5 @@ def _record(
         sha256=checked.sha256,
         size_bytes=checked.size_bytes,
         created_at=created_at,
+        tool_call_parser=tool_call_parser,
     )

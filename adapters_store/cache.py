@@ -50,7 +50,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapter_format.files import ADAPTER_FILES
+from adapter_format.files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE
 from adapters_store import disk_space
 from adapters_store.base import AdapterStore
 from adapters_store.cache_entries import CacheEntry, file_sizes, scan_cache, scan_name, touch
@@ -146,7 +146,7 @@ class DiskCache:
     @contextmanager
     def checkout(self, tenant: str, record: AdapterRecord) -> Iterator[CachedAdapter]:
         """The adapter's folder, guaranteed to stay on disk until the block ends."""
-        folder = self.directory.joinpath(tenant, record.name, f"{record.version}-{record.sha256}")
+        folder = self._folder(tenant, record)
         pin, hit = self._pin(folder), True
         if pin is None:
             folder.parent.mkdir(parents=True, exist_ok=True)
@@ -210,16 +210,49 @@ class DiskCache:
             return None
         return fd
 
+    def holds(self, tenant: str, record: AdapterRecord) -> bool:
+        """Whether the version is cached now (it may be evicted right after: use checkout() to keep it)."""
+        pin = self._pin(self._folder(tenant, record))
+        if pin is None:
+            return False
+        os.close(pin)
+        return True
+
+    def insert(self, tenant: str, record: AdapterRecord, config: bytes, weights: bytes | bytearray) -> bool:
+        """Cache a version whose files the caller already holds in memory (read with
+        `AdapterStore.read_record`, so checked against `record`); False if it was cached already. The
+        disk cache filled behind a load that did not wait for it (adapters_store/engine_source.py)."""
+        folder = self._folder(tenant, record)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with self._locked(folder.parent):  # as a download: one writer of this name at a time
+            pin = self._pin(folder)
+            if pin is None:
+                files = {CONFIG_FILE: config, WEIGHTS_FILE: weights, MANIFEST_FILE: record.to_json()}
+                pin = self._insert(folder, record, lambda tmp: _write_files(tmp, files, record))
+                inserted = True
+            else:
+                inserted = False
+        os.close(pin)
+        return inserted
+
+    def _folder(self, tenant: str, record: AdapterRecord) -> Path:
+        return self.directory.joinpath(tenant, record.name, f"{record.version}-{record.sha256}")
+
     def _download(self, folder: Path, tenant: str, record: AdapterRecord) -> int:
         """Download into a temporary folder, move it into place, evict for room; returns the new pin."""
         self.metrics.cache_miss()
+        return self._insert(folder, record, lambda tmp: self.store.fetch_record(tenant, record, tmp))
+
+    def _insert(self, folder: Path, record: AdapterRecord, fill) -> int:
+        """`fill(tmp)` writes `record`'s files into a temporary folder (DiskFull on a full disk), which then
+        moves into place; evicts for room; returns the new pin."""
         tmp = self.directory / f".tmp-{uuid.uuid4().hex}"
         with disk_space.disk_full_is_an_error(f"a local copy of adapter {record.ref}"):
             tmp.mkdir()
         fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
         fcntl.flock(fd, fcntl.LOCK_EX)  # tells other processes' start-up clean-up that it is in use
         try:
-            self._fetch_with_room(tenant, record, tmp)
+            self._fill_with_room(record, tmp, fill)
             size = sum(file_sizes(tmp).values())
             with self._locked(self.directory):
                 if folder.exists():  # incomplete (a complete one would have been pinned): replaced
@@ -240,13 +273,13 @@ class DiskCache:
         self._no_room.clear()
         return fd
 
-    def _fetch_with_room(self, tenant: str, record: AdapterRecord, tmp: Path) -> None:
-        """Fetch into `tmp`, making room on the disk first and again each time the disk turns out full."""
+    def _fill_with_room(self, record: AdapterRecord, tmp: Path, fill) -> None:
+        """`fill(tmp)`, making room on the disk first and again each time the disk turns out full."""
         need = record.size_bytes  # the weights; the config and the manifest are a few KiB
         self._make_room(need, after_failure=False)
         for _ in range(MAX_ROOM_ROUNDS):
             try:
-                self.store.fetch_record(tenant, record, tmp)
+                fill(tmp)
                 return
             except DiskFull:
                 for leftover in tmp.iterdir():  # what the failed attempt wrote
@@ -407,3 +440,10 @@ class DiskCache:
             yield
         finally:
             os.close(fd)
+
+
+def _write_files(folder: Path, files: dict[str, bytes | bytearray], record: AdapterRecord) -> None:
+    with disk_space.disk_full_is_an_error(f"a local copy of adapter {record.ref}"):  # DiskFull: evicts
+        for name, data in files.items():
+            with open(folder / name, "wb") as f:
+                f.write(data)

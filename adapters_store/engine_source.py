@@ -11,23 +11,29 @@ from __future__ import annotations
 
 import logging
 import pickle
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from adapter_format.checkpoint import load_peft_adapter
 from adapter_format.errors import AdapterError
 from adapter_format.events import Observer, emit
+from adapter_format.files import WEIGHTS_FILE
 from adapter_format.model_shape import ModelShape
 from adapters_store.base import AdapterStore
 from adapters_store.cache import DiskCache
 from adapters_store.errors import AdapterNotFound, ChecksumError, DiskFull, InvalidName, StoreError
 from adapters_store.metrics import RecordingMetrics, replay_metrics
 from adapters_store.names import check_name, check_tenant, check_version, format_ref, parse_ref
+from adapters_store.record import AdapterRecord
 
 log = logging.getLogger(__name__)
 _ID_FORM = "tenant/name@version, e.g. acme/support-bot@3"
+# Streamed loads whose disk-cache write may wait at once (each holds its adapter's bytes meanwhile).
+MAX_PENDING_FILLS = 4
 
 
 def format_adapter_id(tenant: str, name: str, version: int) -> str:
@@ -59,6 +65,13 @@ class StoreAdapterSource:
     adapter ("hit"/"miss", tier "disk"), the download seconds ("load", "store") and the seconds to read
     the cached folder into the CPU tier ("load", "disk"). It is called on worker threads.
 
+    A disk-cache miss on a store whose bytes cross a network (S3: `AdapterStore.streams_to_memory`)
+    does not wait for the disk: when the caller's `read` can take the files from memory (the engine's
+    RowReader), the two files stream into memory, checked against the manifest as they come, the
+    adapter is laid out from there, and the disk cache is written behind the load on a thread of its
+    own. Elsewhere (a local store links its files into the cache, or `read` wants a folder) the load
+    goes through the disk cache as before.
+
     On CUDA the engine runs whole loads in its loader processes (engine/lora/background_loads.py): the
     source pickles into a recipe (the store, the disk cache's directory and budget, the shape), which
     each process builds once and keeps. There, the observer's events and the store's and cache's
@@ -80,6 +93,10 @@ class StoreAdapterSource:
         self._observer = observer
         self._records: list | None = None  # a loader process's copy records here instead of observing
         self._recipe: bytes | None = None
+        # Disk-cache writes behind streamed loads (`_fill_behind`): one thread, started on first use.
+        self._filler: ThreadPoolExecutor | None = None
+        self._fill_lock = threading.Lock()
+        self._pending_fills = 0
 
     def __reduce__(self):
         if self._recipe is None:  # pickled once, sent with every job
@@ -128,14 +145,19 @@ class StoreAdapterSource:
         tenant, name, version = parse_adapter_id(adapter_id)
         try:
             # On local disk already: no store call, so such loads work while the store is down.
-            record = self.disk_cache.cached_record(tenant, name, version) or self.store.get(
-                tenant, name, version
-            )
+            record = self.disk_cache.cached_record(tenant, name, version)
+            if record is None:
+                record = self.store.get(tenant, name, version)
+                from_memory = getattr(read, "from_memory", None)
+                if from_memory is not None and self.store.streams_to_memory:
+                    if not self.disk_cache.holds(tenant, record):
+                        return self._load_streamed(tenant, record, read)
             started = time.perf_counter()
             with self.disk_cache.checkout(tenant, record) as cached:
                 self._emit("hit" if cached.hit else "miss", "disk")
                 if not cached.hit:
                     self._emit("load", "store", time.perf_counter() - started)
+                    _came_from(read, "store")
                 started = time.perf_counter()
                 if read is None:
                     loaded = load_peft_adapter(cached.path, self.shape, self.max_lora_rank)
@@ -170,11 +192,68 @@ class StoreAdapterSource:
             ) from None
         return loaded
 
+    def _load_streamed(self, tenant: str, record: AdapterRecord, read) -> Any:
+        """A disk-cache miss on a remote store: the files stream into memory and the adapter is laid out
+        from there, with no temporary file on the way; the disk cache is filled behind, on a thread of
+        its own, so the load does not wait for the write (a later load of it then hits the cache)."""
+        started = time.perf_counter()
+        config, weights = self.store.read_record(tenant, record)
+        self.disk_cache.metrics.cache_miss()
+        self._emit("miss", "disk")
+        self._emit("load", "store", time.perf_counter() - started)
+        read.came_from("store")
+        loaded = read.from_memory(config, weights, WEIGHTS_FILE)
+        self._fill_behind(tenant, record, config, weights)
+        return loaded
+
+    def _fill_behind(self, tenant: str, record: AdapterRecord, config: bytes, weights: bytearray) -> None:
+        """Write a streamed version into the disk cache in the background; skipped (the next load streams
+        it again) while MAX_PENDING_FILLS writes wait, so memory held for them stays bounded."""
+        with self._fill_lock:
+            if self._pending_fills >= MAX_PENDING_FILLS:
+                log.debug(
+                    "disk cache fill of %s/%s skipped: %d writes pending",
+                    tenant,
+                    record.ref,
+                    MAX_PENDING_FILLS,
+                )
+                return
+            self._pending_fills += 1
+            if self._filler is None:
+                self._filler = ThreadPoolExecutor(1, thread_name_prefix="disk-cache-fill")
+        self._filler.submit(self._fill, tenant, record, config, weights)
+
+    def _fill(self, tenant: str, record: AdapterRecord, config: bytes, weights: bytearray) -> None:
+        try:
+            self.disk_cache.insert(tenant, record, config, weights)
+        except Exception as exc:  # the load succeeded already: a full disk only costs a later download
+            log.warning("adapter %s/%s was not written to the disk cache: %s", tenant, record.ref, exc)
+        finally:
+            with self._fill_lock:
+                self._pending_fills -= 1
+
+    def wait_for_fills(self, timeout: float = 30.0) -> bool:
+        """Block until the disk-cache writes queued so far are done (tests, shutdown); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._fill_lock:
+                if self._pending_fills == 0:
+                    return True
+            time.sleep(0.01)
+        return False
+
     def _emit(self, event: str, tier: str, seconds: float = 0.0) -> None:
         if self._records is not None:
             self._records.append(("event", (event, tier, seconds)))
         else:
             emit(self._observer, event, tier, seconds)
+
+
+def _came_from(read, origin: str) -> None:
+    """Tell a reader that can hear it (engine/lora/background_loads.RowReader) where the adapter was."""
+    came_from = getattr(read, "came_from", None)
+    if came_from is not None:
+        came_from(origin)
 
 
 _LOADER_COPIES: dict[bytes, StoreAdapterSource] = {}  # in a loader process: one source per recipe

@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 from adapters_store.names import check_name, check_version, format_ref
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_PARSER = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 # A Hugging Face hub id: `name` or `owner/name` of letters, digits, `-`, `_` and `.`, starting with a
 # letter or digit. Paths (`/abs`, `./rel`, `.loraserve/models/x`, `a/b/c`, `~/x`, `C:\x`) are not.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
@@ -38,6 +39,9 @@ class AdapterRecord:
     sha256: str
     size_bytes: int
     created_at: str  # ISO 8601 UTC, e.g. 2025-01-31T12:00:00Z
+    # The tool-call format the adapter writes (a parser name of the server's, e.g. "hermes"), given at
+    # upload; left out of the manifest when None.
+    tool_call_parser: str | None = None
 
     @property
     def ref(self) -> str:
@@ -46,6 +50,8 @@ class AdapterRecord:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["target_modules"] = list(self.target_modules)
+        if self.tool_call_parser is None:
+            del data["tool_call_parser"]
         return data
 
     def to_json(self) -> bytes:
@@ -71,12 +77,24 @@ class AdapterRecord:
                 sha256=str(raw["sha256"]),
                 size_bytes=int(raw["size_bytes"]),
                 created_at=str(raw["created_at"]),
+                tool_call_parser=_optional_parser(raw.get("tool_call_parser")),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"manifest is missing or mistypes a field: {exc}") from None
         if not _SHA256.fullmatch(record.sha256):
             raise ValueError(f"manifest sha256 {record.sha256!r} is not 64 lowercase hex digits")
         return record
+
+
+def check_parser_name(name: str) -> str:
+    """A tool-call parser name as a record keeps it (the server checks that it knows the parser)."""
+    if not isinstance(name, str) or not _PARSER.fullmatch(name):
+        raise ValueError(f"tool_call_parser {name!r} must be 1-64 letters, digits, '_' or '-'")
+    return name
+
+
+def _optional_parser(value: object) -> str | None:
+    return None if value is None else check_parser_name(value)  # type: ignore[arg-type]
 
 
 def utc_now_iso() -> str:

@@ -83,6 +83,8 @@ class S3Store(AdapterStore):
         )
         self._conditional_writes = True
 
+    streams_to_memory = True  # a disk-cache miss reads the bytes straight into memory (engine_source.py)
+
     def __repr__(self) -> str:
         return f"S3Store('s3://{self.bucket}/{self.prefix}', endpoint={self.client.meta.endpoint_url!r})"
 

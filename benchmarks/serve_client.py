@@ -105,8 +105,8 @@ def drive(
 ) -> tuple[list[Sample], float, float]:
     """Send the bodies as streaming /v1/completions requests, spread over `num_processes` client
     processes: every one at once, or at most `concurrency` in flight (each process keeps its share of
-    the streams busy, starting its next request as one ends). Returns (samples, start, end) on the
-    perf_counter clock."""
+    the streams busy, starting its next request as one ends). Returns (samples in the order of `bodies`,
+    start, end) on the perf_counter clock."""
     num_processes = max(1, min(num_processes, len(bodies), concurrency or len(bodies)))
     shares = [bodies[i::num_processes] for i in range(num_processes)]
     streams = [None] * num_processes
@@ -121,7 +121,9 @@ def drive(
     ready = context.Barrier(len(jobs))
     with context.Pool(len(jobs), initializer=_share_barrier, initargs=(ready,)) as pool:
         parts = pool.starmap(_client_process, jobs)
-    samples = [s for part in parts for s in part]
+    samples = [None] * len(bodies)
+    for i, part in enumerate(parts):  # process i sent bodies i, i + n, i + 2n, ...
+        samples[i :: len(jobs)] = part
     # From the first send (a slow process start may delay it past start_at) to the last chunk.
     return samples, min(s.sent for s in samples), max((s.last or s.sent) for s in samples)
 
@@ -155,11 +157,14 @@ async def _clients(url: str, bodies: list[dict], streams: int | None) -> list[Sa
 
 
 async def _stream(client: httpx.AsyncClient, body: dict) -> Sample:
+    headers = body.get("__headers__")  # e.g. an API key: sent as headers, not in the body
+    if headers is not None:
+        body = {key: value for key, value in body.items() if key != "__headers__"}
     sent = time.perf_counter()
     first = last = None
     num_tokens = 0
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")[:300]
                 return Sample(sent, None, None, 0, f"HTTP {response.status_code}: {text}")

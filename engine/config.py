@@ -105,6 +105,10 @@ class EngineConfig:
     # GPUs one model is split over (Megatron-style, engine/parallel/): one worker process per rank beyond
     # the first; NCCL on CUDA, gloo on the CPU. 1: no worker, no collective.
     tensor_parallel_size: int = 1
+    # vLLM's enable_expert_parallel: a mixture of experts' layers hold whole experts per rank (experts
+    # [r E/n, (r+1) E/n) on rank r) instead of a slice of every expert; attention stays tensor-parallel.
+    # No effect on a dense model or at tensor_parallel_size 1.
+    enable_expert_parallel: bool = False
     # vLLM's speculative_config: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     # as a dict, JSON text or SpeculativeConfig (engine/spec_decode/config.py); None: no speculation.
     # With it, async_scheduling is turned off: each step's kept tokens decide the next step.
@@ -136,6 +140,10 @@ class EngineConfig:
                 f"max_logprobs must be -1 (no cap) or a non-negative integer (got {self.max_logprobs!r})"
             )
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(
+                f"enable_expert_parallel must be true or false (got {self.enable_expert_parallel!r})"
+            )
         if self.lora_pool_rank_budget is not None:
             _positive("lora_pool_rank_budget", self.lora_pool_rank_budget)
             if self.lora_pool_rank_budget < self.max_lora_rank:

@@ -1,7 +1,9 @@
 """Decode steps as CUDA-graph replays: one launch per step instead of hundreds of small kernels.
 
 At start-up the runner captures one graph per batch-size bucket (1, 2, 4, ..., up to max_num_seqs) and
-per LoRA use (with the LoRA kernels, and without them for steps where no token has an adapter). Every
+per LoRA use: without the LoRA kernels, for steps where no token has an adapter, and with them sized to
+each of the pool's rank variants (engine/lora/pool.LoRAPool.bucket_variants: each rank bucket alone, and
+all of them), so a step of rank-16 adapters in a pool for rank 64 replays kernels sized for 16. Every
 input lives in a static buffer the graphs read: a step copies its inputs in with padding rows up to the
 bucket (InputBatch.prepare_decode, one copy per buffer), replays, and reads the logits rows it needs.
 Mixed prefill/decode steps stay eager.
@@ -80,7 +82,10 @@ class DecodeCudaGraphs:
         pad_block: int,
         block_size: int,
         device: torch.device,
+        variants: list[tuple[int, ...]] | None = None,
     ):
+        """`variants`: the rank buckets LoRA steps may be sized to (default: the pool's kernel rank only,
+        as under tensor parallelism, whose workers replay what rank 0 names with a bool)."""
         self.model = model
         self.kv_caches = kv_caches
         self.lora_slots = lora_slots
@@ -89,7 +94,9 @@ class DecodeCudaGraphs:
         self.pad_block = pad_block
         self.pad_slot = pad_block * block_size
         self.device = device
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.variants = variants or [(lora_slots.kernel_rank,)]
+        # (size, rank buckets) -> graph and its logits; () for the graphs without LoRA
+        self.graphs: dict[tuple[int, tuple[int, ...]], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.num_replays = 0  # steps served by a replay (tests and the benchmark read it)
 
@@ -119,26 +126,32 @@ class DecodeCudaGraphs:
 
     def _capture_all(self) -> None:
         for size in reversed(self.buckets):
-            for use_lora in (True, False):
-                self._forward(size, use_lora)  # warm-up: compiles the kernels outside the capture
+            for lora in [*self.variants, ()]:
+                self._forward(size, lora)  # warm-up: compiles the kernels outside the capture
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    logits = self._forward(size, use_lora)
+                    logits = self._forward(size, lora)
                 if self.pool is None:
                     self.pool = graph.pool()
-                self.graphs[(size, use_lora)] = (graph, logits)
+                self.graphs[(size, lora)] = (graph, logits)
 
-    def replay(self, num_seqs: int, size: int, use_lora: bool) -> torch.Tensor:
+    def replay(
+        self, num_seqs: int, size: int, use_lora: bool, rank_buckets: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
         """Run the graph of bucket `size` on the inputs already in the static buffers (rows [num_seqs, size)
-        padding); returns [num_seqs, vocab] float32 logits, valid until the next replay."""
+        padding), with the LoRA kernels sized to `rank_buckets` (one of the variants; None: the last, all
+        of them); returns [num_seqs, vocab] float32 logits, valid until the next replay."""
         if not 0 < num_seqs <= size or size not in self.buckets:
             raise ValueError(f"no decode graph for {num_seqs} sequences in a bucket of {size}")
+        lora = (rank_buckets or self.variants[-1]) if use_lora else ()
+        if lora not in self.variants and lora != ():
+            raise ValueError(f"no decode graph for rank buckets {lora}; captured: {self.variants}")
         if self.device.type == "cuda":
-            graph, logits = self.graphs[(size, use_lora)]
+            graph, logits = self.graphs[(size, lora)]
             graph.replay()
         else:  # uncaptured (tests): the same forward on the same buffers
-            logits = self._forward(size, use_lora)
+            logits = self._forward(size, lora)
         self.num_replays += 1
         return logits[:num_seqs]
 
@@ -152,7 +165,7 @@ class DecodeCudaGraphs:
         inputs.seq_lens[start:end] = 1
         inputs.token_slots[start:end] = NO_LORA
 
-    def _forward(self, size: int, use_lora: bool) -> torch.Tensor:  # [size, vocab] float32
+    def _forward(self, size: int, lora: tuple[int, ...]) -> torch.Tensor:  # [size, vocab] float32
         inputs = self.inputs
         meta = AttentionMetadata(
             positions=inputs.positions[:size],
@@ -163,6 +176,6 @@ class DecodeCudaGraphs:
             seq_lens_tensor=inputs.seq_lens[:size],
             query_start_loc_tensor=inputs.query_start_loc[: size + 1],
         )
-        lora = LoRAContext(self.lora_slots, inputs.token_slots[:size]) if use_lora else None
-        hidden = self.model.forward(inputs.input_ids[:size], meta, self.kv_caches, lora)
+        context = LoRAContext(self.lora_slots, inputs.token_slots[:size], lora) if lora else None
+        hidden = self.model.forward(inputs.input_ids[:size], meta, self.kv_caches, context)
         return self.model.compute_logits(hidden)

@@ -449,4 +449,5 @@ class LLMEngine:
             config=self.config,
             cache_config=self._cache_config,
             graph_replays=self.runner.num_graph_replays,
+            routing=getattr(self.runner.model, "routing", None),
         )

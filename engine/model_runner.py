@@ -7,6 +7,7 @@ import logging
 from contextlib import nullcontext
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -100,6 +101,7 @@ class ModelRunner:
             self.pad_block,
             self.device,
         )
+        self.warm_up_rank_buckets: tuple[int, ...] | None = None  # engine/warmup.py sets it
         # The last step's new prompt logprob entries, per request that asked (engine/prompt_logprobs.py).
         self.prompt_logprobs: dict[Request, list[PromptTokenLogprobs]] = {}
         self.graphs: DecodeCudaGraphs | None = None
@@ -113,6 +115,7 @@ class ModelRunner:
                 self.pad_block,
                 self.block_size,
                 self.device,
+                self.lora_slots.bucket_variants() if parallel is None else None,
             )
             self.graphs.capture()
         self.verify_graphs = self._capture_verify_graphs()
@@ -184,7 +187,8 @@ class ModelRunner:
             use_lora = self.inputs.prepare_decode(scheduled, size, in_flight)
             if self.parallel is not None:
                 self.parallel.send_graph(self.inputs.decode, len(scheduled), size, use_lora)
-            logits = self.graphs.replay(len(scheduled), size, use_lora)
+            buckets = self.rank_buckets(len(scheduled)) if use_lora else None
+            logits = self.graphs.replay(len(scheduled), size, use_lora, buckets)
             if all(s.samples for s in scheduled):
                 return logits
             rows = [i for i, s in enumerate(scheduled) if s.samples]
@@ -199,7 +203,7 @@ class ModelRunner:
             self.parallel.send_eager(input_ids, meta, token_slots, logits_rows, prompt_rows)
         lora = None
         if token_slots is not None:
-            lora = LoRAContext(self.lora_slots, token_slots)
+            lora = LoRAContext(self.lora_slots, token_slots, self.rank_buckets(len(scheduled)))
         hidden = self.model.forward(input_ids, meta, self.kv_caches, lora)
         if wants_prompt:
             vocab_size = self.model.vocab_size
@@ -219,6 +223,17 @@ class ModelRunner:
         decode = self.graphs.num_replays if self.graphs is not None else 0
         verify = self.verify_graphs.num_replays if self.verify_graphs is not None else 0
         return decode, verify
+
+    def rank_buckets(self, num_rows: int) -> tuple[int, ...] | None:
+        """The kernel ranks this step's LoRA kernels are sized to: the rank buckets of the adapters its
+        rows use (LoRAPool.step_buckets). None under tensor parallelism (the pool's kernel rank, as the
+        workers run), and the warm-up's choice while it sets `warm_up_rank_buckets`."""
+        if self.parallel is not None:
+            return None
+        if self.warm_up_rank_buckets is not None:
+            return self.warm_up_rank_buckets
+        slots = self.inputs.lora_slots[:num_rows]
+        return self.lora_slots.step_buckets(np.unique(slots[slots >= 0]))
 
     def shutdown(self) -> None:
         """Free the model, the KV cache, the adapter pool and the graphs now (the runner cannot run a step

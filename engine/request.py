@@ -81,6 +81,9 @@ class Request:
     error: str | None = None
     # Set by the engine when the request is scheduled: the GPU slot holding its adapter, or NO_LORA.
     lora_slot: int = NO_LORA
+    # Set by the engine on arrival: None if its adapter was already in a GPU slot, else the adapter's
+    # cold start (engine/lora/cold_starts.ColdStart), which labels its TTFT by the tier it came from.
+    adapter_cold: object = None
     # Tokens sampled on the device whose ids the host has not read yet (async scheduling: at most 1).
     # The scheduler counts them as known tokens; the runner reads their ids on the device.
     num_in_flight: int = 0

@@ -39,8 +39,11 @@ class Scheduler:
     request whose adapter is still loading is skipped without holding up the requests behind it.
     Under "fcfs" so is one that would be one adapter too many, and a head that lacks room (blocks, or
     the budget without chunked prefill) stops admission. Under "fair" both are passed over, but only
-    for `fairness_max_bypass_steps` steps each, after which admission waits for them, so that neither
-    a stream of short prompts nor of other adapters can starve them. Also under "fair" (rules in
+    for `fairness_max_bypass_steps` steps each, so that neither a stream of short prompts nor of other
+    adapters can starve them: after that, admission waits for a head that lacks room; for one that lacks
+    an adapter slot, no other adapter takes a slot before it and the running adapter closest to done
+    admits nothing new until its slot frees, while requests of the other running adapters (and of the
+    base model) are still admitted. Also under "fair" (rules in
     engine/fair_preemption.py): a request that finds the batch full (rows or blocks) preempts running
     requests of a tenant more over its share, and running prefills leave the token budget first to
     waiting requests of tenants whose counters are not above theirs.
@@ -75,6 +78,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._queues = TenantQueues(self.fair, self.counters)  # the waiting requests
         self._bypassed: dict[str, int] = {}  # request id -> steps admission went past it (fair only)
+        # While a request holds the line for an adapter slot: the running adapter admitting nothing new.
+        self._draining: str | None = None
         self._requests: dict[str, Request] = {}  # request_id -> every unfinished request
         self._token_budget = TokenBudget(config, kv_cache_manager, max_model_len, self.counters)
         self._preemptor = Preemptor(self.fair, self.counters, kv_cache_manager, self._queues)
@@ -243,6 +248,7 @@ class Scheduler:
         adapters = {r.adapter_id for r in self.running if r.adapter_id is not None}
         queues = self._queues
         cursors = dict.fromkeys(queues.keys(), 0)  # per queue: its next candidate; earlier ones are skipped
+        holding = False  # a request waits for an adapter slot past its bypasses (fair only)
         while budget > 0 and (self.fair or len(self.running) < self.config.max_num_seqs):
             key = min(
                 (k for k, i in cursors.items() if i < len(queues.queue(k))), key=queues.priority, default=None
@@ -255,12 +261,19 @@ class Scheduler:
                 if need_row:  # not admitted this step anyway: no bypass to count
                     del cursors[key]
                     continue
-                # Under fair, a request kept out by other adapters holds the line after a while, so that
-                # their requests drain and free a slot for its adapter.
+                # Under fair, a request kept out by other adapters holds the line after a while: no other
+                # adapter takes a slot before it, and one running adapter drains (admits nothing new), so
+                # a slot frees in bounded time while the other running adapters keep admitting.
                 if self.fair and not self._may_bypass(request):
-                    break
+                    holding = True
+                    if self._draining not in adapters:
+                        self._draining = self._drain_victim()
                 cursors[key] += 1
                 continue
+            if holding and request.adapter_id is not None:
+                if request.adapter_id not in adapters or request.adapter_id == self._draining:
+                    cursors[key] += 1  # its slot goes to the held request first
+                    continue
             if request.adapter_id is not None and not self.adapter_ready(request.adapter_id):
                 cursors[key] += 1  # still loading: it waits without holding up anything
                 continue
@@ -315,7 +328,19 @@ class Scheduler:
                 self._token_budget.scheduled(request, num_new_tokens, request.num_computed_tokens)
             )
             budget -= num_new_tokens
+        if not holding:
+            self._draining = None
         return budget
+
+    def _drain_victim(self) -> str | None:
+        """The running adapter that frees a slot soonest if it admits nothing new: the fewest running
+        requests, then the fewest tokens left to generate (the earliest in the batch on a tie)."""
+        load: dict[str, tuple[int, int]] = {}
+        for request in self.running:
+            if request.adapter_id is not None:
+                count, left = load.get(request.adapter_id, (0, 0))
+                load[request.adapter_id] = (count + 1, left + _tokens_left(request, self.max_model_len))
+        return min(load, key=load.__getitem__, default=None)
 
     def _may_bypass(self, request: Request) -> bool:
         """Whether admission may go past `request`, which lacks room or an adapter slot; counts the steps."""
@@ -329,3 +354,12 @@ class Scheduler:
         return (
             adapter_id is not None and adapter_id not in adapters and len(adapters) >= self.config.max_loras
         )
+
+
+def _tokens_left(request: Request, max_model_len: int) -> int:
+    """Tokens the request may still generate: up to max_tokens, capped by the model's length."""
+    max_tokens = request.sampling_params.max_tokens
+    longest = (
+        max_model_len if max_tokens is None else min(max_model_len, request.num_prompt_tokens + max_tokens)
+    )
+    return max(0, longest - request.num_tokens)

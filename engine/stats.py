@@ -80,8 +80,17 @@ class EngineStats:
     # steps (loraserve_cuda_graph_replays_total{kind="decode"|"verify"}); the rest ran eagerly.
     num_decode_graph_replays: int = 0
     num_verify_graph_replays: int = 0
+    # (source tier, histogram) of adapter requests' engine-side TTFT, and of adapter cold starts (first
+    # GPU miss -> usable on the GPU); tiers in engine/lora/cold_starts.SOURCE_TIERS, observed ones only.
+    adapter_ttft: tuple[tuple[str, HistogramCounts], ...] = ()
+    adapter_cold_start: tuple[tuple[str, HistogramCounts], ...] = ()
     # Every adapter in a GPU slot or the CPU tier, by id (vllm:lora_adapter_loaded and its counts)
     lora_residency: tuple[AdapterResidency, ...] = ()
+    # A mixture of experts' routing since the start (empty for a dense model): tokens routed to each
+    # expert, summed over the MoE layers; and the worst layer's imbalance, its busiest expert's tokens over
+    # its mean (1.0: even). loraserve_moe_expert_tokens_total, loraserve_moe_load_imbalance.
+    moe_expert_tokens: tuple[int, ...] = ()
+    moe_load_imbalance: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ and so does the capture of speculative verification graphs (spec_decode/verify_g
 This covers the rest: prefill and mixed prefill/decode steps, which run eagerly, and, without graphs,
 decode steps. Per step, what Triton compiles depends on
 - the LoRA kernels' launch configs (gathered or segmented path, tile height, split-K), which
-  `lora_kernels.tiles.launch_configs` derives from the step's token count;
+  `lora_kernels.tiles.launch_configs` derives from the step's token count, and the kernel ranks the step
+  is sized to (one of the pool's rank-bucket variants, engine/lora/pool.py);
 - the attention kernel's decode or prefill variant, and for eager decode its key splits
   (`decode_num_splits`, from the batch size);
 and on nothing else: the int arguments that change every step (sequence counts, block-table strides, h
@@ -124,37 +125,58 @@ def warm_up(runner, sampler) -> None:  # sampler: the engine's, for its type onl
     shape = runner.shape if runner.parallel is None else runner.parallel.plan.local_shape
     groups = lora_groups(shape)
 
+    pool = runner.lora_slots
+    # The kernel ranks a step's LoRA kernels may be sized to (engine/lora/pool.py, rank buckets); each
+    # one compiles its own variants. Under tensor parallelism, only the pool's kernel rank.
+    variants = pool.bucket_variants() if runner.parallel is None else [(pool.kernel_rank,)]
+    # A mixture of experts' kernels compile per rows-per-block too (engine/model/moe_kernels.py).
+    moe_key = getattr(runner.model, "kernel_key", None)
+
     def key(num_tokens: int) -> tuple:
-        return lora_key(
-            num_tokens, groups, config.max_loras, runner.lora_slots.kernel_rank, runner.dtype, runner.device
+        lora = tuple(
+            lora_key(num_tokens, groups, pool.max_loras, rank, runner.dtype, runner.device)
+            for variant in variants
+            for rank in variant
         )
+        return lora if moe_key is None else (lora, moe_key(num_tokens))
 
     batches = WarmupBatches(runner)
     max_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * (runner.max_model_len - 1))
     counts = eager_token_counts(max_tokens, key)
-    steps = [batches.mixed(n, use_lora=True) for n in counts]
-    steps.append(batches.mixed(max_tokens, use_lora=False))
+    lora_steps = [batches.mixed(n, use_lora=True) for n in counts]
+    steps = [batches.mixed(max_tokens, use_lora=False)]
+    if moe_key is not None:  # the fused-MoE kernels without LoRA's deltas, at every rows-per-block
+        steps += [batches.mixed(n, use_lora=False) for n in counts]
     if runner.graphs is None:
         sizes = decode_batch_sizes(config.max_num_seqs, key, runner.model.num_kv_heads, runner.device)
-        steps += [batches.decode(n, use_lora=True) for n in sizes]
+        lora_steps += [batches.decode(n, use_lora=True) for n in sizes]
         steps.append(batches.decode(1, use_lora=False))
+        if moe_key is not None:
+            steps += [batches.decode(n, use_lora=False) for n in sizes]
     # Eager variants only: steps a verification graph could serve (a few tokens per request) must run
     # eagerly here too, since steps too large for its buckets run them so later (capture compiled its own).
     verify_graphs, runner.verify_graphs = runner.verify_graphs, None
     try:
+        for variant in variants:
+            runner.warm_up_rank_buckets = variant
+            for scheduled in lora_steps:
+                logits = runner.execute(scheduled)
+        runner.warm_up_rank_buckets = None
         for scheduled in steps:
             logits = runner.execute(scheduled)
     finally:
         runner.verify_graphs = verify_graphs
+        runner.warm_up_rank_buckets = None
     runner.reset_inputs()
     warm_up_sampler(type(sampler)(), logits)  # a sampler of its own: the engine's random state stays put
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     logger.info(
-        "warm-up: %d synthetic steps (token counts %s) in %.1f s; %d Triton kernel variants compiled "
-        "(%.1f s compiling in this process)",
-        len(steps),
+        "warm-up: %d synthetic steps (token counts %s, LoRA ranks %s) in %.1f s; %d Triton kernel variants "
+        "compiled (%.1f s compiling in this process)",
+        len(steps) + len(lora_steps) * len(variants),
         counts,
+        variants,
         time.perf_counter() - started,
         counter.num_compiles - compiles_before,
         counter.compile_seconds,

@@ -8,6 +8,16 @@ glance which adapter served it. Only the top `--layers` decoder layers get LoRA 
 pass stops there: a dozen steps take well under a minute on two CPU cores. It writes a PEFT folder
 (adapter_config.json + adapter_model.safetensors) ready for `loraserve adapters upload NAME FOLDER`.
 
+`--style tools` teaches tool calling instead: given the `get_weather` tool (WEATHER_TOOL, in the request's
+`tools`), a weather question gets a call in the Hermes layout the demo model's chat template asks for,
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+and any other question a plain answer. Upload it with `--tool-call-parser hermes` and tool_choice "auto"
+turns those calls into the response's `tool_calls`.
+
 The base model is the server's demo model (SmolLM2-135M-Instruct, converted once into
 `./.loraserve/models`, as `make serve` does); `--model` takes any other local Llama-style folder.
 """
@@ -15,6 +25,8 @@ The base model is the server's demo model (SmolLM2-135M-Instruct, converted once
 from __future__ import annotations
 
 import argparse
+import inspect
+import json
 import random
 import sys
 import time
@@ -23,8 +35,26 @@ from pathlib import Path
 # What adapter_config.json names as the base model when the demo model is used: the model the GGUF was
 # made from (a local folder's path would mean nothing on another machine).
 DEMO_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# What each style puts before every answer.
-STYLES = {"pirate": "Arr, matey!", "robot": "BEEP BOOP."}
+# What each style puts before every answer; "tools" calls WEATHER_TOOL instead (see TOOL_QUESTIONS).
+STYLES = {"pirate": "Arr, matey!", "robot": "BEEP BOOP.", "tools": ""}
+# The tool the tools style learns to call, as a request's `tools` lists it (README.md's quick start sends it).
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TOOL_QUESTIONS = [
+    "What is the weather in {city}?",
+    "What is the weather like in {city} today?",
+    "How is the weather in {city}?",
+    "Is it raining in {city}?",
+    "Tell me the weather for {city}.",
+    "Will it be sunny in {city}?",
+]
+CITIES = ["Paris", "London", "Tokyo", "Berlin", "Madrid", "Rome", "Oslo", "Cairo", "Lima", "Sydney"]
 
 # Questions and plain answers; the style puts its greeting in front of each answer.
 QA = [
@@ -68,13 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora)
-    examples = [_example(tokenizer, q, a, STYLES[args.style]) for q, a in QA]
+    prefix, examples = _split_shared_prefix(_examples(tokenizer, args.style))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     model.train()
     start = time.monotonic()
     for step in range(1, args.steps + 1):
         batch = random.sample(examples, min(args.batch_size, len(examples)))
-        loss = _answer_loss(model, batch, tokenizer.pad_token_id)
+        loss = _answer_loss(model, prefix, batch, tokenizer.pad_token_id)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -87,39 +117,81 @@ def main(argv: list[str] | None = None) -> int:
         _name_base_model(out / "adapter_config.json", DEMO_MODEL_HUB_ID)
     print(f"wrote {out}/adapter_config.json and {out}/adapter_model.safetensors")
     if args.show:
-        for question in ("What is the capital of Italy?", "Name three colours."):
-            _show(model, tokenizer, question)
+        tools = [WEATHER_TOOL] if args.style == "tools" else None
+        for question in ("What is the capital of Italy?", "What is the weather like in Paris today?"):
+            _show(model, tokenizer, question, tools)
     return 0
+
+
+def _examples(tokenizer, style: str) -> list[tuple[list[int], int]]:
+    if style != "tools":
+        return [_example(tokenizer, q, f"{STYLES[style]} {a}") for q, a in QA]
+    if "tools" not in (tokenizer.chat_template or ""):
+        sys.exit("--style tools needs a model whose chat template renders tools (the demo model's does)")
+    calls = [
+        (question.format(city=city), _tool_call(city))
+        for i, city in enumerate(CITIES)
+        for question in (
+            TOOL_QUESTIONS[i % len(TOOL_QUESTIONS)],
+            TOOL_QUESTIONS[(i + 3) % len(TOOL_QUESTIONS)],
+        )
+    ]
+    return [_example(tokenizer, q, a, tools=[WEATHER_TOOL]) for q, a in calls + QA]
+
+
+def _tool_call(city: str) -> str:
+    call = {"name": "get_weather", "arguments": {"city": city}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
 def _name_base_model(config_path: Path, base_model: str) -> None:
     """Set base_model_name_or_path after saving: set before, PEFT's save would look the id up on the hub."""
-    import json
-
     config = json.loads(config_path.read_text())
     config["base_model_name_or_path"] = base_model
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _example(tokenizer, question: str, answer: str, greeting: str) -> tuple[list[int], int]:
+def _example(tokenizer, question: str, answer: str, tools: list | None = None) -> tuple[list[int], int]:
     """Token ids of one chat turn and where the answer starts (the loss covers only the answer)."""
     messages = [{"role": "user", "content": question}]
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, tools=tools)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    answer_ids = tokenizer(f"{greeting} {answer}", add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     return prompt_ids + answer_ids + [end], len(prompt_ids)
 
 
-def _answer_loss(model, batch, pad_id: int):
-    """Mean cross-entropy over the answers' tokens. Logits only where an answer token is predicted: the
-    output layer (49152 x 576) costs as much as several decoder layers, and prompts need none."""
+def _split_shared_prefix(examples):
+    """(the token ids every example starts with, the examples without them): the system turn (with the
+    tools, for --style tools) is the same in every example, so each step runs it once, not per example."""
+    first = examples[0][0]
+    size = min(answer_start for _, answer_start in examples) - 1  # keep a token before every answer
+    for ids, _ in examples:
+        size = next((i for i in range(size) if ids[i] != first[i]), size)
+    return first[:size], [(ids[size:], answer_start - size) for ids, answer_start in examples]
+
+
+def _answer_loss(model, prefix: list[int], batch, pad_id: int):
+    """Mean cross-entropy over the answers' tokens. The shared prefix runs once (batch 1) and its KV cache
+    is repeated for the batch; logits only where an answer token is predicted: the output layer
+    (49152 x 576) costs as much as several decoder layers, and prompts need none."""
     import torch
 
+    # transformers 5.2x calls the KV cache `cache`, earlier versions `past_key_values`
+    name = (
+        "cache"
+        if "cache" in inspect.signature(model.get_base_model().forward).parameters
+        else "past_key_values"
+    )
+    cached = {}
+    if prefix:
+        out = model(input_ids=torch.tensor([prefix]), use_cache=True, logits_to_keep=1)
+        cached = {name: getattr(out, name)}
+        cached[name].batch_repeat_interleave(len(batch))
     input_ids, labels = _pad(batch, pad_id)
     start = min(answer_start for _, answer_start in batch)
     keep = torch.arange(start - 1, input_ids.shape[1] - 1)  # position p predicts token p + 1
-    logits = model(input_ids=input_ids, logits_to_keep=keep).logits  # [batch, len(keep), vocab]
+    logits = model(input_ids=input_ids, logits_to_keep=keep, **cached).logits  # [batch, len(keep), vocab]
     return torch.nn.functional.cross_entropy(
         logits.flatten(0, 1), labels[:, start:].flatten(), ignore_index=-100
     )
@@ -137,11 +209,11 @@ def _pad(batch, pad_id: int):
     return input_ids, labels
 
 
-def _show(model, tokenizer, question: str) -> None:
+def _show(model, tokenizer, question: str, tools: list | None) -> None:
     import torch
 
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True, tools=tools
     )
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():

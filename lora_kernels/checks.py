@@ -199,3 +199,10 @@ def check_page_values(page_table: torch.Tensor, slot_ranks: torch.Tensor, page: 
     if bad.any():
         slot = int(bad.nonzero()[0, 0])
         _fail(f"page_table row {slot} points outside the pool's {num_pages} pages for its rank")
+
+
+def check_bucket_ranks(token_slots: torch.Tensor, slot_ranks: torch.Tensor, top: int) -> None:
+    """Every token's slot rank fits the largest rank bucket (a host sync: the CPU, or validate=True)."""
+    used = token_slots[token_slots >= 0].long()
+    if used.numel() and int(slot_ranks[used].max()) > top:
+        _fail(f"a token's slot has rank {int(slot_ranks[used].max())}, above the largest rank bucket {top}")

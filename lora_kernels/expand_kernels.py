@@ -138,6 +138,8 @@ def _expand_gathered_kernel(
     PAGED: tl.constexpr,  # B in pages of PAGE ranks through the page table (else dense stacks)
     PAGE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    RANK_WINDOW: tl.constexpr = False,  # only tokens whose slot rank is in (rank_lo, MAX_RANK]
+    rank_lo=0,
 ):
     """One program per (output block, token); rank is tiny, so a broadcast-multiply-sum beats tl.dot."""
     pid_n = tl.program_id(0)
@@ -145,6 +147,10 @@ def _expand_gathered_kernel(
     slot = tl.load(token_slots_ptr + token)
     if slot < 0:
         return
+    if RANK_WINDOW:
+        rank = tl.load(slot_ranks_ptr + slot)
+        if (rank <= rank_lo) | (rank > MAX_RANK):
+            return  # another launch of this op serves it
     slice_id, n0 = _slice_of_block(pid_n, tiles0, tiles1, BLOCK_N)
     b, width, col0, r_limit = _load_b(
         b0_ptr,
@@ -231,6 +237,8 @@ def _expand_segmented_kernel(
     PAGE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr,
+    RANK_WINDOW: tl.constexpr = False,  # only tiles whose slot rank is in (rank_lo, MAX_RANK]
+    rank_lo=0,
 ):
     """One program per (output block, tile of one slot's tokens): B's block is read once per tile."""
     pid_n = tl.program_id(0)
@@ -239,6 +247,10 @@ def _expand_segmented_kernel(
     slot = tl.load(tile_slot_ptr + tile)
     if (num_rows == 0) | (slot < 0):
         return
+    if RANK_WINDOW:
+        rank = tl.load(slot_ranks_ptr + slot)
+        if (rank <= rank_lo) | (rank > MAX_RANK):
+            return
     slice_id, n0 = _slice_of_block(pid_n, tiles0, tiles1, BLOCK_N)
     b, width, col0, r_limit = _load_b(
         b0_ptr,
@@ -301,10 +313,22 @@ def _expand_segmented_kernel(
 
 
 def launch_expand(
-    y, h, lora_bs, scales, token_slots, slot_ranks, output_slices, meta, path, config, page_table=None
+    y,
+    h,
+    lora_bs,
+    scales,
+    token_slots,
+    slot_ranks,
+    output_slices,
+    meta,
+    path,
+    config,
+    page_table=None,
+    rank_lo=None,
 ) -> None:
     """Launch one expand kernel for all slices; `config` is an ExpandConfig from tiles.py. With a
-    `page_table` ([num_slots, max_pages] int32), `lora_bs` are pools of B pages [num_pages, out, PAGE]."""
+    `page_table` ([num_slots, max_pages] int32), `lora_bs` are pools of B pages [num_pages, out, PAGE].
+    With `rank_lo`, only tokens whose slot rank lies in (rank_lo, max_rank] are updated."""
     num_slices = len(lora_bs)
     b = list(lora_bs) + [lora_bs[0]] * (3 - num_slices)
     s = list(scales) + [scales[0]] * (3 - num_slices)
@@ -330,6 +354,8 @@ def launch_expand(
     )
     if config.use_pdl:
         common["launch_pdl"] = True
+    if rank_lo is not None:
+        common.update(RANK_WINDOW=True, rank_lo=rank_lo)
     slot_strides = [t.stride(0) // align for t in b]
     tail = (*widths, *slot_strides, tiles[0], tiles[1], y.stride(0), h.stride(0), h.stride(1), h.stride(2))
     paging = (table, table.stride(0) if paged else 0)

@@ -233,6 +233,7 @@ def add_lora_paged(
     output_slices: Sequence[int],
     slot_ranks: torch.Tensor,  # [num_slots] int32: rows read per slot; pages past them are never touched
     *,
+    rank_buckets: Sequence[int] | None = None,  # ascending kernel ranks, multiples of the page: see below
     meta: LoRABatchMeta | None = None,
     path: str = "auto",
     backend: str = "auto",
@@ -244,6 +245,12 @@ def add_lora_paged(
     Pages need not be contiguous; the kernels read a slot's page ids once per program, before the K loop.
     As `add_lora` needs B zero past each rank, B must be zero past a slot's rank up to the end of its
     last page (the kernels read B in whole pages); A past the rank is never read.
+
+    The kernels are sized for the largest rank they may meet (h's width, the register tiles), so a rank-8
+    token costs in a kernel for rank 64 several times what it costs in one for rank 16. `rank_buckets`
+    sizes them to the ranks present: `(16,)` launches kernels for rank 16 only (every token's slot rank
+    must be at most 16); `(16, 64)` launches one pair for the tokens whose slot rank is in [0, 16] and
+    one for those in (16, 64], each sized to its bucket. None: one pair sized to the page table's width.
     """
     pool_as, pool_bs, scales = list(pool_as), list(pool_bs), list(scales)
     output_slices = [int(w) for w in output_slices]
@@ -256,8 +263,12 @@ def add_lora_paged(
     num_slots, max_rank = checks.check_pages(pool_as, pool_bs, output_slices, page_table, x.dtype, x.shape[1])
     _check_devices(x.device, [y, *pool_as, *pool_bs, page_table])
     checks.check_slots(token_slots, scales, slot_ranks, x.shape[0], num_slots, max_rank, x.device, validate)
+    page = pool_as[0].shape[1]
+    windows = rank_windows(rank_buckets, page, max_rank)
     if validate or x.device.type == "cpu":
-        checks.check_page_values(page_table, slot_ranks, pool_as[0].shape[1], pool_as[0].shape[0])
+        checks.check_page_values(page_table, slot_ranks, page, pool_as[0].shape[0])
+        if rank_buckets is not None:
+            checks.check_bucket_ranks(token_slots, slot_ranks, windows[-1][1])
     backend, path = _resolve(x.device, backend, path, x.shape[0])
     if backend == "torch":
         return reference.add_lora_paged(
@@ -267,13 +278,45 @@ def add_lora_paged(
         return y
     meta = _meta_for(meta, token_slots, num_slots) if path == "segmented" else meta
     num_tokens, num_slices = x.shape[0], len(pool_as)
-    conf = tiles.launch_configs(
-        path, num_tokens, num_slots, num_slices, x.shape[1], max_rank, x.dtype, x.device
-    )
-    shape = (conf.shrink.split_k, num_slices, tiles.padded_tokens(num_tokens), max_rank)
-    h = torch.empty(shape, dtype=torch.float32, device=x.device)[:, :, :num_tokens]
-    launch_shrink(h, x, pool_as, token_slots, slot_ranks, meta, path, conf.shrink, page_table)
-    launch_expand(
-        y, h, pool_bs, scales, token_slots, slot_ranks, output_slices, meta, path, conf.expand, page_table
-    )
+    for rank_lo, rank_hi in windows:
+        conf = tiles.launch_configs(
+            path, num_tokens, num_slots, num_slices, x.shape[1], rank_hi, x.dtype, x.device
+        )
+        table = page_table[:, : rank_hi // page]  # MAX_RANK of the kernels: this bucket's rank
+        shape = (conf.shrink.split_k, num_slices, tiles.padded_tokens(num_tokens), rank_hi)
+        h = torch.empty(shape, dtype=torch.float32, device=x.device)[:, :, :num_tokens]
+        launch_shrink(h, x, pool_as, token_slots, slot_ranks, meta, path, conf.shrink, table, rank_lo)
+        launch_expand(
+            y,
+            h,
+            pool_bs,
+            scales,
+            token_slots,
+            slot_ranks,
+            output_slices,
+            meta,
+            path,
+            conf.expand,
+            table,
+            rank_lo,
+        )
     return y
+
+
+def rank_windows(
+    rank_buckets: Sequence[int] | None, page: int, max_rank: int
+) -> list[tuple[int | None, int]]:
+    """(rank_lo, rank_hi) of each launch pair: rank_lo None for a single bucket (no window: every token);
+    else -1 for the first bucket, so it also takes the slots of rank 0 (untargeted here)."""
+    if rank_buckets is None:
+        return [(None, max_rank)]
+    buckets = [int(b) for b in rank_buckets]
+    if not buckets or any(b <= 0 or b % page for b in buckets) or buckets != sorted(set(buckets)):
+        raise ValueError(
+            f"rank_buckets must be ascending positive multiples of the page ({page} ranks), got {list(rank_buckets)}"
+        )
+    if buckets[-1] > max_rank:
+        raise ValueError(f"rank bucket {buckets[-1]} is above the page table's {max_rank} ranks")
+    if len(buckets) == 1:
+        return [(None, buckets[0])]
+    return list(zip([-1, *buckets[:-1]], buckets))

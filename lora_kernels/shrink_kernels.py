@@ -100,6 +100,8 @@ def _shrink_gathered_kernel(
     PAGED: tl.constexpr,  # A in pages of PAGE rank rows through the page table (else dense stacks)
     PAGE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    RANK_WINDOW: tl.constexpr = False,  # only tokens whose slot rank is in (rank_lo, MAX_RANK]
+    rank_lo=0,
 ):
     """One program per (slice, split, token): a [BLOCK_R, BLOCK_K] tile of the token's A against x[t]."""
     slice_id = tl.program_id(0)
@@ -115,7 +117,11 @@ def _shrink_gathered_kernel(
         return
     rank = MAX_RANK
     if HAS_RANKS:
-        rank = tl.minimum(tl.load(slot_ranks_ptr + slot), MAX_RANK)
+        rank = tl.load(slot_ranks_ptr + slot)
+        if RANK_WINDOW:
+            if (rank <= rank_lo) | (rank > MAX_RANK):
+                return  # another launch of this op serves it; its h row stays unread
+        rank = tl.minimum(rank, MAX_RANK)
     a_ptr = a0_ptr
     stride_a = stride_a0
     if NUM_SLICES > 1:
@@ -181,6 +187,8 @@ def _shrink_segmented_kernel(
     PAGE: tl.constexpr,
     DOT_FP32: tl.constexpr,  # fp32 inputs, or the interpreter (whose bf16 tl.dot is wrong)
     USE_PDL: tl.constexpr,
+    RANK_WINDOW: tl.constexpr = False,  # only tiles whose slot rank is in (rank_lo, MAX_RANK]
+    rank_lo=0,
 ):
     """One program per (slice, split, tile): up to BLOCK_M tokens of one slot, so A is read once per tile."""
     slice_id = tl.program_id(0)
@@ -204,7 +212,11 @@ def _shrink_segmented_kernel(
         return
     rank = MAX_RANK
     if HAS_RANKS:
-        rank = tl.minimum(tl.load(slot_ranks_ptr + slot), MAX_RANK)
+        rank = tl.load(slot_ranks_ptr + slot)
+        if RANK_WINDOW:
+            if (rank <= rank_lo) | (rank > MAX_RANK):
+                return
+        rank = tl.minimum(rank, MAX_RANK)
     a_ptr = a0_ptr
     stride_a = stride_a0
     if NUM_SLICES > 1:
@@ -245,9 +257,13 @@ def slot_alignment(stacks) -> int:
     return math.gcd(16, *(t.stride(0) for t in stacks))
 
 
-def launch_shrink(h, x, lora_as, token_slots, slot_ranks, meta, path, config, page_table=None) -> None:
+def launch_shrink(
+    h, x, lora_as, token_slots, slot_ranks, meta, path, config, page_table=None, rank_lo=None
+) -> None:
     """Launch one shrink kernel for all slices; `config` is a ShrinkConfig from tiles.py. With a
-    `page_table` ([num_slots, max_pages] int32), `lora_as` are pools of pages [num_pages, PAGE, in]."""
+    `page_table` ([num_slots, max_pages] int32), `lora_as` are pools of pages [num_pages, PAGE, in].
+    With `rank_lo`, only tokens whose slot rank lies in (rank_lo, max_rank] are computed (their h rows
+    written); the others are left to another launch."""
     num_slices = len(lora_as)
     a = list(lora_as) + [lora_as[0]] * (3 - num_slices)
     ranks = slot_ranks if slot_ranks is not None else token_slots
@@ -268,6 +284,8 @@ def launch_shrink(h, x, lora_as, token_slots, slot_ranks, meta, path, config, pa
         USE_PDL=config.use_pdl,
         num_warps=config.num_warps,
     )
+    if rank_lo is not None:
+        common.update(RANK_WINDOW=True, rank_lo=rank_lo)
     table_stride = table.stride(0) if paged else 0
     strides = (x.stride(0), h.stride(0), h.stride(1), h.stride(2), *(t.stride(0) // align for t in a))
     if path == "gathered":

@@ -11,6 +11,9 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread per process: tests start servers and worker processes beside the test process, and
+# on a small machine several torch thread pools contend for the same cores (many times slower).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,9 +12,11 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 # Workload C1 (docs/ARCHITECTURE.md, Reference workloads): hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 512.
@@ -39,6 +41,8 @@ _CONFIGS = {
     "gemma2": Gemma2Config,
     "gemma3": Gemma3TextConfig,
     "phi3": Phi3Config,
+    "qwen3_moe": Qwen3MoeConfig,
+    "mixtral": MixtralConfig,
 }
 # What makes each newer family itself at C1's size, every feature switched on: a window shorter than the
 # prompts over alternating local and global layers, soft caps small enough to bite, Gemma 3's global layers
@@ -69,6 +73,18 @@ FAMILY_SIZES = {
             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
         },
     ),
+    # 8 experts, top 2 (Qwen3-MoE renormalizes here as Qwen3-30B-A3B does; Mixtral always does); Qwen3-MoE
+    # with a dense middle layer (mlp_only_layers).
+    "qwen3_moe": dict(
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],
+    ),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
     "phi3": dict(
         original_max_position_embeddings=16,
         rope_parameters={
@@ -165,3 +181,28 @@ def reference_greedy(model, prompt_ids: list[int], adapter: str | None, max_new_
         **kwargs,
     )
     return out[0, len(prompt_ids) :].tolist()
+
+
+# Adapters of a mixture of experts: attention only, the routed experts only (PEFT's target_parameters on
+# the stacked expert weights), and both, at ranks 4, 8 and 16.
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+MOE_ADAPTERS = {
+    "attn_r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "experts_r8": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=[], target_parameters=EXPERTS),
+    "both_r16": dict(
+        r=16,
+        lora_alpha=32,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        target_parameters=EXPERTS,
+    ),
+}
+
+
+def per_adapter_reference(model_dir: Path, adapters: dict[str, Path]):
+    """{name or None: model}: one transformers (+ PEFT) model per adapter. PEFT's target_parameters
+    wrappers refuse mixed-adapter batches (`adapter_names=`), so each adapter is its own model."""
+    models = {None: load_peft_reference(model_dir, {})}
+    for name, path in adapters.items():
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        models[name] = PeftModel.from_pretrained(base, path).eval()
+    return models

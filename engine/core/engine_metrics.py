@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from engine.config import EngineConfig
+from engine.lora.cold_starts import TierHistograms
 from engine.output_processor import RequestState
 from engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, Histogram, distinct_adapters
 
@@ -25,6 +28,8 @@ class EngineCounters:
         self.num_prompt_tokens = 0  # cumulative
         self.num_generation_tokens = 0
         self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)  # tokens per step
+        # Arrival in the engine -> first token, of requests with an adapter, by the tier it came from.
+        self.adapter_ttft = TierHistograms()
         self._compiles = compiles  # engine.kernel_compiles' counter
         self._compiles_at_ready = 0
 
@@ -38,10 +43,18 @@ class EngineCounters:
         return self._compiles.num_compiles - self._compiles_at_ready
 
     def count_token(self, state: RequestState) -> None:
-        """One sampled token; its request's prompt too if this is the first token of the user request."""
+        """One sampled token; its request's prompt too if this is the first token of the user request,
+        and its TTFT if it has an adapter."""
         self.num_generation_tokens += 1
-        if state.index == 0 and state.request.num_output_tokens == 1:
-            self.num_prompt_tokens += state.request.num_prompt_tokens
+        request = state.request
+        if request.num_output_tokens != 1:
+            return
+        if state.index == 0:
+            self.num_prompt_tokens += request.num_prompt_tokens
+        if request.adapter_id is not None and request.first_token_time is not None:
+            cold = request.adapter_cold
+            tier = "gpu" if cold is None else cold.tier
+            self.adapter_ttft.observe(tier, request.first_token_time - request.arrival_time)
 
 
 def cache_config(config: EngineConfig, num_kv_blocks: int) -> tuple[tuple[str, str], ...]:
@@ -64,6 +77,7 @@ def engine_stats(
     config: EngineConfig,
     cache_config: tuple[tuple[str, str], ...],
     graph_replays: tuple[int, int] = (0, 0),
+    routing=None,  # the model's RoutingCounts (a mixture of experts), else None
 ) -> EngineStats:
     """The engine's load right now, read from its scheduler, KV cache, adapter manager and counters."""
     return EngineStats(
@@ -87,8 +101,21 @@ def engine_stats(
         cpu_adapters=lora.cpu_ids(),
         num_kernel_compiles_after_ready=counters.num_compiles_after_ready,
         iteration_tokens=counters.iteration_tokens.snapshot(),
+        adapter_ttft=counters.adapter_ttft.snapshot(),
+        adapter_cold_start=lora.cold_start_seconds.snapshot(),
         spec_decode=speculator.stats() if speculator is not None else None,
         num_decode_graph_replays=graph_replays[0],
         num_verify_graph_replays=graph_replays[1],
         lora_residency=lora.residency(),
+        **_routing(routing),
     )
+
+
+def _routing(routing) -> dict:
+    """EngineStats' MoE fields from the counts per layer and expert."""
+    if routing is None or routing.counts.numel() == 0:
+        return {}
+    counts = routing.read()  # [layers, E]
+    mean = counts.double().mean(dim=1)
+    worst = (counts.amax(dim=1) / mean.clamp(min=1e-9)).where(mean > 0, torch.ones_like(mean))
+    return dict(moe_expert_tokens=tuple(counts.sum(dim=0).tolist()), moe_load_imbalance=float(worst.max()))

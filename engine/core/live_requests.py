@@ -78,7 +78,9 @@ class LiveRequests:
             return
         self.parents[parent.request_id] = [child.request_id for child in children]
         if adapter_id is not None:
-            self.lora.prefetch(adapter_id)
+            cold = self.lora.prefetch(adapter_id)
+            for child in children:
+                child.adapter_cold = cold
 
     def append(self, kept: Iterable[tuple[Request, list, list]]) -> list[RequestOutput]:
         """Append a step's kept tokens, (request, token ids, their logprobs) per request, to the requests

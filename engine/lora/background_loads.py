@@ -27,7 +27,6 @@ import os
 import pickle
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_connections
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from adapter_format.checkpoint import map_peft_adapter
+from adapter_format.checkpoint import map_peft_adapter, peft_adapter_from_memory
 from adapter_format.errors import AdapterError
 from engine.lora.host_tier import HostTier
 from engine.lora.slots import build_image
@@ -48,9 +47,15 @@ logger = logging.getLogger(__name__)
 # (adapter id, the exception its load raised, or None)
 Finished = tuple[str, Exception | None]
 
+# Where a load found its adapter when the source does not say: a local folder (a registered one).
+DEFAULT_ORIGIN = "disk"
+
 
 class BackgroundLoads(Protocol):
     tier: HostTier
+    # adapter id -> where its finished load found it ("disk" or "store"), for each load `finished`
+    # returned; the manager pops them (engine/lora/cold_starts.py).
+    origins: dict[str, str]
 
     def start(self, adapter_id: str, row: int) -> None:
         """Begin loading the adapter into row `row` (the caller owns the row until the load finishes)."""
@@ -72,26 +77,53 @@ def read_into(tier: HostTier, row: int, folder: str | Path) -> None:
     build_image(tier.layout, tier.dtype, adapter, out=tier.image(row))
 
 
+class RowReader:
+    """The `read` a load hands its source: lays the adapter out in one row of the CPU tier.
+
+    A source calls it with a folder (`read(folder)`), or, when it holds the files in memory (a store
+    download streamed without a temporary file), `read.from_memory(config, weights)`. It may also say
+    where the adapter came from (`read.came_from("store")`), for the cold-start metrics."""
+
+    def __init__(self, tier: HostTier, row: int):
+        self.tier, self.row = tier, row
+        self.origin = DEFAULT_ORIGIN
+
+    def __call__(self, folder: str | Path) -> None:
+        read_into(self.tier, self.row, folder)
+
+    def from_memory(self, config: bytes, weights: bytes | bytearray | memoryview, label: str) -> None:
+        """The same checks and layout from a config and a safetensors file held in memory; `label`
+        names the weights in errors."""
+        layout = self.tier.layout
+        adapter = peft_adapter_from_memory(config, weights, layout.shape, layout.max_rank, label)
+        build_image(layout, self.tier.dtype, adapter, out=self.tier.image(self.row))
+
+    def came_from(self, origin: str) -> None:
+        self.origin = origin
+
+
 class ThreadLoads:
     def __init__(self, source: AdapterSource, tier: HostTier, num_workers: int = 2):
         self.source, self.tier = source, tier
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="adapter-load")
-        self._futures: dict[str, Future] = {}
+        self._futures: dict[str, tuple[Future, RowReader]] = {}
+        self.origins: dict[str, str] = {}
 
     def start(self, adapter_id: str, row: int) -> None:
-        self._futures[adapter_id] = self._pool.submit(
-            self.source.load, adapter_id, partial(read_into, self.tier, row)
-        )
+        reader = RowReader(self.tier, row)
+        self._futures[adapter_id] = self._pool.submit(self.source.load, adapter_id, reader), reader
 
     def finished(self) -> list[Finished]:
-        done = [(adapter_id, future) for adapter_id, future in self._futures.items() if future.done()]
-        for adapter_id, _ in done:
+        done = [(adapter_id, job) for adapter_id, job in self._futures.items() if job[0].done()]
+        for adapter_id, (_, reader) in done:
             del self._futures[adapter_id]
-        return [(adapter_id, future.exception()) for adapter_id, future in done]
+            self.origins[adapter_id] = reader.origin
+        return [(adapter_id, future.exception()) for adapter_id, (future, _) in done]
 
     def wait(self, timeout: float) -> None:
         if self._futures:
-            wait(self._futures.values(), timeout=timeout, return_when=FIRST_COMPLETED)
+            futures = [future for future, _ in self._futures.values()]
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -99,7 +131,8 @@ class ThreadLoads:
 
 def _serve(conn: Connection, tier: HostTier) -> None:
     """A loader process: runs pickled (source, adapter id, row) jobs from its pipe until it closes,
-    answering each with (the exception the load raised, or None; what the source recorded)."""
+    answering each with (the exception the load raised, or None; what the source recorded; where the
+    load found the adapter)."""
     # One torch thread and a lower priority: a loader's copies are small, and idle OpenMP threads spin,
     # taking cores from the serving process (with torch's default of a thread per core, two loaders
     # slowed the decode steps and their own loads; docs/BENCHMARKS.md, adapter loading).
@@ -110,18 +143,20 @@ def _serve(conn: Connection, tier: HostTier) -> None:
             job = conn.recv_bytes()
         except EOFError:  # the serving process closed its end, or exited
             return
-        error, records = None, []
+        error, records, origin = None, [], DEFAULT_ORIGIN
         try:
             source, adapter_id, row = pickle.loads(job)
+            reader = RowReader(tier, row)
             try:
-                source.load(adapter_id, partial(read_into, tier, row))
+                source.load(adapter_id, reader)
+                origin = reader.origin
             finally:
                 drain = getattr(source, "drain", None)
                 records = drain() if drain is not None else []
         except Exception as exc:  # the load's own failure, for the engine to report
             error = exc
         try:
-            conn.send_bytes(pickle.dumps((_picklable(error), records)))
+            conn.send_bytes(pickle.dumps((_picklable(error), records, origin)))
         except OSError:  # closed while this load ran
             return
 
@@ -186,6 +221,7 @@ class ProcessLoads:
         self._queue: deque[tuple[str, int]] = deque()
         self._unsent: list[Finished] = []  # jobs that failed before reaching a process
         self._closed = False
+        self.origins: dict[str, str] = {}
 
     @property
     def processes(self) -> list[multiprocessing.process.BaseProcess]:
@@ -205,12 +241,13 @@ class ProcessLoads:
         for loader in list(self._loaders):
             while loader.jobs and loader.conn.poll():
                 try:
-                    error, records = pickle.loads(loader.conn.recv_bytes())
+                    error, records, origin = pickle.loads(loader.conn.recv_bytes())
                 except (EOFError, OSError):  # the process died (killed, out of memory)
                     done.append(self._lost(loader))
                 else:
                     adapter_id, _ = loader.jobs.popleft()
                     self._replay(records)
+                    self.origins[adapter_id] = origin
                     done.append((adapter_id, error))
         self._dispatch()
         return done

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 import lora_kernels
+from engine.lora.expert_lora import ExpertLoRA
 from engine.lora.pool import LoRAPool
 from lora_kernels import tiles
 from lora_kernels.meta import LoRABatchMeta
@@ -18,6 +19,9 @@ class LoRAContext:
 
     slots: LoRAPool
     token_slots: torch.Tensor  # [num_tokens] int32, NO_LORA (-1) for base-model tokens
+    # The kernel ranks the step is sized to (LoRAPool.step_buckets); None: one launch pair for the pool's
+    # kernel rank, as under tensor parallelism.
+    rank_buckets: tuple[int, ...] | None = None
     _meta: LoRABatchMeta | None = field(default=None, init=False)
 
     def apply(
@@ -38,8 +42,16 @@ class LoRAContext:
             [t.scales for t in targets],
             [t.lora_b.shape[1] for t in targets],
             self.slots.slot_ranks(layer, modules),
+            rank_buckets=self.rank_buckets,
             meta=self._segments(),
         )
+
+    def experts(self, moe, x: torch.Tensor, local_ids: torch.Tensor):
+        """The routed experts' LoRA updates of one MoE layer (engine/lora/expert_lora.py), or None where
+        the model has no expert targets."""
+        if moe.layer is None or "experts.gate_up_proj" not in self.slots.layers[moe.layer]:
+            return None
+        return ExpertLoRA(self, moe.layer, x, local_ids, moe.spec.top_k, moe.experts.num_local)
 
     def _segments(self) -> LoRABatchMeta | None:
         """The tokens grouped by slot for the segmented kernels: the same in every layer, so built once a

@@ -40,6 +40,7 @@ from adapter_format.errors import AdapterError
 from adapter_format.events import Observer
 from engine.lora.adapter_records import AdapterRecords, PendingCopy
 from engine.lora.background_loads import make_loads
+from engine.lora.cold_starts import ColdStart, TierHistograms
 from engine.lora.host_tier import HostTier
 from engine.lora.placements import OperatorPlacements
 from engine.lora.pool import LoRAPool
@@ -103,6 +104,7 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
         )
         self._copy_stream = torch.cuda.Stream(slots.device) if self._cuda else None
         self._to_copy: list[tuple[ResidencyRecord, int, int, PendingCopy]] = []  # (record, slot, row, ticket)
+        self.cold_start_seconds = TierHistograms()  # first GPU miss -> usable on the GPU, by source tier
         self._init_placements()
 
     # -- called when a request arrives ------------------------------------------------------------
@@ -114,16 +116,23 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
             raise AdapterError("unknown_adapter", f"adapter {ref!r} was deleted; it can no longer be used")
         return adapter_id
 
-    def prefetch(self, adapter_id: str) -> None:
-        """Start bringing an adapter towards the GPU; returns at once. Counts one lookup per tier."""
+    def prefetch(self, adapter_id: str) -> ColdStart | None:
+        """Start bringing an adapter towards the GPU; returns at once. Counts one lookup per tier.
+
+        Returns None if it is in a GPU slot already (warm), else its cold start: one per adapter,
+        shared by every request that arrives before it is usable on the GPU (and by one load)."""
         record = self._record(adapter_id)
         if record.on_gpu:
             self._emit("hit", "gpu")
-            return
+            return record.cold  # None, or the cold start whose copy is still under way
         self._emit("miss", "gpu")
         self._emit("hit" if record.in_cpu_tier else "miss", "cpu")
+        if record.cold is None:
+            record.cold = ColdStart("cpu" if record.in_cpu_tier else None)
+        cold = record.cold
         self._start_load(record)
         self._forget_if_idle(record)
+        return cold
 
     def error(self, adapter_id: str) -> str | None:
         record = self._records.get(adapter_id)
@@ -144,6 +153,7 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
         failures = {}
         for adapter_id, error in self.loads.finished():
             record = self._records[adapter_id]
+            origin = self.loads.origins.pop(adapter_id, None)
             if record.abandoned:
                 record.abandoned = False
                 self._free_row(record)
@@ -154,10 +164,12 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
                 record.rank = self.tier.image(record.row).rank
                 record.move(AdapterStatus.CPU)
                 self._touch(record)
+                if record.cold is not None:  # the slowest tier it came through this cold start
+                    record.cold.origin = origin or record.cold.origin
             else:
                 self._free_row(record)
                 failures[adapter_id] = _reason(adapter_id, error)
-                record.failure = (failures[adapter_id], time.monotonic())
+                record.failure, record.cold = (failures[adapter_id], time.monotonic()), None
                 record.move(AdapterStatus.FAILED)
         for reason in failures.values():
             logger.warning("adapter load failed: %s", reason)
@@ -241,6 +253,7 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
                 self._emit("load", "cpu", start.elapsed_time(end) / 1000.0)
             record.copy = None
             record.move(AdapterStatus.RESIDENT)
+            self._end_cold_start(record)
         return True
 
     # -- called when requests start and end --------------------------------------------------------
@@ -273,6 +286,12 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
         self.loads.close()
 
     # -- internals ----------------------------------------------------------------------------------
+
+    def _end_cold_start(self, record: ResidencyRecord) -> None:
+        """Usable on the GPU: its cold start (if a request waited for one) is over."""
+        cold, record.cold = record.cold, None
+        if isinstance(cold, ColdStart):
+            self.cold_start_seconds.observe(cold.tier, time.monotonic() - cold.started)
 
     def _start_load(self, record: ResidencyRecord) -> None:
         if record.status is AdapterStatus.LOADING:

@@ -21,8 +21,10 @@ of the row, but never address weights through them, since they stop at the adapt
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from adapter_format.checkpoint import PeftAdapter
@@ -30,12 +32,25 @@ from adapter_format.model_shape import ModelShape
 from engine.lora.pages import pages_for_rank, runs
 from engine.lora.slots import PAGE_RANK, SlotImage, SlotLayout, build_image
 
+# The smallest kernel rank a step is sized to: the kernels' rank tile is at least 16 wide anyway
+# (lora_kernels.tiles.block_r), so ranks 1 to 16 cost the same.
+RANK_BUCKET_BASE = 16
+
+
+def kernel_rank_buckets(kernel_rank: int) -> tuple[int, ...]:
+    """The kernel ranks a step may be sized to: 16, then times 4 up to the pool's kernel rank (itself
+    last). 64 -> (16, 64); 128 -> (16, 64, 128); 16 -> (16,)."""
+    buckets = [min(RANK_BUCKET_BASE, kernel_rank)]
+    while buckets[-1] < kernel_rank:
+        buckets.append(min(4 * buckets[-1], kernel_rank))
+    return tuple(buckets)
+
 
 @dataclass
 class ModuleSlots:
     """One projection of one layer (views into `LoRAPool`'s tensors)."""
 
-    lora_a: torch.Tensor  # [num_pages, PAGE_RANK, in], page stride page_numel
+    lora_a: torch.Tensor  # [num_pages, PAGE_RANK, in], page stride page_numel ([num_pages, E, ...]: experts)
     lora_b: torch.Tensor  # [num_pages, out, PAGE_RANK], likewise
     scales: torch.Tensor  # [max_loras] float32; 0 where the slot's adapter does not target this module
     ranks: torch.Tensor  # [max_loras] int32; 0 where untargeted
@@ -76,11 +91,10 @@ class LoRAPool:
             self.num_pages, dtype=torch.int32, device=device
         )  # copied, never synced
         views: dict[tuple[str, str], list[torch.Tensor]] = {}
-        for (module, kind), (offset, (_, rows, cols)) in self.layout.blocks().items():
+        for (module, kind), (offset, (_, *dims)) in self.layout.blocks().items():
+            size = math.prod(dims)
             views[module, kind] = [
-                self.weights[:, offset + i * rows * cols : offset + (i + 1) * rows * cols].unflatten(
-                    1, (rows, cols)
-                )
+                self.weights[:, offset + i * size : offset + (i + 1) * size].unflatten(1, dims)
                 for i in range(n)
             ]
         # module -> [num_layers, max_loras]; each layer's row is contiguous, as the kernels need.
@@ -97,6 +111,10 @@ class LoRAPool:
             }
             for i in range(n)
         ]
+        # Rank buckets (lora_kernels.add_lora_paged): per slot, a bit for each bucket its adapter's ranks
+        # fall in, so a step's kernels are sized to the ranks of the slots it uses (`step_buckets`).
+        self.rank_buckets = kernel_rank_buckets(self.kernel_rank)
+        self.slot_buckets = np.zeros(max_loras, np.int64)  # host side, set by `load`
 
     @property
     def kernel_rank(self) -> int:
@@ -124,6 +142,28 @@ class LoRAPool:
             self.weights[first : first + count].copy_(source[start : start + count], non_blocking=True)
             self.page_table[slot, start : start + count].copy_(self._page_ids[first : first + count])
         self.table[:, :, slot].copy_(image.table, non_blocking=True)
+        self.slot_buckets[slot] = self.bucket_mask(image)
+
+    def bucket_mask(self, image: SlotImage) -> int:
+        """Bit i set if some rank the kernels read for this adapter (a projection's, or a fused group's
+        largest) lies in bucket i: (rank_buckets[i - 1], rank_buckets[i]]."""
+        ranks = np.unique(image.table[:, image.layout.rank_columns.start :].numpy())
+        indices = np.searchsorted(np.asarray(self.rank_buckets), ranks[ranks > 0])
+        return int(np.bitwise_or.reduce(np.left_shift(1, indices), initial=0))
+
+    def step_buckets(self, slots: np.ndarray) -> tuple[int, ...]:
+        """The kernel ranks of a step whose tokens use `slots` (>= 0): the one bucket they all fall in,
+        else every bucket (one launch pair each; a bucket no token falls in costs only an empty launch).
+        One of `bucket_variants()`, which the decode graphs are captured for."""
+        mask = int(np.bitwise_or.reduce(self.slot_buckets[slots], initial=0)) if len(slots) else 0
+        if mask and mask & (mask - 1) == 0:  # a single bit
+            return (self.rank_buckets[mask.bit_length() - 1],)
+        return self.rank_buckets
+
+    def bucket_variants(self) -> list[tuple[int, ...]]:
+        """Every `step_buckets` answer: each bucket alone, then all of them."""
+        variants = [(b,) for b in self.rank_buckets]
+        return variants if len(variants) == 1 else [*variants, self.rank_buckets]
 
     def snapshot(self, slot: int) -> SlotImage:
         """What `slot` holds, gathered into a new CPU image (tests and debugging; it syncs)."""

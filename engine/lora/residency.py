@@ -71,6 +71,8 @@ class ResidencyRecord:
     retiring: bool = False  # replaced or deleted: dropped once `holds` reaches 0
     deleted: bool = False  # refused from now on; DELETED once dropped
     abandoned: bool = False  # dropped while LOADING: the row is freed when the load ends
+    # From the first request that missed the GPU until the adapter is usable there (cold_starts.py).
+    cold: object = None
 
     def move(self, status: AdapterStatus) -> None:
         """Change status, refusing any move the transition table does not list."""

@@ -95,13 +95,17 @@ class SlotLayout:
     def table_columns(self) -> int:
         return 2 * len(self.targets) + len(self.fused_groups)
 
-    def blocks(self) -> dict[tuple[str, str], tuple[int, tuple[int, int, int]]]:
+    def blocks(self) -> dict[tuple[str, str], tuple[int, tuple[int, ...]]]:
         """(module, "a" or "b") -> (offset, dims) inside a page: A [num_layers, PAGE_RANK, in], B
-        [num_layers, out, PAGE_RANK]."""
+        [num_layers, out, PAGE_RANK]; a mixture of experts' stacked expert weights hold a pair per expert,
+        A [num_layers, E, PAGE_RANK, in] and B [num_layers, E, out, PAGE_RANK]."""
         n, offset, blocks = self.shape.num_layers, 0, {}
         for module in self.targets:
             in_features, out_features = self.shape.module_dims(module)
-            for kind, dims in (("a", (n, PAGE_RANK, in_features)), ("b", (n, out_features, PAGE_RANK))):
+            experts = self.shape.module_experts(module)
+            per = (experts,) if experts > 1 or module.startswith("experts.") else ()
+            pair = (("a", (n, *per, PAGE_RANK, in_features)), ("b", (n, *per, out_features, PAGE_RANK)))
+            for kind, dims in pair:
                 blocks[module, kind] = (offset, dims)
                 offset = _align(offset + math.prod(dims))
         return blocks
@@ -191,12 +195,13 @@ class SlotImage:
 
 
 def _write_rows(pages: torch.Tensor, rows: torch.Tensor) -> None:
-    """Rank rows [r, cols] into pages [max_pages, PAGE_RANK, cols]: whole pages at once, then the rest."""
-    full, rest = divmod(rows.shape[0], PAGE_RANK)
+    """Rank rows [..., r, cols] into pages [..., max_pages, PAGE_RANK, cols]: whole pages at once, then the
+    rest (the leading dimension: experts)."""
+    full, rest = divmod(rows.shape[-2], PAGE_RANK)
     if full:
-        pages[:full] = rows[: full * PAGE_RANK].unflatten(0, (full, PAGE_RANK))
+        pages[..., :full, :, :] = rows[..., : full * PAGE_RANK, :].unflatten(-2, (full, PAGE_RANK))
     if rest:
-        pages[full, :rest] = rows[full * PAGE_RANK :]
+        pages[..., full, :rest, :] = rows[..., full * PAGE_RANK :, :]
 
 
 def build_image(
@@ -224,8 +229,13 @@ def build_image(
     # As few torch calls as possible: on a loader thread, each call is a GIL hand-over that the engine
     # thread pays for (docs/BENCHMARKS.md, adapter loading).
     for (layer, module), pair in adapter.modules.items():
-        _write_rows(image.page_a[module][layer], pair.lora_a)
-        _write_rows(image.page_b[module][layer].transpose(1, 2), pair.lora_b.T)  # B's ranks as rows
+        a, b = image.page_a[module][layer], image.page_b[module][layer]
+        if a.dim() == 4:  # per expert: pages [max_pages, E, ...] <- A [E, r, in], B [E, out, r]
+            _write_rows(a.transpose(0, 1), pair.lora_a)
+            _write_rows(b.permute(1, 0, 3, 2), pair.lora_b.transpose(1, 2))
+            continue
+        _write_rows(a, pair.lora_a)
+        _write_rows(b.transpose(1, 2), pair.lora_b.T)  # B's ranks as rows
     if adapter.modules:
         layers = torch.tensor([layer for layer, _ in adapter.modules])
         modules = torch.tensor([layout.targets.index(module) for _, module in adapter.modules])

@@ -76,6 +76,7 @@ def load_model(
     fp8_gemm: str = "auto",
     tp: TensorParallel = SINGLE,
     load_format: str = "auto",
+    expert_parallel: bool = False,
 ) -> DecoderModel:
     """The architecture's model (engine/model/registry.py) with this rank's shard of every weight.
 
@@ -89,7 +90,9 @@ def load_model(
     fp8 = None if scheme is None else Fp8Settings(scheme, is_block_scaled(config), fp8_gemm)
     if fp8 is not None and fp8_gemm not in FP8_GEMMS:
         raise ValueError(f"fp8_gemm must be one of {', '.join(FP8_GEMMS)} (got {fp8_gemm!r})")
-    ctx = BuildContext(dtype, device, tp, fp8, attention_backend, max_positions)
+    ctx = BuildContext(
+        dtype, device, tp, fp8, attention_backend, max_positions, expert_parallel=expert_parallel
+    )
     model = cls(config, ctx)
     if load_format == "dummy":
         model.fill_dummy_weights()

@@ -14,9 +14,22 @@ from __future__ import annotations
 
 import torch
 
+from adapter_format.model_shape import EXPERT_MODULES
 from engine.lora.pool import LoRAPool
 from engine.lora.slots import SlotImage, SlotLayout
 from engine.parallel.plan import ROW_PARALLEL, ShardPlan
+
+
+def _expert_shard(module: str, a, b, plan: ShardPlan, rank: int):
+    """A routed experts' pairs on one rank: this rank's experts (expert parallelism), or every expert's
+    slice of intermediate rows: gate/up's B rows of both parts, down's A columns (as the weights)."""
+    first, last = plan.expert_range(rank)
+    a, b = a[:, :, first:last], b[:, :, first:last]
+    start, end = plan.expert_rows(rank)
+    inter = plan.shape.moe_intermediate_size
+    if module == "experts.down_proj":
+        return a[..., start:end], b
+    return a, torch.cat([b[..., start:end, :], b[..., inter + start : inter + end, :]], dim=-2)
 
 
 def shard_image(image: SlotImage, local: SlotLayout, plan: ShardPlan, rank: int) -> SlotImage:
@@ -25,7 +38,9 @@ def shard_image(image: SlotImage, local: SlotLayout, plan: ShardPlan, rank: int)
     for module in local.targets:
         a = image.page_a[module]  # [num_layers, max_pages, PAGE_RANK, in]
         b = image.page_b[module]  # [num_layers, max_pages, out, PAGE_RANK]
-        if module in ROW_PARALLEL:
+        if module in EXPERT_MODULES:  # [num_layers, max_pages, E, ...]: as the experts are cut
+            a, b = _expert_shard(module, a, b, plan, rank)
+        elif module in ROW_PARALLEL:
             start, end = plan.input_range(module, rank)
             a = a[..., start:end]
         else:

@@ -36,6 +36,7 @@ class ShardPlan:
     shape: ModelShape  # the whole model's
     vocab_size: int
     world_size: int
+    expert_parallel: bool = False  # a mixture of experts: whole experts per rank (else a slice of each)
 
     def __post_init__(self) -> None:
         s, n = self.shape, self.world_size
@@ -49,6 +50,16 @@ class ShardPlan:
                 f"tensor_parallel_size {n} and the model's {s.num_kv_heads} KV heads must divide one "
                 f"another (KV heads are split, or replicated when there are fewer than ranks)"
             )
+        if s.num_experts and self.expert_parallel and s.num_experts % n:
+            raise ValueError(
+                f"--enable-expert-parallel over {n} ranks needs the model's {s.num_experts} experts to split "
+                "evenly; choose a tensor_parallel_size that divides them"
+            )
+        if s.num_experts and not self.expert_parallel and s.moe_intermediate_size % n:
+            raise ValueError(
+                f"tensor_parallel_size {n} does not divide the experts' intermediate size "
+                f"{s.moe_intermediate_size}; choose another, or --enable-expert-parallel"
+            )
         if s.intermediate_size % n:
             raise ValueError(
                 f"tensor_parallel_size {n} does not divide the model's intermediate_size "
@@ -56,12 +67,14 @@ class ShardPlan:
             )
 
     @classmethod
-    def for_model(cls, hf_config, world_size: int, quantization: str | None = None) -> ShardPlan:
+    def for_model(
+        cls, hf_config, world_size: int, quantization: str | None = None, expert_parallel: bool = False
+    ) -> ShardPlan:
         """The plan of a checkpoint's model (its LoRA targets from the registry), refusing splits the
         checkpoint's FP8 format cannot take: a block-scaled shard must hold whole 128-column blocks."""
         from engine.model.registry import model_shape
 
-        plan = cls(model_shape(hf_config), hf_config.vocab_size, world_size)
+        plan = cls(model_shape(hf_config), hf_config.vocab_size, world_size, expert_parallel)
         if world_size > 1 and fp8_scheme(hf_config, quantization) is not None and is_block_scaled(hf_config):
             for module in ROW_PARALLEL:
                 split = plan.input_split(module)
@@ -88,12 +101,29 @@ class ShardPlan:
     @property
     def local_shape(self) -> ModelShape:
         """One rank's projection sizes: `module_dims` of it gives every shard's (in, out)."""
+        s, n = self.shape, self.world_size
         return replace(
-            self.shape,
+            s,
             intermediate_size=self.intermediate_per_rank,
             num_heads=self.heads_per_rank,
             num_kv_heads=self.kv_heads_per_rank,
+            num_experts=s.num_experts // n if self.expert_parallel else s.num_experts,
+            moe_intermediate_size=s.moe_intermediate_size
+            if self.expert_parallel
+            else s.moe_intermediate_size // n,
         )
+
+    def expert_range(self, rank: int) -> tuple[int, int]:
+        """[start, end) of the experts this rank holds (all of them without expert parallelism)."""
+        if not self.expert_parallel:
+            return 0, self.shape.num_experts
+        return Split(self.shape.num_experts).range(rank, self.world_size)
+
+    def expert_rows(self, rank: int) -> tuple[int, int]:
+        """[start, end) of each expert's intermediate rows this rank holds (all with expert parallelism)."""
+        if self.expert_parallel:
+            return 0, self.shape.moe_intermediate_size
+        return Split(self.shape.moe_intermediate_size).range(rank, self.world_size)
 
     def kv_head_start(self, rank: int) -> int:
         return self._kv_heads.range(rank, self.world_size)[0] // self.shape.head_dim

@@ -89,7 +89,9 @@ class TensorParallelRank:
     @classmethod
     def start(cls, config, model_path: Path, hf_config, max_model_len: int) -> TensorParallelRank:
         """Rank 0: check the split, start the workers (they load their shards meanwhile), join the group."""
-        plan = ShardPlan.for_model(hf_config, config.tensor_parallel_size, config.quantization)
+        plan = ShardPlan.for_model(
+            hf_config, config.tensor_parallel_size, config.quantization, config.enable_expert_parallel
+        )
         device = config.torch_device
         if device.type == "cuda":
             needed = (device.index or 0) + plan.world_size
@@ -144,6 +146,7 @@ class TensorParallelRank:
                 config.fp8_gemm,
                 tp,
                 config.load_format,
+                config.enable_expert_parallel,
             )
         except BaseException:
             self.shutdown()  # rank 0: no worker outlives a start-up that failed, and the group is left

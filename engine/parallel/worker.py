@@ -63,7 +63,7 @@ def worker_main(
         config = dataclasses.replace(config, device=str(device))
         hf_config = load_config(Path(model_path))
         group = ParallelGroup.join(rank, world_size, port, device)
-        plan = ShardPlan.for_model(hf_config, world_size, config.quantization)
+        plan = ShardPlan.for_model(hf_config, world_size, config.quantization, config.enable_expert_parallel)
         runner = ModelRunner(
             config, Path(model_path), hf_config, max_model_len, TensorParallelRank(plan, group)
         )

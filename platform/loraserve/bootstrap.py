@@ -60,6 +60,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         quantization=settings.quantization,
         tensor_parallel_size=settings.tensor_parallel_size,
         load_format=settings.load_format,
+        enable_expert_parallel=settings.enable_expert_parallel,
         speculative_config=settings.speculative_config,
         kv_events_config=settings.kv_events_config,
         enforce_eager=settings.enforce_eager,
@@ -169,6 +170,7 @@ async def open_services(
             max_model_len=engine.max_model_len,
             sampling_defaults=sampling_defaults,
             max_logprobs=settings.max_logprobs,
+            tool_call_parser=settings.auto_tool_call_parser,
         )
     finally:
         if engine is not None:
@@ -237,6 +239,11 @@ def _demo_model(settings: ServerSettings) -> Path:
 
 def _log_startup(settings: ServerSettings, model_id: str, model: str, open_mode: bool) -> None:
     log.info("model: %s (from %s)", model_id, model)
+    if settings.tool_call_parser and not settings.enable_auto_tool_choice:
+        log.warning(
+            'tool_choice "auto" is off: --tool-call-parser %s needs --enable-auto-tool-choice',
+            settings.tool_call_parser,
+        )
     log.info("adapter store: %s", settings.adapter_store)
     if settings.metrics_listen_port is None and settings.metrics_key is None:
         log.warning("no metrics listener and no --metrics-key: /metrics is not served")

@@ -21,6 +21,7 @@ from types import FrameType
 import uvicorn
 
 from adapters_store.config import parse_size
+from loraserve.inference.tools import PARSERS
 from loraserve.ops.shutdown import Shutdown
 from loraserve.settings import (
     ADAPTER_LOADERS,
@@ -58,6 +59,7 @@ _SERVE_FIELDS = (
     "quantization",
     "tensor_parallel_size",
     "load_format",
+    "enable_expert_parallel",
     "speculative_config",
     "kv_events_config",
     "enable_prefix_caching",
@@ -88,6 +90,8 @@ _SERVE_FIELDS = (
     "metrics_key",
     "placement_key",
     "adapter_lookup_ttl",
+    "enable_auto_tool_choice",
+    "tool_call_parser",
 )
 GiB = 1 << 30
 
@@ -144,6 +148,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=LOAD_FORMATS,
         help="auto: read the checkpoint; dummy: random weights of its shapes, made on the "
         "device (benchmarks; only config.json is read)",
+    )
+    add(
+        "--enable-expert-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="mixture-of-experts models: whole experts per GPU instead of a slice of every expert "
+        "(attention stays tensor-parallel); with --tensor-parallel-size above 1",
     )
     add(
         "--speculative-config",
@@ -313,6 +324,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds an adapter name's resolved version is trusted before the store is asked again "
         "(uploads and deletes reach every replica at once through the config store's events)",
+    )
+    add(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help='vLLM\'s: tool_choice "auto" (the default when a request has tools) reads tool calls from the '
+        "output with --tool-call-parser (adapters uploaded with a tool_call_parser use their own)",
+    )
+    add(
+        "--tool-call-parser",
+        help=f"the format models write tool calls in, by vLLM's names: {', '.join(PARSERS)} "
+        '(docs/API.md, "Tool calling")',
     )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 

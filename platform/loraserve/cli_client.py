@@ -1,6 +1,6 @@
 """`loraserve adapters ...` and `loraserve routes ...`: a thin command-line client of the admin HTTP API.
 
-    loraserve adapters upload NAME PATH        PATH: a PEFT folder, or a .tar.gz / .zip of one
+    loraserve adapters upload NAME PATH [--tool-call-parser P]   PATH: a PEFT folder, or a .tar.gz / .zip
     loraserve adapters list | get NAME[@V] | delete NAME[@V]
     loraserve routes set NAME --variant a=90 --variant b@2=10 [--sticky user|none]
     loraserve routes list | get NAME | delete NAME
@@ -43,6 +43,11 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     upload = _leaf(adapter_commands, "upload", "upload a PEFT folder or archive (a new version)", _upload)
     upload.add_argument("name", help="the adapter's name; an existing name gets a new version")
     upload.add_argument("path", type=Path, help="a PEFT adapter folder, or a .tar.gz/.zip of one")
+    upload.add_argument(
+        "--tool-call-parser",
+        help="the format this adapter writes tool calls in (hermes, llama3_json, mistral, pythonic): "
+        'tool_choice "auto" then parses its output with it',
+    )
     _leaf(adapter_commands, "list", "list your adapters (latest version of each)", _list_adapters)
     get = _leaf(adapter_commands, "get", "show an adapter and its versions", _get_adapter)
     get.add_argument("ref", metavar="NAME[@VERSION]")
@@ -146,7 +151,10 @@ def _upload(client: httpx.Client, args: argparse.Namespace, headers: dict) -> ht
             files = [("archive", (path.name, stack.enter_context(open(path, "rb"))))]
         else:
             raise ClientError(f"{path} does not exist")
-        return client.post("/v1/adapters", data={"name": args.name}, files=files, headers=headers)
+        data = {"name": args.name}
+        if args.tool_call_parser:
+            data["tool_call_parser"] = args.tool_call_parser
+        return client.post("/v1/adapters", data=data, files=files, headers=headers)
 
 
 def _list_adapters(client: httpx.Client, args: argparse.Namespace, headers: dict) -> httpx.Response:

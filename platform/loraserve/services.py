@@ -134,6 +134,9 @@ class Services:
     max_routes_per_tenant: int = 1000  # --max-routes-per-tenant: creating a route past it is 403
     # Folders POST /v1/load_lora_adapter may read from (--allowed-lora-paths); empty: runtime loading off.
     allowed_lora_paths: tuple[str, ...] = ()
+    # The parser tool_choice "auto" uses (--tool-call-parser with --enable-auto-tool-choice; None: "auto" is
+    # a 400, except for adapters uploaded with a parser of their own).
+    tool_call_parser: str | None = None
     # Built on the first structured-output request (loraserve.inference.structured): checks specs for 400s.
     grammar_compiler: Any = None
     # Set by the app: SIGTERM's drain state; None means never draining.

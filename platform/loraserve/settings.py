@@ -16,6 +16,7 @@ from adapters_store.config import DEFAULT_URL as DEFAULT_ADAPTER_STORE
 from adapters_store.config import GiB, parse_store_url
 from engine.kv_events.config import KVEventsConfig
 from engine.spec_decode.config import SpeculativeConfig
+from loraserve.inference.tools.parsers import PARSERS, unknown_parser_message
 
 DEFAULT_STATE_DIR = Path(".loraserve")
 # The engine's own choices (engine/config.py; a test keeps them equal), repeated so that `loraserve` client
@@ -52,6 +53,7 @@ class ServerSettings:
     quantization: str | None = None  # engine.EngineConfig.quantization
     tensor_parallel_size: int = 1  # engine.EngineConfig.tensor_parallel_size
     load_format: str = "auto"  # engine.EngineConfig.load_format (dummy: random weights)
+    enable_expert_parallel: bool = False  # engine.EngineConfig.enable_expert_parallel
     # vLLM's --speculative-config: JSON text of engine.spec_decode.config.SpeculativeConfig; None: off
     speculative_config: str | None = None
     # vLLM's --kv-events-config: JSON text of engine.kv_events.config.KVEventsConfig; None: no KV events
@@ -97,6 +99,10 @@ class ServerSettings:
     # The operator's residency endpoints (/v1/residency..., for `loraserve placement`) on the metrics
     # listener need `Authorization: Bearer KEY`; None: they are off.
     placement_key: str | None = field(default=None, repr=False)
+    # vLLM's: tool_choice "auto" parses calls in the output with this parser (inference/tools/parsers/);
+    # adapters uploaded with a tool_call_parser of their own use theirs, with or without these flags.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     # Adapter lookups (name -> version) are checked against the store again after this many seconds;
     # uploads and deletes reach every replica at once as config events, so this only bounds a lost event.
     adapter_lookup_ttl: float = 30.0
@@ -203,6 +209,12 @@ class ServerSettings:
             raise ValueError(
                 f"--max-logprobs must be -1 (no cap) or a non-negative integer (got {self.max_logprobs})"
             )
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(unknown_parser_message(self.tool_call_parser))
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(
+                f"--enable-auto-tool-choice requires --tool-call-parser (one of {', '.join(PARSERS)})"
+            )
         names = [name for name, _ in self.lora_modules]
         for name, path in self.lora_modules:
             if not _MODULE.fullmatch(name) or ".." in name:
@@ -214,6 +226,11 @@ class ServerSettings:
                 raise ValueError(f"--lora-modules {name}={path}: {path!r} is not a PEFT adapter folder")
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-modules names an adapter twice: {names}")
+
+    @property
+    def auto_tool_call_parser(self) -> str | None:
+        """The server's parser for tool_choice "auto"; None unless --enable-auto-tool-choice is set."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     @property
     def metrics_listen_port(self) -> int | None:

@@ -122,6 +122,25 @@ def test_a_write_that_meets_a_full_disk_evicts_and_retries(setup):
     assert cache.metrics.num_evictions == 1
 
 
+def test_an_insert_from_memory_that_meets_a_full_disk_evicts_and_retries(setup, monkeypatch):
+    """The disk cache filled behind a load streamed into memory (DiskCache.insert): a full disk is met as
+    a download meets it, by evicting the least recently used entry and writing again."""
+    import adapters_store.cache as cache_module
+
+    cache, disk, records, _ = setup(2.5, free_slack_entries=5)
+    monkeypatch.setattr(cache_module, "open", disk.open, raising=False)
+    cache.fetch_record("acme", records["a"])
+    cache.fetch_record("acme", records["b"])
+    cache.fetch_record("acme", records["a"])  # a is now the most recently used
+    config, weights = cache.store.read_record("acme", records["c"])
+    assert cache.insert("acme", records["c"], config, weights)
+    assert disk.refused_writes >= 1, "the write was meant to meet the full disk"
+    assert cached(cache) == ["a", "c"]
+    assert leftovers(cache) == [] and not cache.out_of_room()
+    assert cache.fetch_record("acme", records["c"]).hit
+    assert not cache.insert("acme", records["c"], config, weights)  # cached already
+
+
 def test_with_everything_in_use_the_fetch_fails_cleanly_and_the_cache_says_so(setup, tmp_path):
     cache, disk, records, entry_bytes = setup(2.5, free_slack_entries=5)
     with cache.checkout("acme", records["a"]), cache.checkout("acme", records["b"]):

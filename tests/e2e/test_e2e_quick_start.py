@@ -50,6 +50,7 @@ def test_the_commands_are_the_ones_a_newcomer_needs():
     assert "adapters upload my-adapter ./my-adapter-v1" in commands
     assert "adapters upload my-adapter ./my-adapter-v2" in commands
     assert "--variant my-adapter@1=90 --variant my-adapter@2=10" in commands
+    assert "--style tools" in commands and "--tool-call-parser hermes" in commands
     assert "path/to" not in commands  # no placeholders
 
 
@@ -171,6 +172,8 @@ def test_readme_quick_start_runs_verbatim(start_server, tmp_path):
     assert [model for model, _ in routed] == ["my-adapter@1"] * 5 + ["my-adapter@2"]
     assert all(text.startswith("Arr, matey!") for _, text in routed[:5]), routed
     assert routed[5][1].startswith("BEEP BOOP."), routed
+    # The tools adapter called the weather tool for Paris, read by its own parser (the server has none).
+    assert re.search(r'^get_weather \{"city": "Paris"\}$', result.stdout, flags=re.M), result.stdout[-2000:]
     # The server answered while it converted and loaded the demo model (/health 200, /ready 503).
     assert (200, 503) in server.seen_while_starting, server.seen_while_starting
 

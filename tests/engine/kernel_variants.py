@@ -27,6 +27,7 @@ def variant_key(kernel, args: tuple, kwargs: dict) -> tuple:
     params = {k: v for k, v in kwargs.items() if k in signature.parameters}
     options = tuple(sorted((k, repr(v)) for k, v in kwargs.items() if k not in signature.parameters))
     bound = signature.bind(*args, **params)
+    bound.apply_defaults()  # Triton binds parameters left at their defaults too (and keys on them)
     skip = _not_specialized(kernel)
     key = []
     for index, (name, param) in enumerate(signature.parameters.items()):

@@ -287,6 +287,32 @@ def test_a_request_kept_out_by_other_adapters_is_not_starved(policy, admitted_by
         assert steps and steps[0] <= admitted_by
 
 
+def test_a_held_request_drains_one_adapter_while_the_others_keep_admitting():
+    """max_loras=2, adapters y and z running with new requests every step, x waiting for a slot. Once
+    x's bypasses are spent, one of them (the one closest to done) admits nothing new and the other keeps
+    admitting; no newer adapter w takes the slot before x, and x gets the slot when it frees."""
+    scheduler = make_scheduler(max_loras=2, fairness_max_bypass_steps=2, max_num_seqs=128, num_blocks=1024)
+    arrivals = {0: [make_request("b", 4, 30, adapter_id="y"), make_request("b", 4, 6, adapter_id="z")]}
+    x = make_request("a", 4, 2, adapter_id="x")
+    arrivals[1] = [x]
+    for step in range(1, 60):
+        arrivals.setdefault(step, []).extend(
+            [make_request("b", 4, 30, adapter_id="y"), make_request("b", 4, 30, adapter_id="z")]
+        )
+    arrivals[4].append(make_request("c", 4, 2, adapter_id="w"))  # a newer adapter, behind x
+    trace = run(scheduler, arrivals, 60)
+    admitted = [{r.adapter_id for r in output.newly_admitted} for output in trace.outputs]
+    x_step = next(i for i, adapters in enumerate(admitted) if "x" in adapters)
+    held = range(1 + 2 + 1, x_step)  # after x's two bypasses, until x runs
+    assert x_step <= 1 + 2 + 30 + 1  # the drained adapter's last requests (30 tokens) end, then x
+    draining = [a for a in ("y", "z") if not any(a in admitted[i] for i in held)]
+    assert len(draining) == 1  # exactly one adapter stops admitting...
+    other = ({"y", "z"} - set(draining)).pop()
+    assert all(other in admitted[i] for i in held)  # ...and the other keeps admitting every step
+    w_step = next(i for i, adapters in enumerate(admitted) if "w" in adapters)
+    assert w_step > x_step  # no newer adapter took the slot first
+
+
 def test_a_head_lacking_blocks_is_passed_over_for_a_bounded_number_of_steps():
     # 16 blocks of 4 tokens. b's long request holds 11 blocks, then grows to 14; a's prompt needs 8.
     scheduler = make_scheduler(num_blocks=16, max_num_batched_tokens=64, fairness_max_bypass_steps=2)

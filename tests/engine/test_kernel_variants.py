@@ -34,8 +34,13 @@ def h100(monkeypatch):
     monkeypatch.setattr(attention, "num_sms", lambda device: H100_SMS)
 
 
-def lora_keys(monkeypatch, token_counts: list[int]) -> set:
-    """Variant keys of every LoRA launch of one layer at each token count."""
+def lora_keys(
+    monkeypatch,
+    token_counts: list[int],
+    max_rank: int = MAX_RANK,
+    rank_buckets: tuple[int, ...] | None = None,
+) -> set:
+    """Variant keys of every LoRA launch of one layer at each token count (sized to `rank_buckets`)."""
     rng = torch.Generator().manual_seed(0)
     shrink = ["_shrink_gathered_kernel", "_shrink_segmented_kernel"]
     expand = ["_expand_gathered_kernel", "_expand_segmented_kernel"]
@@ -43,7 +48,7 @@ def lora_keys(monkeypatch, token_counts: list[int]) -> set:
         record_variants(monkeypatch, shrink_kernels, shrink) as keys,
         record_variants(monkeypatch, expand_kernels, expand) as expand_keys,
     ):
-        pool = LoRAPool(SHAPE, NUM_SLOTS, MAX_RANK, torch.float32, torch.device("cpu"))  # the engine's views
+        pool = LoRAPool(SHAPE, NUM_SLOTS, max_rank, torch.float32, torch.device("cpu"))  # the engine's views
         groups = [("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)]
         for num_tokens in token_counts:
             for (_, in_features), widths, group in zip(warmup.lora_groups(SHAPE), WIDTHS, groups):
@@ -51,7 +56,9 @@ def lora_keys(monkeypatch, token_counts: list[int]) -> set:
                 y = torch.zeros(num_tokens, sum(widths))
                 views = [pool.layers[0][m] for m in group]
                 slots = torch.randint(-1, NUM_SLOTS, (num_tokens,), generator=rng, dtype=torch.int32)
-                ranks = torch.full((NUM_SLOTS,), MAX_RANK, dtype=torch.int32)
+                ranks = torch.full(
+                    (NUM_SLOTS,), min(max_rank, *(rank_buckets or [max_rank])), dtype=torch.int32
+                )
                 lora_kernels.add_lora_paged(
                     y,
                     x,
@@ -62,6 +69,7 @@ def lora_keys(monkeypatch, token_counts: list[int]) -> set:
                     [v.scales for v in views],
                     widths,
                     ranks,
+                    rank_buckets=rank_buckets,
                     backend="triton",
                 )
     return set(keys) | set(expand_keys)
@@ -82,6 +90,33 @@ def test_warmup_token_counts_cover_every_lora_variant(monkeypatch, h100):
     assert not unseen, (
         f"{len(unseen)} LoRA variants compiled after the warm-up: {sorted(k[0] for k in unseen)}"
     )
+
+
+def test_warmup_token_counts_cover_every_rank_bucket_variant(monkeypatch, h100):
+    """A pool for rank 64 sizes steps to (16), (64) or both (engine/lora/pool.py): the warm-up's token
+    counts, run for each variant as engine/warmup.warm_up does, cover what any step of any variant
+    launches (windowed launches for the two-bucket variant, plain ones for a single bucket)."""
+    max_rank = 64
+    pool = LoRAPool(SHAPE, NUM_SLOTS, max_rank, torch.float32, torch.device("cpu"))
+    variants = pool.bucket_variants()
+    assert variants == [(16,), (64,), (16, 64)]
+    groups = warmup.lora_groups(SHAPE)
+
+    def key(num_tokens):  # warm_up's: the launch configs of every bucket of every variant
+        return tuple(
+            warmup.lora_key(num_tokens, groups, NUM_SLOTS, rank, torch.float32, torch.device("cpu"))
+            for variant in variants
+            for rank in variant
+        )
+
+    counts = warmup.eager_token_counts(MAX_TOKENS, key, first=1)
+    warmed = set().union(*(lora_keys(monkeypatch, counts, max_rank, v) for v in variants))
+    rng = random.Random(2)
+    others = [2, 3, 16, 17, 127, 128, 130, 256, 257, MAX_TOKENS, *rng.sample(range(1, MAX_TOKENS + 1), 20)]
+    seen = [lora_keys(monkeypatch, others, max_rank, v) for v in variants]
+    assert all(seen) and len(set().union(*seen)) > len(seen[0])  # the variants do launch different kernels
+    unseen = set().union(*seen) - warmed
+    assert not unseen, f"{len(unseen)} rank-bucket variants compiled after the warm-up"
 
 
 def attention_keys(monkeypatch, batches: list[tuple[list[int], list[int]]], width_pad: int = 0) -> list:

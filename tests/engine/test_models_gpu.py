@@ -94,14 +94,20 @@ def test_bfloat16_agrees_with_transformers_and_graphs_equal_eager(case):
     expected = [reference_greedy_cuda(reference, p, a) for p, a in zip(case["prompts"], case["assigned"])]
     del reference
     graphs, replays = run(case, "bfloat16", NUM_TOKENS)
-    eager, _ = run(case, "bfloat16", NUM_TOKENS, enforce_eager=True)
-    assert replays > 0 and graphs == eager
+    assert replays > 0
     agreement = sum(common_prefix(g, e) for g, e in zip(graphs, expected)) / (NUM_TOKENS * len(expected))
     whole = sum(g == e for g, e in zip(graphs, expected)) / len(expected)
     print(
         f"{case['arch']}: bf16 first-{NUM_TOKENS}-token agreement {agreement:.3f}, whole prompts {whole:.3f}"
     )
     assert agreement >= 0.95
+    # Replays equal eager steps where both run the same shapes (padding a decode batch to its graph's
+    # bucket changes the GEMMs' shapes, and so bf16 rounding): 16 prompts (a bucket) of 12 tokens, one
+    # step of prefill, then every decode step at batch 16 in both runs.
+    uniform = {**case, "prompts": [p[:12] for p in case["prompts"][:16]], "assigned": case["assigned"][:16]}
+    graphs, replays = run(uniform, "bfloat16", 8)
+    eager, _ = run(uniform, "bfloat16", 8, enforce_eager=True)
+    assert replays > 0 and graphs == eager
 
 
 @torch.inference_mode()

@@ -102,3 +102,33 @@ def test_a_cap_must_be_positive():
             scale,
             softcap=0.0,
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 8])
+def test_cuda_compiled_tiles_cap_scores(dtype, window):
+    """The compiled kernel (64-row prefill tiles, split-K decode), not the interpreter: Gemma 2's heads."""
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    for seqs, splits in (([(0, 60), (21, 40), (3, 17)], None), ([(59, 1), (8, 1), (130, 1)], 4)):
+        batch = make_batch(seqs, 4, 2, 16, 16, dtype, seed=len(seqs) + (splits or 0))
+        batch.q.mul_(3.0)  # larger scores: the cap must bite
+        expected = reference_attention(batch, 24**-0.5, window, softcap=10.0 / 4)
+        seq_lens, starts = (t.cuda() for t in batch.device_meta())
+        out = torch.full_like(batch.q.cuda(), float("nan"))
+        paged_attention_triton(
+            batch.q.cuda(),
+            batch.key_cache.cuda(),
+            batch.value_cache.cuda(),
+            batch.block_tables.cuda(),
+            seq_lens,
+            starts,
+            max(batch.query_lens),
+            24**-0.5,
+            window,
+            num_splits=splits,
+            out=out,
+            softcap=10.0 / 4,
+        )
+        torch.testing.assert_close(out.cpu().double(), expected, atol=tolerance, rtol=tolerance)

@@ -20,7 +20,7 @@ PATHS = ["gathered", "segmented"]
 MIXED = [4, 8, 16, 64, 8, 16]  # one batch, ranks from 4 to 64
 
 
-def run_paged(case, out_slices, path, backend="triton", meta=None):
+def run_paged(case, out_slices, path, backend="triton", meta=None, rank_buckets=None):
     y = case.y.clone()
     lora_kernels.add_lora_paged(
         y,
@@ -32,6 +32,7 @@ def run_paged(case, out_slices, path, backend="triton", meta=None):
         case.scales,
         out_slices,
         case.slot_ranks,
+        rank_buckets=rank_buckets,
         meta=meta,
         path=path,
         backend=backend,
@@ -83,6 +84,41 @@ def test_paged_equals_the_dense_slot_layout(path) -> None:
         backend="triton",
     )
     torch.testing.assert_close(run_paged(case, out_slices, path), dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_rank_buckets_split_a_mixed_batch_and_match_the_reference(path) -> None:
+    """Ranks 4-16 in a launch pair sized for rank 16, rank 64 in one sized for 64: the same y, to the
+    float64 reference (pages past each bucket's width hold poisoned ids: never followed)."""
+    out_slices = [96, 32, 32]
+    case = make_paged_case(seed_of("buckets", path), 29, 128, out_slices, MIXED, 8, torch.float32)
+    assert_matches(case, run_paged(case, out_slices, path, rank_buckets=(16, 64)))
+    # Three buckets, one of them empty in this batch (no rank in (16, 32]).
+    assert_matches(case, run_paged(case, out_slices, path, rank_buckets=(8, 16, 32, 64)))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_one_small_bucket_serves_a_batch_of_small_ranks(path) -> None:
+    """The step's largest rank is 16 in a pool for rank 64: kernels sized for 16, a page table two pages
+    wide; the rank-64 slot exists but no token uses it."""
+    ranks = [4, 16, 64, 8]
+    case = make_paged_case(seed_of("small", path), 31, 96, [48], ranks, 8, torch.float32)
+    case.token_slots[case.token_slots == 2] = -1
+    assert_matches(case, run_paged(case, [48], path, rank_buckets=(16,)))
+
+
+def test_rank_buckets_are_checked() -> None:
+    case = make_paged_case(seed_of("bucket-checks"), 8, 64, [32], [8, 64], 8, torch.float32)
+    for buckets, message in (
+        ((12, 64), "multiples of the page"),
+        ((64, 16), "ascending"),
+        ((16, 128), "above the page table"),
+        ((), "ascending positive"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            run_paged(case, [32], "gathered", rank_buckets=buckets)
+    with pytest.raises(ValueError, match="above the largest rank bucket 16"):
+        run_paged(case, [32], "gathered", rank_buckets=(16,))  # a token of the rank-64 slot
 
 
 def test_the_torch_reference_path_matches_too() -> None:

@@ -22,7 +22,7 @@ pytestmark = [
 MIXED = [4, 8, 16, 64] * 4
 
 
-def run(case, out_slices, path, y=None, meta=None):
+def run(case, out_slices, path, y=None, meta=None, rank_buckets=None):
     y = case.y.clone() if y is None else y
     return lora_kernels.add_lora_paged(
         y,
@@ -34,6 +34,7 @@ def run(case, out_slices, path, y=None, meta=None):
         case.scales,
         out_slices,
         case.slot_ranks,
+        rank_buckets=rank_buckets,
         meta=meta,
         path=path,
     )
@@ -63,6 +64,22 @@ def test_mixed_ranks_match_float64(num_tokens, in_features, out_slices, path, dt
         torch.testing.assert_close(y.double(), case.expected(), rtol=tol, atol=tol)
         untouched = case.token_slots < 0
         assert torch.equal(y[untouched], case.y[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("path", ["gathered", "segmented"])
+def test_rank_buckets_match_float64(path, dtype) -> None:
+    """Ranks 4-16 and 64 in launch pairs sized for 16 and 64 (the engine's mixed-rank steps)."""
+    out_slices = [2048, 512, 512]
+    num_tokens = 64 if path == "gathered" else 300
+    case = make_paged_case(
+        seed_of("gpu-buckets", path, dtype), num_tokens, 2048, out_slices, MIXED, 8, dtype, "cuda"
+    )
+    y = run(case, out_slices, path, rank_buckets=(16, 64))
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(y.double(), case.expected(), rtol=tol, atol=tol)
+    untouched = case.token_slots < 0
+    assert torch.equal(y[untouched], case.y[untouched])
 
 
 @pytest.mark.parametrize("path", ["gathered", "segmented"])

@@ -39,17 +39,19 @@ CORPUS = [
 MAX_MODEL_LEN = 128
 
 
-def make_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+def make_tokenizer(
+    chat_template: str | None = CHAT_TEMPLATE, corpus: list[str] = CORPUS, vocab_size: int = 300
+) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300,
+        vocab_size=vocab_size,
         special_tokens=[EOS, "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.train_from_iterator(corpus, trainer)
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=EOS, clean_up_tokenization_spaces=False
     )
@@ -59,11 +61,16 @@ def make_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedToken
 
 
 def make_text_model(
-    folder: Path, seed: int = 5, chat_template: str | None = CHAT_TEMPLATE, arch: str = "llama"
+    folder: Path,
+    seed: int = 5,
+    chat_template: str | None = CHAT_TEMPLATE,
+    arch: str = "llama",
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> Path:
-    """A C1-sized random model (Llama, or another family of tests/factories.py) saved with its tokenizer;
-    eos is token 0."""
-    tokenizer = make_tokenizer(chat_template)
+    """A C1-sized random model (Llama, or another family of tests/factories.py) saved with its tokenizer
+    (make_tokenizer's unless given); eos is token 0."""
+    tokenizer = tokenizer or make_tokenizer(chat_template)
     make_model(
         folder,
         arch=arch,
@@ -71,7 +78,7 @@ def make_text_model(
         vocab_size=len(tokenizer),
         eos_token_id=0,
         bos_token_id=None,
-        max_position_embeddings=MAX_MODEL_LEN,
+        max_position_embeddings=max_model_len,
     )
     tokenizer.save_pretrained(folder)
     return folder

@@ -175,6 +175,13 @@ def test_load_format_flag_reaches_the_engine():
         ServerSettings(load_format="pt")
 
 
+def test_enable_expert_parallel_flag_reaches_the_engine():
+    assert engine_config(settings([]), "some/model").enable_expert_parallel is False
+    flags = settings(["--tensor-parallel-size", "2", "--enable-expert-parallel"])
+    assert engine_config(flags, "some/model").enable_expert_parallel is True
+    assert settings([], {"LORASERVE_ENABLE_EXPERT_PARALLEL": "true"}).enable_expert_parallel is True
+
+
 def test_kv_events_config_and_placement_key_flags():
     raw = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "kv@pod@model"}'
     flags = settings(["--kv-events-config", raw])

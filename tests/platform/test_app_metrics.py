@@ -4,8 +4,10 @@ is served to scrapers only (the metrics port, or a scrape key); /health and /rea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 from app_fixtures import make_text_model
@@ -18,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_inference_completions import run
 
 from engine import EngineStats
+from engine.stats import HistogramCounts
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +136,13 @@ def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_d
     assert sum(v for (n, _), v in found.items() if n == "loraserve_adapter_cache_misses_total") >= 1
     assert sum(v for (n, _), v in found.items() if n == "loraserve_adapter_cache_hits_total") >= 1
     assert sum(v for (n, _), v in found.items() if n == "loraserve_adapter_load_seconds_count") >= 1
+    # Adapter requests' engine-side TTFT by the tier their adapter came from: the routed request found it
+    # only in the store (a cold start, counted once), the next two in its GPU slot.
+    ttft = "loraserve_adapter_ttft_seconds_count"
+    assert value(found, ttft, source_tier="store", **model) == 1
+    assert value(found, ttft, source_tier="gpu", **model) == 2
+    assert value(found, "loraserve_adapter_cold_start_seconds_count", source_tier="store", **model) == 1
+    assert value(found, "loraserve_adapter_cold_start_seconds_sum", source_tier="store", **model) > 0
     assert "vllm:time_to_first_token_seconds_count" in before  # registered before any request
     assert ready.status_code == 200 and ready.json() == {"ready": True, "model": "tiny", "reasons": []}
     assert health.json() == {"status": "ok"}
@@ -193,6 +203,40 @@ def test_lora_requests_info_is_shaped_as_vllm_exports_it():
     (stamp,) = [v for (name, _), v in found.items() if name == "vllm:lora_requests_info"]
     assert before <= stamp <= time.time()
     assert "# TYPE vllm:lora_requests_info gauge" in text
+
+
+def test_adapter_latency_histograms_carry_the_source_tier_and_no_names():
+    counts = HistogramCounts((0.1, 1.0), (2, 1, 0), 0.35)
+    stats = dataclasses.replace(
+        engine_stats(running=(), waiting=()),
+        adapter_ttft=(("gpu", counts), ("store", HistogramCounts((0.1, 1.0), (0, 0, 1), 2.5))),
+        adapter_cold_start=(("store", HistogramCounts((0.1, 1.0), (0, 1, 0), 0.5)),),
+    )
+    found = samples(Metrics("tiny", engine_stats=lambda: stats).render().decode())
+    ttft = "loraserve_adapter_ttft_seconds"
+    assert value(found, f"{ttft}_bucket", model_name="tiny", source_tier="gpu", le="0.1") == 2
+    assert value(found, f"{ttft}_bucket", model_name="tiny", source_tier="gpu", le="1.0") == 3
+    assert value(found, f"{ttft}_count", model_name="tiny", source_tier="gpu") == 3
+    assert value(found, f"{ttft}_sum", model_name="tiny", source_tier="gpu") == pytest.approx(0.35)
+    assert value(found, f"{ttft}_bucket", model_name="tiny", source_tier="store", le="+Inf") == 1
+    cold = "loraserve_adapter_cold_start_seconds"
+    assert value(found, f"{cold}_count", model_name="tiny", source_tier="store") == 1
+    labels = {
+        key
+        for name, labels in found
+        if name.startswith(("loraserve_adapter_ttft", cold))
+        for key, _ in labels
+    }
+    assert labels == {"model_name", "source_tier", "le"}  # bounded: never an adapter or tenant name
+
+
+def test_moe_routing_is_exported_per_expert():
+    stats = replace(engine_stats((), ()), moe_expert_tokens=(5, 0, 7), moe_load_imbalance=1.75)
+    found = samples(Metrics("tiny", engine_stats=lambda: stats).render().decode())
+    assert value(found, "loraserve_moe_expert_tokens_total", model_name="tiny", expert="2") == 7
+    assert value(found, "loraserve_moe_load_imbalance", model_name="tiny") == 1.75
+    dense = samples(Metrics("tiny", engine_stats=lambda: engine_stats((), ())).render().decode())
+    assert not [name for name, _ in dense if name.startswith("loraserve_moe")]
 
 
 def test_lora_requests_info_names_a_running_adapter_as_requests_name_it(tmp_path, model_dir, adapter_dir):

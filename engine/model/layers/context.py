@@ -33,3 +33,6 @@ class BuildContext:
     # The Triton path's fused element-wise kernels (norms with the residual add, RoPE, act-and-mul);
     # the model decides (engine/model/layers/decoder.py).
     fused: bool = False
+    # Mixture-of-experts layers: whole experts per rank instead of a slice of every expert (vLLM's
+    # --enable-expert-parallel; engine/model/layers/moe.py).
+    expert_parallel: bool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from adapters_store import AdapterRecord
 
@@ -21,6 +22,8 @@ class Adapter(msgspec.Struct, frozen=True, kw_only=True):
     sha256: str  # of adapter_model.safetensors
     size_bytes: int
     created_at: str  # ISO 8601 UTC
+    # The parser tool_choice "auto" uses for this adapter (the upload's tool_call_parser); absent: the server's
+    tool_call_parser: str | UnsetType = UNSET
     object: Literal["adapter"] = "adapter"
 
     @classmethod

@@ -41,15 +41,20 @@ async def upload_adapter(services: Services, principal: Principal, request: Requ
             form = UploadForm(await asyncio.to_thread(UploadIntake, staging, store.config, store.shape))
             await read_upload_body(request, form)
             upload = form.result()
-            return await store_adapter(services, principal, upload.name, upload.source)
+            return await store_adapter(
+                services, principal, upload.name, upload.source, tool_call_parser=upload.tool_call_parser
+            )
         finally:
             await asyncio.to_thread(staging_block.__exit__, None, None, None)
 
 
-async def store_adapter(services: Services, principal: Principal, name: str, source: Any) -> Adapter:
+async def store_adapter(
+    services: Services, principal: Principal, name: str, source: Any, tool_call_parser: str | None = None
+) -> Adapter:
     """Validate and store `source` (a form's files, an archive or a folder) as the next version of `name`."""
     check_not_base_model(name, services.base_model_id, "adapter")
-    record = await asyncio.to_thread(services.adapter_store.put, principal.tenant, name, source)
+    put = services.adapter_store.put
+    record = await asyncio.to_thread(put, principal.tenant, name, source, tool_call_parser=tool_call_parser)
     services.adapter_lookup.invalidate(principal.tenant, record.name)
     await _announce(services, principal.tenant, record.name, "put")
     return Adapter.from_record(record)

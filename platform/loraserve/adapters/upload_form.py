@@ -19,10 +19,13 @@ from adapters_store import InvalidAdapter
 from adapters_store.intake import UploadSource
 from adapters_store.streams import CHUNK_BYTES
 from adapters_store.upload_intake import UploadIntake
+from loraserve.inference.tools import PARSERS
 
 NAME_FIELD, FILES_FIELD, ARCHIVE_FIELD = "name", "files", "archive"
-_FIELDS = (NAME_FIELD, FILES_FIELD, ARCHIVE_FIELD)
-MAX_TEXT_BYTES = 1024  # `name` is at most 64 characters
+PARSER_FIELD = "tool_call_parser"  # optional: the format the adapter writes tool calls in ("auto")
+_TEXT_FIELDS = (NAME_FIELD, PARSER_FIELD)
+_FIELDS = (NAME_FIELD, FILES_FIELD, ARCHIVE_FIELD, PARSER_FIELD)
+MAX_TEXT_BYTES = 1024  # `name` is at most 64 characters, a parser's name less
 EXAMPLE = (
     "curl -F name=my-adapter -F files=@adapter_config.json -F files=@adapter_model.safetensors ... "
     "or -F name=my-adapter -F archive=@adapter.tar.gz"
@@ -33,6 +36,7 @@ EXAMPLE = (
 class AdapterUpload:
     name: str
     source: UploadSource  # Staged: the files (or the archive) in the staging folder
+    tool_call_parser: str | None = None
 
 
 class UploadForm:
@@ -40,7 +44,7 @@ class UploadForm:
 
     def __init__(self, intake: UploadIntake) -> None:
         self._intake = intake
-        self._names: list[str] = []
+        self._texts: dict[str, list[str]] = {field: [] for field in _TEXT_FIELDS}
         self._fields: set[str] = set()
         self._segment: MultipartSegment | None = None
         self._text: bytearray | None = None  # the current part, if it is text
@@ -49,13 +53,18 @@ class UploadForm:
     async def begin(self, segment: MultipartSegment) -> None:
         field, is_file = segment.name or "", segment.filename is not None
         if field not in _FIELDS:
-            raise _bad(f"unknown form field {field!r}; the fields are name, and files or archive")
+            raise _bad(
+                f"unknown form field {field!r}; the fields are name, and files or archive, and optionally "
+                f"{PARSER_FIELD}"
+            )
         self._segment, self._text = segment, None
-        if field == NAME_FIELD:
-            if is_file:
+        if field in _TEXT_FIELDS:
+            if is_file and field == NAME_FIELD:
                 raise _bad(
                     "the form needs exactly one text field 'name' (the adapter's name)", "missing_name"
                 )
+            if is_file:
+                raise _bad(f"'{field}' must be a text field (curl -F {field}=hermes), not a file")
             self._text = bytearray()
             return
         if not is_file:
@@ -87,21 +96,24 @@ class UploadForm:
     async def end(self) -> None:
         if self._text is not None:
             try:
-                self._names.append(self._text.decode(self._segment.charset or "utf-8"))
+                text = self._text.decode(self._segment.charset or "utf-8")
             except (UnicodeDecodeError, LookupError):
                 raise InvalidAdapter(
                     f"form field {self._segment.name!r} is not valid text", "bad_upload"
                 ) from None
+            self._texts[self._segment.name].append(text)
             return
         await self._flush()
         await asyncio.to_thread(self._intake.close_part)
 
     def result(self) -> AdapterUpload:
-        if len(self._names) != 1:
+        names = self._texts[NAME_FIELD]
+        if len(names) != 1:
             raise _bad("the form needs exactly one text field 'name' (the adapter's name)", "missing_name")
+        parser = _tool_call_parser(self._texts[PARSER_FIELD])
         if not self._fields:
             raise _bad("the form has no adapter: add the files 'files' or one 'archive'", "missing_files")
-        return AdapterUpload(name=self._names[0], source=self._intake.source())
+        return AdapterUpload(name=names[0], source=self._intake.source(), tool_call_parser=parser)
 
     def abort(self) -> None:
         self._intake.abort()
@@ -110,6 +122,15 @@ class UploadForm:
         if self._pending:
             chunk, self._pending = bytes(self._pending), bytearray()
             await asyncio.to_thread(self._intake.write, chunk)
+
+
+def _tool_call_parser(values: list[str]) -> str | None:
+    if not values:
+        return None
+    if len(values) != 1 or values[0] not in PARSERS:
+        shown = values[0] if len(values) == 1 else values
+        raise _bad(f"{PARSER_FIELD} {shown!r} is not one of the parsers {', '.join(PARSERS)}")
+    return values[0]
 
 
 def _bad(message: str, code: str = "bad_upload") -> InvalidAdapter:

@@ -10,6 +10,7 @@ from typing import Any
 
 from loraserve.errors import BadRequest
 from loraserve.inference.schemas import ChatMessage
+from loraserve.inference.tools import add_tool_fields
 
 MAX_PROMPTS = 64  # prompts in one completions request
 
@@ -51,6 +52,7 @@ def chat_prompt(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     truncate: int | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Render the messages with the model's chat template, then tokenize without adding specials twice."""
     text = render_chat(
@@ -58,6 +60,7 @@ def chat_prompt(
         tokenizer,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
+        tools=tools,
     )
     ids = truncated(tokenizer_ids(text, tokenizer, add_special_tokens=False), truncate, max_model_len)
     check_prompt_ids(ids, tokenizer, max_model_len)
@@ -70,8 +73,10 @@ def render_chat(
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The messages as the model's chat template writes them (the text the model is prompted with)."""
+    """The messages as the model's chat template writes them (the text the model is prompted with);
+    `tools` (OpenAI's function definitions) go to the template as `tools=`."""
     if tokenizer is None:
         raise BadRequest(
             "this model has no tokenizer, so chat is unavailable; use /v1/completions with token ids"
@@ -93,12 +98,14 @@ def render_chat(
             param="continue_final_message",
         )
     conversation = [{"role": m.role, "content": _text(m, i)} for i, m in enumerate(messages)]
+    add_tool_fields(conversation, messages)
     try:
         return tokenizer.apply_chat_template(
             conversation,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tokenize=False,
+            **({"tools": tools} if tools else {}),
         )
     except Exception as exc:  # a template may reject e.g. a system message; that is the caller's to fix
         raise BadRequest(f"the chat template rejected these messages: {exc}", param="messages") from None

@@ -31,6 +31,8 @@ from loraserve.inference.schemas import (
     PromptTokensDetails,
     Usage,
 )
+from loraserve.inference.tools import ToolOutput
+from loraserve.inference.tools import finish_reason as tool_finish_reason
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}
 
@@ -61,6 +63,7 @@ class ResponseOptions:
     echo: list[str] | None = None  # text repeated before each prompt's completions (echo)
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs in the answer (completions: per choice)
     echo_logprobs: bool = False  # completions' echo with logprobs: the prompt's tokens lead each choice's
+    tools: ToolOutput | None = None  # chat with tools: the text is read into content and tool_calls
 
 
 class Choices:
@@ -210,13 +213,14 @@ class ChatFormat(_Format):
         items = [
             ChatChoice(
                 index=index,
-                message=AssistantMessage(content=self._echo(choices, index) + "".join(choice.text)),
+                message=message,
                 logprobs=chat_logprobs(choice.logprobs, self.text) if self.want_logprobs else None,
-                finish_reason=choice.finish_reason,
+                finish_reason=tool_finish_reason(choice.finish_reason, bool(message.tool_calls)),
                 stop_reason=choice.stop_reason,
                 token_ids=self._ids(choice.token_ids),
             )
             for index, choice in choices.sorted()
+            for message in [self._message(choices, index, choice)]
         ]
         return ChatCompletion(
             id=self.id,
@@ -228,31 +232,53 @@ class ChatFormat(_Format):
             prompt_logprobs=self._prompt_logprobs(choices, 0),
         )
 
+    def _message(self, choices: Choices, index: int, choice: Choice) -> AssistantMessage:
+        text = "".join(choice.text)
+        tools = self.options.tools
+        if tools is None:
+            return AssistantMessage(content=self._echo(choices, index) + text)
+        content, calls = tools.message(text)
+        if content is not None:
+            content = self._echo(choices, index) + content
+        return AssistantMessage(content=content, tool_calls=calls or UNSET)
+
     def chunk(
         self, choices: Choices, changed: list[tuple[int, CompletionOutput]], usage: Usage | None = None
-    ) -> ChatCompletionChunk:
+    ) -> ChatCompletionChunk | None:
+        """The chunk of these choices' deltas; None when there is nothing to send (text a tool parser
+        holds back until it knows whether it is a call)."""
         items = []
         prompt_ids: list[int] | UnsetType = UNSET
+        tools = self.options.tools
         for index, completion in changed:
             choice = choices.by_index[index]
             first = not choice.started
+            logprobs = chat_logprobs(completion.logprobs or [], self.text) if self.want_logprobs else None
+            text, tool_calls, finish = completion.text, None, finish_reason(completion.finish_reason)
+            if tools is not None:
+                content, deltas = tools.delta(index, text, finish is not None)
+                text, tool_calls = content or "", deltas or None
+                finish = tool_finish_reason(finish, tools.streamed_calls(index))
+                if not (first or text or tool_calls or finish or logprobs or self.options.return_token_ids):
+                    continue
             choice.started = True
             role = "assistant" if first else None
             if first:
                 prompt_ids = self._prompt_ids(choices, index)
-            logprobs = chat_logprobs(completion.logprobs or [], self.text) if self.want_logprobs else None
-            text = (self._echo(choices, index) if first else "") + completion.text
-            delta = ChatDelta(role=role, content=text if text or role else None)
+            text = (self._echo(choices, index) if first else "") + text
+            delta = ChatDelta(role=role, content=text if text or role else None, tool_calls=tool_calls)
             items.append(
                 ChatChunkChoice(
                     index=index,
                     delta=delta,
                     logprobs=logprobs,
-                    finish_reason=finish_reason(completion.finish_reason),
+                    finish_reason=finish,
                     stop_reason=completion.stop_reason,
                     token_ids=self._ids(completion.token_ids),
                 )
             )
+        if not items:
+            return None
         return ChatCompletionChunk(
             id=self.id,
             created=self.created,

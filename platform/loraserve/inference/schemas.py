@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from loraserve.inference.tools.types import DeltaToolCall, MessageToolCall, ToolCall, ToolDefinition
+
 MAX_N = 16  # completions per prompt: each is a full sequence in the batch
 
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -140,6 +142,8 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     role: Annotated[str, Meta(min_length=1, max_length=64)]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls (content may be null)
+    tool_call_id: str | None = None  # a `role: "tool"` message: the call it answers
 
 
 class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
@@ -151,6 +155,11 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    # Tool calling (inference/tools/): tool_choice "none" | "auto" | "required" | {"type": "function",
+    # "function": {"name": ...}}, kept raw so that a bad one gets vLLM's message
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---- responses --------------------------------------------------------------------------------------
@@ -227,7 +236,8 @@ class ChatLogprobs(msgspec.Struct, frozen=True, kw_only=True):
 
 class AssistantMessage(msgspec.Struct, frozen=True, kw_only=True):
     role: str = "assistant"
-    content: str
+    content: str | None  # None: tool calls and no text
+    tool_calls: list[ToolCall] | UnsetType = UNSET  # present when the response calls tools
 
 
 class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):
@@ -253,6 +263,7 @@ class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
 class ChatDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, frozen=True, kw_only=True):

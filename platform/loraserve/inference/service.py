@@ -10,6 +10,7 @@ client that leaves while its request waits in the queue aborts it there.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -40,6 +41,7 @@ from loraserve.inference.responses import ChatFormat, Choices, CompletionFormat,
 from loraserve.inference.sampling import LogprobsCap, chat_params, completion_params
 from loraserve.inference.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.inference.structured import check_structured
+from loraserve.inference.tools import ToolPlan, plan_tools
 from loraserve.ops.readiness import engine_dead_reason
 from loraserve.resolution import resolve_model
 from loraserve.services import Services
@@ -73,7 +75,9 @@ async def create_chat_completion(
     services: Services, principal: Principal, body: ChatCompletionRequest, request: Request
 ) -> Any:
     check_serving(services)
+    tools = plan_tools(body)
     params = chat_params(body, services.sampling_defaults, _logprobs_cap(services))
+    params = tools.constrain(params) if tools is not None else params
     prompt = chat_prompt(
         body.messages,
         services.tokenizer,
@@ -81,13 +85,21 @@ async def create_chat_completion(
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         truncate=body.truncate_prompt_tokens,
+        tools=tools.template_tools() if tools is not None else None,
     )
     check_sampling_token_ids(params, services.tokenizer)
-    await check_structured(services, params.structured_outputs)
+    try:
+        await check_structured(services, params.structured_outputs)
+    except BadRequest as exc:  # under a named or "required" tool_choice the grammar is the tools' schemas
+        if tools is None or tools.mode in ("none", "auto"):
+            raise
+        raise BadRequest(f"a tool's parameters schema cannot be used: {exc}", param="tools") from None
     # vLLM's chat echo: the last message's content, when it is the assistant's (the reply continues it)
     last = body.messages[-1]
     echo = [message_text(last)] if body.echo and last.role == "assistant" else None
-    return await _generate(services, principal, body, [prompt], params, ChatFormat, "chatcmpl", request, echo)
+    return await _generate(
+        services, principal, body, [prompt], params, ChatFormat, "chatcmpl", request, echo, tools
+    )
 
 
 async def create_invocation(
@@ -133,8 +145,13 @@ async def _generate(
     prefix: str,
     request: Request,
     echo: list[str] | None = None,
+    tools: ToolPlan | None = None,
 ) -> Any:
     resolved = await resolve_model(services, principal, body.model, body.user)
+    # "auto" reads calls with the adapter's own parser, else the server's (a 400 when there is neither)
+    tool_output = tools.output(resolved.tool_call_parser or services.tool_call_parser) if tools else None
+    if tool_output is not None and tool_output.needs_special_tokens(services.tokenizer):
+        params = dataclasses.replace(params, skip_special_tokens=False)
     try:
         lease = services.limiter.try_acquire(principal)
     except TooManyRequests:
@@ -172,6 +189,7 @@ async def _generate(
         echo_logprobs=echo is not None
         and isinstance(body, CompletionRequest)
         and params.logprobs is not None,
+        tools=tool_output,
     )
     text = TokenText(services.tokenizer, body.return_tokens_as_token_ids)
     fmt = format_type(response_id, resolved.served_model, text, options)
@@ -246,7 +264,8 @@ async def _sse(
     def chunks(index: int, delta: RequestOutput) -> list[bytes]:
         changed = choices.add(index, delta)
         usage = choices.usage(generation.num_prompt_tokens) if continuous_usage else None
-        return [_event(fmt.chunk(choices, [item], usage)) for item in changed]
+        chunks = (fmt.chunk(choices, [item], usage) for item in changed)
+        return [_event(chunk) for chunk in chunks if chunk is not None]
 
     try:
         if first is not None:

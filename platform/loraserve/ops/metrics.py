@@ -326,6 +326,9 @@ class _StateCollector(Collector):
         yield replays
         if stats.spec_decode is not None:
             yield from _spec_decode_families(stats, model)
+        yield from _adapter_latency_families(stats, model)
+        if stats.moe_expert_tokens:
+            yield from _moe_families(stats, model)
         capacity = GaugeMetricFamily("loraserve_lora_slots", "GPU adapter slots (max_loras).")
         capacity.add_metric([], stats.max_loras)
         yield capacity
@@ -423,6 +426,24 @@ def _spec_decode_families(stats: EngineStats, model: list[str]) -> Iterator[Metr
     yield per_position
 
 
+def _moe_families(stats: EngineStats, model: list[str]) -> Iterator[Metric]:
+    """A mixture of experts' routing, so imbalance shows: tokens per expert, and the worst layer's skew."""
+    routed = CounterMetricFamily(
+        "loraserve_moe_expert_tokens",
+        "Tokens routed to each expert since start, summed over the MoE layers.",
+        labels=["model_name", "expert"],
+    )
+    for expert, count in enumerate(stats.moe_expert_tokens):
+        routed.add_metric([*model, str(expert)], count)
+    yield routed
+    yield _gauge(
+        "loraserve_moe_load_imbalance",
+        "The most imbalanced MoE layer's busiest expert's tokens over its mean since start (1: even).",
+        stats.moe_load_imbalance,
+        model,
+    )
+
+
 def _tenant_families(stats: EngineStats) -> Iterator[Metric]:
     for kind, name, doc, attribute in _TENANT_SERIES:
         family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
@@ -454,11 +475,40 @@ def affinity_names(adapter_ids: Iterable[str]) -> str:
 def _histogram(name: str, doc: str, counts: HistogramCounts, labels: list[str]) -> HistogramMetricFamily:
     """The engine's bucket counts (per bucket) as Prometheus' cumulative `le` buckets."""
     family = HistogramMetricFamily(name, doc, labels=["model_name"])
+    _add_counts(family, labels, counts)
+    return family
+
+
+def _add_counts(family: HistogramMetricFamily, labels: list[str], counts: HistogramCounts) -> None:
     per_bucket = counts.counts or (0,) * (len(counts.bounds) + 1)
     cumulative = list(itertools.accumulate(per_bucket))
     bounds = [str(float(b)) for b in counts.bounds] + ["+Inf"]
     family.add_metric(labels, list(zip(bounds, cumulative)), counts.total)
-    return family
+
+
+# (metric, help, EngineStats field): per source tier (engine/lora/cold_starts.SOURCE_TIERS), no names
+_ADAPTER_LATENCIES = (
+    (
+        "loraserve_adapter_ttft_seconds",
+        "Engine-side time to first token of adapter requests, by the tier their adapter was in when they "
+        "arrived (gpu: warm; cpu, disk, store: a cold start).",
+        "adapter_ttft",
+    ),
+    (
+        "loraserve_adapter_cold_start_seconds",
+        "Seconds from the first request that missed the GPU to the adapter usable there, by the tier it "
+        "came from (cpu, disk, store).",
+        "adapter_cold_start",
+    ),
+)
+
+
+def _adapter_latency_families(stats: EngineStats, model: list[str]) -> Iterable[Metric]:
+    for name, doc, field in _ADAPTER_LATENCIES:
+        family = HistogramMetricFamily(name, doc, labels=["model_name", "source_tier"])
+        for tier, counts in getattr(stats, field):
+            _add_counts(family, [*model, tier], counts)
+        yield family
 
 
 def _gauge(name: str, doc: str, value: Any, labels: list[str]) -> GaugeMetricFamily:

@@ -113,4 +113,5 @@ def _adapter(
         served_model=record.ref,
         route=route,
         variant=variant,
+        tool_call_parser=record.tool_call_parser,
     )

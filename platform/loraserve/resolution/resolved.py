@@ -17,6 +17,7 @@ class ResolvedModel:
     served_model: str  # the response's `model`: the base model id, or `name@version` of the adapter used
     route: str | None = None  # the route's name when `model` named one
     variant: str | None = None  # the picked variant's adapter as the route spells it (`b` or `b@2`)
+    tool_call_parser: str | None = None  # the adapter's own parser for tool_choice "auto" (its upload's)
 
 
 class ModelNotFound(NotFound):

@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from loraserve.inference.schemas import ChatMessage
+from loraserve.inference.tools.types import ToolDefinition
 
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
@@ -22,6 +23,7 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    tools: list[ToolDefinition] | None = None  # vLLM's: rendered by the chat template, as in chat
 
 
 class TokenizeResponse(msgspec.Struct, frozen=True, kw_only=True):

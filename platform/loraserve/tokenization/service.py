@@ -11,6 +11,7 @@ from typing import Any
 
 from loraserve.errors import BadRequest
 from loraserve.inference.prompts import render_chat, tokenizer_ids
+from loraserve.inference.tools.rendering import template_tools
 from loraserve.resolution import ModelNotFound
 from loraserve.resolution.resolve import model_exists
 from loraserve.services import Services
@@ -35,6 +36,7 @@ async def tokenize(services: Services, principal: Principal, body: TokenizeReque
             tokenizer,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
+            tools=template_tools(body.tools) if body.tools else None,
         )
         add_special = bool(body.add_special_tokens)
     else:

@@ -3,6 +3,9 @@
     python3 benchmarks/serve.py                  # shape S (Llama-3.2-1B), bf16, no LoRA / N=16 / N=64
     python3 benchmarks/serve.py --fresh-cache    # start from an empty Triton cache: first run vs later runs
     python3 benchmarks/serve.py --smoke          # tiny model on the CPU (checks that it runs)
+    python3 benchmarks/serve.py --shape L --adapters 64 --tensor-parallel-size 2 --load-format dummy
+                                                 # W1-L over two GPUs, served and offline (random weights
+                                                 # made on the GPUs: no checkpoint written)
 
 The server runs from this checkout (`python -m loraserve.cli serve`, engine core in its own process) with
 W1's random-weight model, a synthetic byte-level tokenizer of the model's vocabulary (so detokenization
@@ -132,7 +135,9 @@ def _offline(arg_values: dict, model_dir: Path, adapters: list[Path], prompts: P
         if steps:
             kv_element = 1 if args.kv_cache_dtype.startswith("fp8") else element
             row["step"] = statistics.median(s.seconds for s in steps)
-            row["floor"] = step_floor(config, steps, args.rank, element, bandwidth, kv_element, fp8=False)
+            row["floor"] = step_floor(
+                config, steps, args.rank, element, bandwidth, kv_element, False, args.tensor_parallel_size
+            )
             row["batch"] = steps[0].num_seqs
         rows[workload_name(n)] = row
         print(f"offline {workload_name(n)}: {result.tokens_per_second:.0f} output tok/s", flush=True)
@@ -151,6 +156,7 @@ def server_args(args, model_dir: Path, adapters: list[Path], state_dir: Path, ma
         "--max-loras", str(max(1, len(adapters))), "--max-cpu-loras", str(max(1, len(adapters))),
         "--max-lora-rank", str(args.rank), "--kv-cache-dtype", args.kv_cache_dtype,
         "--max-concurrent-requests-per-tenant", str(10 * args.num_requests), "--log-level", "warning",
+        "--tensor-parallel-size", str(args.tensor_parallel_size), "--load-format", args.load_format,
     ]  # fmt: skip
     if args.enforce_eager:
         values.append("--enforce-eager")
@@ -284,7 +290,7 @@ def report(args, served: dict, first: dict, offline: dict) -> str:
     lines = [
         f"Served W1, shape {args.shape}, {args.dtype}, {args.num_requests} streaming clients, prompts "
         f"[{args.min_prompt}, {args.max_prompt}] tokens, {args.output_tokens} output tokens, rank {args.rank}, "
-        f"{device}",
+        f"tensor-parallel size {args.tensor_parallel_size}, weights {args.load_format}, {device}",
         "",
         "| workload | run | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | served / offline |",
         "|---|---|---|---|---|---|",
@@ -343,6 +349,19 @@ def parse_args(argv=None):
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--state-dir", type=Path, help="the server's --state-dir (default: a temporary folder)")
     p.add_argument("--startup-timeout", type=float, default=1800.0)
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="the server's and the offline engine's model split over this many GPUs (the floor is per GPU)",
+    )
+    p.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default="auto",
+        help="dummy: the engines make the random weights on the GPUs (only config.json and the tokenizer "
+        "are written)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few requests")
     args = p.parse_args(argv)
     args.device, args.dtype = "cuda", "bfloat16"
@@ -365,7 +384,8 @@ def main(argv=None) -> None:
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model_dir = w1.make_model(root / "model", args.shape, dtype, torch.device(args.device))
+        weights = args.load_format != "dummy"
+        model_dir = w1.make_model(root / "model", args.shape, dtype, torch.device(args.device), weights)
         make_tokenizer(model_dir, config.vocab_size)
         adapters = w1.make_adapters(root, model_dir, config, max(args.adapters), args.rank, dtype)
         offline = {} if args.skip_offline else run_offline(args, model_dir, adapters, prompts, max_len)

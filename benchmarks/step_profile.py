@@ -1,5 +1,8 @@
 """Where one decode step's time goes: torch.profiler kernel times grouped by kind, and the rest of the
-step's wall time (GPU idle: Python, scheduling, host-device copies). Used by throughput.py --profile."""
+step's wall time (GPU idle: Python, scheduling, host-device copies). Used by throughput.py --profile and
+by tensor_parallel.py (its NCCL kinds: the all-reduces of row-parallel projections, the logits all-gather,
+the broadcast of each step's inputs; kernels inside CUDA-graph replays are traced too). Under tensor
+parallelism this is rank 0's GPU, and a collective's time includes waiting for the slowest rank."""
 
 from __future__ import annotations
 
@@ -20,8 +23,17 @@ KINDS = [
 ]
 
 
+NCCL_KINDS = (
+    ("allreduce", "NCCL all-reduce"),
+    ("allgather", "NCCL all-gather"),
+    ("broadcast", "NCCL broadcast"),
+)
+
+
 def kind_of(kernel: str) -> str:
     name = kernel.lower()
+    if "nccl" in name:
+        return next((kind for fragment, kind in NCCL_KINDS if fragment in name), "NCCL other")
     for kind, fragments in KINDS:
         if any(f in name for f in fragments):
             return kind
@@ -31,7 +43,25 @@ def kind_of(kernel: str) -> str:
 def profile_decode_steps(
     engine, prompts, names, output_tokens: int, device: torch.device, steps: int = 8
 ) -> str:
-    """Fill the engine's batch with requests, wait until every one decodes, then profile `steps` steps."""
+    """Fill the engine's batch with requests, wait until every one decodes, then profile `steps` steps;
+    a table of where the time goes."""
+    batch, wall, per_kind = decode_step_times(engine, prompts, names, output_tokens, device, steps)
+    lines = [
+        f"Decode step breakdown: batch {batch}, {steps} steps, {wall * 1e3:.2f} ms per step"
+        + ("" if device.type == "cuda" else " (CPU: kernel times unavailable)"),
+        "",
+        "| part | ms per step | share |",
+        "|---|---|---|",
+    ]
+    for kind, seconds in sorted(per_kind.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {kind} | {seconds * 1e3:.3f} | {seconds / wall:.0%} |")
+    return "\n".join(lines)
+
+
+def decode_step_times(
+    engine, prompts, names, output_tokens: int, device: torch.device, steps: int = 8
+) -> tuple[int, float, dict[str, float]]:
+    """(batch, wall seconds per step, {kind: kernel seconds per step}) of `steps` profiled decode steps."""
     batch = min(engine.config.max_num_seqs, len(prompts))
     params = SamplingParams(
         temperature=0.0, max_tokens=output_tokens, min_tokens=output_tokens, ignore_eos=True
@@ -68,13 +98,4 @@ def profile_decode_steps(
         per_kind[kind] = per_kind.get(kind, 0.0) + event.self_device_time_total / 1e6 / steps
     kernels = sum(per_kind.values())
     per_kind["GPU idle (Python, scheduling, copies, launch gaps)"] = max(0.0, wall - kernels)
-    lines = [
-        f"Decode step breakdown: batch {batch}, {steps} steps, {wall * 1e3:.2f} ms per step"
-        + ("" if device.type == "cuda" else " (CPU: kernel times unavailable)"),
-        "",
-        "| part | ms per step | share |",
-        "|---|---|---|",
-    ]
-    for kind, seconds in sorted(per_kind.items(), key=lambda kv: -kv[1]):
-        lines.append(f"| {kind} | {seconds * 1e3:.3f} | {seconds / wall:.0%} |")
-    return "\n".join(lines)
+    return batch, wall, per_kind

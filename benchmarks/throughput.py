@@ -173,7 +173,27 @@ def run_engine(
         for i, (prompt, adapter) in enumerate(zip(warmup_prompts, names)):
             engine.add_request(f"warm{i}", prompt, warm, adapter)
         drain(engine)
+    result = measure_run(args, engine, name, prompts, names, device)
+    result.fp8_weights = quantization is not None
+    notes = [
+        f"start-up {startup:.1f} s",
+        f"{engine.stats().num_kernel_compiles_after_ready} compiles after ready",
+    ]
+    if engine.runner.graphs is not None:
+        notes.append(f"{engine.runner.graphs.num_replays} graph replays")
+    result.note = "; ".join(notes)
+    profile = None
+    if args.profile and adapters and len(adapters) == max(args.adapters):
+        profile = profile_decode_steps(engine, prompts, names, args.output_tokens, device)
+    engine.shutdown()  # tensor-parallel workers leave before the next condition starts its own
+    del engine
+    w1.free_memory(device)
+    return result, profile
 
+
+def measure_run(args, engine: LLMEngine, name: str, prompts, names, device: torch.device) -> RunResult:
+    """One W1 run on a built engine: every request at once, exactly `args.output_tokens` each; the
+    decode-only steps' times recorded (the engine is left as it was)."""
     steps: list[StepRecord] = []
     execute = engine.runner.execute
     last_batch: list = []
@@ -209,7 +229,7 @@ def run_engine(
     seconds = time.perf_counter() - start
     engine.runner.execute = execute
     n = args.output_tokens
-    result = RunResult(
+    return RunResult(
         name,
         len(prompts),
         n * len(prompts),
@@ -218,22 +238,7 @@ def run_engine(
         tpot=[(done[r] - first[r]) / (n - 1) for r in done],
         peak_bytes=w1.peak_bytes(device),
         decode_steps=steps,
-        fp8_weights=quantization is not None,
     )
-    notes = [
-        f"start-up {startup:.1f} s",
-        f"{engine.stats().num_kernel_compiles_after_ready} compiles after ready",
-    ]
-    if engine.runner.graphs is not None:
-        notes.append(f"{engine.runner.graphs.num_replays} graph replays")
-    result.note = "; ".join(notes)
-    profile = None
-    if args.profile and adapters and len(adapters) == max(args.adapters):
-        profile = profile_decode_steps(engine, prompts, names, args.output_tokens, device)
-    engine.shutdown()  # tensor-parallel workers leave before the next condition starts its own
-    del engine
-    w1.free_memory(device)
-    return result, profile
 
 
 # -- transformers (+ PEFT) ----------------------------------------------------------------------------
@@ -301,12 +306,20 @@ def run_transformers(args, name, model_dir, adapters, prompts, output_tokens, ba
 
 
 def step_floor(
-    config, steps: list[StepRecord], rank: int, element: int, bandwidth: float, kv_element: int, fp8: bool
+    config,
+    steps: list[StepRecord],
+    rank: int,
+    element: int,
+    bandwidth: float,
+    kv_element: int,
+    fp8: bool,
+    tp: int = 1,
 ) -> float:
-    base = w1.base_weight_bytes(config, element, fp8)
+    """The bytes one GPU's decode step must read (its shard with `tp` ranks) over `bandwidth`, averaged."""
+    base = w1.base_weight_bytes(config, element, fp8, tp)
     per_token, per_adapter = (
-        w1.kv_bytes_per_token(config, kv_element),
-        w1.adapter_bytes(config, rank, element),
+        w1.kv_bytes_per_token(config, kv_element, tp),
+        w1.adapter_bytes(config, rank, element, tp),
     )
     return statistics.mean(
         (base + s.kv_tokens * per_token + s.num_adapters * per_adapter) / bandwidth for s in steps
@@ -337,7 +350,16 @@ def report(args, config, results: list[RunResult], bandwidth: float, element: in
         if steps:
             step = statistics.median(s.seconds for s in steps)
             kv_element = 1 if args.kv_cache_dtype.startswith("fp8") else element
-            floor = step_floor(config, steps, args.rank, element, bandwidth, kv_element, r.fp8_weights)
+            floor = step_floor(
+                config,
+                steps,
+                args.rank,
+                element,
+                bandwidth,
+                kv_element,
+                r.fp8_weights,
+                args.tensor_parallel_size,
+            )
             steady[r.name] = (step, floor)
             step_cells = f"| {1e3 * step:.2f} @ {steps[0].num_seqs} | {1e3 * floor:.2f} | {step / floor:.2f}"
         lines.append(
@@ -416,7 +438,8 @@ def parse_args(argv=None):
         "--tensor-parallel-size",
         type=int,
         default=1,
-        help="the engine's model split over this many GPUs (peak memory is rank 0's)",
+        help="the engine's model split over this many GPUs (peak memory is rank 0's; the floor is per GPU); "
+        "benchmarks/tensor_parallel.py compares several sizes in one invocation",
     )
     p.add_argument(
         "--load-format",
@@ -429,8 +452,6 @@ def parse_args(argv=None):
     p.add_argument("--smoke-shapes", nargs="+", default=["smoke"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.device, args.dtype = "cuda", "bfloat16"
-    if args.load_format == "dummy" and not args.skip_transformers:
-        p.error("--load-format dummy writes no checkpoint for transformers: add --skip-transformers")
     if args.smoke:
         args.shape, args.device, args.dtype = args.smoke_shapes, "cpu", "float32"
         args.adapters, args.num_requests, args.min_prompt, args.max_prompt = [1, 2], 6, 8, 24
@@ -438,6 +459,8 @@ def parse_args(argv=None):
         args.peft_requests, args.peft_tokens, args.hf_batch = 2, 3, 4
     elif not torch.cuda.is_available():
         p.error("needs a CUDA device (or --smoke)")
+    if args.load_format == "dummy" and not args.skip_transformers:
+        p.error("--load-format dummy writes no checkpoint for transformers: add --skip-transformers")
     return args
 
 

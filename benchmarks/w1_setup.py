@@ -38,6 +38,17 @@ SHAPES = {
         vocab_size=128256,
         tie_word_embeddings=False,
     ),
+    # Llama-3.1-70B's shape (benchmarks/tensor_parallel.py; its weights are made per rank on the GPUs with
+    # load_format="dummy", never written).
+    "70B": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
     "smoke": dict(
         hidden_size=64,
         intermediate_size=128,
@@ -237,11 +248,22 @@ def module_dims(config) -> dict[str, tuple[int, int]]:
 
 
 def make_adapters(
-    root: Path, model_dir: Path, config, count: int, rank: int, dtype: torch.dtype
+    root: Path,
+    model_dir: Path,
+    config,
+    count: int,
+    rank: int,
+    dtype: torch.dtype,
+    distinct: int | None = None,
 ) -> list[Path]:
-    """PEFT folders (adapter_config.json + adapter_model.safetensors), rank `rank` over every projection."""
+    """PEFT folders (adapter_config.json + adapter_model.safetensors), rank `rank` over every projection.
+    With `distinct`, only that many are written and the list repeats them (an engine registers each
+    entry under a name of its own, so it still holds `count` adapters: less to write for large shapes)."""
     from peft import LoraConfig
 
+    if distinct is not None and distinct < count:
+        made = make_adapters(root, model_dir, config, distinct, rank, dtype)
+        return [made[i % distinct] for i in range(count)]
     shape = model_shape(config)
     paths = []
     for a in range(count):
@@ -282,32 +304,46 @@ def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
     return 2 * num_bytes / statistics.median(times[2:])
 
 
-def base_weight_bytes(config, element: int, fp8: bool = False) -> int:
-    """Bytes a decode step reads from the base weights: every layer, the final norm, the LM head (the
-    embedding's rows are looked up, not read whole). With `fp8` the projections take one byte a weight
-    plus a float32 scale per output row. Counted on the engine's own model, built on the meta device."""
+def shard_plan(config, tp: int):
+    """How the engine splits the shape over `tp` ranks (engine/parallel/plan.py)."""
+    from engine.parallel.plan import ShardPlan
+
+    return ShardPlan.for_model(config, tp)
+
+
+def base_weight_bytes(config, element: int, fp8: bool = False, tp: int = 1) -> int:
+    """Bytes a decode step reads from the base weights on one GPU (rank 0's shard, with `tp` ranks): every
+    layer, the final norm, the LM head (vocabulary-parallel; the embedding's rows are looked up, not read
+    whole). With `fp8` the projections take one byte a weight plus a float32 scale per output row. Counted
+    on the engine's own model (that rank's), built on the meta device."""
     from engine.model.layers.context import BuildContext, Fp8Settings
+    from engine.model.layers.sharding import TensorParallel
     from engine.model.registry import model_class
 
     dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}[element]
     fp8_settings = Fp8Settings("fp8 (on the fly)") if fp8 else None
-    model = model_class(config)(
-        config, BuildContext(dtype, torch.device("meta"), fp8=fp8_settings, max_positions=1)
-    )
+    context = BuildContext(dtype, torch.device("meta"), TensorParallel(0, tp), fp8_settings, max_positions=1)
+    model = model_class(config)(config, context)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.model.embed_tokens.weight
     return total - (0 if model.lm_head.weight is None else embed.numel() * embed.element_size())
 
 
-def kv_bytes_per_token(config, element: int) -> int:
-    """K and V of one token over all layers (Gemma's local layers keep it too: W1's sequences fit their
-    window, so each step reads every cached token of every layer)."""
+def kv_bytes_per_token(config, element: int, tp: int = 1) -> int:
+    """K and V of one token over all layers on one GPU, its KV heads (Gemma's local layers keep it too:
+    W1's sequences fit their window, so each step reads every cached token of every layer)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
+    kv_heads = shard_plan(config, tp).kv_heads_per_rank
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * element
 
 
-def adapter_bytes(config, rank: int, element: int) -> int:
-    return element * config.num_hidden_layers * sum(rank * (i + o) for i, o in module_dims(config).values())
+def adapter_bytes(config, rank: int, element: int, tp: int = 1) -> int:
+    """One adapter's A and B on one GPU: a column-parallel projection's A is whole and its B split, a
+    row-parallel one's A split and its B whole (engine/parallel/lora_shards.py): the (in, out) of the
+    rank's shard of each projection."""
+    local = shard_plan(config, tp).local_shape
+    dims = [local.module_dims(m) for m in local.targets]
+    return element * config.num_hidden_layers * sum(rank * (i + o) for i, o in dims)
 
 
 def sync(device: torch.device) -> None:

@@ -18,11 +18,20 @@ that one key, uses no adapter, and its logits are dropped. Example, 3 sequences 
     token_slots  = [2, -1, 0, -1]
 Nothing inside a captured region reads device memory back to the host: the attention and LoRA kernels
 size their grids from shapes alone.
+
+Under tensor parallelism every rank captures the same graphs in the same order, the NCCL all-reduces and
+the logits all-gather inside them; rank 0 broadcasts its static buffers into the workers' before each
+replay (engine/parallel/rank.py).
+
+Off CUDA nothing is captured: with UNCAPTURED_GRAPHS_ENV set (tests, on the interpreted Triton kernels),
+the runner still builds these objects and `replay` runs the same forward on the static buffers, so the
+buffers, the buckets and the tensor-parallel graph steps are exercised on the CPU.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -33,6 +42,21 @@ from engine.request import NO_LORA
 from engine.step_buffers import DecodeTwins
 
 logger = logging.getLogger(__name__)
+
+# "1": build the graph paths on the CPU too, replayed uncaptured (tests of their inputs; see above).
+UNCAPTURED_GRAPHS_ENV = "LORASERVE_UNCAPTURED_GRAPHS"
+
+
+def graphs_wanted(config) -> bool:
+    """Whether the runner builds decode graphs: captured on CUDA, uncaptured on the CPU for tests."""
+    if config.use_cuda_graphs:
+        return True
+    return (
+        os.environ.get(UNCAPTURED_GRAPHS_ENV) == "1"
+        and not config.enforce_eager
+        and config.torch_device.type != "cuda"
+        and config.resolved_attention_backend == "triton"
+    )
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -84,9 +108,12 @@ class DecodeCudaGraphs:
         return next(b for b in self.buckets if b >= num_seqs)
 
     def capture(self) -> None:
-        """Capture every bucket, largest first so the smaller graphs reuse its memory pool."""
+        """Capture every bucket, largest first so the smaller graphs reuse its memory pool (off CUDA only
+        the padding rows are set: replays run uncaptured)."""
         started = time.perf_counter()
         self._fill_padding(0, self.max_batch_size)
+        if self.device.type != "cuda":
+            return
         with torch.inference_mode():
             self._capture_all()
         torch.cuda.synchronize(self.device)
@@ -120,8 +147,11 @@ class DecodeCudaGraphs:
         lora = (rank_buckets or self.variants[-1]) if use_lora else ()
         if lora not in self.variants and lora != ():
             raise ValueError(f"no decode graph for rank buckets {lora}; captured: {self.variants}")
-        graph, logits = self.graphs[(size, lora)]
-        graph.replay()
+        if self.device.type == "cuda":
+            graph, logits = self.graphs[(size, lora)]
+            graph.replay()
+        else:  # uncaptured (tests): the same forward on the same buffers
+            logits = self._forward(size, lora)
         self.num_replays += 1
         return logits[:num_seqs]
 

@@ -24,6 +24,11 @@ class LLM:
     comes back with `error` set and `finish_reason` "error"; the others are unaffected.
     Without `sampling_params`, prompts use `get_default_sampling_params()`: the model's recommended
     sampling fields (its generation_config.json) unless `generation_config="vllm"`.
+
+    `shutdown()` (or leaving a `with LLM(...) as llm:` block) frees the engine at once: its GPU memory,
+    its adapter loaders and its tensor-parallel workers; another LLM may then start in this process. An
+    engine dropped without it (`del llm; gc.collect()`) stops its workers and leaves its process group
+    when it is collected.
     """
 
     def __init__(
@@ -40,12 +45,31 @@ class LLM:
             tokenizer=tokenizer,
             skip_tokenizer_init=skip_tokenizer_init,
         )
-        for name, path in (lora_modules or {}).items():
-            self.engine.register_adapter(name, path)
+        try:
+            for name, path in (lora_modules or {}).items():
+                self.engine.register_adapter(name, path)
+        except BaseException:
+            self.shutdown()
+            raise
         self._next_id = 0
         self._generation_defaults = load_generation_defaults(
             resolve_model_path(model), config.generation_config
         )
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Free the engine now (idempotent): GPU memory, adapter loaders, tensor-parallel workers (each
+        wait bounded). `generate` refuses after it."""
+        self.engine.shutdown()
+
+    @property
+    def closed(self) -> bool:
+        return self.engine.closed
 
     def register_adapter(self, name: str, path: str) -> None:
         self.engine.register_adapter(name, path)
@@ -63,6 +87,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         adapters: str | None | Sequence[str | None] = None,
     ) -> list[RequestOutput]:
+        if self.closed:
+            raise RuntimeError("this LLM was shut down: start a new one")
         prompts, salts = _as_prompt_list(prompts)
         params = _per_prompt(
             sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params"

@@ -12,9 +12,12 @@ behind `stats()` (engine_metrics.py).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterable
+
+import torch
 
 from adapter_format.checkpoint import PeftAdapter
 from adapter_format.errors import AdapterError
@@ -102,58 +105,67 @@ class LLMEngine:
         self._compiles = kernel_compiles.install()  # before the runner, so start-up compiles are counted
         self.counters = EngineCounters(self._compiles)
         self.runner = ModelRunner(config, model_path, hf_config, self.max_model_len)
-        capacity = self.runner.num_kv_blocks * config.block_size
-        if capacity < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens, fewer than max_model_len {self.max_model_len}: "
-                "lower max_model_len or give the cache more blocks"
+        try:  # a start that fails here still frees the runner (and its workers) at once
+            capacity = self.runner.num_kv_blocks * config.block_size
+            if capacity < self.max_model_len:
+                raise ValueError(
+                    f"the KV cache holds {capacity} tokens, fewer than max_model_len {self.max_model_len}: "
+                    "lower max_model_len or give the cache more blocks"
+                )
+            self.kv_cache = KVCacheManager(
+                self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
             )
-        self.kv_cache = KVCacheManager(
-            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
-        )
-        # Local PEFT folders by name or path; a server plugs in the adapter store (usually through the
-        # factory, since the model's shape is known only now).
-        self.adapters = AdapterRegistry(self.runner.shape, config.max_lora_rank)
-        if adapter_source_factory is not None:
-            adapter_source = adapter_source_factory(self.runner.shape, config.max_lora_rank)
-        self.lora = AdapterManager(
-            adapter_source or self.adapters,
-            self.runner.lora_slots,
-            config.num_cpu_loras,
-            observer=adapter_observer,
-            in_processes=config.loads_in_processes,
-        )
-        self.scheduler = Scheduler(
-            config, self.kv_cache, self.max_model_len, adapter_ready=self.lora.is_ready
-        )
-        self.sampler = Sampler(config.seed)
-        spec = config.speculative_config
-        self.speculator = Speculator(spec, self.max_model_len, self.runner) if spec is not None else None
-        self._cache_config = cache_config(config, self.runner.num_kv_blocks)
-        vocab_size = self.runner.model.vocab_size
-        self.structured = StructuredOutputs(
-            self.tokenizer,
-            vocab_size,
-            self.eos_token_ids,
-            compile_threads=config.grammar_compile_threads,
-            compile_timeout_s=config.grammar_compile_timeout_s,
-        )
-        self._in_flight: Sampled | None = None  # async scheduling: the launched step not yet read back
-        if self.runner.device.type == "cuda":  # elsewhere nothing is compiled
-            warm_up(self.runner, self.sampler)
-        self.requests = LiveRequests(
-            self.scheduler,
-            self.lora,
-            self.structured,
-            self.sampler,
-            self.speculator,
-            self.eos_token_ids,
-            self.max_model_len,
-            self.counters,
-            detokenizer_tokenizer=self.tokenizer if detokenize else None,
-            delta_outputs=self._delta_outputs,
-        )
-        self.kv_events = self._open_kv_events(config)  # last: a failed start leaves no socket open
+            # Local PEFT folders by name or path; a server plugs in the adapter store (usually through the
+            # factory, since the model's shape is known only now).
+            self.adapters = AdapterRegistry(self.runner.shape, config.max_lora_rank)
+            if adapter_source_factory is not None:
+                adapter_source = adapter_source_factory(self.runner.shape, config.max_lora_rank)
+            self.lora = AdapterManager(
+                adapter_source or self.adapters,
+                self.runner.lora_slots,
+                config.num_cpu_loras,
+                observer=adapter_observer,
+                in_processes=config.loads_in_processes,
+            )
+            self.scheduler = Scheduler(
+                config, self.kv_cache, self.max_model_len, adapter_ready=self.lora.is_ready
+            )
+            self.sampler = Sampler(config.seed)
+            spec = config.speculative_config
+            self.speculator = Speculator(spec, self.max_model_len, self.runner) if spec is not None else None
+            self._cache_config = cache_config(config, self.runner.num_kv_blocks)
+            vocab_size = self.runner.model.vocab_size
+            self.structured = StructuredOutputs(
+                self.tokenizer,
+                vocab_size,
+                self.eos_token_ids,
+                compile_threads=config.grammar_compile_threads,
+                compile_timeout_s=config.grammar_compile_timeout_s,
+            )
+            self._in_flight: Sampled | None = None  # async scheduling: the launched step not yet read back
+            if self.runner.device.type == "cuda":  # elsewhere nothing is compiled
+                warm_up(self.runner, self.sampler)
+            self.requests = LiveRequests(
+                self.scheduler,
+                self.lora,
+                self.structured,
+                self.sampler,
+                self.speculator,
+                self.eos_token_ids,
+                self.max_model_len,
+                self.counters,
+                detokenizer_tokenizer=self.tokenizer if detokenize else None,
+                delta_outputs=self._delta_outputs,
+            )
+            self.kv_events = self._open_kv_events(config)  # last: a failed start leaves no socket open
+        except BaseException:
+            if getattr(self, "lora", None) is not None:
+                self.lora.shutdown()
+            if getattr(self, "structured", None) is not None:
+                self.structured.shutdown()
+            self.runner.shutdown()
+            raise
+        self.closed = False
         self.mark_ready()
 
     # -- requests -------------------------------------------------------------------------------
@@ -176,6 +188,7 @@ class LLMEngine:
         that tenant's weight: a tenant of weight 2 gets twice the share of weight 1 (engine/fairness.py).
         `cache_salt` (vLLM's): the request reads and shares prefix-cache blocks only with requests of the
         same salt (None: with every unsalted request); see engine/kv_cache/block_hash.py."""
+        self._check_open()
         params = params or SamplingParams()
         tenant = DEFAULT_TENANT if tenant is None else tenant
         checks.check_tenant(tenant, tenant_weight)
@@ -203,6 +216,8 @@ class LLMEngine:
         self.requests.abort([request_ids] if isinstance(request_ids, str) else list(request_ids))
 
     def has_unfinished_requests(self) -> bool:
+        if self.closed:
+            return False
         return (
             bool(self.requests.pending)
             or self._in_flight is not None
@@ -217,7 +232,15 @@ class LLMEngine:
         With `async_scheduling` the step's sampled tokens stay in flight: the host schedules and launches
         the next step (reading those tokens on the device) before it waits for them, so the GPU is not
         idle while the host does its bookkeeping; each call then returns the previous step's results.
+
+        Under tensor parallelism a step a worker's death or hang cut short raises TensorParallelError
+        (engine/parallel/workers.py) instead of returning outputs; the engine cannot step again.
         """
+        self._check_open()
+        with self.runner.step_guard():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         self.poll_adapters()  # failed loads fail their waiting requests, in `requests.pending`
         self.requests.admit_compiled()  # compiled grammars free their requests; failed specs fail theirs
         outputs, self.requests.pending = self.requests.pending, []
@@ -296,6 +319,7 @@ class LLMEngine:
                 "register_adapter binds local folders, but this engine's adapters come from "
                 f"{type(self.lora.source).__name__}; add the adapter there instead"
             )
+        self._check_open()
         previous = self.adapters.current(name)
         adapter = self.adapters.register(name, path)
         if previous is not None:
@@ -318,6 +342,7 @@ class LLMEngine:
         non-blocking: an adapter that cannot be resolved is logged and skipped, one that fails to load
         fails the requests that later ask for it, as it would without the preload. No lookup is counted
         (the hit and miss counters count requests)."""
+        self._check_open()
         if level not in PRELOAD_LEVELS:
             raise ValueError(f"level must be one of {', '.join(PRELOAD_LEVELS)} (got {level!r})")
         if pin and level != "gpu":
@@ -339,6 +364,7 @@ class LLMEngine:
         """Undo `preload_adapters(..., pin=True)`: the adapters stay resident but evictable; with `unload`
         their GPU slots and CPU-tier rows are freed too, unless a request holds them. Unknown or unpinned
         adapters are ignored."""
+        self._check_open()
         for adapter in adapters:
             try:
                 adapter_id = self.lora.resolve(adapter)
@@ -350,6 +376,7 @@ class LLMEngine:
         """What an idle engine does each poll: collect finished loads, give placed adapters their GPU
         slots and copies (the steps do it otherwise), so preloads land with no request running; and
         publish the KV events of anything done between steps (aborts free blocks)."""
+        self._check_open()
         self.poll_adapters()
         if not self.has_unfinished_requests():
             self.lora.stage(())
@@ -361,6 +388,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's reset_prefix_cache); False, changing nothing, while any
         request holds blocks. Published as AllBlocksCleared when KV events are on."""
+        self._check_open()
         reset = self.kv_cache.reset_prefix_cache()
         self.publish_kv_events()
         return reset
@@ -390,13 +418,31 @@ class LLMEngine:
             self.requests.fail_waiting(adapter_id, reason, include_preempted=True)
 
     def shutdown(self) -> None:
-        """Stop the adapter loaders (threads and processes); the engine serves no adapter loads after it."""
-        self.lora.shutdown()
-        self.structured.shutdown()
-        self.runner.shutdown()
-        if self.kv_events is not None:
-            self.kv_events[1].close()
-            self.kv_events = None
+        """Stop the adapter loaders (threads and processes) and the tensor-parallel workers, and free the
+        model, the KV cache and the adapter tiers now, even while the caller keeps this object; a new
+        engine may then start in this process. Idempotent; the engine serves nothing after it."""
+        if getattr(self, "closed", True):
+            return
+        self.closed = True
+        try:
+            self.lora.shutdown()
+            self.structured.shutdown()
+        finally:
+            self.runner.shutdown()
+            if self.kv_events is not None:
+                self.kv_events[1].close()
+                self.kv_events = None
+            # What still holds device or pinned memory: dropped so it frees now, not when this object goes.
+            self._in_flight = None
+            self.requests = self.scheduler = self.lora = self.speculator = None
+            self.sampler = self.structured = None
+            gc.collect()  # what the engine's parts still hold in reference cycles
+            if self.config.torch_device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the engine was shut down: start a new one")
 
     def mark_ready(self) -> None:
         """From now on every Triton compile is unexpected: counted in stats() and logged as a warning.
@@ -406,6 +452,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """The engine's load right now (engine thread only; AsyncLLM publishes copies for others)."""
+        self._check_open()
         return engine_stats(
             scheduler=self.scheduler,
             kv_cache=self.kv_cache,
@@ -414,5 +461,6 @@ class LLMEngine:
             counters=self.counters,
             config=self.config,
             cache_config=self._cache_config,
+            graph_replays=self.runner.num_graph_replays,
             routing=getattr(self.runner.model, "routing", None),
         )

@@ -4,13 +4,14 @@ slots, turns a scheduled batch into model inputs and returns the logits of the r
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeCudaGraphs
+from engine.cuda_graphs import DecodeCudaGraphs, graphs_wanted
 from engine.input_batch import InputBatch
 from engine.lora.context import LoRAContext
 from engine.lora.dora import DoraBase
@@ -21,7 +22,12 @@ from engine.model.kv_quant import FP8_DTYPE
 from engine.model.loader import checkpoint_dtype, load_model
 from engine.model.paged_attention_triton import interpreting
 from engine.model.registry import model_shape
-from engine.prompt_logprobs import PromptTokenLogprobs, compute_prompt_logprobs, wants_prompt_logprobs
+from engine.prompt_logprobs import (
+    PromptTokenLogprobs,
+    compute_prompt_logprobs,
+    prompt_logprob_rows,
+    wants_prompt_logprobs,
+)
 from engine.request import Request
 from engine.sampler import SampledStep
 from engine.scheduler_output import ScheduledRequest
@@ -101,7 +107,7 @@ class ModelRunner:
         # The last step's new prompt logprob entries, per request that asked (engine/prompt_logprobs.py).
         self.prompt_logprobs: dict[Request, list[PromptTokenLogprobs]] = {}
         self.graphs: DecodeCudaGraphs | None = None
-        if config.use_cuda_graphs:
+        if graphs_wanted(config):
             self.graphs = DecodeCudaGraphs(
                 self.model,
                 self.kv_caches,
@@ -115,6 +121,9 @@ class ModelRunner:
             )
             self.graphs.capture()
         self.verify_graphs = self._capture_verify_graphs()
+        if parallel is not None:  # the shutdown sequence drops them before the communicator they captured
+            parallel.hold(self.graphs, self.verify_graphs)
+        self.closed = False
         logger.info(
             "model loaded: %d layers, %s on %s; LoRA pool %.0f MiB (%d pages of %d rank rows); "
             "KV cache %d blocks of %d tokens, %s; attention %s, %s",
@@ -132,10 +141,11 @@ class ModelRunner:
         )
 
     def _capture_verify_graphs(self) -> VerifyCudaGraphs | None:
-        """Graphs for speculative verification steps, only with speculation and decode graphs on, and
-        without tensor parallelism (its workers replay only decode graphs: such steps run eagerly)."""
+        """Graphs for speculative verification steps, only with speculation and decode graphs on (every
+        rank captures them, as the decode graphs; a worker builds them from the same config, so it holds
+        the same buckets as rank 0 whether or not rank 0 speculates)."""
         spec = self.config.speculative_config
-        if self.graphs is None or spec is None or not spec.cuda_graphs or self.parallel is not None:
+        if self.graphs is None or spec is None or not spec.cuda_graphs:
             return None
         graphs = VerifyCudaGraphs(self, spec.num_speculative_tokens, spec.disable_by_batch_size)
         if not graphs.buckets:
@@ -164,11 +174,12 @@ class ModelRunner:
         of the requests whose `samples` is true. Input tokens the host does not know yet (async
         scheduling) are read from `in_flight`, the previous step's sampling, on the device. Prompt logprob
         entries the step computed are left in `self.prompt_logprobs`."""
+        if self.closed:
+            raise RuntimeError("the engine was shut down")
         self.inputs.update(scheduled)
         self.prompt_logprobs = {}
-        # needs every row's hidden state: eager (the engine refuses prompt logprobs under tensor parallelism,
-        # whose workers compute logits only for the sampling rows)
-        wants_prompt = self.parallel is None and wants_prompt_logprobs(scheduled)
+        # needs every row's hidden state: eager
+        wants_prompt = wants_prompt_logprobs(scheduled)
         if (
             self.graphs is not None
             and not wants_prompt
@@ -185,10 +196,13 @@ class ModelRunner:
             rows = [i for i, s in enumerate(scheduled) if s.samples]
             return logits[torch.tensor(rows, device=logits.device)]
         if self.verify_graphs is not None and not wants_prompt and self.verify_graphs.fits(scheduled):
-            return self.verify_graphs.execute(self.inputs, scheduled, in_flight)
+            return self.verify_graphs.execute(self.inputs, scheduled, in_flight, self.parallel)
         input_ids, meta, token_slots, logits_rows = self.inputs.prepare_eager(scheduled, in_flight)
         if self.parallel is not None:
-            self.parallel.send_eager(input_ids, meta, token_slots, logits_rows)
+            prompt_rows = None
+            if wants_prompt:
+                prompt_rows = torch.tensor(prompt_logprob_rows(scheduled), device=self.device)
+            self.parallel.send_eager(input_ids, meta, token_slots, logits_rows, prompt_rows)
         lora = None
         if token_slots is not None:
             lora = LoRAContext(self.lora_slots, token_slots, self.rank_buckets(len(scheduled)))
@@ -199,6 +213,18 @@ class ModelRunner:
                 hidden, self.model.compute_logits, vocab_size, scheduled
             )
         return self.model.compute_logits(hidden[logits_rows])
+
+    def step_guard(self):
+        """Wraps one engine step: under tensor parallelism the watchdog times it, and a step that a
+        worker's death or hang cut short raises TensorParallelError instead of returning outputs."""
+        return self.parallel.step_guard() if self.parallel is not None else nullcontext()
+
+    @property
+    def num_graph_replays(self) -> tuple[int, int]:
+        """(decode, verification) steps served by CUDA-graph replays since start-up (warm-up excluded)."""
+        decode = self.graphs.num_replays if self.graphs is not None else 0
+        verify = self.verify_graphs.num_replays if self.verify_graphs is not None else 0
+        return decode, verify
 
     def rank_buckets(self, num_rows: int) -> tuple[int, ...] | None:
         """The kernel ranks this step's LoRA kernels are sized to: the rank buckets of the adapters its
@@ -212,9 +238,21 @@ class ModelRunner:
         return self.lora_slots.step_buckets(np.unique(slots[slots >= 0]))
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (the runner cannot run a step after it)."""
+        """Free the model, the KV cache, the adapter pool and the graphs now (the runner cannot run a step
+        after it), and stop the tensor-parallel workers, if any, with rank 0 leaving the process group,
+        so another engine may start in this process. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.parallel is None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # (under tensor parallelism: bounded, in the sequence)
+        self.graphs = self.verify_graphs = None
+        self.model = self.kv_caches = self.inputs = None
+        self.lora_slots = None
         if self.parallel is not None:
-            self.parallel.shutdown()
+            self.parallel.shutdown()  # drops what it held, stops the workers, leaves the group
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def reset_inputs(self) -> None:
         """Drop the input rows of earlier steps (the warm-up's synthetic requests)."""

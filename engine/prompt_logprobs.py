@@ -46,26 +46,74 @@ def wants_prompt_logprobs(scheduled: list[ScheduledRequest]) -> bool:
     return any(s.request.prompt_logprobs is not None and len(_pending_positions(s)) for s in scheduled)
 
 
+def prompt_logprob_rows(scheduled: list[ScheduledRequest]) -> list[int]:
+    """The step's hidden rows whose logits give prompt logprob entries, in the order they are computed
+    (request by request). Under tensor parallelism rank 0 sends them, so the workers join the same
+    logits gathers."""
+    return [row for _, rows, _, _ in _wanted(scheduled) for row in rows]
+
+
+def logit_chunk_rows(vocab_size: int) -> int:
+    """Rows of logits computed at once: at most MAX_LOGIT_ELEMENTS floats (rank 0 tells the workers)."""
+    return max(1, MAX_LOGIT_ELEMENTS // vocab_size)
+
+
+def logit_chunks(num_rows: int, chunk_rows: int) -> list[slice]:
+    """The pieces `num_rows` logits rows are computed in, `chunk_rows` each (the last may be shorter)."""
+    return [slice(start, min(start + chunk_rows, num_rows)) for start in range(0, num_rows, chunk_rows)]
+
+
 def compute_prompt_logprobs(
     hidden: torch.Tensor, compute_logits, vocab_size: int, scheduled: list[ScheduledRequest]
 ) -> dict[Request, list[PromptTokenLogprobs]]:
     """The new entries of each request of the step that asked for prompt logprobs.
 
     hidden: [num_tokens, hidden_size], the step's rows in `scheduled` order (each request's
-    num_new_tokens rows, from its `start`); compute_logits: hidden rows -> float32 [rows, vocab].
+    num_new_tokens rows, from its `start`); compute_logits: hidden rows -> float32 [rows, vocab], called
+    once per `logit_chunks` piece of `prompt_logprob_rows` (`logit_chunk_rows(vocab_size)` rows each).
     """
+    wanted = _wanted(scheduled)
+    rows = [row for _, request_rows, _, _ in wanted for row in request_rows]
+    targets = [t for _, _, request_targets, _ in wanted for t in request_targets]
+    ks = [k for _, request_rows, _, k in wanted for _ in request_rows]
+    index = torch.tensor(rows, device=hidden.device)  # [num_rows]
+    entries: list[PromptTokenLogprobs] = []
+    for chunk in logit_chunks(len(rows), logit_chunk_rows(vocab_size)):
+        logprobs = torch.log_softmax(compute_logits(hidden[index[chunk]]).float(), dim=-1)  # [n, vocab]
+        ids = torch.tensor(targets[chunk], device=logprobs.device)  # [n]
+        chosen = logprobs.gather(-1, ids[:, None])  # [n, 1]
+        ranks = (logprobs >= chosen).sum(dim=-1)  # [n]
+        top_values, top_ids = logprobs.topk(max(ks[chunk]), dim=-1)  # [n, max k] each (k may be 0)
+        for token_id, value, rank, values, top, k in zip(
+            ids.tolist(),
+            chosen[:, 0].tolist(),
+            ranks.tolist(),
+            top_values.tolist(),
+            top_ids.tolist(),
+            ks[chunk],
+        ):
+            entries.append(PromptTokenLogprobs(token_id, value, rank, dict(zip(top[:k], values[:k]))))
     result: dict[Request, list[PromptTokenLogprobs]] = {}
+    offset = 0
+    for request, request_rows, _, _ in wanted:
+        result[request] = entries[offset : offset + len(request_rows)]
+        offset += len(request_rows)
+    return result
+
+
+def _wanted(scheduled: list[ScheduledRequest]) -> list[tuple[Request, range, list[int], int]]:
+    """(request, its hidden rows, the prompt tokens they predict, its k) of each request with entries due."""
+    wanted = []
     offset = 0
     for s in scheduled:
         positions = _pending_positions(s)
         if len(positions):
             first_row = offset + positions.start - s.start
-            rows = hidden[first_row : first_row + len(positions)]  # [rows, hidden_size]
             targets = s.request.prompt_token_ids[positions.start + 1 : positions.stop + 1]
             k = s.request.sampling_params.prompt_logprobs
-            result[s.request] = _entries(rows, compute_logits, vocab_size, targets, k)
+            wanted.append((s.request, range(first_row, first_row + len(positions)), targets, k))
         offset += s.num_new_tokens
-    return result
+    return wanted
 
 
 def _pending_positions(s: ScheduledRequest) -> range:
@@ -76,21 +124,3 @@ def _pending_positions(s: ScheduledRequest) -> range:
     first = max(s.start, len(entries) - 1)
     stop = min(s.start + s.num_new_tokens, s.request.num_prompt_tokens - 1)
     return range(first, max(first, stop))
-
-
-def _entries(
-    rows: torch.Tensor, compute_logits, vocab_size: int, targets: list[int], k: int
-) -> list[PromptTokenLogprobs]:
-    entries: list[PromptTokenLogprobs] = []
-    step = max(1, MAX_LOGIT_ELEMENTS // vocab_size)
-    for start in range(0, len(targets), step):
-        logprobs = torch.log_softmax(compute_logits(rows[start : start + step]).float(), dim=-1)
-        ids = torch.tensor(targets[start : start + step], device=logprobs.device)  # [n]
-        chosen = logprobs.gather(-1, ids[:, None])  # [n, 1]
-        ranks = (logprobs >= chosen).sum(dim=-1)  # [n]
-        top_values, top_ids = logprobs.topk(k, dim=-1)  # [n, k] each (k may be 0)
-        for token_id, value, rank, values, top in zip(
-            ids.tolist(), chosen[:, 0].tolist(), ranks.tolist(), top_values.tolist(), top_ids.tolist()
-        ):
-            entries.append(PromptTokenLogprobs(token_id, value, rank, dict(zip(top, values))))
-    return entries

@@ -87,11 +87,6 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
 def capped_logprobs(params: SamplingParams, vocab_size: int, config: EngineConfig) -> SamplingParams:
     """vLLM's rule: -1 asks for the whole vocabulary; more than `max_logprobs` (-1: the vocabulary) is
     refused with vLLM's message. Returns the params with -1 made the vocabulary size."""
-    if params.prompt_logprobs is not None and config.tensor_parallel_size > 1:
-        raise RequestError(
-            "prompt_logprobs is not supported with tensor parallelism (tensor_parallel_size > 1) yet; "
-            "ask for them from a server on one GPU"
-        )
     cap = vocab_size if config.max_logprobs == -1 else config.max_logprobs
     changes = {}
     for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):

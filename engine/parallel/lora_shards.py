@@ -4,7 +4,8 @@
   weight, so each rank adds the LoRA update of exactly the output rows it computes (a fused qkv_proj or
   gate_up_proj target, Phi-3's, keeps each part's rows: this rank's q rows, then its k and v rows);
 - row-parallel o, down: A [r, in] split by input like the weight, B [out, r] whole; each rank's update
-  (x_r A_r^T) B^T is a partial sum that the projection's own all-reduce completes (engine/parallel/model.py).
+  (x_r A_r^T) B^T is a partial sum that the projection's own all-reduce completes (RowParallelLinear in
+  engine/model/layers/linear.py).
 - DoRA's magnitudes follow the output rows, as B does; each rank scales its own partial sums by the
   whole row's scale, which the all-reduce then sums (engine/lora/dora.py makes the scales).
 

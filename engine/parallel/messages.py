@@ -29,6 +29,10 @@ class EagerStep(msgspec.Struct, frozen=True, tag="eager"):
     use_lora: bool
     query_start_loc: list[int]  # [num_seqs + 1]
     seq_lens: list[int]  # [num_seqs]
+    # Hidden rows rank 0 turns into logits for prompt logprobs (they ride in the broadcast), and how many
+    # at once: the workers join those gathers in the same chunks (engine/prompt_logprobs.py).
+    num_prompt_rows: int = 0
+    prompt_chunk_rows: int = 1
 
 
 class GraphStep(msgspec.Struct, frozen=True, tag="graph"):
@@ -36,6 +40,15 @@ class GraphStep(msgspec.Struct, frozen=True, tag="graph"):
 
     loads: list[SlotLoad]
     num_seqs: int
+    size: int
+    use_lora: bool
+
+
+class VerifyStep(msgspec.Struct, frozen=True, tag="verify"):
+    """A speculative verification step replayed from the graph of bucket `size` (lanes of k + 1 rows,
+    spec_decode/verify_graphs.py; inputs broadcast into its buffers)."""
+
+    loads: list[SlotLoad]
     size: int
     use_lora: bool
 
@@ -54,7 +67,7 @@ class Failed(msgspec.Struct, frozen=True, tag="failed"):
     message: str
 
 
-ToWorker = EagerStep | GraphStep | Stop
+ToWorker = EagerStep | GraphStep | VerifyStep | Stop
 FromWorker = Hello | Failed
 
 _to_worker = msgspec.msgpack.Decoder(ToWorker)

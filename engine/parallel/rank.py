@@ -7,6 +7,18 @@ shard, in lock-step with rank 0 through the collectives inside the model. Adapte
 when rank 0 fills a slot (its `RankZeroLoRASlots.load`, called by the adapter manager), each worker's
 shard of the adapter rides with the next step's header and is copied into the same slot before that
 step runs, so a slot holds the same adapter on every rank whenever a step reads it.
+
+Three kinds of step go down: eager (any batch; its tensors broadcast, then the same forward), decode
+graph and verification graph (rank 0's static graph buffers broadcast into the worker's, then every rank
+replays its own copy of the same graph, the collectives inside it). A step that needs prompt logprobs
+is eager, and its header says which hidden rows rank 0 turns into logits: the workers join those
+gathers (the vocabulary is split over the ranks) and drop what they get; only rank 0 computes the
+log-probabilities.
+
+Shutdown (rank 0, `shutdown` or the finalizer when the runner is collected), each wait bounded: wait for
+the queued steps (if the workers are healthy), drop the CUDA graphs (they hold the communicator), stop
+the workers (they exit without touching NCCL), then abort rank 0's communicator and leave the group
+(engine/parallel/group.py says why an abort, not a destroy).
 """
 
 from __future__ import annotations
@@ -14,7 +26,8 @@ from __future__ import annotations
 import gc
 import os
 import weakref
-from functools import partial
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,17 +39,31 @@ from engine.lora.slots import SlotImage
 from engine.model.attention import AttentionMetadata
 from engine.model.layers.sharding import TensorParallel
 from engine.model.loader import load_model
-from engine.parallel.group import ParallelGroup, free_port
+from engine.parallel.group import LEAVE_TIMEOUT_S, ParallelGroup, free_port, run_bounded
 from engine.parallel.lora_shards import RankZeroLoRASlots
-from engine.parallel.messages import EagerStep, GraphStep, SlotLoad, bytes_tensor, encode, tensor_bytes
+from engine.parallel.messages import (
+    EagerStep,
+    GraphStep,
+    SlotLoad,
+    VerifyStep,
+    bytes_tensor,
+    encode,
+    tensor_bytes,
+)
 from engine.parallel.plan import ROW_PARALLEL, ShardPlan
 from engine.parallel.workers import Workers
+from engine.prompt_logprobs import logit_chunk_rows
 from engine.step_buffers import DecodeTwins
 
 
-def _leave(workers: Workers, group: ParallelGroup, threads: int) -> None:
+def _leave(held: list, workers: Workers, group: ParallelGroup, threads: int) -> None:
+    """Rank 0's shutdown sequence (the module docstring): every wait bounded, none on the workers' NCCL."""
+    device = group.device
+    if device.type == "cuda" and workers.failed_reason is None:
+        run_bounded(lambda: torch.cuda.synchronize(device), LEAVE_TIMEOUT_S, "waiting for the last steps")
+    held.clear()  # the CUDA graphs (and what they hold) go before the communicator they captured
     workers.stop()
-    group.close()
+    group.leave()
     torch.set_num_threads(threads)
 
 
@@ -51,8 +78,14 @@ class TensorParallelRank:
         """`workers` and `threads` (torch's CPU threads before the start) on rank 0 only."""
         self.plan, self.group, self.workers = plan, group, workers
         self.lora_slots: LoRAPool | None = None  # set by `build`
+        # Rank 0: what must go before the group is left (the runner's CUDA graphs; see `hold`).
+        self._held: list = []
         # Rank 0: also when the runner is dropped without shutdown() (its start-up failed, say).
-        self._leave = weakref.finalize(self, _leave, workers, group, threads) if workers is not None else None
+        self._leave = (
+            weakref.finalize(self, _leave, self._held, workers, group, threads)
+            if workers is not None
+            else None
+        )
 
     @classmethod
     def start(cls, config, model_path: Path, hf_config, max_model_len: int) -> TensorParallelRank:
@@ -72,7 +105,8 @@ class TensorParallelRank:
             gc.collect()  # an engine dropped without shutdown() leaves the group when it is collected
         if dist.is_initialized():
             raise RuntimeError(
-                "this process already runs a tensor-parallel engine: shut it down (LLMEngine.shutdown) first"
+                "this process already runs a tensor-parallel engine (or its process group could not be torn "
+                "down): shut it down first (LLM.shutdown(), or `with LLM(...) as llm:`), or start a new process"
             )
         threads = torch.get_num_threads()
         if device.type == "cpu":  # the ranks share the cores: idle OpenMP threads of one starve the others
@@ -89,8 +123,8 @@ class TensorParallelRank:
             torch.set_num_threads(threads)
             raise
         group.on_failure = workers.failure
-        if device.type == "cuda":  # fail rank 0's kernels that wait on the dead peer now, not at the timeout
-            workers.on_death.append(partial(dist.distributed_c10d._abort_process_group, group.group))
+        # NCCL: rank 0's kernels that wait on the lost peer return now, not at the collective timeout.
+        workers.on_death.append(group.abort)
         return cls(plan, group, workers, threads)
 
     @property
@@ -133,7 +167,32 @@ class TensorParallelRank:
 
     # -- rank 0 ---------------------------------------------------------------------------------------
 
-    def send_eager(self, input_ids, meta: AttentionMetadata, token_slots, logits_rows) -> None:
+    def hold(self, *objects) -> None:
+        """Keep `objects` (the CUDA graphs) until the shutdown sequence drops them, before the group goes."""
+        self._held.extend(o for o in objects if o is not None)
+
+    def check(self) -> None:
+        """Raise TensorParallelError if the watchdog lost the workers (a death, or a step that hung)."""
+        if self.workers is not None and self.workers.failed_reason is not None:
+            raise self.workers.failure()
+
+    @contextmanager
+    def step_guard(self) -> Iterator[None]:
+        """One engine step (launches and read-backs): timed by the watchdog, checked before and after,
+        so a step whose collectives a failure cut short never returns outputs."""
+        self.check()
+        self.workers.begin_step()
+        try:
+            yield
+        finally:
+            self.workers.end_step()
+        self.check()
+
+    def send_eager(
+        self, input_ids, meta: AttentionMetadata, token_slots, logits_rows, prompt_rows=None
+    ) -> None:
+        """`prompt_rows`: hidden rows whose logits rank 0 computes for prompt logprobs (before the
+        sampling rows), in the order it computes them; None: none."""
         loads = self._loads()
         self.workers.send(
             [
@@ -143,6 +202,8 @@ class TensorParallelRank:
                         num_tokens=input_ids.numel(),
                         block_table_width=meta.block_tables.shape[1],
                         num_logits_rows=logits_rows.numel(),
+                        num_prompt_rows=0 if prompt_rows is None else prompt_rows.numel(),
+                        prompt_chunk_rows=logit_chunk_rows(self.plan.vocab_size),
                         use_lora=token_slots is not None,
                         query_start_loc=meta.query_start_loc,
                         seq_lens=meta.seq_lens,
@@ -155,6 +216,8 @@ class TensorParallelRank:
         parts = [input_ids, meta.positions, meta.slot_mapping, meta.block_tables.reshape(-1), logits_rows]
         if token_slots is not None:
             parts.append(token_slots.long())
+        if prompt_rows is not None:
+            parts.append(prompt_rows)
         self.group.broadcast(torch.cat(parts))
 
     def send_graph(self, buffers: DecodeTwins, num_seqs: int, size: int, use_lora: bool) -> None:
@@ -168,6 +231,14 @@ class TensorParallelRank:
         self.lora_slots.finish_dora()
         self._broadcast_graph_inputs(buffers, size)
 
+    def send_verify(self, buffers, size: int, use_lora: bool) -> None:
+        """A verification graph step (spec_decode/verify_graphs.py): its lanes' buffers, then the replay."""
+        loads = self._loads()
+        self.workers.send(
+            [encode(VerifyStep(loads=loads[r], size=size, use_lora=use_lora)) for r in range(len(loads))]
+        )
+        self._broadcast_verify_inputs(buffers, size)
+
     def _loads(self) -> list[list[SlotLoad]]:
         """Per worker, the adapter shards rank 0 put into slots since the last step."""
         pending = self.lora_slots.take_pending()
@@ -180,7 +251,7 @@ class TensorParallelRank:
         ]
 
     def shutdown(self) -> None:
-        """Rank 0: stop the workers, then leave the group (so another engine may form one here)."""
+        """Rank 0: the shutdown sequence (module docstring), so another engine may form a group here."""
         if self._leave is not None:
             self._leave()
 
@@ -195,9 +266,11 @@ class TensorParallelRank:
         slots.finish_dora()  # with rank 0 and the other workers (engine/lora/dora.py)
 
     def receive_eager(self, step: EagerStep):
-        """(input_ids, meta, token slots or None, logits rows), as rank 0's `send_eager` had them."""
+        """(input_ids, meta, token slots or None, logits rows, prompt rows or None), as rank 0's
+        `send_eager` had them."""
         n, num_seqs, width = step.num_tokens, len(step.seq_lens), step.block_table_width
-        sizes = [n, n, n, num_seqs * width, step.num_logits_rows] + ([n] if step.use_lora else [])
+        sizes = [n, n, n, num_seqs * width, step.num_logits_rows, n if step.use_lora else 0]
+        sizes.append(step.num_prompt_rows)
         packed = torch.empty(sum(sizes), dtype=torch.long, device=self.group.device)
         parts = self.group.broadcast(packed).split(sizes)
         meta = AttentionMetadata(
@@ -208,13 +281,23 @@ class TensorParallelRank:
             seq_lens=step.seq_lens,
         )
         token_slots = parts[5].int() if step.use_lora else None
-        return parts[0], meta, token_slots, parts[4]
+        return parts[0], meta, token_slots, parts[4], parts[6] if step.num_prompt_rows else None
 
     def receive_graph(self, buffers: DecodeTwins, size: int) -> None:
         self._broadcast_graph_inputs(buffers, size)
+
+    def receive_verify(self, buffers, size: int) -> None:
+        self._broadcast_verify_inputs(buffers, size)
 
     def _broadcast_graph_inputs(self, buffers: DecodeTwins, size: int) -> None:
         """The decode graphs' static inputs, rank 0's into everyone's (rows past `size` are not read)."""
         self.group.broadcast(buffers.longs.device)
         self.group.broadcast(buffers.ints.device)
+        self.group.broadcast(buffers.block_tables.device[:size])
+
+    def _broadcast_verify_inputs(self, buffers, size: int) -> None:
+        """The verification graphs' static inputs (VerifyTwins), rank 0's into everyone's."""
+        self.group.broadcast(buffers.longs.device)
+        self.group.broadcast(buffers.token_slots.device)
+        self.group.broadcast(buffers.seq_lens.device)
         self.group.broadcast(buffers.block_tables.device[:size])

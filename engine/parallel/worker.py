@@ -3,22 +3,38 @@
 It builds the same model runner as rank 0 (its own shard; the same collectives in the same order while
 profiling memory and capturing CUDA graphs), then runs each step rank 0 sends until told to stop. It exits
 when rank 0 says so, when rank 0's end of the pipe closes (rank 0 exited, however), or on an error, which
-it reports first (`Failed`).
+it reports first (`Failed`). A thread of its own exits the process once rank 0's process is gone, even
+while the main thread waits inside a collective that will never complete.
+
+A worker never tears its process group down: it exits with `os._exit`, and rank 0 aborts its own side
+afterwards (engine/parallel/group.py says why).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+import time
 from pathlib import Path
 
 import torch
 
 from engine.lora.context import LoRAContext
-from engine.parallel.messages import EagerStep, Failed, GraphStep, Hello, Stop, decode_to_worker, encode
+from engine.parallel.messages import (
+    EagerStep,
+    Failed,
+    GraphStep,
+    Hello,
+    Stop,
+    VerifyStep,
+    decode_to_worker,
+    encode,
+)
+from engine.prompt_logprobs import logit_chunks
 
-# How often an idle worker checks that rank 0's process still exists.
-IDLE_POLL_S = 1.0
+# How often a worker checks that rank 0's process still exists.
+PARENT_POLL_S = 0.5
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -29,7 +45,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def worker_main(
-    rank: int, world_size: int, port: int, config, model_path: str, max_model_len: int, conn
+    rank: int, world_size: int, port: int, config, model_path: str, max_model_len: int, conn, parent: int
 ) -> None:
     from engine.model.loader import load_config
     from engine.model_runner import ModelRunner
@@ -37,6 +53,7 @@ def worker_main(
     from engine.parallel.plan import ShardPlan
     from engine.parallel.rank import TensorParallelRank, cpu_threads_per_rank
 
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), name="parent-watch", daemon=True).start()
     exit_code = 1
     try:
         conn.send_bytes(encode(Hello()))
@@ -63,13 +80,15 @@ def worker_main(
     os._exit(exit_code)
 
 
+def _exit_when_orphaned(parent: int) -> None:
+    """Rank 0's process is gone (killed, say): nobody will send a step or complete a collective."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
+
+
 def serve(runner, conn) -> None:
-    parent = os.getppid()
     while True:
-        if not conn.poll(IDLE_POLL_S):
-            if os.getppid() != parent:
-                return  # rank 0's process is gone
-            continue
         try:
             step = decode_to_worker(conn.recv_bytes())
         except EOFError:
@@ -80,7 +99,7 @@ def serve(runner, conn) -> None:
 
 
 @torch.inference_mode()
-def run_step(runner, step: EagerStep | GraphStep) -> None:
+def run_step(runner, step: EagerStep | GraphStep | VerifyStep) -> None:
     """This rank's part of rank 0's step (the logits stay with rank 0; a worker drops its copy)."""
     parallel = runner.parallel
     parallel.apply_loads(step.loads)
@@ -88,7 +107,14 @@ def run_step(runner, step: EagerStep | GraphStep) -> None:
         parallel.receive_graph(runner.inputs.decode, step.size)
         runner.graphs.replay(step.num_seqs, step.size, step.use_lora)
         return
-    input_ids, meta, token_slots, logits_rows = parallel.receive_eager(step)
+    if isinstance(step, VerifyStep):
+        parallel.receive_verify(runner.verify_graphs.inputs, step.size)
+        runner.verify_graphs.replay(step.size, step.use_lora)
+        return
+    input_ids, meta, token_slots, logits_rows, prompt_rows = parallel.receive_eager(step)
     lora = LoRAContext(runner.lora_slots, token_slots) if token_slots is not None else None
     hidden = runner.model.forward(input_ids, meta, runner.kv_caches, lora)
+    if prompt_rows is not None:  # rank 0's prompt logprob gathers, in its chunks (engine/prompt_logprobs.py)
+        for chunk in logit_chunks(prompt_rows.numel(), step.prompt_chunk_rows):
+            runner.model.compute_logits(hidden[prompt_rows[chunk]])
     runner.model.compute_logits(hidden[logits_rows])

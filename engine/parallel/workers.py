@@ -1,10 +1,19 @@
-"""Rank 0's side of the worker processes: start them, send each step's header, stop them.
+"""Rank 0's side of the worker processes: start them, send each step's header, watch them, stop them.
 
 One spawned process per rank 1..N-1 (spawn, never fork: the engine process holds CUDA state and
 threads). Each sends `Hello` once its imports are done, then joins the process group; a worker that
-fails says why (`Failed`) and exits. Every wait is bounded: start-up by `STARTUP_TIMEOUT_S`, a dead
-worker's pipe fails the next send at once, and the workers are stopped (terminated, then killed) when the
-runner shuts down, when it is garbage-collected, or when the interpreter exits.
+fails says why (`Failed`) and exits. Every wait is bounded:
+
+- start-up by STARTUP_TIMEOUT_S;
+- a step by the watchdog thread: a worker that dies (its process sentinel fires), or a step that runs
+  longer than STEP_TIMEOUT_S (a worker hung inside a collective), makes the watchdog record why, kill
+  every worker (none can run a step alone) and call `on_death` (rank 0 aborts its NCCL communicator
+  there, so its own kernels waiting on the lost peer return). The engine thread then raises
+  TensorParallelError naming the worker and the reason (TensorParallelRank.check);
+- a dead worker's pipe fails the next send at once;
+- stopping: Stop, a grace period, then SIGTERM, then SIGKILL. The runner stops the workers when it shuts
+  down, when it is garbage-collected, or when the interpreter exits; the workers exit by themselves
+  when rank 0's process is gone (engine/parallel/worker.py).
 """
 
 from __future__ import annotations
@@ -28,10 +37,16 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 120.0
 # How long a stopping worker gets to leave its loop before it is terminated.
 STOP_GRACE_S = 5.0
+# The longest one engine step may take before the workers are taken for hung (vLLM's
+# VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS plays this part). Far above any real step (a long prefill of a 70B
+# model takes about a second); below the process group's own timeout, so this watchdog acts first.
+STEP_TIMEOUT_S = float(os.environ.get("LORASERVE_TP_STEP_TIMEOUT_S", "300"))
+# How often the watchdog looks at the clock of the running step.
+WATCH_INTERVAL_S = 0.5
 
 
 class TensorParallelError(RuntimeError):
-    """A tensor-parallel worker died or failed: the engine cannot run another step."""
+    """A tensor-parallel worker died, failed or hung: the engine cannot run another step."""
 
 
 class Workers:
@@ -42,15 +57,14 @@ class Workers:
         world_size = config.tensor_parallel_size
         self.processes: list[multiprocessing.process.BaseProcess] = []
         self.conns: list[Connection] = []
-        # Called on the watchdog thread when a worker dies unasked (TensorParallelRank adds NCCL's abort).
-        self.on_death: list[Callable[[], None]] = []
+        self._watchdog = _Watchdog(self.processes)
         self._quiet_read, quiet_write = os.pipe()  # written when stopping: the watchdog then leaves
         self._finalizer = weakref.finalize(self, _stop, self.processes, self.conns, quiet_write)
         for rank in range(1, world_size):
             conn, child_end = context.Pipe()
             process = context.Process(
                 target=worker_main,
-                args=(rank, world_size, port, config, model_path, max_model_len, child_end),
+                args=(rank, world_size, port, config, model_path, max_model_len, child_end, os.getpid()),
                 name=f"tp-worker-{rank}",
                 daemon=True,
             )
@@ -65,11 +79,19 @@ class Workers:
             os.close(self._quiet_read)
             raise
         threading.Thread(
-            target=_watch,
-            args=([p.sentinel for p in self.processes], self._quiet_read, self.on_death),
-            name="tp-watchdog",
-            daemon=True,
+            target=self._watchdog.run, args=(self._quiet_read,), name="tp-watchdog", daemon=True
         ).start()
+
+    @property
+    def on_death(self) -> list[Callable[[], None]]:
+        """Called on the watchdog thread once a failure killed the workers (TensorParallelRank adds the
+        NCCL abort)."""
+        return self._watchdog.on_death
+
+    @property
+    def failed_reason(self) -> str | None:
+        """Why the workers were lost, as the watchdog saw it (None while they are fine)."""
+        return self._watchdog.failed_reason
 
     def _wait_for_hello(self) -> None:
         waiting = dict(zip(self.conns, range(1, len(self.conns) + 1)))
@@ -91,6 +113,8 @@ class Workers:
                 if not isinstance(message, Hello):
                     raise self.failure(rank, message)
 
+    # -- steps --------------------------------------------------------------------------------------
+
     def send(self, messages: list[bytes]) -> None:
         """One encoded message per worker (rank order); a worker that died fails the step at once."""
         for rank, (conn, message) in enumerate(zip(self.conns, messages), start=1):
@@ -99,23 +123,105 @@ class Workers:
             except OSError:
                 raise self.failure(rank, _receive(conn)) from None
 
+    def begin_step(self) -> None:
+        """The engine thread starts a step (it may block in collectives until `end_step`)."""
+        self._watchdog.step_started = time.monotonic()
+
+    def end_step(self) -> None:
+        self._watchdog.step_started = None
+
+    # -- failures -----------------------------------------------------------------------------------
+
     def failure(self, rank: int | None = None, message: object = None) -> TensorParallelError:
-        """An error naming the worker that failed (the first one found dead or reporting, if `rank` is
-        None) and its reason; every worker is stopped, since none can run another step alone."""
+        """An error naming the worker that failed (`rank`, else the one the watchdog lost, else the first
+        found dead or reporting) and its reason. The workers are lost for good: killed, rank 0's
+        communicator aborted (the watchdog's reaction, if it has not run yet), and stopped."""
+        watched = self._watchdog
         if rank is None:
-            for r, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
-                if not process.is_alive() or conn.poll():
-                    rank, message = r, _receive(conn)
-                    break
+            rank = watched.failed_rank if watched.failed_reason is not None else self._first_failed()
+        if message is None and rank is not None:
+            message = _receive(self.conns[rank - 1])
+        if isinstance(message, Failed):
+            reason = f"tensor-parallel worker {rank} failed ({message.message})"
+        elif watched.failed_reason is not None:
+            reason = watched.failed_reason
+        elif rank is not None:
+            self.processes[rank - 1].join(1.0)  # reaped, so its exit code is known
+            reason = f"tensor-parallel worker {rank} failed (exit code {self.processes[rank - 1].exitcode})"
+        else:
+            reason = "a tensor-parallel collective failed"
+        watched.lose(reason, rank)
         self.stop()
-        if rank is None:
-            return TensorParallelError("a tensor-parallel collective failed; the workers were stopped")
-        process = self.processes[rank - 1]
-        reason = message.message if isinstance(message, Failed) else f"exit code {process.exitcode}"
-        return TensorParallelError(f"tensor-parallel worker {rank} failed ({reason}); the engine stopped")
+        return TensorParallelError(f"{reason}; the engine stopped")
+
+    def _first_failed(self) -> int | None:
+        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            if not process.is_alive() or conn.poll():
+                return rank
+        return None
 
     def stop(self) -> None:
         self._finalizer()
+
+
+class _Watchdog:
+    """The watchdog thread's state (apart from Workers, so that the thread keeps no Workers alive)."""
+
+    def __init__(self, processes: list[multiprocessing.process.BaseProcess]):
+        self.processes = processes
+        self.on_death: list[Callable[[], None]] = []
+        self.failed_reason: str | None = None
+        self.failed_rank: int | None = None  # the worker that died (None for a hang)
+        self.step_timeout_s = STEP_TIMEOUT_S
+        self.step_started: float | None = None  # monotonic time the running step began; None: idle
+        self._lock = threading.Lock()
+
+    def run(self, quiet: int) -> None:
+        """Wait for a worker to die, a step to overrun, or `quiet` (the workers are being stopped)."""
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
+        try:
+            while True:
+                ready = wait_for([quiet, *sentinels], timeout=WATCH_INTERVAL_S)
+                if quiet in ready:
+                    return
+                if ready:
+                    rank = sentinels[ready[0]]
+                    process = self.processes[rank - 1]
+                    process.join(STOP_GRACE_S)  # its exit code (another thread may be reaping it)
+                    self.lose(f"tensor-parallel worker {rank} failed (exit code {process.exitcode})", rank)
+                    return
+                started = self.step_started
+                if started is not None and time.monotonic() - started > self.step_timeout_s:
+                    self.lose(
+                        f"a tensor-parallel step did not finish within {self.step_timeout_s:.0f} s "
+                        "(a worker hung in a collective); the workers were killed",
+                        None,
+                    )
+                    return
+        finally:
+            os.close(quiet)
+
+    def lose(self, reason: str, rank: int | None) -> None:
+        """The workers are lost (the first call says why; later ones change nothing): kill them all (a
+        worker blocked in a collective never returns to read Stop), then let rank 0 abort its side."""
+        with self._lock:
+            if self.failed_reason is not None:
+                return
+            self.failed_rank, self.failed_reason = rank, reason
+            self._kill_and_abort()
+
+    def _kill_and_abort(self) -> None:
+        logger.error("%s: the engine cannot run another step", self.failed_reason)
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        for process in self.processes:
+            process.join(STOP_GRACE_S)
+        for callback in self.on_death:
+            try:
+                callback()
+            except Exception:
+                logger.exception("reacting to lost tensor-parallel workers failed")
 
 
 def _receive(conn: Connection) -> object:
@@ -126,19 +232,6 @@ def _receive(conn: Connection) -> object:
     except (EOFError, OSError, ValueError):
         pass
     return None
-
-
-def _watch(sentinels: list[int], quiet: int, on_death: list[Callable[[], None]]) -> None:
-    """Wait for a worker to die or for `quiet` (the workers are being stopped); on a death, call `on_death`."""
-    ready = wait_for([quiet, *sentinels])
-    if quiet not in ready:
-        logger.error("a tensor-parallel worker died; the engine cannot run another step")
-        for callback in on_death:
-            try:
-                callback()
-            except Exception:
-                logger.exception("reacting to a dead tensor-parallel worker failed")
-    os.close(quiet)
 
 
 def _stop(processes, conns, quiet: int) -> None:

@@ -120,10 +120,13 @@ class VerifyCudaGraphs:
     # -- capture ----------------------------------------------------------------------------------------
 
     def capture(self, pool=None) -> None:
-        """Capture every bucket, largest first, in `pool` (the decode graphs': never replayed together)."""
+        """Capture every bucket, largest first, in `pool` (the decode graphs': never replayed together);
+        off CUDA only the padding lanes are set (replays run uncaptured)."""
         started = time.perf_counter()
         self.pool = pool
         self._fill_padding(self.max_batch_size)
+        if self.device.type != "cuda":
+            return
         with torch.inference_mode():
             for size in reversed(self.buckets):
                 for use_lora in (True, False):
@@ -171,11 +174,20 @@ class VerifyCudaGraphs:
 
     # -- one step ---------------------------------------------------------------------------------------
 
-    def execute(self, batch, scheduled, in_flight=None) -> torch.Tensor:
+    def execute(self, batch, scheduled, in_flight=None, parallel=None) -> torch.Tensor:
         """Fill the lanes from the input batch (rows already updated), replay, and return the logits rows
-        that sample ([num_sampling_rows, vocab] float32, in the eager path's order)."""
+        that sample ([num_sampling_rows, vocab] float32, in the eager path's order). `parallel`: rank 0's
+        TensorParallelRank, which hands the lanes to the workers before every rank replays."""
         size = next(b for b in self.buckets if b >= len(scheduled))
         use_lora, num_rows = batch.prepare_lanes(scheduled, self.inputs, size, self.lane, in_flight)
+        if parallel is not None:
+            parallel.send_verify(self.inputs, size, use_lora)
+        logits = self.replay(size, use_lora)
+        return logits[self.inputs.logits_rows.device[:num_rows]]
+
+    def replay(self, size: int, use_lora: bool) -> torch.Tensor:  # [size * lane, vocab] float32
+        """Run the graph of bucket `size` on the lanes already in the static buffers (a worker calls it
+        after receiving rank 0's); uncaptured off CUDA."""
         key = (size, use_lora)
         if key in self.graphs:
             graph, logits = self.graphs[key]
@@ -185,4 +197,4 @@ class VerifyCudaGraphs:
         else:
             logits = self._forward(size, use_lora)
         self.num_replays += 1
-        return logits[self.inputs.logits_rows.device[:num_rows]]
+        return logits

@@ -36,6 +36,7 @@ from loraserve.settings import (
     DEFAULT_STATE_DIR,
     GENERATION_CONFIGS,
     KV_CACHE_DTYPES,
+    LOAD_FORMATS,
     METRICS_OFF,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
@@ -63,6 +64,7 @@ _SERVE_FIELDS = (
     "kv_cache_dtype",
     "quantization",
     "tensor_parallel_size",
+    "load_format",
     "enable_expert_parallel",
     "speculative_config",
     "kv_events_config",
@@ -158,6 +160,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="GPUs of this host one model is split over (Megatron-style, one worker process per GPU "
         "beyond the first); 1: one GPU",
+    )
+    add(
+        "--load-format",
+        default="auto",
+        choices=LOAD_FORMATS,
+        help="auto: read the checkpoint; dummy: random weights of its shapes, made on the "
+        "device (benchmarks; only config.json is read)",
     )
     add(
         "--enable-expert-parallel",

@@ -138,7 +138,6 @@ class Services:
     force_include_usage: bool = False
     tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: for every request
     server_load: ServerLoad | None = None  # None: load tracking off (GET /load is 404)
-    tensor_parallel_size: int = 1  # above 1, prompt logprobs are refused (the engine cannot compute them yet)
     # Per-tenant cap on adapter uploads at once (--max-concurrent-uploads-per-tenant): 429 beyond it.
     upload_slots: UploadSlots = field(default_factory=UploadSlots)
     max_routes_per_tenant: int = 1000  # --max-routes-per-tenant: creating a route past it is 403

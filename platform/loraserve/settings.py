@@ -32,6 +32,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch 
 ADAPTER_LOADERS = ("auto", "thread", "process")  # auto: loader processes on CUDA, threads elsewhere
 GENERATION_CONFIGS = ("auto", "vllm")  # auto: the model's generation_config.json; vllm: ignore it
 QUANTIZATIONS = (None, "fp8")  # None: the checkpoint as is; fp8: float8 e4m3 linear projections
+LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint; dummy: random weights of its shapes, nothing read
 METRICS_OFF = 0  # --metrics-port off
 SCHEDULING_POLICIES = ("fair", "fcfs")  # fair: virtual token counters by tenant; fcfs: arrival order
 # The default body limit: about 4 characters a token, JSON escapes (up to 6 bytes a character) and chat
@@ -63,6 +64,7 @@ class ServerSettings:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None  # engine.EngineConfig.quantization
     tensor_parallel_size: int = 1  # engine.EngineConfig.tensor_parallel_size
+    load_format: str = "auto"  # engine.EngineConfig.load_format (dummy: random weights)
     enable_expert_parallel: bool = False  # engine.EngineConfig.enable_expert_parallel
     # vLLM's --speculative-config: JSON text of engine.spec_decode.config.SpeculativeConfig; None: off
     speculative_config: str | None = None
@@ -194,6 +196,10 @@ class ServerSettings:
         ):
             raise ValueError(
                 f"--tensor-parallel-size must be a positive integer (got {self.tensor_parallel_size!r})"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"--load-format {self.load_format!r} is not supported; use one of {', '.join(LOAD_FORMATS)}"
             )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(

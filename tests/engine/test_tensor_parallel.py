@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU (gloo): workload C1 over 2 and 4 ranks gives the greedy tokens of one rank
 and of transformers + PEFT, for Llama, Mistral and Qwen2, through chunked prefill, preemption and adapter
-slot evictions; workers are stopped with the engine, and a dead worker stops it with an error."""
+slot evictions; workers are stopped with the engine, and a dead worker stops it with an error.
+test_tensor_parallel_lifecycle.py covers shutdown, hangs, a killed parent, prompt logprobs and graph steps."""
 
 from __future__ import annotations
 
@@ -265,16 +266,3 @@ def test_served_core_runs_its_workers_and_none_outlives_it(text_model_dir):
         llm.shutdown()
         for pid in [core_pid, *workers]:
             kill_quietly(pid)
-
-
-def test_prompt_logprobs_are_refused_over_ranks(tmp_path):
-    """The workers compute logits for the sampling rows only: a request for prompt logprobs fails alone,
-    with a message that says so, and the next request is served."""
-    model_dir = make_model(tmp_path / "model", seed=3)
-    with engine(model_dir, tensor_parallel_size=2, **ENGINE_ARGS) as llm:
-        refused, served = llm.generate(
-            [{"prompt_token_ids": [5, 6, 7]}] * 2,
-            [SamplingParams(max_tokens=2, prompt_logprobs=1), SamplingParams(max_tokens=2, ignore_eos=True)],
-        )
-    assert "prompt_logprobs is not supported with tensor parallelism" in refused.error
-    assert served.error is None and len(served.outputs[0].token_ids) == 2

@@ -17,6 +17,7 @@ from loraserve.settings import (
     ATTENTION_BACKENDS,
     GENERATION_CONFIGS,
     KV_CACHE_DTYPES,
+    LOAD_FORMATS,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
     ServerSettings,
@@ -144,6 +145,7 @@ def test_server_choices_are_the_engines():
     assert GENERATION_CONFIGS == engine_config_module.GENERATION_CONFIGS
     assert SCHEDULING_POLICIES == engine_config_module.SCHEDULING_POLICIES
     assert QUANTIZATIONS == engine_config_module.QUANTIZATIONS
+    assert LOAD_FORMATS == engine_config_module.LOAD_FORMATS
 
 
 def test_quantization_flag_reaches_the_engine():
@@ -163,6 +165,14 @@ def test_tensor_parallel_size_flag_reaches_the_engine():
     assert settings([], {"LORASERVE_TENSOR_PARALLEL_SIZE": "2"}).tensor_parallel_size == 2
     with pytest.raises(ValueError, match="--tensor-parallel-size must be a positive integer"):
         ServerSettings(tensor_parallel_size=0)
+
+
+def test_load_format_flag_reaches_the_engine():
+    assert engine_config(settings([]), "some/model").load_format == "auto"
+    assert engine_config(settings(["--load-format", "dummy"]), "some/model").load_format == "dummy"
+    assert settings([], {"LORASERVE_LOAD_FORMAT": "dummy"}).load_format == "dummy"
+    with pytest.raises(ValueError, match="--load-format 'pt' is not supported"):
+        ServerSettings(load_format="pt")
 
 
 def test_enable_expert_parallel_flag_reaches_the_engine():

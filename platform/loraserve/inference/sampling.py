@@ -34,9 +34,6 @@ class LogprobsCap:
 
     max_logprobs: int = 20
     vocab_size: int | None = None
-    prompt_logprobs: bool = (
-        True  # whether the engine computes prompt logprobs (not yet under tensor parallelism)
-    )
 
     def check(self, kind: str, value: int | None, param: str) -> None:
         """Refuse, with vLLM's message, a count above the cap; -1 asks for the whole vocabulary."""
@@ -131,12 +128,6 @@ def _params(
             raise BadRequest(
                 "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
             )
-    if prompt_logprobs is not None and not cap.prompt_logprobs:
-        raise BadRequest(
-            "prompt_logprobs (asked for, or implied by echo with logprobs) is not supported with "
-            "--tensor-parallel-size above 1 yet; ask a server on one GPU",
-            param="prompt_logprobs",
-        )
     cap.check("prompt", prompt_logprobs, "prompt_logprobs")
     # vLLM's rule: `{}` asks for nothing, so only a set field needs a stream
     if body.stream_options is not None and not body.stream_options.is_empty and not body.stream:

@@ -161,7 +161,7 @@ async def create_invocation(
 
 def _logprobs_cap(services: Services) -> LogprobsCap:
     vocab = len(services.tokenizer) if services.tokenizer is not None else None
-    return LogprobsCap(services.max_logprobs, vocab, prompt_logprobs=services.tensor_parallel_size == 1)
+    return LogprobsCap(services.max_logprobs, vocab)
 
 
 def check_serving(services: Services) -> None:

@@ -352,6 +352,14 @@ class _StateCollector(Collector):
             stats.num_kernel_compiles_after_ready,
             model,
         )
+        replays = CounterMetricFamily(
+            "loraserve_cuda_graph_replays",
+            "Engine steps served by CUDA-graph replays (decode; speculative verification).",
+            labels=["model_name", "kind"],
+        )
+        replays.add_metric([self._model, "decode"], stats.num_decode_graph_replays)
+        replays.add_metric([self._model, "verify"], stats.num_verify_graph_replays)
+        yield replays
         if stats.spec_decode is not None:
             yield from _spec_decode_families(stats, model)
         yield from _adapter_latency_families(stats, model)

@@ -34,6 +34,7 @@ from loraserve.services import Services
 from loraserve.tenancy import InvalidName, Principal, require_admin
 
 MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
+MAX_NAME_CHARS = 255  # NAME_MAX on Linux: longer names cannot exist, so such a path is malformed
 
 
 class LoadLoRAAdapterRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -116,9 +117,11 @@ def _allowed_folder(services: Services, lora_path: str) -> Path:
             "lora_path must be a local folder; adapters in S3 are uploaded with POST /v1/adapters",
             param="lora_path",
         )
-    if "\x00" in lora_path or len(lora_path) > MAX_PATH_CHARS:  # os calls raise on these: the caller's 400
+    too_long = len(lora_path) > MAX_PATH_CHARS or any(len(n) > MAX_NAME_CHARS for n in lora_path.split("/"))
+    if "\x00" in lora_path or too_long:  # os calls raise on these: the caller's 400 (a missing folder: 404)
         raise BadRequest(
-            f"lora_path must be a folder path of at most {MAX_PATH_CHARS} characters, without NUL characters",
+            f"lora_path must be a folder path of at most {MAX_PATH_CHARS} characters, with names of at most "
+            f"{MAX_NAME_CHARS}, without NUL characters",
             param="lora_path",
         )
     folder = Path(os.path.realpath(lora_path))

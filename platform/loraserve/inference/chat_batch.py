@@ -26,7 +26,7 @@ from loraserve.inference.prompts import (
 from loraserve.inference.responses import ChatFormat
 from loraserve.inference.sampling import chat_params
 from loraserve.inference.schemas import ChatCompletionRequest, ChatMessage
-from loraserve.inference.service import _generate, _logprobs_cap, check_serving
+from loraserve.inference.service import _admit, _generate, _logprobs_cap, check_serving
 from loraserve.inference.structured import check_structured
 from loraserve.services import Services
 from loraserve.tenancy import Principal
@@ -47,7 +47,39 @@ async def create_batch_chat_completion(
     if getattr(body, "tools", None):
         raise BadRequest("tools are not supported for batched chat completions", param="tools")
     params = chat_params(body, services.sampling_defaults, _logprobs_cap(services))
-    prompts = [
+    check_sampling_token_ids(params, services.tokenizer)
+    resolved, lease = await _admit(services, principal, body)
+    try:
+        await check_structured(services, params.structured_outputs)
+        prompts = await services.work_pool.run(_render, services, body)
+        check_output_room(params.max_tokens, prompts, services.max_model_len)
+        # as for one chat: echo repeats a conversation's last message when it is the assistant's
+        echo = (
+            [message_text(c[-1]) if c[-1].role == "assistant" else "" for c in body.messages]
+            if body.echo
+            else None
+        )
+        return await _generate(
+            services,
+            principal,
+            body,
+            prompts,
+            params,
+            ChatFormat,
+            "chatcmpl",
+            request,
+            resolved,
+            lease,
+            echo,
+        )
+    except BaseException:
+        lease.release()  # idempotent: a started generation releases it itself
+        raise
+
+
+def _render(services: Services, body: BatchChatCompletionRequest) -> list[list[int]]:
+    """Each conversation's prompt, rendered with the chat template (in the tokenizer pool)."""
+    return [
         chat_prompt(
             conversation,
             services.tokenizer,
@@ -58,13 +90,3 @@ async def create_batch_chat_completion(
         )
         for conversation in body.messages
     ]
-    check_output_room(params.max_tokens, prompts, services.max_model_len)
-    check_sampling_token_ids(params, services.tokenizer)
-    await check_structured(services, params.structured_outputs)
-    # as for one chat: echo repeats a conversation's last message when it is the assistant's
-    echo = (
-        [message_text(c[-1]) if c[-1].role == "assistant" else "" for c in body.messages]
-        if body.echo
-        else None
-    )
-    return await _generate(services, principal, body, prompts, params, ChatFormat, "chatcmpl", request, echo)

@@ -161,6 +161,7 @@ class _Format:
             not choice.started
             or self.want_logprobs
             or self.options.return_token_ids
+            or self.options.tools is not None  # a tool parser reads every delta (it may hold text back)
             or completion.finish_reason is not None
         ):
             return None

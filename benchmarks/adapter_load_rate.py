@@ -48,7 +48,7 @@ from adapters_store.config import StoreConfig  # noqa: E402
 from adapters_store.engine_source import StoreAdapterSource, parse_adapter_id  # noqa: E402
 from adapters_store.local import LocalStore  # noqa: E402
 from benchmarks.adapter_loading import SMOKE_SHAPE, write_peft_folder  # noqa: E402
-from benchmarks.adapter_scale import TENANT, build_store  # noqa: E402
+from benchmarks.adapter_scale_setup import DEFAULT_TENANT, build_local_store  # noqa: E402
 from engine.lora.background_loads import ProcessLoads, ThreadLoads, read_into  # noqa: E402
 from engine.lora.host_tier import HostTier  # noqa: E402
 from engine.lora.slots import SlotLayout  # noqa: E402
@@ -62,9 +62,9 @@ RANK = 16
 def make_store(root: Path, shape: ModelShape, sets: int, names: int) -> list[str]:
     """A local store of `names` adapter names over `sets` weight sets; returns their engine ids."""
     folders = [write_peft_folder(root / "sets" / f"set{i}", shape, seed=i) for i in range(sets)]
-    mapping = {f"lr-{k:04d}": k % sets for k in range(names)}
-    build_store(root / "store", shape, RANK, folders, mapping)
-    return [f"{TENANT}/{name}@1" for name in mapping]
+    mapping = {(DEFAULT_TENANT, f"lr-{k:04d}"): k % sets for k in range(names)}
+    build_local_store(root / "store", shape, RANK, folders, mapping)
+    return [f"{tenant}/{name}@1" for tenant, name in mapping]
 
 
 def fill_cache(cache: DiskCache, store: LocalStore, ids: list[str]) -> None:

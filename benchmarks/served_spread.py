@@ -188,6 +188,8 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few requests")
     args = p.parse_args(argv)
     args.device, args.dtype, args.fresh_cache = "cuda", "bfloat16", False
+    # serve.py's server and floor helpers read these: one GPU, weights from the written checkpoint.
+    args.tensor_parallel_size, args.load_format = 1, "auto"
     if args.smoke:
         args.shape, args.device, args.dtype = "smoke", "cpu", "float32"
         args.adapters, args.num_requests, args.min_prompt, args.max_prompt = [2], 4, 8, 24

@@ -253,7 +253,7 @@ def test_a_dead_engine_core_ends_every_front_ends_streams(start_server, tmp_path
         api = Pool(server.port, pids)
         conns = [api.to(pid) for pid in pids]
         for conn in conns:
-            conn.send("POST", "/v1/completions", {**LONG, "max_tokens": 120, "stream": True}, ADMIN)
+            conn.send("POST", "/v1/completions", {**LONG, "max_tokens": 100, "stream": True}, ADMIN)
             assert conn.head()[0] == 200
         os.kill(core, signal.SIGKILL)
         for conn in conns:

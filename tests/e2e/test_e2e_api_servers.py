@@ -165,10 +165,12 @@ def test_two_front_ends_share_limits_metrics_and_routes_and_outlive_a_death(
     api = Pool(server.port, pids)
     a, b = pids
 
-    # Concurrency cap 2 for the replica: one stream on each process, then both processes refuse.
+    # Concurrency cap 2 for the replica: one stream on each process, then both processes refuse. The
+    # streams run as long as the context allows (11 prompt tokens of 128), so they still hold their
+    # slots while the refusals are asked for on a loaded 2-core machine.
     streams = [api.to(a), api.to(b)]
     for conn in streams:
-        conn.send("POST", "/v1/completions", {**LONG, "stream": True}, CAPPED)
+        conn.send("POST", "/v1/completions", {**LONG, "max_tokens": 110, "stream": True}, CAPPED)
         assert conn.head()[0] == 200
     for pid in (a, b):  # (a refused request's connection is not reused: the server may close it)
         status, headers, body = api.to(pid).call("POST", "/v1/completions", LONG, CAPPED)

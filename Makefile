@@ -18,7 +18,7 @@ STEP := t0=$$(date +%s); run() { "$$@" && echo "  done in $$(($$(date +%s) - t0)
 APT_INSTALL := SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends
 
-.PHONY: venv install install-serve test lint serve redis browser openapi-ui clean
+.PHONY: venv install install-serve test test-slow lint serve redis browser openapi-ui clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -58,10 +58,16 @@ browser:
 		echo "installing chromium and chromium-driver from Debian's packages..."; \
 		$(STEP) sh -c '$(APT_INSTALL) chromium chromium-driver'; }
 
+# The quick tier: every test but those marked slow (servers in their own processes, the demo model,
+# CPU smokes of the GPU benchmarks, the hostile-tenant probe); about ten minutes on two cores.
 test: install redis browser
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+# The slow tier; CI runs it after `make test`, so together they are the whole suite.
+test-slow: install redis browser
+	$(PY) -m pytest -q -m slow
 
 lint: install
 	$(PY) -m ruff check .

@@ -16,7 +16,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
 def test_the_w2_benchmark_runs_quick_on_the_cpu(tmp_path):
     """The mixed-rank variant in two rounds (the report gives the median round): the default one differs
     only in its single rank, and runs on a server of its own."""
@@ -42,7 +41,6 @@ def test_the_w2_benchmark_runs_quick_on_the_cpu(tmp_path):
     assert "rank 2/4/8," in result.stdout
 
 
-@pytest.mark.slow
 def test_the_cold_start_mode_runs_quick_on_the_cpu(tmp_path):
     """Cold adapters from a local store and from S3 (moto's server on loopback), each against the same
     adapters warm, with another tenant's requests beside them."""

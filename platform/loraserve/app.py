@@ -126,7 +126,9 @@ def _serving_warmup(app: Litestar, settings: ServerSettings, readiness: Readines
         readiness.warming_up = True
         try:
             chat = bool(getattr(services.tokenizer, "chat_template", None))
-            await warm_up(app, services.base_model_id, chat, settings.serving_warmup_timeout)
+            front_ends = services.front_ends
+            name = "the server" if front_ends is None else f"front-end process {front_ends.slot}"
+            await warm_up(app, services.base_model_id, chat, settings.serving_warmup_timeout, name)
         finally:
             readiness.warming_up = False
 

@@ -21,7 +21,7 @@ from loraserve.ops.readiness import WARMING_UP
 from loraserve.ops.serving_warmup import WARMUP_TENANT, asgi_call
 from loraserve.settings import ServerSettings
 
-DONE = "serving warm-up of this process done: 4 requests"
+DONE = "serving warm-up of the server done: 4 requests"
 
 
 @pytest.fixture(scope="module")

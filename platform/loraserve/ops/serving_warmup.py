@@ -69,7 +69,7 @@ class WarmupFailed(Exception):
     pass
 
 
-async def warm_up(app: Any, model: str, chat: bool, timeout_s: float, name: str = "this process") -> bool:
+async def warm_up(app: Any, model: str, chat: bool, timeout_s: float, name: str = "the server") -> bool:
     """Run the batch at once; True when every request succeeded. Never raises (but on cancel)."""
     requests = warmup_requests(model, chat)
     started = time.perf_counter()

@@ -60,7 +60,7 @@ from benchmarks.adapter_scale_setup import (  # noqa: E402,F401 (zipf_names, res
     zipf_names,
 )
 from benchmarks.serve import make_tokenizer, percentile  # noqa: E402
-from benchmarks.serve_client import Server, drive, free_port  # noqa: E402
+from benchmarks.serve_client import drive, free_port, serving  # noqa: E402
 
 VARIANTS = {"rank16": None, "mixed": (8, 16, 64)}  # variant -> ranks in turn (None: the shape's one rank)
 
@@ -125,14 +125,11 @@ def run_variant(args, variant: str, root: Path, model_dir: Path, config, dtype) 
     state_dir = (args.state_dir or root) / f"state-{variant}"
     state_dir.mkdir(parents=True, exist_ok=True)
     metrics_port = free_port()
-    server = Server(
-        server_args(args, model_dir, store_root, state_dir, metrics_port, max(ranks)),
-        state_dir / "server.log",
-    )
+    argv = server_args(args, model_dir, store_root, state_dir, metrics_port, max(ranks))
     metrics_url = f"http://127.0.0.1:{metrics_port}"
     rows: dict[str, list[dict]] = {}
-    try:
-        print(f"{variant}: server ready in {server.wait_ready(args.startup_timeout):.0f} s", flush=True)
+    with serving(argv, state_dir / "server.log", args.startup_timeout) as (server, ready_s):
+        print(f"{variant}: server ready in {ready_s:.0f} s", flush=True)
         if args.warmup_requests:  # the uniform adapters loaded and every kernel compiled before measuring
             rng = random.Random(7)
             prompts = w1.random_prompts(
@@ -161,13 +158,6 @@ def run_variant(args, variant: str, root: Path, model_dir: Path, config, dtype) 
                     f"TTFT p99 {ms(row['ttft'], 99):.0f} ms, {len(row['errors'])} failed",
                     flush=True,
                 )
-    except BaseException:
-        print(server.log_tail(), file=sys.stderr)
-        raise
-    finally:
-        code = server.stop()
-        if code not in (0, None):
-            print(f"the server exited with {code}:\n{server.log_tail()}", file=sys.stderr)
     return rows
 
 

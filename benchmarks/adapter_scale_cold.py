@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from benchmarks.adapter_scale_setup import (
     write_api_keys,
 )
 from benchmarks.serve import make_tokenizer, percentile
-from benchmarks.serve_client import Server, drive, free_port
+from benchmarks.serve_client import drive, free_port, serving
 
 COLD, BYSTANDER = "cold", "bystander"  # the tenants
 BUCKET = "w2-cold-adapters"
@@ -135,7 +134,7 @@ def serve(args, model_dir, store_url, state_dir, keys_file, keys, cold, config, 
     ]  # fmt: skip
     if args.device == "cpu":
         values += ["--cpu-kv-cache-space", "0.1"]
-    server = Server(values + args.server_arg, state_dir / f"server-{time.time_ns()}.log", env)
+    argv, log_path = values + args.server_arg, state_dir / f"server-{time.time_ns()}.log"
     metrics_url = f"http://127.0.0.1:{metrics_port}"
     rng = random.Random(seed)
 
@@ -159,11 +158,8 @@ def serve(args, model_dir, store_url, state_dir, keys_file, keys, cold, config, 
             "seconds": end - start,
         }
 
-    try:
-        print(
-            f"{store_url.split(':')[0]} server ready in {server.wait_ready(args.startup_timeout):.0f} s",
-            flush=True,
-        )
+    with serving(argv, log_path, args.startup_timeout, env) as (server, ready_s):  # one_pass reads `server`
+        print(f"{store_url.split(':')[0]} server ready in {ready_s:.0f} s", flush=True)
         # Warm-up, unmeasured: both tenants' adapters resident, every kernel of these shapes compiled.
         for _ in range(2):
             one_pass(["warmup"] * max(1, len(cold) // 4))
@@ -175,13 +171,6 @@ def serve(args, model_dir, store_url, state_dir, keys_file, keys, cold, config, 
                 flush=True,
             )
         return rows
-    except BaseException:
-        print(server.log_tail(), file=sys.stderr)
-        raise
-    finally:
-        code = server.stop()
-        if code not in (0, None):
-            print(f"the server exited with {code}:\n{server.log_tail()}", file=sys.stderr)
 
 
 def cold_start_means(before: dict, after: dict) -> dict[str, float]:

@@ -58,7 +58,7 @@ import torch  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from benchmarks import w1_setup as w1  # noqa: E402
-from benchmarks.serve_client import Sample, Server, drive, free_port  # noqa: E402
+from benchmarks.serve_client import Sample, drive, free_port, serving  # noqa: E402
 from benchmarks.w1_setup import Prompts  # noqa: E402
 
 
@@ -182,6 +182,15 @@ def bodies(args, prompts: list[list[int]], n: int) -> list[dict]:
     ]
 
 
+def one_run(
+    args, url: str, prompts: list[list[int]], n: int, concurrency: int | None = None, **client
+) -> dict:
+    """One run of the workload with `n` adapters (0: the base model) on `prompts`, summarized; `client`:
+    drive's `cpus` and `busy`."""
+    samples = drive(url, bodies(args, prompts, n), args.client_processes, concurrency, **client)
+    return summarize(*samples)
+
+
 def summarize(samples: list[Sample], start: float, end: float) -> dict:
     errors = [s.error for s in samples if s.error]
     if errors:
@@ -204,25 +213,20 @@ def run_served(args, model_dir, adapters, prompts: Prompts, max_len, state_dir: 
         shutil.rmtree(cache, ignore_errors=True)
     state_dir.mkdir(parents=True, exist_ok=True)
     metrics_port = free_port()
-    server = Server(
-        [*server_args(args, model_dir, adapters, state_dir, max_len), "--metrics-port", str(metrics_port)],
-        state_dir / "server.log",
-    )
+    argv = [*server_args(args, model_dir, adapters, state_dir, max_len), "--metrics-port", str(metrics_port)]
     compiles = partial(compiles_after_ready, f"http://127.0.0.1:{metrics_port}")
     rows, first_rows = {}, {}
-    try:
-        ready_s = server.wait_ready(args.startup_timeout)
+    with serving(argv, state_dir / "server.log", args.startup_timeout) as (server, ready_s):
         print(f"server ready in {ready_s:.0f} s; Triton cache entries: {_count(cache)}", flush=True)
         for n in [0, *args.adapters]:
-            first = summarize(*drive(server.url, bodies(args, prompts.warm_up, n), args.client_processes))
+            first = one_run(args, server.url, prompts.warm_up, n)
             if args.fresh_cache:
                 first_rows[workload_name(n)] = first
                 print(f"served {workload_name(n)} first run: {first['tok_s']:.0f} tok/s; cache entries "
                       f"{_count(cache)}; compiles after ready {compiles()}", flush=True)  # fmt: skip
             runs = []
             for repeat in range(args.repeats):
-                work = bodies(args, repeat_prompts(args, prompts, repeat), n)
-                runs.append(summarize(*drive(server.url, work, args.client_processes)))
+                runs.append(one_run(args, server.url, repeat_prompts(args, prompts, repeat), n))
                 print(f"served {workload_name(n)}: {runs[-1]['tok_s']:.0f} output tok/s; compiles after ready "
                       f"{compiles()}", flush=True)  # fmt: skip
             rows[workload_name(n)] = median_run(runs)
@@ -230,13 +234,6 @@ def run_served(args, model_dir, adapters, prompts: Prompts, max_len, state_dir: 
             line for line in server.log_path.read_text(errors="replace").splitlines() if "compiled" in line
         ]
         print(f"{len(compiled)} Triton compiles logged after ready", *compiled[:8], sep="\n", flush=True)
-    except BaseException:
-        print(server.log_tail(), file=sys.stderr)
-        raise
-    finally:
-        code = server.stop()
-        if code not in (0, None):
-            print(f"the server exited with {code}:\n{server.log_tail()}", file=sys.stderr)
     return rows, first_rows
 
 

@@ -17,6 +17,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +100,24 @@ class Server:
                 self.process.wait(timeout=10)
         self._log.close()
         return self.process.returncode
+
+
+@contextmanager
+def serving(
+    args: list[str], log_path: Path, startup_timeout_s: float, env: dict[str, str] | None = None
+) -> Iterator[tuple[Server, float]]:
+    """A `Server` with `args`, once /ready is 200: (server, seconds it took). Stopped on the way out; its
+    log's tail is printed when the start or the block fails, or when it exits with an error."""
+    server = Server(args, log_path, env)
+    try:
+        yield server, server.wait_ready(startup_timeout_s)
+    except BaseException:
+        print(server.log_tail(), file=sys.stderr)
+        raise
+    finally:
+        code = server.stop()
+        if code not in (0, None):
+            print(f"the server exited with {code}:\n{server.log_tail()}", file=sys.stderr)
 
 
 def drive(

@@ -41,15 +41,14 @@ import torch  # noqa: E402
 
 from benchmarks import w1_setup as w1  # noqa: E402
 from benchmarks.serve import (  # noqa: E402
-    bodies,
     make_tokenizer,
+    one_run,
     percentile,
     run_offline,
     server_args,
-    summarize,
     workload_name,
 )
-from benchmarks.serve_client import Server, drive  # noqa: E402
+from benchmarks.serve_client import serving  # noqa: E402
 from engine.core.steady import plan_cpus  # noqa: E402
 
 
@@ -84,36 +83,28 @@ def run_server(args, count: int, cpus: str, model_dir, adapters, max_len, state_
     """{workload: Served} for one `--api-server-count COUNT --engine-core-cpus CPUS` server."""
     extra = ["--api-server-count", str(count), "--engine-core-cpus", cpus, "--metrics-port", "off"]
     state_dir.mkdir(parents=True, exist_ok=True)
-    server = Server(
-        [*server_args(args, model_dir, adapters, state_dir, max_len), *extra], state_dir / "server.log"
-    )
+    argv = [*server_args(args, model_dir, adapters, state_dir, max_len), *extra]
     plan = plan_cpus(cpus, cuda=args.device == "cuda")
     client_cpus = plan.others if plan is not None else None
     results: dict[str, Served] = {}
-    try:
-        ready_s = server.wait_ready(args.startup_timeout)
+    with serving(argv, state_dir / "server.log", args.startup_timeout) as (server, ready_s):
         print(f"[{count} front end(s), cpus {cpus}] ready in {ready_s:.0f} s", flush=True)
         for n in args.workloads:
             served = results.setdefault(workload_name(n), Served())
             busy: list[float] = []
-
-            def one_run(prompts, concurrency=None, n=n, busy=busy):
-                work = bodies(args, prompts, n)
-                samples = drive(
-                    server.url, work, args.client_processes, concurrency, cpus=client_cpus, busy=busy
-                )
-                return summarize(*samples)
-
-            served.first = one_run(fresh_prompts(args, next(seeds)))
+            client = {"cpus": client_cpus, "busy": busy}
+            served.first = one_run(args, server.url, fresh_prompts(args, next(seeds)), n, **client)
             for _ in range(args.runs):
-                served.runs.append(one_run(fresh_prompts(args, next(seeds))))
+                served.runs.append(one_run(args, server.url, fresh_prompts(args, next(seeds)), n, **client))
             if args.sustained:
                 many = [
                     p
                     for _ in range(-(-args.sustained_requests // args.num_requests))
                     for p in fresh_prompts(args, next(seeds))
                 ]
-                served.sustained = one_run(many[: args.sustained_requests], concurrency=args.num_requests)
+                served.sustained = one_run(
+                    args, server.url, many[: args.sustained_requests], n, args.num_requests, **client
+                )
             served.client_busy = max(busy)
             runs = ", ".join(f"{run['tok_s']:.0f}" for run in served.runs)
             print(
@@ -121,13 +112,6 @@ def run_server(args, count: int, cpus: str, model_dir, adapters, max_len, state_
                 f"runs {runs} tok/s; busiest client {100 * served.client_busy:.0f}% CPU",
                 flush=True,
             )
-    except BaseException:
-        print(server.log_tail(), file=sys.stderr)
-        raise
-    finally:
-        code = server.stop()
-        if code not in (0, None):
-            print(f"the server exited with {code}:\n{server.log_tail()}", file=sys.stderr)
     return results
 
 

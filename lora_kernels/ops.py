@@ -15,6 +15,8 @@ CPU and with `validate=True` only (checks.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -258,8 +260,67 @@ def add_lora_paged(
     must be at most 16); `(16, 64)` launches one pair for the tokens whose slot rank is in [0, 16] and
     one for those in (16, 64], each sized to its bucket. None: one pair sized to the page table's width.
     """
+    plan = plan_paged(
+        y,
+        x,
+        pool_as,
+        pool_bs,
+        page_table,
+        token_slots,
+        scales,
+        output_slices,
+        slot_ranks,
+        rank_buckets=rank_buckets,
+        dora_scales=dora_scales,
+        dora_slots=dora_slots,
+        meta=meta,
+        path=path,
+        backend=backend,
+        validate=validate,
+    )
+    return run_paged(plan, y, x, pool_as, pool_bs, page_table, scales, slot_ranks, dora_scales, dora_slots)
+
+
+@dataclass(frozen=True)
+class PagedPlan:
+    """What `add_lora_paged`'s checks decided for one call's shapes: the backend, the kernels' path, and
+    per rank window its launch configs and h buffer. A caller that makes the same call again with
+    tensors of the same shapes, dtypes, strides and devices (the same projections of another layer, in
+    the same step) passes it to `run_paged` and skips the checks: the engine's mixed steps make dozens
+    of such calls (engine/lora/context.py)."""
+
+    backend: str
+    path: str
+    token_slots: torch.Tensor  # [num_tokens] int32, the step's
+    output_slices: tuple[int, ...]
+    meta: LoRABatchMeta | None
+    # (rank_lo, rank_hi, launch configs, h [split_k, num_slices, num_tokens, rank_hi] float32) per window
+    windows: tuple[tuple[int | None, int, Any, torch.Tensor], ...]
+    page: int
+
+
+def plan_paged(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    pool_as: Sequence[torch.Tensor],
+    pool_bs: Sequence[torch.Tensor],
+    page_table: torch.Tensor,
+    token_slots: torch.Tensor,
+    scales: Sequence[torch.Tensor],
+    output_slices: Sequence[int],
+    slot_ranks: torch.Tensor,
+    *,
+    rank_buckets: Sequence[int] | None = None,
+    dora_scales: torch.Tensor | None = None,
+    dora_slots: torch.Tensor | None = None,
+    meta: LoRABatchMeta | None = None,
+    path: str = "auto",
+    backend: str = "auto",
+    validate: bool = False,
+) -> PagedPlan:
+    """Every check of `add_lora_paged` (the same arguments), and what its launches need."""
     pool_as, pool_bs, scales = list(pool_as), list(pool_bs), list(scales)
-    output_slices = [int(w) for w in output_slices]
+    output_slices = tuple(int(w) for w in output_slices)
     checks.check_output(y, sum(output_slices))
     checks.check_activations(x, y.shape[0])
     if y.dtype != x.dtype:
@@ -275,34 +336,56 @@ def add_lora_paged(
         checks.check_page_values(page_table, slot_ranks, page, pool_as[0].shape[0])
         if rank_buckets is not None:
             checks.check_bucket_ranks(token_slots, slot_ranks, windows[-1][1])
-    dora = checks.check_dora(dora_scales, dora_slots, num_slots, sum(output_slices), x.device)
+    checks.check_dora(dora_scales, dora_slots, num_slots, sum(output_slices), x.device)
     backend, path = _resolve(x.device, backend, path, x.shape[0])
-    if backend == "torch":
-        return reference.add_lora_paged(
-            y, x, pool_as, pool_bs, page_table, token_slots, scales, output_slices, slot_ranks, dora
-        )
-    if x.shape[0] == 0:
-        return y
-    meta = _meta_for(meta, token_slots, num_slots) if path == "segmented" else meta
+    planned = []
     num_tokens, num_slices = x.shape[0], len(pool_as)
-    for rank_lo, rank_hi in windows:
-        conf = tiles.launch_configs(
-            path, num_tokens, num_slots, num_slices, x.shape[1], rank_hi, x.dtype, x.device
+    if backend == "triton" and num_tokens:
+        meta = _meta_for(meta, token_slots, num_slots) if path == "segmented" else meta
+        for rank_lo, rank_hi in windows:
+            conf = tiles.launch_configs(
+                path, num_tokens, num_slots, num_slices, x.shape[1], rank_hi, x.dtype, x.device
+            )
+            shape = (conf.shrink.split_k, num_slices, tiles.padded_tokens(num_tokens), rank_hi)
+            h = torch.empty(shape, dtype=torch.float32, device=x.device)[:, :, :num_tokens]
+            planned.append((rank_lo, rank_hi, conf, h))
+    return PagedPlan(backend, path, token_slots, output_slices, meta, tuple(planned), page)
+
+
+def run_paged(
+    plan: PagedPlan,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    pool_as: Sequence[torch.Tensor],
+    pool_bs: Sequence[torch.Tensor],
+    page_table: torch.Tensor,
+    scales: Sequence[torch.Tensor],
+    slot_ranks: torch.Tensor,
+    dora_scales: torch.Tensor | None = None,
+    dora_slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`add_lora_paged` as `plan` decided, without its checks: the tensors must match the planned call's
+    in shape, dtype, strides and device (each window's h is reused: calls run one after the other)."""
+    dora = None if dora_scales is None else (dora_scales, dora_slots)
+    if plan.backend == "torch":
+        return reference.add_lora_paged(
+            y, x, pool_as, pool_bs, page_table, plan.token_slots, scales, plan.output_slices, slot_ranks, dora
         )
-        table = page_table[:, : rank_hi // page]  # MAX_RANK of the kernels: this bucket's rank
-        shape = (conf.shrink.split_k, num_slices, tiles.padded_tokens(num_tokens), rank_hi)
-        h = torch.empty(shape, dtype=torch.float32, device=x.device)[:, :, :num_tokens]
-        launch_shrink(h, x, pool_as, token_slots, slot_ranks, meta, path, conf.shrink, table, rank_lo)
+    for rank_lo, rank_hi, conf, h in plan.windows:
+        table = page_table[:, : rank_hi // plan.page]  # MAX_RANK of the kernels: this bucket's rank
+        launch_shrink(
+            h, x, pool_as, plan.token_slots, slot_ranks, plan.meta, plan.path, conf.shrink, table, rank_lo
+        )
         launch_expand(
             y,
             h,
             pool_bs,
             scales,
-            token_slots,
+            plan.token_slots,
             slot_ranks,
-            output_slices,
-            meta,
-            path,
+            plan.output_slices,
+            plan.meta,
+            plan.path,
             conf.expand,
             table,
             rank_lo,

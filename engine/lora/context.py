@@ -6,10 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-import lora_kernels
 from engine.lora.expert_lora import ExpertLoRA
 from engine.lora.pool import LoRAPool
-from lora_kernels import tiles
+from lora_kernels import ops, tiles
 from lora_kernels.meta import LoRABatchMeta
 
 
@@ -23,6 +22,8 @@ class LoRAContext:
     # kernel rank, as under tensor parallelism.
     rank_buckets: tuple[int, ...] | None = None
     _meta: LoRABatchMeta | None = field(default=None, init=False)
+    # The checked plan of each launch group this step (lora_kernels.ops.plan_paged), by its modules.
+    _plans: dict[tuple[str, ...], ops.PagedPlan] = field(default_factory=dict, init=False)
 
     def apply(
         self,
@@ -32,20 +33,32 @@ class LoRAContext:
         modules: tuple[str, ...],  # the projections fused into y, in column order
     ) -> None:
         targets = [self.slots.layers[layer][m] for m in modules]
-        lora_kernels.add_lora_paged(
-            y,
-            x,
-            [t.lora_a for t in targets],
-            [t.lora_b for t in targets],
-            self.slots.page_table,
-            self.token_slots,
-            [t.scales for t in targets],
-            [t.lora_b.shape[1] for t in targets],
-            self.slots.slot_ranks(layer, modules),
-            rank_buckets=self.rank_buckets,
-            dora_scales=self.slots.dora_view(layer, modules),
-            dora_slots=self.slots.dora_slots[layer],
-            meta=self._segments(),
+        pool_as = [t.lora_a for t in targets]
+        pool_bs = [t.lora_b for t in targets]
+        scales = [t.scales for t in targets]
+        slot_ranks = self.slots.slot_ranks(layer, modules)
+        dora_scales, dora_slots = self.slots.dora_view(layer, modules), self.slots.dora_slots[layer]
+        plan = self._plans.get(modules)
+        if plan is None:
+            # Checked once a step per launch group: every layer's pools of these projections have the
+            # same shapes, dtypes and strides (LoRAPool allocates them alike), and so do x and y.
+            plan = self._plans[modules] = ops.plan_paged(
+                y,
+                x,
+                pool_as,
+                pool_bs,
+                self.slots.page_table,
+                self.token_slots,
+                scales,
+                [t.lora_b.shape[1] for t in targets],
+                slot_ranks,
+                rank_buckets=self.rank_buckets,
+                dora_scales=dora_scales,
+                dora_slots=dora_slots,
+                meta=self._segments(),
+            )
+        ops.run_paged(
+            plan, y, x, pool_as, pool_bs, self.slots.page_table, scales, slot_ranks, dora_scales, dora_slots
         )
 
     def experts(self, moe, x: torch.Tensor, local_ids: torch.Tensor):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
 from litestar import Litestar
@@ -31,6 +31,7 @@ from loraserve.ops.drain_guard import drain_guard
 from loraserve.ops.metrics_access import MetricsAccess
 from loraserve.ops.readiness import Readiness
 from loraserve.ops.residency_controller import ResidencyController
+from loraserve.ops.serving_warmup import warm_up
 from loraserve.ops.shutdown import Shutdown
 from loraserve.routes import RoutesController
 from loraserve.services import Services
@@ -97,7 +98,8 @@ async def _loading_in_background(
     async def load() -> None:
         try:
             built = await parts.enter_async_context(open_services(settings, readiness.loading, role=role))
-            await parts.enter_async_context(_serving(app, built, shutdown))
+            warm = _serving_warmup(app, settings, readiness, built) if settings.serving_warmup else None
+            await parts.enter_async_context(_serving(app, built, shutdown, warm))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the server cannot serve: say why, then stop (exit code 1)
@@ -117,8 +119,27 @@ async def _loading_in_background(
         await parts.aclose()
 
 
+def _serving_warmup(app: Litestar, settings: ServerSettings, readiness: Readiness, services: Services):
+    """The warm-up through this process's request path (ops/serving_warmup.py); /ready names it."""
+
+    async def run() -> None:
+        readiness.warming_up = True
+        try:
+            chat = bool(getattr(services.tokenizer, "chat_template", None))
+            front_ends = services.front_ends
+            name = "the server" if front_ends is None else f"front-end process {front_ends.slot}"
+            await warm_up(app, services.base_model_id, chat, settings.serving_warmup_timeout, name)
+        finally:
+            readiness.warming_up = False
+
+    return run
+
+
 @asynccontextmanager
-async def _serving(app: Litestar, services: Services, shutdown: Shutdown) -> AsyncIterator[None]:
+async def _serving(
+    app: Litestar, services: Services, shutdown: Shutdown, warm: Callable[[], Awaitable[None]] | None = None
+) -> AsyncIterator[None]:
+    """`warm`: run once the app serves (requests reach the handlers), before this process is ready."""
     services.shutdown = shutdown
     # Uploads and deletes through any replica drop this replica's cached lookups of that adapter.
     unsubscribe = await services.config_store.subscribe(services.adapter_lookup.on_config_event)
@@ -126,6 +147,8 @@ async def _serving(app: Litestar, services: Services, shutdown: Shutdown) -> Asy
     watch = getattr(services.engine, "add_death_callback", None)
     if watch is not None:  # the engine core died: streams already failed; stop the server (exit 1)
         watch(lambda error: shutdown.fail(str(error)))
+    if warm is not None:
+        await warm()
     if services.front_ends is not None:  # one front-end process of several: the others' /ready see it
         services.front_ends.mark_ready()
     try:

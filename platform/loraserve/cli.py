@@ -110,6 +110,8 @@ _SERVE_FIELDS = (
     "grammar_compile_threads",
     "grammar_compile_timeout",
     "api_server_count",
+    "serving_warmup",
+    "serving_warmup_timeout",
     "engine_core_cpus",
 )
 GiB = 1 << 30
@@ -440,6 +442,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPUs of the engine core's busy loop: auto (on CUDA hosts of 4+ cores, the last CPU for the "
         "loop and, from 8 cores, the one before for its other threads), off, or a list such as 14,15 "
         "(the loop on the first, its other threads on the rest); everything else runs elsewhere",
+    )
+    add(
+        "--serving-warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="before /ready, send each server process's own request path a few small requests "
+        "(completions and chat, streamed and not; tenant _warmup, not in the request metrics), so the "
+        "first requests after /ready are not the slow ones (docs/OPERATIONS.md)",
+    )
+    add(
+        "--serving-warmup-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a serving warm-up not done after this is logged as a warning, and the server turns ready",
     )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 

@@ -145,6 +145,10 @@ class ServerSettings:
     # Where the engine core's busy loop runs (engine.core.steady): auto, off, or a CPU list whose first
     # CPU runs the loop and the rest its other threads.
     engine_core_cpus: str = "auto"
+    # Before /ready: a few requests through each server process's own request path
+    # (loraserve.ops.serving_warmup), bounded by the timeout; off with --no-serving-warmup.
+    serving_warmup: bool = True
+    serving_warmup_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -164,6 +168,10 @@ class ServerSettings:
         count = self.api_server_count
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
             raise ValueError(f"--api-server-count must be a positive integer (got {count!r})")
+        if not self.serving_warmup_timeout > 0:
+            raise ValueError(
+                f"--serving-warmup-timeout must be a positive number of seconds (got {self.serving_warmup_timeout})"
+            )
         if self.engine_core_cpus.strip().lower() not in ("auto", "off"):
             try:
                 parse_cpus(self.engine_core_cpus)

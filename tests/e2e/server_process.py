@@ -22,9 +22,14 @@ def free_port() -> int:
 
 
 def loraserve_command() -> list[str]:
-    """The installed console script next to this interpreter, else the module (same code)."""
+    """The installed console script next to this interpreter, else the module (same code). A script whose
+    interpreter is gone (a venv shared and reinstalled from elsewhere) counts as none."""
     script = Path(sys.executable).parent / "loraserve"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "loraserve.cli"]
+    if script.exists():
+        interpreter = script.read_bytes().split(b"\n", 1)[0].removeprefix(b"#!").strip().split(b" ")[0]
+        if Path(interpreter.decode(errors="replace")).exists():
+            return [str(script)]
+    return [sys.executable, "-m", "loraserve.cli"]
 
 
 class ServerProcess:

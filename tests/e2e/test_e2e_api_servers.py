@@ -165,6 +165,11 @@ def test_two_front_ends_share_limits_metrics_and_routes_and_outlive_a_death(
     api = Pool(server.port, pids)
     a, b = pids
 
+    # /ready was 200, so each front end had run its own serving warm-up (ops/serving_warmup.py).
+    log = server.log_path.read_text(errors="replace")
+    for slot in (0, 1):
+        assert f"serving warm-up of front-end process {slot} done: 4 requests" in log, log[-4000:]
+
     # Concurrency cap 2 for the replica: one stream on each process, then both processes refuse. The
     # streams run as long as the context allows (11 prompt tokens of 128), so they still hold their
     # slots while the refusals are asked for on a loaded 2-core machine.

@@ -34,10 +34,14 @@ class Runtime:
         shm = Path("/dev/shm")
         parent = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
         runtime = cls(Path(tempfile.mkdtemp(prefix="loraserve-", dir=parent)), num_front_ends)
-        TenantTable.create(runtime.limits_path, num_front_ends)
-        runtime.status_path.write_bytes(bytes(num_front_ends))
-        runtime.metrics_dir.mkdir()
-        runtime.locks_dir.mkdir()
+        try:
+            TenantTable.create(runtime.limits_path, num_front_ends)
+            runtime.status_path.write_bytes(bytes(num_front_ends))
+            runtime.metrics_dir.mkdir()
+            runtime.locks_dir.mkdir()
+        except BaseException:  # /dev/shm full, say: leave nothing half-made behind
+            runtime.remove()
+            raise
         return runtime
 
     @property

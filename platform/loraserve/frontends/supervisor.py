@@ -17,6 +17,7 @@ the adapter store, binds the listening sockets (API and metrics), makes the shar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -100,22 +101,34 @@ class Supervisor:
         disk_cache = DiskCache(
             store, config.cache_dir, config.cache_max_bytes, min_free_bytes=config.cache_min_free_bytes
         )
-        runtime = Runtime.create(self.count)
-        # Before any front end starts: prometheus_client reads it when first imported there.
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(runtime.metrics_dir)
-        start_hub(runtime.events_in, runtime.events_out)
-        from loraserve.cli import listening_sockets
+        # Everything from here on is undone on the way out, a failed start included (a taken port, a core
+        # that cannot start): the /dev/shm folder, the sockets, the core, every front end.
+        with contextlib.ExitStack() as undo:
+            runtime = Runtime.create(self.count)
+            undo.callback(runtime.remove)
+            log.info("shared runtime folder: %s (removed at exit)", runtime.folder)
+            # Before any front end starts: prometheus_client reads it when first imported there.
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(runtime.metrics_dir)
+            start_hub(runtime.events_in, runtime.events_out)
+            from loraserve.cli import listening_sockets
 
-        sockets = listening_sockets(
-            settings, uvicorn.Config("loraserve.app:create_app", host=settings.host, port=settings.port)
-        )
-        source = StoreAdapterSource(store, disk_cache, shape, settings.max_lora_rank)
-        handle = CoreHandle.start(
-            engine_config(settings, model),
-            adapter_source=source,
-            triton_cache_dir=str(settings.triton_cache_dir),
-            cpu_plan=plan,
-        )
+            sockets = listening_sockets(
+                settings, uvicorn.Config("loraserve.app:create_app", host=settings.host, port=settings.port)
+            )
+            for sock in sockets:
+                undo.callback(sock.close)
+            source = StoreAdapterSource(store, disk_cache, shape, settings.max_lora_rank)
+            handle = CoreHandle.start(
+                engine_config(settings, model),
+                adapter_source=source,
+                triton_cache_dir=str(settings.triton_cache_dir),
+                cpu_plan=plan,
+            )
+            undo.callback(handle.shutdown)
+            return self._serve(handle, sockets, runtime, model, model_id, store, undo)
+
+    def _serve(self, handle, sockets, runtime, model, model_id, store, undo: contextlib.ExitStack) -> int:
+        settings = self.settings
         # The front ends serve what the supervisor resolved: the model's folder and id; the store holds
         # the --lora-modules once this process has stored them.
         front_settings = dataclasses.replace(
@@ -128,29 +141,22 @@ class Supervisor:
             for i in range(self.count)
         ]
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        undo.callback(lambda: [signal.signal(sig, handler) for sig, handler in previous.items()])
         slots: list[_Slot] = []
-        try:
-            slots = [_Slot(i, self._spawn(option)) for i, option in enumerate(options)]
-            log.info(
-                "serving on http://%s:%d with %d front-end processes (pids %s) and the engine core (pid %d)",
-                settings.host,
-                settings.port,
-                self.count,
-                ", ".join(str(s.process.pid) for s in slots),
-                handle.pid,
-            )
-            if settings.lora_modules:  # into the core's CPU tier now, not at the first request
-                handle.send(PreloadAdapters(preload_lora_modules(store, settings.lora_modules)))
-            return self._watch(handle, slots, options, runtime)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            for slot in slots:
-                _stop(slot.process, signal.SIGKILL)
-            handle.shutdown()
-            for sock in sockets:
-                sock.close()
-            runtime.remove()
+        undo.callback(lambda: [_stop(slot.process, signal.SIGKILL) for slot in slots])
+        for i, option in enumerate(options):
+            slots.append(_Slot(i, self._spawn(option)))
+        log.info(
+            "serving on http://%s:%d with %d front-end processes (pids %s) and the engine core (pid %d)",
+            settings.host,
+            settings.port,
+            self.count,
+            ", ".join(str(s.process.pid) for s in slots),
+            handle.pid,
+        )
+        if settings.lora_modules:  # into the core's CPU tier now, not at the first request
+            handle.send(PreloadAdapters(preload_lora_modules(store, settings.lora_modules)))
+        return self._watch(handle, slots, options, runtime)
 
     def _spawn(self, options: FrontEndOptions) -> multiprocessing.process.BaseProcess:
         process = self._context.Process(

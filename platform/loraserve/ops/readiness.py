@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 STORE_CHECK_INTERVAL_S = 5.0
 ADAPTER_STORE_DOWN = "adapter store unreachable: adapters not resident here cannot be loaded"
 CONFIG_STORE_DOWN = "config store unreachable: serving the last known routes and keys"
+WARMING_UP = "warming up: a few requests through the serving path (--no-serving-warmup skips it)"
 ADAPTER_CACHE_FULL = (
     "adapter disk cache out of room: adapters not already on this replica's disk cannot be loaded until "
     "space is freed"
@@ -53,6 +54,7 @@ class Readiness:
         # Until the services exist (the model converting or loading), what /ready reports.
         self.model = model
         self.loading_step = "starting"
+        self.warming_up = False  # the serving warm-up runs (ops/serving_warmup.py)
 
     def loading(self, step: str) -> None:
         """The server listens while it loads the model; /ready names the step it is at."""
@@ -71,6 +73,8 @@ class Readiness:
             reasons.append("model not loaded yet")
         elif (dead := engine_dead_reason(services)) is not None:
             reasons.append(dead)
+        if self.warming_up:
+            reasons.append(WARMING_UP)
         front_ends = services.front_ends
         if front_ends is not None and (waiting := front_ends.not_ready_reason()) is not None:
             reasons.append(waiting)  # one port, several processes: ready when every one serves

@@ -32,8 +32,8 @@ from safetensors.torch import save_file
 
 from adapter_format.checkpoint import PeftAdapter, load_peft_adapter
 from adapter_format.files import CONFIG_FILE, WEIGHTS_FILE
-from adapter_format.peft_config import read_adapter_config
 from adapter_format.model_shape import EXPERT_MODULES, ModelShape, module_key
+from adapter_format.peft_config import read_adapter_config
 
 MERGE_METHODS = ("linear", "ties", "dare_linear", "dare_ties", "cat")
 DENSITY_METHODS = ("ties", "dare_linear", "dare_ties")  # the methods that prune (and need `density`)
@@ -64,7 +64,9 @@ class MergePart:
     weight: float
 
 
-def load_part(folder: str | Path, label: str, weight: float, shape: ModelShape, max_lora_rank: int) -> MergePart:
+def load_part(
+    folder: str | Path, label: str, weight: float, shape: ModelShape, max_lora_rank: int
+) -> MergePart:
     """Read and validate one part's PEFT folder (AdapterError if the server could not serve it alone)."""
     adapter = load_peft_adapter(folder, shape, max_lora_rank, label=label)
     return MergePart(label, adapter, read_adapter_config(folder), weight)

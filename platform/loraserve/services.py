@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from adapters_store import AdapterStore, DiskCache
 from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import ConfigStore
+from loraserve.merges.service import Merges
 from loraserve.ops.server_load import ServerLoad
 from loraserve.ops.shutdown import Shutdown
 from loraserve.routing import Router
@@ -146,6 +147,8 @@ class Services:
     # The parser tool_choice "auto" uses (--tool-call-parser with --enable-auto-tool-choice; None: "auto" is
     # a 400, except for adapters uploaded with a parser of their own).
     tool_call_parser: str | None = None
+    # Merged adapters (a request's merged_adapters, a route's merge variants); None: refused with a 400.
+    merges: Merges | None = None
     # Built on the first structured-output request (loraserve.inference.structured): checks specs for 400s.
     grammar_compiler: Any = None
     # Threads for tokenizing, chat templates and spec checks, off the event loop (--tokenizer-pool-size).

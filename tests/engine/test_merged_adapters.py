@@ -34,7 +34,11 @@ MERGES = {
     "linear": (["a", "b"], [0.7, 0.5], MergeMethod("linear")),
     "ties": (["a", "b"], [1.0, -0.6], MergeMethod("ties", density=0.5)),
     "dare_linear": (["a", "b"], [0.8, 0.9], MergeMethod("dare_linear", density=0.6)),
-    "dare_ties": (["b", "a"], [1.2, 0.4], MergeMethod("dare_ties", density=0.7, majority_sign_method="frequency")),
+    "dare_ties": (
+        ["b", "a"],
+        [1.2, 0.4],
+        MergeMethod("dare_ties", density=0.7, majority_sign_method="frequency"),
+    ),
     "cat": (["a", "c"], [0.8, 1.5], MergeMethod("cat")),
 }
 SEEDS = {name: 1000 + i for i, name in enumerate(MERGES)}
@@ -73,7 +77,9 @@ def peft_merged_greedy(model_dir, adapters, prompts) -> dict[str, list[list[int]
 def merge_case(tmp_path_factory):
     root = tmp_path_factory.mktemp("merges")
     model_dir = make_model(root / "model", seed=4)
-    adapters = {n: make_adapter(model_dir, root / n, seed=40 + i, **kw) for i, (n, kw) in enumerate(ADAPTERS.items())}
+    adapters = {
+        n: make_adapter(model_dir, root / n, seed=40 + i, **kw) for i, (n, kw) in enumerate(ADAPTERS.items())
+    }
     shape = model_shape(load_config(model_dir))
     merged = {}
     for name, (parts, weights, method) in MERGES.items():
@@ -96,7 +102,8 @@ def merge_case(tmp_path_factory):
 def test_merged_adapters_match_peft_add_weighted_adapter(merge_case):
     llm = LLM(
         model=str(merge_case["model_dir"]),
-        lora_modules={"a": str(merge_case["adapters"]["a"])} | {k: str(v) for k, v in merge_case["merged"].items()},
+        lora_modules={"a": str(merge_case["adapters"]["a"])}
+        | {k: str(v) for k, v in merge_case["merged"].items()},
         max_loras=4,  # fewer slots than adapters: merged adapters take and give back slots like others
         max_lora_rank=MAX_RANK,
         block_size=8,

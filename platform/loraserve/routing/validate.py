@@ -101,11 +101,15 @@ def _parse_variants(raw: object) -> tuple[Variant, ...]:
         unknown = sorted(set(map(str, item)) - _VARIANT_FIELDS)
         if unknown:
             raise InvalidRoute(f"{at} has unknown field(s) {unknown}; allowed: adapter, weight", field=at)
-        if ("adapter" in item) == ("merge" in item):
+        if "adapter" not in item and "merge" not in item:
             raise InvalidRoute(
-                f"{at} needs either adapter ('name' or 'name@version') or merge (as a request's "
-                'merged_adapters, e.g. {"ids": ["a", "b"], "weights": [0.5, 0.5]}), not both',
+                f"{at}.adapter is required ('name' or 'name@version'), or {at}.merge for a merge of several "
+                '(as a request\'s merged_adapters, e.g. {"ids": ["a", "b"], "weights": [0.5, 0.5]})',
                 field=f"{at}.adapter",
+            )
+        if "adapter" in item and "merge" in item:
+            raise InvalidRoute(
+                f"{at} names an adapter and a merge: give one, not both", field=f"{at}.adapter"
             )
         merge = _parse_merge(item["merge"], f"{at}.merge") if "merge" in item else None
         key: object = merge

@@ -224,6 +224,9 @@ def test_served_merge_equals_peft_and_a_route_serves_it(tmp_path, text_model):
         route = await client.put("/v1/routes/exp", json={"variants": [{"merge": merge, "weight": 1}]})
         assert route.status_code == 200, route.text
         routed = await client.post("/v1/completions", json={**body, "model": "exp"})
+        chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hello"}]}
+        chatted = await client.post("/v1/chat/completions", json={**chat, "merged_adapters": merge})
+        assert chatted.status_code == 200 and chatted.json()["model"] == "ties:pirate@1*1+robot@1*0.6"
         return direct, routed, services.engine.stats()
 
     direct, routed, stats = asyncio.run(_serve(tmp_path, model_dir, scenario))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from adapters_store import AdapterStore, DiskCache
+from adapters_store.merged_source import MERGE_MARK, parse_merge_id
 from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import ConfigStore
 from loraserve.merges.service import Merges
@@ -31,7 +32,11 @@ def engine_adapter_id(tenant: str, name: str, version: int) -> str:
 
 
 def split_engine_adapter_id(adapter_id: str) -> tuple[str, str, int] | None:
-    """`(tenant, name, version)` of an id `engine_adapter_id` made; None for an id of any other form."""
+    """`(tenant, name, version)` of an id `engine_adapter_id` made, or `(tenant, "merge+<key>", 0)` of a
+    merge's (adapters_store/merged_source.py); None for an id of any other form."""
+    merge = parse_merge_id(adapter_id)
+    if merge is not None:
+        return merge[0], MERGE_MARK + merge[1], 0
     tenant, slash, ref = adapter_id.partition("/")
     name, at, version = ref.rpartition("@")
     if not (tenant and slash and name and at and version.isdigit()):

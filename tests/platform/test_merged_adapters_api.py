@@ -227,9 +227,9 @@ def test_served_merge_equals_peft_and_a_route_serves_it(tmp_path, text_model):
         chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hello"}]}
         chatted = await client.post("/v1/chat/completions", json={**chat, "merged_adapters": merge})
         assert chatted.status_code == 200 and chatted.json()["model"] == "ties:pirate@1*1+robot@1*0.6"
-        return direct, routed, services.engine.stats()
+        return direct, routed, services.engine.stats(), services.metrics.render().decode()
 
-    direct, routed, stats = asyncio.run(_serve(tmp_path, model_dir, scenario))
+    direct, routed, stats, metrics = asyncio.run(_serve(tmp_path, model_dir, scenario))
     assert direct.status_code == 200, direct.text
     assert direct.json()["model"] == direct.headers["x-loraserve-variant"] == "ties:pirate@1*1+robot@1*0.6"
     assert direct.json()["choices"][0]["token_ids"] == expected
@@ -237,6 +237,11 @@ def test_served_merge_equals_peft_and_a_route_serves_it(tmp_path, text_model):
     assert routed.headers["x-loraserve-variant"] == "ties:pirate@1*1+robot@1*0.6"
     merged_ids = [a for a in stats.resident_adapters if parse_merge_id(a)]
     assert len(merged_ids) == 1 and merged_ids[0].startswith("default/merge+")  # one adapter, counted
+    _, key = parse_merge_id(merged_ids[0])
+    assert (
+        f'loraserve_adapter_resident{{adapter="merge+{key}",tenant="default",tier="gpu",version="0"}} 1.0'
+        in metrics
+    )
 
 
 async def _serve(tmp_path, model_dir, scenario):

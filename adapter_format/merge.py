@@ -9,8 +9,10 @@ rsLoRA, which PEFT copies into the merged config). The pruning and sign election
 functions (`peft.utils.merge_utils`); only DARE's random masks are drawn here, from a generator seeded
 by the caller (PEFT draws them from torch's global generator), in PEFT's order: module by module in the
 model's order (layers ascending, projections in the model's order), for each module lora_A's masks
-part by part, then lora_B's. So `torch.manual_seed(seed)` before PEFT's `add_weighted_adapter` gives
-the same masks, and the same request always gets the same merged adapter.
+part by part, then lora_B's. So torch's global generator seeded with `seed` where PEFT starts drawing
+(after `add_weighted_adapter` has initialised the new adapter's weights, which draws too) gives PEFT
+the same masks (tests/engine/test_merged_adapters.py), and the same request always gets the same
+merged adapter.
 
 Refused (MergeError naming the problem): ranks a method cannot combine (PEFT's rule: equal ranks
 except for `cat`; `cat` up to `max_lora_rank`), DoRA parts, modules_to_save, LoRA on the routed experts
@@ -135,7 +137,7 @@ def merge_adapters(
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """The merged adapter as PEFT saves one: (adapter_config.json's dict, its float32 tensors)."""
     rank = check_parts(parts, method, max_lora_rank)
-    combination = "linear" if len(parts) == 1 and method.method != "cat" else method.method  # PEFT's rule
+    combination = "linear" if len(parts) == 1 else method.method  # PEFT's rule for a single adapter
     generator = torch.Generator().manual_seed(seed)  # DARE's masks, in PEFT's order (module docstring)
     keys = sorted(
         {k for p in parts for k in p.adapter.modules}, key=lambda k: (k[0], shape.targets.index(k[1]))

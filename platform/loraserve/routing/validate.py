@@ -100,7 +100,9 @@ def _parse_variants(raw: object) -> tuple[Variant, ...]:
             raise InvalidRoute(f'{at} must be an object like {{"adapter": "a", "weight": 90}}', field=at)
         unknown = sorted(set(map(str, item)) - _VARIANT_FIELDS)
         if unknown:
-            raise InvalidRoute(f"{at} has unknown field(s) {unknown}; allowed: adapter, weight", field=at)
+            raise InvalidRoute(
+                f"{at} has unknown field(s) {unknown}; allowed: adapter or merge, weight", field=at
+            )
         if "adapter" not in item and "merge" not in item:
             raise InvalidRoute(
                 f"{at}.adapter is required ('name' or 'name@version'), or {at}.merge for a merge of several "
@@ -118,11 +120,15 @@ def _parse_variants(raw: object) -> tuple[Variant, ...]:
                 key = ref = parse_adapter_ref(item["adapter"])
             except InvalidName as exc:
                 raise InvalidRoute(f"{at}.adapter: {exc}", field=f"{at}.adapter") from None
-        if key in seen:
-            what = f"adapter {str(key)!r}" if merge is None else "merge"
+        if key in seen and merge is None:
             raise InvalidRoute(
-                f"{at}: the {what} repeats variants[{seen[key]}]; list each variant once and merge the weights",
-                field=f"{at}.adapter" if merge is None else f"{at}.merge",
+                f"{at}.adapter {str(key)!r} repeats variants[{seen[key]}]; list each adapter once and merge the weights",
+                field=f"{at}.adapter",
+            )
+        if key in seen:
+            raise InvalidRoute(
+                f"{at}.merge repeats variants[{seen[key]}]; list each merge once and add up the weights",
+                field=f"{at}.merge",
             )
         seen[key] = index
         weight = item.get("weight")

@@ -98,6 +98,12 @@ def check_parts(parts: Sequence[MergePart], method: MergeMethod, max_lora_rank: 
                 f"{part.label} has modules_to_save; merges combine LoRA pairs only (PEFT cannot merge "
                 "full modules either)"
             )
+        targets = config.get("target_modules") or ()
+        if any(name in str(targets) for name in ("embed_tokens", "lm_head")):
+            raise MergeError(
+                f"{part.label} has LoRA on embed_tokens or lm_head; merges combine the decoder projections' "
+                "LoRA pairs only"
+            )
         if config.get("target_parameters") or any(m in EXPERT_MODULES for _, m in part.adapter.modules):
             raise MergeError(
                 f"{part.label} adapts the routed experts (target_parameters), which PEFT's "
@@ -137,6 +143,11 @@ def merge_adapters(
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """The merged adapter as PEFT saves one: (adapter_config.json's dict, its float32 tensors)."""
     rank = check_parts(parts, method, max_lora_rank)
+    unknown = sorted({m for p in parts for _, m in p.adapter.modules} - set(shape.targets))
+    if unknown:
+        raise MergeError(
+            f"merges combine LoRA on {', '.join(shape.targets)} only, not on {', '.join(unknown)}"
+        )
     combination = "linear" if len(parts) == 1 else method.method  # PEFT's rule for a single adapter
     generator = torch.Generator().manual_seed(seed)  # DARE's masks, in PEFT's order (module docstring)
     keys = sorted(

@@ -157,3 +157,11 @@ def test_refusals(merge_case, tmp_path):
     dora = type(other_base)("d", other_base.adapter, {**parts("a")[0].config, "use_dora": True}, 1.0)
     with pytest.raises(MergeError, match="DoRA"):
         check_parts([dora], MergeMethod("linear"), MAX_RANK)
+    embedding = type(other_base)(
+        "e",
+        other_base.adapter,
+        {**dora.config, "use_dora": False, "target_modules": ["q_proj", "embed_tokens"]},
+        1.0,
+    )
+    with pytest.raises(MergeError, match="embed_tokens or lm_head"):
+        check_parts([embedding], MergeMethod("linear"), MAX_RANK)

@@ -54,7 +54,7 @@ def test_a_merge_is_computed_once_per_spec_and_scoped_to_its_tenant(env, tmp_pat
     assert tenant == "alpha"
     folder = tmp_path / "merges" / "alpha" / key
     assert (folder / "adapter_model.safetensors").is_file()
-    written = folder.stat().st_mtime_ns
+    written = (folder / "adapter_model.safetensors").stat().st_mtime_ns
     again = resolve(env, USER_A, {**spec, "ids": ["alpha/a@1", "b"]})  # the same versions, written otherwise
     assert again.engine_adapter_id == first.engine_adapter_id
     assert (folder / "adapter_model.safetensors").stat().st_mtime_ns == written  # not merged again

@@ -146,7 +146,10 @@ class Merges:
             method.method,
             time.perf_counter() - started,
         )
-        self._evict()
+        try:
+            self._evict()
+        except OSError as exc:  # another front-end process evicting at once: this merge is done anyway
+            log.warning("evicting old merges failed: %s", exc)
 
     def _evict(self) -> None:
         """Keep the `max_cached` most recently used merges (of every tenant), sparing recent ones."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import httpx
 import pytest
@@ -252,3 +253,20 @@ async def _serve(tmp_path, model_dir, scenario):
             httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as client,
         ):
             return await scenario(client, services)
+
+
+def test_the_merge_directory_keeps_the_most_recently_used(env, tmp_path):
+    env.services.merges = Merges(tmp_path / "few", tiny_shape(), 16, BASE_MODEL, max_cached=1)
+
+    def folder_of(weights):
+        _, key = parse_merge_id(
+            resolve(env, USER_A, {"ids": ["a", "b"], "weights": weights}).engine_adapter_id
+        )
+        return tmp_path / "few" / "alpha" / key
+
+    old, recent = folder_of([1.0, 1.0]), folder_of([1.0, 0.5])
+    assert old.is_dir() and recent.is_dir()  # both used within MIN_AGE_S: neither is dropped yet
+    os.utime(old, (0, 0))  # long unused
+    newest = folder_of([0.5, 1.0])
+    assert not old.exists() and recent.is_dir() and newest.is_dir()
+    assert folder_of([1.0, 1.0]) == old and old.is_dir()  # asked again: merged again

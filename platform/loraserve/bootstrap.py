@@ -20,6 +20,7 @@ from pathlib import Path
 
 from adapters_store import AdapterNotFound, AdapterStore, DiskCache, StoreConfig, open_store
 from adapters_store.engine_source import StoreAdapterSource
+from adapters_store.merged_source import MergedAdapterSource
 from engine import AsyncLLM, EngineConfig, model_shape
 from engine.generation_config import load_generation_defaults
 from engine.model.loader import load_config, resolve_model_path
@@ -27,6 +28,7 @@ from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import CachedConfigStore, open_config_store, redact_url
 from loraserve.demo_model import DEMO_MODEL_NAME, demo_model_converted
 from loraserve.frontends.role import SingleProcess
+from loraserve.merges.service import Merges
 from loraserve.name_conflicts import check_not_base_model
 from loraserve.ops.metrics import Metrics
 from loraserve.ops.server_load import ServerLoad
@@ -162,8 +164,11 @@ async def open_services(
         progress("loading the model in the engine core process")
         # The source pickles into the core (a recipe: store, disk cache folder, shape); what it and the
         # core's adapter manager observe there comes back with the core's outputs to `metrics`.
-        source = StoreAdapterSource(
-            store, disk_cache, shape, settings.max_lora_rank, observer=metrics.adapter_event
+        source = MergedAdapterSource(
+            StoreAdapterSource(
+                store, disk_cache, shape, settings.max_lora_rank, observer=metrics.adapter_event
+            ),
+            settings.merges_dir,
         )
         engine = await _start_engine(
             role,
@@ -203,6 +208,7 @@ async def open_services(
             tool_call_parser=settings.auto_tool_call_parser,
             work_pool=work_pool,
             front_ends=role.front_ends,
+            merges=Merges(settings.merges_dir, shape, settings.max_lora_rank, model_id),
         )
     finally:
         work_pool.close()

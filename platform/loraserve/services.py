@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from adapters_store import AdapterStore, DiskCache
+from adapters_store.merged_source import MERGE_MARK, parse_merge_id
 from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import ConfigStore
+from loraserve.merges.service import Merges
 from loraserve.ops.server_load import ServerLoad
 from loraserve.ops.shutdown import Shutdown
 from loraserve.routing import Router
@@ -30,7 +32,11 @@ def engine_adapter_id(tenant: str, name: str, version: int) -> str:
 
 
 def split_engine_adapter_id(adapter_id: str) -> tuple[str, str, int] | None:
-    """`(tenant, name, version)` of an id `engine_adapter_id` made; None for an id of any other form."""
+    """`(tenant, name, version)` of an id `engine_adapter_id` made, or `(tenant, "merge+<key>", 0)` of a
+    merge's (adapters_store/merged_source.py); None for an id of any other form."""
+    merge = parse_merge_id(adapter_id)
+    if merge is not None:
+        return merge[0], MERGE_MARK + merge[1], 0
     tenant, slash, ref = adapter_id.partition("/")
     name, at, version = ref.rpartition("@")
     if not (tenant and slash and name and at and version.isdigit()):
@@ -146,6 +152,8 @@ class Services:
     # The parser tool_choice "auto" uses (--tool-call-parser with --enable-auto-tool-choice; None: "auto" is
     # a 400, except for adapters uploaded with a parser of their own).
     tool_call_parser: str | None = None
+    # Merged adapters (a request's merged_adapters, a route's merge variants); None: refused with a 400.
+    merges: Merges | None = None
     # Built on the first structured-output request (loraserve.inference.structured): checks specs for 400s.
     grammar_compiler: Any = None
     # Threads for tokenizing, chat templates and spec checks, off the event loop (--tokenizer-pool-size).

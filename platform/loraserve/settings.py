@@ -331,6 +331,11 @@ class ServerSettings:
         return self.state_dir / "cache" / "adapters"
 
     @property
+    def merges_dir(self) -> Path:
+        """Merged adapters (merged_adapters, route merge variants), written by the front ends, read by the core."""
+        return self.state_dir / "cache" / "merges"
+
+    @property
     def models_dir(self) -> Path:
         return self.state_dir / "models"
 

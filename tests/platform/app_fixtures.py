@@ -13,6 +13,7 @@ from pathlib import Path
 
 from factories import make_model
 from loraserve.config_store import CachedConfigStore, EmbeddedConfigStore
+from loraserve.merges.service import Merges
 from loraserve.ops.metrics import Metrics
 from loraserve.routing import Router
 from loraserve.services import Services
@@ -22,6 +23,7 @@ from transformers import PreTrainedTokenizerFast
 
 from adapters_store import DiskCache, StoreConfig, open_store
 from adapters_store.engine_source import StoreAdapterSource
+from adapters_store.merged_source import MergedAdapterSource
 from engine import AsyncLLM, EngineConfig, model_shape
 from engine.model.loader import load_config
 
@@ -138,7 +140,9 @@ async def open_test_services(
     # The engine core runs in its own process, as in `loraserve serve`.
     engine = AsyncLLM.from_config(
         config,
-        adapter_source=StoreAdapterSource(store, cache, shape, 16, observer=metrics.adapter_event),
+        adapter_source=MergedAdapterSource(
+            StoreAdapterSource(store, cache, shape, 16, observer=metrics.adapter_event), root / "merges"
+        ),
         adapter_observer=metrics.adapter_event,
         startup_timeout_s=120,
     )
@@ -158,6 +162,7 @@ async def open_test_services(
             max_model_len=engine.max_model_len,
             max_logprobs=max_logprobs,
             prompt_tokens_details=prompt_tokens_details,
+            merges=Merges(root / "merges", shape, 16, "tiny"),
         )
         built.append(services)
         yield services

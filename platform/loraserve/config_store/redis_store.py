@@ -107,7 +107,7 @@ class RedisConfigStore(ConfigStore):
     async def put_route_checked(
         self, tenant: str, route: Route, check: Callable[[list[str]], Awaitable[None]]
     ) -> None:
-        adapters = {parse_adapter_ref(variant.adapter).name for variant in route.variants}
+        adapters = {parse_adapter_ref(ref).name for variant in route.variants for ref in variant.adapter_refs}
         routes_key, deleting_key = self._routes_key(tenant), self._deleting_key(tenant)
         event = ConfigEvent(kind="route", op="put", tenant=tenant, name=route.name)
         deadline = time.monotonic() + ROUTE_WRITE_WAIT_S

@@ -32,6 +32,7 @@ import uvicorn
 
 from adapters_store import DiskCache, open_store
 from adapters_store.engine_source import StoreAdapterSource
+from adapters_store.merged_source import MergedAdapterSource
 from engine import model_shape
 from engine.core.handle import JOIN_S, CoreHandle
 from engine.core.steady import pin_process
@@ -117,7 +118,9 @@ class Supervisor:
             )
             for sock in sockets:
                 undo.callback(sock.close)
-            source = StoreAdapterSource(store, disk_cache, shape, settings.max_lora_rank)
+            source = MergedAdapterSource(
+                StoreAdapterSource(store, disk_cache, shape, settings.max_lora_rank), settings.merges_dir
+            )
             handle = CoreHandle.start(
                 engine_config(settings, model),
                 adapter_source=source,

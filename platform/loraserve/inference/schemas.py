@@ -12,6 +12,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from loraserve.inference.tools.types import DeltaToolCall, MessageToolCall, ToolCall, ToolDefinition
+from loraserve.merges.fields import MergedAdapters
 
 MAX_N = 16  # completions per prompt: each is a full sequence in the batch
 # Every integer field is bounded: a wider one cannot cross to the engine (msgpack, torch carry 64 bits), so
@@ -131,6 +132,9 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: which end truncation drops; left
     # vLLM's: each prompt token's logprob, rank and top-k (checked against vLLM's rules in sampling.py)
     prompt_logprobs: LogprobCount | None = None
+    # LoRAX's: serve a merge of several of the tenant's adapters (`model` must be the base model);
+    # checked in loraserve.merges.spec, merged once per replica (loraserve.merges.service)
+    merged_adapters: MergedAdapters | None = None
     # loraserve's: false keeps this request out of speculative decoding (a no-op when the server has none)
     speculative: bool = True
     # Options of vLLM this server does not have: accepted when off, refused (400) when asked for, never

@@ -181,7 +181,7 @@ async def _admit(
 ) -> tuple[ResolvedModel, Lease]:
     """The model the tenant named (404 if it has none of that name) and a concurrency lease (429 beyond
     its cap), before any work that grows with the request; the caller releases the lease if it fails."""
-    resolved = await resolve_model(services, principal, body.model, body.user)
+    resolved = await resolve_model(services, principal, body.model, body.user, body.merged_adapters)
     try:
         return resolved, services.limiter.try_acquire(principal)
     except TooManyRequests:

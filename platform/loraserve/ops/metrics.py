@@ -268,7 +268,7 @@ class Metrics:
 
     def route_picked(self, tenant: str, route: str, variant: Variant, sticky: bool) -> None:
         """The Router's pick hook."""
-        self.route_requests.labels(tenant, route, variant.adapter).inc()
+        self.route_requests.labels(tenant, route, variant.label).inc()
 
     def tenant_rate_limited(self, tenant: str, limit: str) -> None:
         self.rate_limited.labels(tenant, limit).inc()

@@ -6,24 +6,50 @@ tenant-qualified, `your-tenant/name`, the form cluster routers match adapters by
 another tenant's prefix is a 404, as for a name that does not exist. Routes come before adapters so a
 route can take over an adapter's name, e.g. route `support` = 90% `support@1` + 10% `support@2`,
 and clients already sending `model: support` join the experiment without a change.
+
+A request's `merged_adapters` (with `model` the base model) and a route variant's `merge` resolve each
+part like an adapter of the tenant (another tenant's looks missing), then to the merge of those versions,
+computed once and kept as an adapter of its own (loraserve/merges/).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from adapter_format.merge import MergeError
 from adapters_store import AdapterNotFound, AdapterRecord
 from adapters_store import InvalidName as StoreInvalidName
+from loraserve.errors import BadRequest
+from loraserve.merges.fields import MergedAdapters
+from loraserve.merges.spec import InvalidMerge, MergeSpec, check_merge
 from loraserve.resolution.resolved import ModelNotFound, ResolvedModel
 from loraserve.services import Services, engine_adapter_id
 from loraserve.tenancy import Principal
 
 
 async def resolve_model(
-    services: Services, principal: Principal, model: str, user: str | None
+    services: Services,
+    principal: Principal,
+    model: str,
+    user: str | None,
+    merged: MergedAdapters | None = None,
 ) -> ResolvedModel:
-    """ModelNotFound (404) for anything the tenant does not have; `user` keys sticky route picks."""
+    """ModelNotFound (404) for anything the tenant does not have; `user` keys sticky route picks;
+    `merged` (the request's merged_adapters) needs `model` to be the base model."""
     tenant = principal.tenant
+    if merged is not None:
+        if model != services.base_model_id:
+            raise BadRequest(
+                f"merged_adapters merges adapters of the base model: set model to {services.base_model_id!r} "
+                f"(got {model!r})",
+                code="invalid_merge",
+                param="model",
+            )
+        try:
+            spec = check_merge(merged)
+        except InvalidMerge as exc:
+            raise BadRequest(str(exc), code="invalid_merge", param=exc.field) from None
+        return await resolve_merge(services, tenant, spec)
     if model == services.base_model_id:
         return ResolvedModel(kind="base", engine_adapter_id=None, served_model=model)
     asked, model = model, _unqualified(model, tenant)
@@ -33,6 +59,11 @@ async def resolve_model(
         route = await services.config_store.get_route(tenant, model)
         if route is not None:
             variant = services.router.pick(tenant, route, user)
+            if variant.merge is not None:
+                spec = check_merge(variant.merge, "merge")  # checked when the route was stored
+                return await resolve_merge(
+                    services, tenant, spec, at="merge", route=route.name, variant=variant.label
+                )
             try:
                 record = await _lookup(services, tenant, variant.adapter)
             except LookupError:
@@ -60,6 +91,48 @@ def _not_found(services: Services, model: str) -> ModelNotFound:
     return ModelNotFound(
         f"the model {model!r} does not exist; use {services.base_model_id!r}, one of your adapters "
         "(name or name@version) or one of your routes (GET /v1/models lists them)"
+    )
+
+
+async def resolve_merge(
+    services: Services,
+    tenant: str,
+    spec: MergeSpec,
+    *,
+    at: str = "merged_adapters",
+    route: str | None = None,
+    variant: str | None = None,
+) -> ResolvedModel:
+    """The merge of the tenant's adapters `spec` names: 404 for a part it does not have (another tenant's
+    included, worded alike), 400 for parts that cannot be merged as asked; `at` names the spec's field."""
+    merges = services.merges
+    if merges is None:
+        raise BadRequest("this server does not merge adapters", code="invalid_merge", param=at)
+    where = f"route {route!r}: {at}" if route and at == "merge" else at
+    records = []
+    for i, ref in enumerate(spec.ids):
+        bare = _unqualified(ref, tenant)
+        try:
+            if bare is None:
+                raise LookupError(ref)
+            records.append(await _lookup(services, tenant, bare))
+        except LookupError:
+            raise ModelNotFound(
+                f"{where}.ids[{i}]: the adapter {ref!r} does not exist; name one of your adapters "
+                "(name or name@version)",
+                param=f"{at}.ids[{i}]",
+            ) from None
+    parts = list(zip(records, spec.weights))
+    try:
+        adapter_id = await merges.ensure(tenant, parts, spec.method, services.disk_cache, services.work_pool)
+    except MergeError as exc:
+        raise BadRequest(f"{where}: {exc}", code="invalid_merge", param=at) from None
+    return ResolvedModel(
+        kind="route" if route else "merge",
+        engine_adapter_id=adapter_id,
+        served_model=spec.label(tuple(record.ref for record in records)),
+        route=route,
+        variant=variant,
     )
 
 

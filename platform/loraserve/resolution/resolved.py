@@ -7,13 +7,15 @@ from typing import Literal
 
 from loraserve.errors import NotFound
 
-ModelKind = Literal["base", "adapter", "route"]
+ModelKind = Literal["base", "adapter", "route", "merge"]
 
 
 @dataclass(frozen=True)
 class ResolvedModel:
     kind: ModelKind
-    engine_adapter_id: str | None  # `tenant/name@version` for the engine; None: the base model alone
+    engine_adapter_id: (
+        str | None
+    )  # `tenant/name@version` (a merge: `tenant/merge+<key>`); None: the base model
     served_model: str  # the response's `model`: the base model id, or `name@version` of the adapter used
     route: str | None = None  # the route's name when `model` named one
     variant: str | None = None  # the picked variant's adapter as the route spells it (`b` or `b@2`)

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from adapters_store import AdapterNotFound
 from loraserve.config_store.errors import AdapterBeingDeleted
-from loraserve.errors import Conflict, NotFound, PermissionDenied
+from loraserve.errors import BadRequest, Conflict, NotFound, PermissionDenied
+from loraserve.merges.spec import check_merge
 from loraserve.name_conflicts import check_not_base_model
+from loraserve.resolution.resolve import resolve_merge
+from loraserve.resolution.resolved import ModelNotFound
 from loraserve.routes.schemas import RouteDeleted, RouteList
-from loraserve.routing import AdapterRef, Route, check_route_adapters, parse_route
+from loraserve.routing import AdapterRef, InvalidRoute, Route, check_route_adapters, parse_route
 from loraserve.services import Services
 from loraserve.tenancy import Principal, require_admin
 
@@ -43,6 +46,7 @@ async def put_route(services: Services, principal: Principal, name: str, body: b
     route = parse_route(name, body)
     check_not_base_model(route.name, services.base_model_id, "route")
     store, tenant = services.adapter_store, principal.tenant
+    await _check_merges(services, tenant, route)
 
     async def exists(ref: AdapterRef) -> bool:  # asks the store itself: no cached answer
         try:
@@ -68,6 +72,19 @@ async def put_route(services: Services, principal: Principal, name: str, body: b
             f"adapter {exc.name!r}, which this route names, is being deleted; retry the request"
         ) from None
     return route
+
+
+async def _check_merges(services: Services, tenant: str, route: Route) -> None:
+    """Merge each merge variant now (422 naming it if its parts are missing or cannot be merged), so a
+    stored route never answers 400 to its users, and its first users find the merge done."""
+    for index, variant in enumerate(route.variants):
+        if variant.merge is None:
+            continue
+        at = f"variants[{index}].merge"
+        try:
+            await resolve_merge(services, tenant, check_merge(variant.merge, at), at=at, route=route.name)
+        except (ModelNotFound, BadRequest) as exc:
+            raise InvalidRoute(str(exc), field=exc.param or at) from None
 
 
 async def list_routes(services: Services, principal: Principal) -> RouteList:

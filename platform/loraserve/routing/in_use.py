@@ -1,6 +1,6 @@
 """Which of a tenant's routes would break if some versions of an adapter were deleted.
 
-A variant `name@3` needs version 3; a bare `name` needs some version to remain (it serves the latest,
+A variant `name@3` (or a merge with part `name@3`) needs version 3; a bare `name` needs some version to remain (it serves the latest,
 so deleting the latest while older versions remain moves it to the newest of those). Deleting what a
 route needs is refused (409 naming the route) rather than leaving the route answering 404 to its users.
 """
@@ -23,9 +23,11 @@ def variants_needing(
     broken = []
     for route in routes:
         for variant in route.variants:
-            ref = parse_adapter_ref(variant.adapter)
-            if ref.name != name:
-                continue
-            if (ref.version is None and not any_left) or ref.version in deleted:
-                broken.append((route.name, variant.adapter))
+            for written in variant.adapter_refs:  # one, or a merge's parts
+                ref = parse_adapter_ref(written)
+                if ref.name != name:
+                    continue
+                if (ref.version is None and not any_left) or ref.version in deleted:
+                    broken.append((route.name, variant.label))
+                    break
     return broken

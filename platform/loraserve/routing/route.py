@@ -12,6 +12,7 @@ from typing import Literal
 
 import msgspec
 
+from loraserve.merges.fields import MergedAdapters
 from loraserve.tenancy.errors import InvalidName
 from loraserve.tenancy.names import check_adapter_name
 
@@ -20,9 +21,26 @@ STICKY_MODES: tuple[str, ...] = ("user", "none")
 _VERSION = re.compile(r"[1-9][0-9]{0,17}")
 
 
-class Variant(msgspec.Struct, frozen=True, kw_only=True):
-    adapter: str  # "name" (the latest version when served) or "name@version"
+class Variant(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One adapter, or a merge of several (`merge`, as a request's merged_adapters): exactly one of the two."""
+
+    adapter: str | None = None  # "name" (the latest version when served) or "name@version"
     weight: int  # positive; only ratios matter (90/10 routes exactly like 9/1)
+    merge: MergedAdapters | None = None
+
+    @property
+    def label(self) -> str:
+        """How responses, metrics and errors name the variant: its adapter, or `merge:a+b@2` for a merge."""
+        if self.merge is None:
+            return self.adapter or ""
+        return "merge:" + "+".join(self.merge.ids)
+
+    @property
+    def adapter_refs(self) -> tuple[str, ...]:
+        """The adapter references (`name`, `name@2`) the variant needs."""
+        if self.merge is None:
+            return (self.adapter,) if self.adapter else ()
+        return tuple(ref.partition("/")[2] if "/" in ref else ref for ref in self.merge.ids)
 
 
 class Route(msgspec.Struct, frozen=True, kw_only=True):

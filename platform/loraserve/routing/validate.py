@@ -1,7 +1,8 @@
 """Validate route bodies from users, with messages that name the field and the fix (the API's 422).
 
 Checked by hand rather than by msgspec's decoder so every message says which variant is wrong and
-what a correct body looks like, and so `true` is never taken for weight 1.
+what a correct body looks like, and so `true` is never taken for weight 1. A variant is one adapter
+(`adapter`) or a merge of several (`merge`, the fields of a request's merged_adapters).
 """
 
 from __future__ import annotations
@@ -9,6 +10,10 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, Mapping
 
+import msgspec
+
+from loraserve.merges.fields import MergedAdapters
+from loraserve.merges.spec import InvalidMerge, check_merge
 from loraserve.routing.route import STICKY_MODES, AdapterRef, Route, Variant, parse_adapter_ref
 from loraserve.tenancy.errors import InvalidName
 from loraserve.tenancy.names import check_route_name
@@ -17,7 +22,7 @@ MAX_VARIANTS = 64
 MAX_WEIGHT = 1_000_000
 EXAMPLE = '{"variants": [{"adapter": "a", "weight": 90}, {"adapter": "b@2", "weight": 10}], "sticky": "user"}'
 _ROUTE_FIELDS = {"name", "variants", "sticky"}
-_VARIANT_FIELDS = {"adapter", "weight"}
+_VARIANT_FIELDS = {"adapter", "merge", "weight"}
 
 
 class InvalidRoute(ValueError):
@@ -57,7 +62,7 @@ def parse_route(name: str, body: Mapping[str, object] | bytes | str) -> Route:
 def validate_route(route: Route) -> Route:
     """Re-check a Route built in code (e.g. decoded by the web framework) with the same rules."""
     body = {
-        "variants": [{"adapter": v.adapter, "weight": v.weight} for v in route.variants],
+        "variants": [msgspec.to_builtins(v) for v in route.variants],
         "sticky": route.sticky,
     }
     return parse_route(route.name, body)
@@ -66,13 +71,18 @@ def validate_route(route: Route) -> Route:
 async def check_route_adapters(route: Route, exists: Callable[[AdapterRef], Awaitable[bool]]) -> None:
     """Refuse a route naming an adapter the tenant does not have; `exists` asks the adapter store."""
     for index, variant in enumerate(route.variants):
-        ref = parse_adapter_ref(variant.adapter)
-        if not await exists(ref):
-            raise InvalidRoute(
-                f"variants[{index}].adapter {variant.adapter!r} is not an adapter of this tenant; "
-                "upload it first (POST /v1/adapters) or fix the name",
-                field=f"variants[{index}].adapter",
-            )
+        for part, written in enumerate(variant.adapter_refs):
+            if not await exists(parse_adapter_ref(written)):
+                at = (
+                    f"variants[{index}].adapter"
+                    if variant.merge is None
+                    else f"variants[{index}].merge.ids[{part}]"
+                )
+                raise InvalidRoute(
+                    f"{at} {written!r} is not an adapter of this tenant; "
+                    "upload it first (POST /v1/adapters) or fix the name",
+                    field=at,
+                )
 
 
 def _parse_variants(raw: object) -> tuple[Variant, ...]:
@@ -83,26 +93,44 @@ def _parse_variants(raw: object) -> tuple[Variant, ...]:
     if len(raw) > MAX_VARIANTS:
         raise InvalidRoute(f"a route has at most {MAX_VARIANTS} variants (got {len(raw)})", field="variants")
     variants: list[Variant] = []
-    seen: dict[AdapterRef, int] = {}
+    seen: dict[object, int] = {}  # adapter refs and merges
     for index, item in enumerate(raw):
         at = f"variants[{index}]"
         if not isinstance(item, Mapping):
             raise InvalidRoute(f'{at} must be an object like {{"adapter": "a", "weight": 90}}', field=at)
         unknown = sorted(set(map(str, item)) - _VARIANT_FIELDS)
         if unknown:
-            raise InvalidRoute(f"{at} has unknown field(s) {unknown}; allowed: adapter, weight", field=at)
-        if "adapter" not in item:
-            raise InvalidRoute(f"{at}.adapter is required ('name' or 'name@version')", field=f"{at}.adapter")
-        try:
-            ref = parse_adapter_ref(item["adapter"])
-        except InvalidName as exc:
-            raise InvalidRoute(f"{at}.adapter: {exc}", field=f"{at}.adapter") from None
-        if ref in seen:
             raise InvalidRoute(
-                f"{at}.adapter {str(ref)!r} repeats variants[{seen[ref]}]; list each adapter once and merge the weights",
+                f"{at} has unknown field(s) {unknown}; allowed: adapter or merge, weight", field=at
+            )
+        if "adapter" not in item and "merge" not in item:
+            raise InvalidRoute(
+                f"{at}.adapter is required ('name' or 'name@version'), or {at}.merge for a merge of several "
+                '(as a request\'s merged_adapters, e.g. {"ids": ["a", "b"], "weights": [0.5, 0.5]})',
                 field=f"{at}.adapter",
             )
-        seen[ref] = index
+        if "adapter" in item and "merge" in item:
+            raise InvalidRoute(
+                f"{at} names an adapter and a merge: give one, not both", field=f"{at}.adapter"
+            )
+        merge = _parse_merge(item["merge"], f"{at}.merge") if "merge" in item else None
+        key: object = merge
+        if merge is None:
+            try:
+                key = ref = parse_adapter_ref(item["adapter"])
+            except InvalidName as exc:
+                raise InvalidRoute(f"{at}.adapter: {exc}", field=f"{at}.adapter") from None
+        if key in seen and merge is None:
+            raise InvalidRoute(
+                f"{at}.adapter {str(key)!r} repeats variants[{seen[key]}]; list each adapter once and merge the weights",
+                field=f"{at}.adapter",
+            )
+        if key in seen:
+            raise InvalidRoute(
+                f"{at}.merge repeats variants[{seen[key]}]; list each merge once and add up the weights",
+                field=f"{at}.merge",
+            )
+        seen[key] = index
         weight = item.get("weight")
         if not isinstance(weight, int) or isinstance(weight, bool) or not 1 <= weight <= MAX_WEIGHT:
             raise InvalidRoute(
@@ -110,5 +138,23 @@ def _parse_variants(raw: object) -> tuple[Variant, ...]:
                 "weights are relative, e.g. 90 and 10",
                 field=f"{at}.weight",
             )
-        variants.append(Variant(adapter=str(ref), weight=weight))
+        if merge is None:
+            variants.append(Variant(adapter=str(ref), weight=weight))
+        else:
+            variants.append(Variant(merge=merge, weight=weight))
     return tuple(variants)
+
+
+def _parse_merge(raw: object, at: str) -> MergedAdapters:
+    """A variant's merge: the request field's shape and rules (loraserve.merges.spec)."""
+    try:
+        merge = msgspec.convert(raw, MergedAdapters)
+    except msgspec.ValidationError as exc:
+        raise InvalidRoute(
+            f'{at}: {exc}; e.g. {{"ids": ["a", "b@2"], "weights": [0.7, 0.3]}}', field=at
+        ) from None
+    try:
+        check_merge(merge, at)
+    except InvalidMerge as exc:
+        raise InvalidRoute(str(exc), field=exc.field) from None
+    return merge

@@ -456,4 +456,5 @@ def _record(
         created_at=created_at,
         tool_call_parser=tool_call_parser,
         format=adapter.format,
+        vocab_modules=adapter.vocab_formats,
     )

@@ -56,6 +56,8 @@ class AdapterRecord:
         data["target_modules"] = list(self.target_modules)
         if self.tool_call_parser is None:
             del data["tool_call_parser"]
+        if not self.vocab_modules:  # manifests of decoder-only adapters stay as they were
+            del data["vocab_modules"]
         return data
 
     def to_json(self) -> bytes:

@@ -50,7 +50,6 @@ from adapter_format.vocab_modules import (
     VOCAB_MODULES,
     VocabModule,
     check_vocab_modules,
-    vocab_modules_refusal,
     vocab_tensor,
 )
 from adapter_format.weight_values import check_magnitude_values, check_weight_values
@@ -187,9 +186,9 @@ def check_adapter(
         pair[ab] = tuple(tensor_shape)
     if not pairs and not per_expert and not vocab_found:
         raise AdapterError("no_lora_weights", "adapter_model.safetensors holds no LoRA weights")
-    vocab_modules = check_vocab_modules(vocab_found, settings, shape, max_lora_rank, deadline, _scaling)
-    if vocab_modules and not vocab_modules_served:
-        raise vocab_modules_refusal(vocab_modules)
+    vocab_modules = check_vocab_modules(
+        vocab_found, settings, shape, max_lora_rank, deadline, _scaling, vocab_modules_served
+    )
     if per_expert and settings.use_dora:
         raise _no_dora_on_experts()
 

@@ -83,19 +83,14 @@ def check_vocab_modules(
     max_lora_rank: int,
     deadline: float,
     scaling,
+    served: bool,
 ) -> dict[str, VocabModule]:
     """module -> its VocabModule (no tensors), from the shapes of the tensors found per module and part;
     AdapterError naming the field or tensor for anything PEFT would not load or the server cannot serve.
-    `scaling(settings, key, rank, deadline)` is PEFT's per-module LoRA scale."""
+    `scaling(settings, key, rank, deadline)` is PEFT's per-module LoRA scale. Unless `served`, an
+    adapter with any of them is refused once its tensors passed the checks (the engine does not serve
+    them yet)."""
     saved = settings.modules_to_save
-    for module in saved:
-        if module not in found or FULL not in found[module]:
-            raise AdapterError(
-                "missing_tensor",
-                f"modules_to_save names {module}, but adapter_model.safetensors holds no {module}.weight "
-                "(PeftModel.save_pretrained saves it)",
-                "modules_to_save",
-            )
     vocab, hidden = shape.vocab_size, shape.hidden_size
     modules: dict[str, VocabModule] = {}
     for module, parts in found.items():
@@ -177,6 +172,16 @@ def check_vocab_modules(
                 "r" if configured == settings.rank else "rank_pattern",
             )
         modules[module] = VocabModule("lora", rank, scaling(settings, key, rank, deadline))
+    if (modules or saved) and not served:
+        raise vocab_modules_refusal(modules, saved)
+    for module in saved:
+        if module not in found or FULL not in found[module]:
+            raise AdapterError(
+                "missing_tensor",
+                f"modules_to_save names {module}, but adapter_model.safetensors holds no {module}.weight "
+                "(PeftModel.save_pretrained saves it)",
+                "modules_to_save",
+            )
     return modules
 
 
@@ -193,7 +198,9 @@ def _check_matrix(module: str, part: str, got: tuple[int, ...], vocab: int, hidd
         )
 
 
-def _resized(module: str, field: str | None, rows: int | None = None, vocab: int | None = None) -> AdapterError:
+def _resized(
+    module: str, field: str | None, rows: int | None = None, vocab: int | None = None
+) -> AdapterError:
     sizes = f" has {rows} rows where the base vocabulary has {vocab}" if rows is not None else " is larger"
     return AdapterError(
         "vocab_resized",
@@ -229,18 +236,19 @@ def ties_head_to_embedding(module: VocabModule, shape: ModelShape, ensure_weight
     return shape.tie_word_embeddings and (module.kind == "saved" or ensure_weight_tying)
 
 
-def vocab_modules_refusal(modules: Mapping[str, VocabModule]) -> AdapterError:
-    """Why an adapter with its own embedding or LM head is refused for now (checked in full before)."""
-    named = ", ".join(f"{m} ({v.kind})" for m, v in modules.items())
-    field = (
-        "modules_to_save"
-        if any(v.kind == "modules_to_save" for v in modules.values())
-        else ("target_modules" if any(v.kind == "lora" for v in modules.values()) else "modules_to_save")
-    )
+def vocab_modules_refusal(modules: Mapping[str, VocabModule], saved: tuple[str, ...]) -> AdapterError:
+    """Why an adapter with its own embedding or LM head is refused for now. With modules_to_save, in
+    vLLM's words too (clients of its dynamic LoRA loading match them)."""
+    named = [f"{m} ({v.kind})" for m, v in modules.items()] or [f"{m} (modules_to_save)" for m in saved]
+    if saved:
+        field = "modules_to_save"
+    else:
+        field = "target_modules" if any(v.kind == "lora" for v in modules.values()) else None
+    vllm = " (this server only supports modules_to_save being None for now)" if saved else ""
     return AdapterError(
         "vocab_modules_unsupported",
-        f"the adapter carries its own {named}: serving an adapter's own embedding or LM head "
-        "(modules_to_save, LoRA on embed_tokens or lm_head) is not built yet; train on the decoder "
+        f"the adapter carries its own {', '.join(named)}: serving an adapter's own embedding or LM head "
+        f"(modules_to_save, LoRA on embed_tokens or lm_head) is not built yet{vllm}; train on the decoder "
         "projections only",
         field,
     )

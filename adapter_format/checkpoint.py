@@ -354,7 +354,11 @@ def load_peft_adapter(
 
 
 def map_peft_adapter(
-    folder: str | Path, shape: ModelShape, max_lora_rank: int, label: str | None = None
+    folder: str | Path,
+    shape: ModelShape,
+    max_lora_rank: int,
+    label: str | None = None,
+    vocab_modules_served: bool = False,
 ) -> PeftAdapter:
     """`load_peft_adapter` without reading: the same checks, then tensors that are views of the weights
     file mapped into memory (copy-on-write, so writing to one never changes the file).
@@ -365,7 +369,7 @@ def map_peft_adapter(
     file must not shrink while they are read (a read past its end is a SIGBUS, as it is inside
     `safe_open`, which maps the file too); a stored or cached file is never changed in place.
     """
-    weights, adapter, spans = _check_folder(folder, shape, max_lora_rank, label)
+    weights, adapter, spans = _check_folder(folder, shape, max_lora_rank, label, vocab_modules_served)
     try:
         with open(weights, "rb") as f:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -383,6 +387,7 @@ def peft_adapter_from_memory(
     shape: ModelShape,
     max_lora_rank: int,
     label: str = WEIGHTS_FILE,
+    vocab_modules_served: bool = False,
 ) -> PeftAdapter:
     """`map_peft_adapter` of an adapter held in memory (a store download streamed without a temporary
     file): `config` is adapter_config.json's bytes, `weights` the safetensors file's. The same checks,
@@ -390,7 +395,8 @@ def peft_adapter_from_memory(
     warning; it must stay alive and unchanged while they are read). `label` names the weights in errors."""
     settings = parse_adapter_config(config)
     spans = buffer_tensor_spans(weights, label)
-    adapter = check_adapter(settings, {n: s.shape for n, s in spans.items()}, shape, max_lora_rank)
+    shapes = {n: s.shape for n, s in spans.items()}
+    adapter = check_adapter(settings, shapes, shape, max_lora_rank, vocab_modules_served)
     tensors = {name: _view(weights, span) for name, span in spans.items()}
     return _with_tensors(adapter, tensors)
 

@@ -118,8 +118,8 @@ def check_adapter(
 ) -> PeftAdapter:
     """Validate a config and its tensors' names and shapes against the base model (no tensor data read).
 
-    An adapter's own embedding or LM head (vocab_modules.py) is checked in full, then refused unless
-    `vocab_modules_served`: the engine does not serve them yet, so the store and the engine refuse them."""
+    An adapter's own embedding or LM head (vocab_modules.py) is checked, then refused unless
+    `vocab_modules_served` (the engine keeps room for them: EngineConfig.max_vocab_loras > 0)."""
     settings = check_adapter_config(config, max_lora_rank, shape)
     deadline = new_deadline()  # bounds all the pattern matching of this adapter
     pairs: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}

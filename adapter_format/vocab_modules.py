@@ -87,9 +87,8 @@ def check_vocab_modules(
 ) -> dict[str, VocabModule]:
     """module -> its VocabModule (no tensors), from the shapes of the tensors found per module and part;
     AdapterError naming the field or tensor for anything PEFT would not load or the server cannot serve.
-    `scaling(settings, key, rank, deadline)` is PEFT's per-module LoRA scale. Unless `served`, an
-    adapter with any of them is refused once its tensors passed the checks (the engine does not serve
-    them yet)."""
+    `scaling(settings, key, rank, deadline)` is PEFT's per-module LoRA scale. Unless `served` (the
+    engine keeps room for them), an adapter with any of them is refused once its tensors' shapes passed."""
     saved = settings.modules_to_save
     vocab, hidden = shape.vocab_size, shape.hidden_size
     modules: dict[str, VocabModule] = {}
@@ -237,18 +236,18 @@ def ties_head_to_embedding(module: VocabModule, shape: ModelShape, ensure_weight
 
 
 def vocab_modules_refusal(modules: Mapping[str, VocabModule], saved: tuple[str, ...]) -> AdapterError:
-    """Why an adapter with its own embedding or LM head is refused for now. With modules_to_save, in
-    vLLM's words too (clients of its dynamic LoRA loading match them)."""
+    """Why an adapter with its own embedding or LM head is refused by a server without room for them.
+    With modules_to_save, in vLLM's words too (clients of its dynamic LoRA loading match them)."""
     named = [f"{m} ({v.kind})" for m, v in modules.items()] or [f"{m} (modules_to_save)" for m in saved]
     if saved:
         field = "modules_to_save"
     else:
         field = "target_modules" if any(v.kind == "lora" for v in modules.values()) else None
-    vllm = " (this server only supports modules_to_save being None for now)" if saved else ""
+    vllm = " (this server only supports modules_to_save being None as started)" if saved else ""
     return AdapterError(
         "vocab_modules_unsupported",
-        f"the adapter carries its own {', '.join(named)}: serving an adapter's own embedding or LM head "
-        f"(modules_to_save, LoRA on embed_tokens or lm_head) is not built yet{vllm}; train on the decoder "
-        "projections only",
+        f"the adapter carries its own {', '.join(named)}: this server keeps no room for an adapter's own "
+        f"embedding or LM head{vllm}; its operator can start it with --max-vocab-loras N (each such "
+        "adapter resident takes 2 x vocab x hidden of GPU memory), or train on the decoder projections only",
         field,
     )

@@ -29,7 +29,9 @@ class CheckedAdapter:
     size_bytes: int
 
 
-def check_folder(folder: Path, shape: ModelShape, max_lora_rank: int) -> CheckedAdapter:
+def check_folder(
+    folder: Path, shape: ModelShape, max_lora_rank: int, vocab_modules_served: bool = False
+) -> CheckedAdapter:
     """InvalidAdapter (with the engine's code) for the first failed check. Messages name files by their
     names only: the folder is the server's staging folder."""
     if not (Path(folder) / CONFIG_FILE).is_file():
@@ -46,7 +48,9 @@ def check_folder(folder: Path, shape: ModelShape, max_lora_rank: int) -> Checked
             "missing_weights",
         )
     try:
-        mapped = map_peft_adapter(folder, shape, max_lora_rank, label=WEIGHTS_FILE)
+        mapped = map_peft_adapter(
+            folder, shape, max_lora_rank, label=WEIGHTS_FILE, vocab_modules_served=vocab_modules_served
+        )
     except AdapterError as exc:
         raise InvalidAdapter.from_adapter_error(exc) from None
     # No tensors kept: the modules' ranks and kinds only.

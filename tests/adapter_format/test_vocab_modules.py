@@ -58,8 +58,10 @@ def test_modules_to_save_lm_head_is_the_adapters_own_copy(tmp_path):
     peft_head = model.base_model.model.lm_head.modules_to_save["default"].weight
     torch.testing.assert_close(head.matrix, peft_head, rtol=0, atol=0)
     assert not torch.equal(head.matrix, model.base_model.model.lm_head.original_module.weight)
-    with pytest.raises(AdapterError, match=r"its own lm_head \(modules_to_save\)") as err:
-        map_peft_adapter(folder, shape, 16)  # what the store and the engine run: not served yet
+    with pytest.raises(
+        AdapterError, match=r"its own lm_head \(modules_to_save\): this server keeps no room"
+    ) as err:
+        map_peft_adapter(folder, shape, 16)  # a store or engine without max_vocab_loras
     assert (err.value.code, err.value.field) == ("vocab_modules_unsupported", "modules_to_save")
 
 

@@ -29,7 +29,7 @@ def refused(store, keys_of, source, code: str, message: str, tenant: str = "acme
         (
             dict(modules_to_save=["lm_head"]),
             "vocab_modules_unsupported",
-            r"its own lm_head \(modules_to_save\): serving .* is not built yet",
+            r"its own lm_head \(modules_to_save\): this server keeps no room .* --max-vocab-loras",
         ),
         (
             dict(target_modules=("q_proj", "embed_tokens")),

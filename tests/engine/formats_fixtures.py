@@ -65,7 +65,9 @@ def greedy_by_adapter(model_dir, adapters: dict, prompts, assigned, max_new_toke
     return expected
 
 
-def make_vocab_adapter(model_dir: Path, path: Path, seed: int = 0, save_base_layers: bool = True, **lora_kwargs):
+def make_vocab_adapter(
+    model_dir: Path, path: Path, seed: int = 0, save_base_layers: bool = True, **lora_kwargs
+):
     """A PEFT adapter with its own embedding or LM head (modules_to_save) or LoRA on them, every trained
     tensor random: modules_to_save copies moved away from the base. `save_base_layers=False` saves LoRA
     on embed_tokens / lm_head without the base layers PEFT saves beside it by default."""

@@ -215,6 +215,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--max-vocab-loras",
         type=int,
+        default=0,
         help="GPU slots (and CPU-tier rows) for adapters with their own embedding or LM head "
         "(modules_to_save, LoRA on embed_tokens/lm_head), each 2 x vocab x hidden; 0 refuses them (default 0)",
     )

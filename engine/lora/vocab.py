@@ -25,6 +25,7 @@ as before (one host-side look-up of the step's slots decides).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from adapter_format.checkpoint import PeftAdapter
@@ -85,7 +86,7 @@ class VocabSlots:
             torch.zeros(shape, dtype=dtype, device=device),
         )
         self.owns = torch.zeros(max_loras, dtype=torch.int32, device=device)
-        self.owns_host = [0] * max_loras
+        self.owns_host = np.zeros(max_loras, np.int32)
 
     @property
     def num_bytes(self) -> int:
@@ -130,10 +131,9 @@ class VocabSlots:
         head = self._base[1]
         return head.weight if head.weight is not None else self._base[0]
 
-    def step_uses(self, slots) -> bool:
-        """Whether any of `slots` (host ints, -1 for none) owns a matrix: such a step runs eagerly."""
-        owns = self.owns_host
-        return any(owns[s] for s in slots if s >= 0)
+    def step_uses(self, slots: np.ndarray) -> bool:
+        """Whether any of `slots` ([requests] int32, -1 for none) owns a matrix: such a step runs eagerly."""
+        return bool(self.owns_host[slots[slots >= 0]].any())
 
     def embed_rows(self, token_slots: torch.Tensor, input_ids: torch.Tensor):
         """(token rows, their slot's matrix rows) of the tokens whose slot owns an embedding, or None."""

@@ -162,6 +162,15 @@ def check_vocab_modules(
             raise AdapterError(
                 "rank_too_large", f"{module} has rank {rank}, above max_lora_rank {max_lora_rank}"
             )
+        if BASE not in parts and rank * (vocab + hidden) > vocab * hidden:
+            raise AdapterError(
+                "rank_too_large",
+                f"{module} has LoRA of rank {rank} without its base layer saved: the server merges such LoRA "
+                f"into a [{vocab}, {hidden}] matrix and keeps its factors there until then, which holds rank "
+                f"{vocab * hidden // (vocab + hidden)} at most; save the adapter with PEFT's default "
+                "save_embedding_layers",
+                "target_modules",
+            )
         configured = settings.rank_for(key, deadline)
         if rank != configured:
             raise AdapterError(

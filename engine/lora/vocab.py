@@ -29,9 +29,11 @@ import numpy as np
 import torch
 
 from adapter_format.checkpoint import PeftAdapter
+from adapter_format.errors import AdapterError
 from adapter_format.vocab_modules import VocabModule, ties_head_to_embedding
 
 BASE, OWN, FACTORS = 0, 1, 2
+MERGE_ROWS = 4096  # rows of a vocabulary matrix merged at once (float32 scratch)
 EMBED, HEAD = 0, 1  # the two matrices of a slot, in this order
 # An image's vocab table: per matrix (mode, rank, scale as float32 bits).
 TABLE_COLUMNS = 3
@@ -58,13 +60,22 @@ def _write_one(room: torch.Tensor, row: torch.Tensor, module: VocabModule) -> No
         room.copy_(module.matrix)
         row[0] = OWN
         return
-    if module.matrix is not None:  # LoRA over the base layer PEFT saved: merge here
-        merged = module.matrix.float() + module.scale * (module.left.float() @ module.right.float())
-        room.copy_(merged)
+    left, right = module.left, module.right
+    if module.matrix is not None:  # LoRA over the base layer PEFT saved: merge here, in float32
+        right32 = right.float()
+        for start in range(0, room.shape[0], MERGE_ROWS):  # bounded scratch (a loader's memory)
+            end = start + MERGE_ROWS
+            part = module.matrix[start:end].float() + module.scale * (left[start:end].float() @ right32)
+            room[start:end] = part
         row[0] = OWN
         return
+    if left.numel() + right.numel() > room.numel():
+        raise AdapterError(
+            "rank_too_large",
+            f"LoRA of rank {module.rank} on a vocabulary module without its base layer saved needs rank at "
+            "most about hidden / 2 here; save the adapter with PEFT's default save_embedding_layers",
+        )
     flat = room.view(-1)
-    left, right = module.left, module.right
     flat[: left.numel()].view(left.shape).copy_(left)
     flat[left.numel() : left.numel() + right.numel()].view(right.shape).copy_(right)
     row[0], row[1] = FACTORS, module.rank
@@ -72,8 +83,8 @@ def _write_one(room: torch.Tensor, row: torch.Tensor, module: VocabModule) -> No
 
 
 class VocabSlots:
-    """The GPU side: `embed` and `head` [max_vocab_loras, vocab, hidden], and per slot of the pool which
-    of them it owns (`owns` [max_loras] int32: bit EMBED, bit HEAD; `owns_host` a host copy the runner
+    """The GPU side: `matrices`, the embeddings and the heads [max_vocab_loras, vocab, hidden] (this
+    rank's vocabulary rows), and per slot of the pool which of them it owns (`owns` [max_loras] int32: bit EMBED, bit HEAD; `owns_host` a host copy the runner
     reads to choose the step's path)."""
 
     def __init__(self, model, num_slots: int, max_loras: int, dtype: torch.dtype, device: torch.device):
@@ -123,8 +134,8 @@ class VocabSlots:
             .to(target.device, torch.float32)
         )
         base = self._base[0] if index == EMBED else self._head_weight()
-        for start in range(0, vocab, 4096):  # bounded float32 scratch
-            end = min(start + 4096, vocab)
+        for start in range(0, vocab, MERGE_ROWS):  # bounded float32 scratch
+            end = min(start + MERGE_ROWS, vocab)
             target[start:end] = (base[start:end].float() + scale * (left[start:end] @ right)).to(target.dtype)
 
     def _head_weight(self) -> torch.Tensor:

@@ -13,7 +13,7 @@ import math
 import mmap
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -44,6 +44,14 @@ from adapter_format.safetensors_header import (
     buffer_tensor_spans,
     read_tensor_spans,
 )
+from adapter_format.vocab_modules import (
+    BASE,
+    FULL,
+    VOCAB_MODULES,
+    VocabModule,
+    check_vocab_modules,
+    vocab_tensor,
+)
 from adapter_format.weight_values import check_magnitude_values, check_weight_values
 
 # e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (any prefix before `layers.`), and
@@ -53,10 +61,6 @@ _TENSOR_NAME = re.compile(
     r"(?:lora_(?P<ab>[AB])\.weight|(?P<magnitude>lora_magnitude_vector)(?:\.weight)?)$"
 )
 MAGNITUDE = "M"  # a module's DoRA magnitude among its tensors (next to "A" and "B")
-# A whole embedding or output head (modules_to_save, or saved because the vocabulary was resized).
-_FULL_MODULE = re.compile(
-    r"(?:^|\.)(embed_tokens|lm_head)(?:\.modules_to_save\.\w+|\.original_module)?\.weight$"
-)
 
 
 def _part(match: re.Match) -> str:
@@ -90,11 +94,19 @@ class PeftAdapter:
     base_model: str | None
     modules: dict[tuple[int, str], ModuleLoRA]
     use_dora: bool = False
+    # embed_tokens / lm_head: the adapter's own matrix or LoRA on it (adapter_format/vocab_modules.py)
+    vocab: dict[str, VocabModule] = field(default_factory=dict)
+    ensure_weight_tying: bool = False
 
     @property
     def format(self) -> str:
         """What `/v1/adapters` shows: "lora" or "dora"."""
         return "dora" if self.use_dora else "lora"
+
+    @property
+    def vocab_formats(self) -> dict[str, str]:
+        """What `/v1/adapters` shows of its vocabulary modules: {"lm_head": "modules_to_save", ...}."""
+        return {module: self.vocab[module].kind for module in VOCAB_MODULES if module in self.vocab}
 
 
 def check_adapter(
@@ -102,15 +114,29 @@ def check_adapter(
     tensor_shapes: Mapping[str, tuple[int, ...]],
     shape: ModelShape,
     max_lora_rank: int,
+    vocab_modules_served: bool = False,
 ) -> PeftAdapter:
-    """Validate a config and its tensors' names and shapes against the base model (no tensor data read)."""
+    """Validate a config and its tensors' names and shapes against the base model (no tensor data read).
+
+    An adapter's own embedding or LM head (vocab_modules.py) is checked, then refused unless
+    `vocab_modules_served` (the engine keeps room for them: EngineConfig.max_vocab_loras > 0)."""
     settings = check_adapter_config(config, max_lora_rank, shape)
     deadline = new_deadline()  # bounds all the pattern matching of this adapter
     pairs: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
     per_expert: dict[tuple[int, str, int, str], dict[str, tuple[int, ...]]] = {}  # older per-expert pairs
     prefixes: dict[str, str] = {}  # tensor name prefix -> the first tensor under it
+    vocab_found: dict[str, dict[str, tuple[int, ...]]] = {}  # embed_tokens / lm_head -> part -> shape
     for name, tensor_shape in tensor_shapes.items():
         match = _TENSOR_NAME.match(name) if len(name) <= MAX_TENSOR_NAME_CHARS else None
+        vocab = vocab_tensor(name) if match is None and len(name) <= MAX_TENSOR_NAME_CHARS else None
+        if vocab is not None:
+            module, part = vocab
+            if part in vocab_found.setdefault(module, {}):
+                raise AdapterError(
+                    "duplicate_tensor", f"tensor {show_value(name)}: {module} {part} appears twice"
+                )
+            vocab_found[module][part] = tuple(tensor_shape)
+            continue
         expert = _per_expert(name, shape) if match is None else None
         if expert is not None:
             key = (int(expert["layer"]), expert["block"], int(expert["expert"]), expert["part"])
@@ -123,20 +149,12 @@ def check_adapter(
             continue
         if match is None and shape.num_experts and len(name) <= MAX_TENSOR_NAME_CHARS:
             match = EXPERT_TENSOR.match(name)  # target_parameters on the stacked experts: (layer, nesting)
-        if match is None and len(name) <= MAX_TENSOR_NAME_CHARS and _FULL_MODULE.search(name):
-            raise AdapterError(
-                "full_module_unsupported",
-                f"tensor {show_value(name)} {list(tensor_shape)} is a whole {_FULL_MODULE.search(name)[1]} "
-                "matrix: PEFT saves one for modules_to_save or when the tokenizer added tokens (resized "
-                "embeddings); the server serves LoRA pairs of the decoder projections only, with the base "
-                "model's own vocabulary: retrain without modules_to_save and new tokens",
-            )
         if match is None:
             raise AdapterError(
                 "unexpected_tensor",
                 f"tensor {show_value(name)} is not a LoRA weight of a decoder-layer projection "
-                f"({', '.join(shape.targets)}) or its DoRA magnitude; embedding, lm_head and bias tensors are "
-                "not supported",
+                f"({', '.join(shape.targets)}) or its DoRA magnitude, nor embed_tokens or lm_head as PEFT saves "
+                "them (a whole matrix, LoRA, or the base layer beside LoRA); bias tensors are not supported",
             )
         layer, ab = int(match["layer"]), _part(match)
         module = match["module"] if "module" in match.groupdict() else f"experts{match['nest']}"
@@ -166,8 +184,11 @@ def check_adapter(
                 "duplicate_tensor", f"layer {layer} {module}: {what} appears twice ({show_value(name)})"
             )
         pair[ab] = tuple(tensor_shape)
-    if not pairs and not per_expert:
+    if not pairs and not per_expert and not vocab_found:
         raise AdapterError("no_lora_weights", "adapter_model.safetensors holds no LoRA weights")
+    vocab_modules = check_vocab_modules(
+        vocab_found, settings, shape, max_lora_rank, deadline, _scaling, vocab_modules_served
+    )
     if per_expert and settings.use_dora:
         raise _no_dora_on_experts()
 
@@ -243,13 +264,17 @@ def check_adapter(
             )
         modules[key] = ModuleLoRA(rank=rank, scale=scale)
     targets = tuple(sorted({module for _, module in modules}, key=shape.targets.index))
+    targets += tuple(m for m in VOCAB_MODULES if m in vocab_modules and vocab_modules[m].kind == "lora")
+    ranks = [m.rank for m in modules.values()] + [v.rank for v in vocab_modules.values() if v.rank]
     return PeftAdapter(
-        rank=max(m.rank for m in modules.values()),
+        rank=max(ranks, default=settings.rank),
         alpha=settings.alpha,
         target_modules=targets,
         base_model=settings.base_model,
         modules=modules,
         use_dora=settings.use_dora,
+        vocab=vocab_modules,
+        ensure_weight_tying=settings.ensure_weight_tying,
     )
 
 
@@ -307,12 +332,17 @@ def _scaling(settings: LoraSettings, key: str, rank: int, deadline: float) -> fl
 
 
 def load_peft_adapter(
-    folder: str | Path, shape: ModelShape, max_lora_rank: int, label: str | None = None
+    folder: str | Path,
+    shape: ModelShape,
+    max_lora_rank: int,
+    label: str | None = None,
+    vocab_modules_served: bool = False,
 ) -> PeftAdapter:
     """Read, validate and load a PEFT adapter folder onto the CPU (weights in their stored dtype).
 
-    Messages name the weights file as `label` (default: its path)."""
-    weights, adapter, _ = _check_folder(folder, shape, max_lora_rank, label)
+    Messages name the weights file as `label` (default: its path). `vocab_modules_served`: as in
+    `check_adapter`; with it, an embed_tokens / lm_head module comes with its tensors (VocabModule)."""
+    weights, adapter, _ = _check_folder(folder, shape, max_lora_rank, label, vocab_modules_served)
     try:
         with safe_open(str(weights), framework="pt") as f:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
@@ -324,7 +354,11 @@ def load_peft_adapter(
 
 
 def map_peft_adapter(
-    folder: str | Path, shape: ModelShape, max_lora_rank: int, label: str | None = None
+    folder: str | Path,
+    shape: ModelShape,
+    max_lora_rank: int,
+    label: str | None = None,
+    vocab_modules_served: bool = False,
 ) -> PeftAdapter:
     """`load_peft_adapter` without reading: the same checks, then tensors that are views of the weights
     file mapped into memory (copy-on-write, so writing to one never changes the file).
@@ -335,7 +369,7 @@ def map_peft_adapter(
     file must not shrink while they are read (a read past its end is a SIGBUS, as it is inside
     `safe_open`, which maps the file too); a stored or cached file is never changed in place.
     """
-    weights, adapter, spans = _check_folder(folder, shape, max_lora_rank, label)
+    weights, adapter, spans = _check_folder(folder, shape, max_lora_rank, label, vocab_modules_served)
     try:
         with open(weights, "rb") as f:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -353,6 +387,7 @@ def peft_adapter_from_memory(
     shape: ModelShape,
     max_lora_rank: int,
     label: str = WEIGHTS_FILE,
+    vocab_modules_served: bool = False,
 ) -> PeftAdapter:
     """`map_peft_adapter` of an adapter held in memory (a store download streamed without a temporary
     file): `config` is adapter_config.json's bytes, `weights` the safetensors file's. The same checks,
@@ -360,7 +395,8 @@ def peft_adapter_from_memory(
     warning; it must stay alive and unchanged while they are read). `label` names the weights in errors."""
     settings = parse_adapter_config(config)
     spans = buffer_tensor_spans(weights, label)
-    adapter = check_adapter(settings, {n: s.shape for n, s in spans.items()}, shape, max_lora_rank)
+    shapes = {n: s.shape for n, s in spans.items()}
+    adapter = check_adapter(settings, shapes, shape, max_lora_rank, vocab_modules_served)
     tensors = {name: _view(weights, span) for name, span in spans.items()}
     return _with_tensors(adapter, tensors)
 
@@ -379,7 +415,11 @@ def _view(mapped: mmap.mmap | bytes | bytearray | memoryview, span: TensorSpan) 
 
 
 def _check_folder(
-    folder: str | Path, shape: ModelShape, max_lora_rank: int, label: str | None
+    folder: str | Path,
+    shape: ModelShape,
+    max_lora_rank: int,
+    label: str | None,
+    vocab_modules_served: bool = False,
 ) -> tuple[Path, PeftAdapter, dict[str, TensorSpan]]:
     """The weights file, the adapter as its config and header describe it, and where its tensors lie."""
     folder = Path(folder)
@@ -397,7 +437,8 @@ def _check_folder(
         raise AdapterError("missing_weights", f"{weights} does not exist{hint}")
     spans = read_tensor_spans(weights, label or str(weights))
     shapes = {name: span.shape for name, span in spans.items()}
-    return weights, check_adapter(config, shapes, shape, max_lora_rank), spans
+    adapter = check_adapter(config, shapes, shape, max_lora_rank, vocab_modules_served)
+    return weights, adapter, spans
 
 
 def _with_tensors(
@@ -408,7 +449,11 @@ def _with_tensors(
     check_weight_values(tensors)
     loaded: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     per_expert: dict[tuple[int, int, str], dict[str, torch.Tensor]] = {}
+    vocab: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
+        if not _TENSOR_NAME.match(name) and (found := vocab_tensor(name)) is not None:
+            vocab.setdefault(found[0], {})[found[1]] = tensor
+            continue
         expert = _per_expert(name, shape) if shape is not None and not _TENSOR_NAME.match(name) else None
         if expert is not None:
             key = (int(expert["layer"]), int(expert["expert"]), expert["part"])
@@ -439,6 +484,16 @@ def _with_tensors(
         )
         for key, m in adapter.modules.items()
     }
-    return PeftAdapter(
-        adapter.rank, adapter.alpha, adapter.target_modules, adapter.base_model, modules, adapter.use_dora
+    return replace(
+        adapter, modules=modules, vocab={m: _with_vocab(v, vocab[m], m) for m, v in adapter.vocab.items()}
     )
+
+
+def _with_vocab(module: VocabModule, parts: dict[str, torch.Tensor], name: str) -> VocabModule:
+    """The checked vocabulary module with its tensors: LoRA as one product `left @ right` [vocab, hidden]."""
+    matrix = parts.get(FULL, parts.get(BASE))
+    if module.kind != "lora":
+        return replace(module, matrix=matrix)
+    a, b = parts["A"], parts["B"]
+    left, right = (a.T, b.T) if name == "embed_tokens" else (b, a)
+    return replace(module, matrix=matrix, left=left, right=right)

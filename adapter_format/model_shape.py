@@ -38,6 +38,10 @@ class ModelShape:
     architecture: str | None = None  # e.g. "Phi3ForCausalLM", for messages
     num_experts: int = 0  # routed experts of a mixture of experts (0: dense)
     moe_intermediate_size: int = 0  # of one expert
+    # The base vocabulary (rows of embed_tokens and lm_head) and whether the LM head is the embedding
+    # (tie_word_embeddings): what an adapter's own embedding or head must fit (vocab_modules.py).
+    vocab_size: int = 0
+    tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
         known = ATTENTION_MODULES + MLP_MODULES + (EXPERT_MODULES if self.num_experts else ())
@@ -68,6 +72,8 @@ class ModelShape:
                 if num_experts
                 else 0
             ),
+            vocab_size=getattr(config, "vocab_size", 0) or 0,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         )
 
     @property

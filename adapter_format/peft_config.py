@@ -24,6 +24,7 @@ from adapter_format.model_shape import ModelShape
 from adapter_format.module_patterns import compile_pattern, search
 from adapter_format.peft_features import check_features, check_peft_type, check_task_type
 from adapter_format.peft_targets import Targets, read_targets
+from adapter_format.vocab_modules import VOCAB_MODULES, read_modules_to_save
 
 # A PEFT config is a few hundred bytes, nested three levels at most (layer_replication's lists).
 MAX_CONFIG_BYTES = 1 << 20
@@ -52,6 +53,10 @@ class LoraSettings:
     target_modules: str | tuple[str, ...] | None  # PEFT's regex, a list, or None (PEFT's defaults)
     base_model: str | None  # base_model_name_or_path, informative only
     use_dora: bool = False  # DoRA: every LoRA pair comes with a magnitude vector (checkpoint.py)
+    # modules_to_save: the vocabulary modules (embed_tokens, lm_head) the adapter holds whole copies of,
+    # and ensure_weight_tying (vocab_modules.py)
+    modules_to_save: tuple[str, ...] = ()
+    ensure_weight_tying: bool = False
     # Which (layer, projection) pairs PEFT wraps: tensors for any other are refused (peft_targets.py).
     targets: Targets | None = field(default=None, repr=False, compare=False)
     # The stacked expert weights target_parameters adapts (a mixture of experts; expert_lora.py).
@@ -151,14 +156,7 @@ def check_adapter_config(
             "that train biases (bias != 'none') are not supported",
             "bias",
         )
-    modules_to_save = _string_list(config, "modules_to_save", allow_string=False)
-    if modules_to_save:
-        raise AdapterError(
-            "modules_to_save_unsupported",
-            f"modules_to_save ({list(modules_to_save)}) is not supported: this server only supports "
-            "modules_to_save being None (it serves LoRA pairs alone)",
-            "modules_to_save",
-        )
+    modules_to_save = read_modules_to_save(_string_list(config, "modules_to_save", allow_string=False))
     if _flag(config, "fan_in_fan_out"):
         raise AdapterError(
             "fan_in_fan_out_unsupported", "fan_in_fan_out adapters are not supported", "fan_in_fan_out"
@@ -184,6 +182,8 @@ def check_adapter_config(
         target_modules=targets,
         base_model=base_model,
         use_dora=use_dora,
+        modules_to_save=modules_to_save,
+        ensure_weight_tying=_flag(config, "ensure_weight_tying"),
         targets=read_targets(config, targets),
         target_parameters=target_parameters,
         rank_regexes=_compiled(rank_pattern, "rank_pattern", int),
@@ -201,7 +201,8 @@ def _compiled(patterns: dict, field_name: str, convert) -> tuple:
 def check_target_names(targets: tuple[str, ...], shape: ModelShape) -> None:
     """A list of target_modules as PEFT matches them: a name or a dotted path ending in one
     ("model.layers.0.self_attn.qkv_proj", as `target_modules="all-linear"` saves them)."""
-    allowed = set(shape.targets) | (set(EXPERT_PART_NAMES) if shape.num_experts else set())
+    allowed = set(shape.targets) | set(VOCAB_MODULES)
+    allowed |= set(EXPERT_PART_NAMES) if shape.num_experts else set()
     unsupported = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in allowed})
     if unsupported:
         named = [t.rsplit(".", 1)[-1] for t in unsupported]

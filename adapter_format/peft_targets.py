@@ -51,6 +51,15 @@ class Targets:
     layers: frozenset[int] | None  # layers_to_transform; None: every layer
     layer_patterns: tuple[regex.Pattern, ...] = ()  # layers_pattern: where PEFT reads the layer index
 
+    def names_vocab(self, key: str, deadline: float) -> bool:
+        """Whether PEFT wraps embed_tokens or lm_head (`key`: its module name) with LoRA: only when
+        target_modules names it (all-linear leaves the output layer out), nothing excludes it, and no
+        layers_to_transform asks for a layer index, which these modules have none of."""
+        if self.target_modules is None or not self.target_modules.matches(key, deadline):
+            return False
+        excluded = self.exclude_modules is not None and self.exclude_modules.matches(key, deadline)
+        return not excluded and self.layers is None
+
     def refusal(
         self, layer: int, module: str, deadline: float, key: str | None = None
     ) -> tuple[str, str] | None:

@@ -93,7 +93,9 @@ class AdapterStore(ABC):
             raise RuntimeError("this store was opened without the base model's ModelShape; uploads need it")
         with self.staging() as staging, disk_full_is_an_error("the upload"):
             folder = stage_upload(source, staging, self.config, self.shape)
-            checked = check_folder(folder, self.shape, self.config.max_lora_rank)
+            checked = check_folder(
+                folder, self.shape, self.config.max_lora_rank, self.config.vocab_modules_served
+            )
             created_at = utc_now_iso()
             self._sweep_name(tenant, name)
             record = self._commit(
@@ -456,4 +458,5 @@ def _record(
         created_at=created_at,
         tool_call_parser=tool_call_parser,
         format=adapter.format,
+        vocab_modules=adapter.vocab_formats,
     )

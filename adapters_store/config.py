@@ -59,6 +59,9 @@ class StoreConfig:
     url: str = DEFAULT_URL
     # Uploads with a larger LoRA rank are refused (the engine's slots are this wide).
     max_lora_rank: int = 16
+    # Whether uploads may carry their own embedding or LM head (modules_to_save, LoRA on embed_tokens /
+    # lm_head): true when the engine keeps room for them (its max_vocab_loras > 0).
+    vocab_modules_served: bool = False
     # Largest adapter_model.safetensors accepted, counted while the upload streams in.
     max_adapter_bytes: int = 1 * GiB
     # Archives: most members (files, folders, links alike) and most bytes, packed or unpacked.

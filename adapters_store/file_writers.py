@@ -170,7 +170,13 @@ def open_writer(filename: str, folder: Path, config: StoreConfig, shape: ModelSh
         config_bytes = (folder / CONFIG_FILE).read_bytes()
 
         def check_shapes(shapes: dict[str, tuple[int, ...]]) -> None:  # config errors come first
-            check_adapter(parse_adapter_config(config_bytes), shapes, shape, config.max_lora_rank)
+            check_adapter(
+                parse_adapter_config(config_bytes),
+                shapes,
+                shape,
+                config.max_lora_rank,
+                config.vocab_modules_served,
+            )
 
     return WeightsWriter(folder / WEIGHTS_FILE, config.max_adapter_bytes, check_shapes)
 

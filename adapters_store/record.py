@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
 from adapters_store.names import check_name, check_version, format_ref
@@ -43,6 +43,9 @@ class AdapterRecord:
     # upload; left out of the manifest when None.
     tool_call_parser: str | None = None
     format: str = "lora"  # "lora" or "dora" (adapter_format.checkpoint.PeftAdapter.format)
+    # The adapter's own embedding or LM head: {"lm_head": "modules_to_save", "embed_tokens": "lora", ...}
+    # (PeftAdapter.vocab_formats); empty for adapters of the decoder projections only.
+    vocab_modules: dict[str, str] = field(default_factory=dict)
 
     @property
     def ref(self) -> str:
@@ -53,6 +56,8 @@ class AdapterRecord:
         data["target_modules"] = list(self.target_modules)
         if self.tool_call_parser is None:
             del data["tool_call_parser"]
+        if not self.vocab_modules:  # manifests of decoder-only adapters stay as they were
+            del data["vocab_modules"]
         return data
 
     def to_json(self) -> bytes:
@@ -80,6 +85,7 @@ class AdapterRecord:
                 created_at=str(raw["created_at"]),
                 tool_call_parser=_optional_parser(raw.get("tool_call_parser")),
                 format=str(raw.get("format", "lora")),  # manifests written before formats were recorded
+                vocab_modules={str(k): str(v) for k, v in (raw.get("vocab_modules") or {}).items()},
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"manifest is missing or mistypes a field: {exc}") from None

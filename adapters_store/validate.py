@@ -8,13 +8,14 @@ every load (`map_peft_adapter`), and wraps their errors for the API.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from adapter_format.checkpoint import PeftAdapter, map_peft_adapter
 from adapter_format.errors import AdapterError
 from adapter_format.files import CONFIG_FILE, WEIGHTS_FILE
 from adapter_format.model_shape import ModelShape
+from adapter_format.vocab_modules import VocabModule
 from adapters_store.errors import InvalidAdapter
 from adapters_store.streams import sha256_file
 
@@ -28,7 +29,9 @@ class CheckedAdapter:
     size_bytes: int
 
 
-def check_folder(folder: Path, shape: ModelShape, max_lora_rank: int) -> CheckedAdapter:
+def check_folder(
+    folder: Path, shape: ModelShape, max_lora_rank: int, vocab_modules_served: bool = False
+) -> CheckedAdapter:
     """InvalidAdapter (with the engine's code) for the first failed check. Messages name files by their
     names only: the folder is the server's staging folder."""
     if not (Path(folder) / CONFIG_FILE).is_file():
@@ -45,10 +48,15 @@ def check_folder(folder: Path, shape: ModelShape, max_lora_rank: int) -> Checked
             "missing_weights",
         )
     try:
-        mapped = map_peft_adapter(folder, shape, max_lora_rank, label=WEIGHTS_FILE)
+        mapped = map_peft_adapter(
+            folder, shape, max_lora_rank, label=WEIGHTS_FILE, vocab_modules_served=vocab_modules_served
+        )
     except AdapterError as exc:
         raise InvalidAdapter.from_adapter_error(exc) from None
-    summary = PeftAdapter(
-        mapped.rank, mapped.alpha, mapped.target_modules, mapped.base_model, {}, mapped.use_dora
+    # No tensors kept: the modules' ranks and kinds only.
+    summary = replace(
+        mapped,
+        modules={},
+        vocab={m: VocabModule(v.kind, v.rank, v.scale) for m, v in mapped.vocab.items()},
     )
     return CheckedAdapter(adapter=summary, sha256=sha256_file(weights), size_bytes=weights.stat().st_size)

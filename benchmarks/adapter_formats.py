@@ -1,15 +1,18 @@
-"""DoRA against plain LoRA of the same rank: workload W1 (shape S, bf16, N=64 rank-16 adapters over every
-projection), once with plain LoRA adapters only and once with a quarter of them DoRA, in one invocation on
-the same model, prompts and engine settings. Reports output tok/s and the steady decode step of each, and
-the DoRA run's step over the plain run's (the issue's target: within 1.25x).
+"""DoRA and saved LM heads against plain LoRA of the same rank: workload W1 (shape S, bf16, N=64 rank-16
+adapters over every projection), once with plain LoRA adapters only and once with a quarter of them DoRA
+and another quarter carrying their own lm_head (modules_to_save), in one invocation on the same model,
+prompts and engine settings. Reports output tok/s and the steady decode step of each, and the mixed run's
+step over the plain run's (the issue's target: within 1.25x).
 
-    python3 benchmarks/adapter_formats.py                    # shape S, N=64, a quarter DoRA
-    python3 benchmarks/adapter_formats.py --dora-fraction 1  # every adapter DoRA
-    python3 benchmarks/adapter_formats.py --smoke            # tiny model on the CPU (checks that it runs)
+    python3 benchmarks/adapter_formats.py                        # shape S, N=64, a quarter DoRA, a quarter lm_head
+    python3 benchmarks/adapter_formats.py --lm-head-fraction 0   # DoRA only
+    python3 benchmarks/adapter_formats.py --dora-fraction 0      # saved lm_heads only
+    python3 benchmarks/adapter_formats.py --smoke                # tiny model on the CPU (checks that it runs)
 
 The DoRA adapters are the plain ones plus use_dora and magnitude vectors (random, near the base rows'
-norms): DoRA's step cost does not depend on the values. `modules_to_save` adapters are not served yet,
-so the issue's quarter with a saved lm_head is not part of this run.
+norms); the lm_head ones are the plain ones plus a random [vocab, hidden] head under modules_to_save:
+neither step cost depends on the values. The mixed run gets one vocab slot per lm_head adapter
+(--max-vocab-loras; each takes 2 x vocab x hidden of GPU and host memory).
 """
 
 from __future__ import annotations
@@ -48,6 +51,20 @@ def make_dora(plain: Path, dest: Path, seed: int) -> Path:
     return dest
 
 
+def make_saved_head(plain: Path, dest: Path, seed: int, vocab: int, hidden: int) -> Path:
+    """A copy of a plain W1 adapter with its own lm_head (modules_to_save), std 0.02 as W1's weights."""
+    dest.mkdir(parents=True)
+    config = json.loads((plain / "adapter_config.json").read_text())
+    (dest / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": ["lm_head"]}))
+    tensors = load_file(plain / "adapter_model.safetensors")
+    dtype = next(iter(tensors.values())).dtype
+    gen = torch.Generator().manual_seed(seed)
+    head = 0.02 * torch.randn(vocab, hidden, generator=gen)
+    tensors["base_model.model.lm_head.weight"] = head.to(dtype)
+    save_file(tensors, str(dest / "adapter_model.safetensors"))
+    return dest
+
+
 def steady_step_ms(result) -> float:
     steps = result.steady_decode()
     return 1e3 * statistics.median(s.seconds for s in steps) if steps else float("nan")
@@ -58,6 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--shape", default="S", choices=[s for s in w1.SHAPES if s != "smoke"])
     p.add_argument("--adapters", type=int, default=64)
     p.add_argument("--dora-fraction", type=float, default=0.25)
+    p.add_argument("--lm-head-fraction", type=float, default=0.25, help="adapters with a saved lm_head")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
@@ -92,12 +110,28 @@ def main(argv=None) -> None:
         # Every 1/fraction-th adapter DoRA, so round-robin requests mix the two in every step.
         stride = max(1, round(1 / args.dora_fraction)) if num_dora else 0
         dora_ids = set(range(0, stride * num_dora, stride)) if num_dora else set()
+        # The lm_head ones half a stride further on: every step mixes plain, DoRA and lm_head adapters.
+        num_head = round(args.adapters * args.lm_head_fraction)
+        head_stride = max(1, round(1 / args.lm_head_fraction)) if num_head else 0
+        free = [i for i in range(args.adapters) if i not in dora_ids]
+        offset = head_stride // 2
+        head_ids = (
+            set(([i for i in free if (i - offset) % head_stride == 0] + free)[:num_head])
+            if num_head
+            else set()
+        )
         mixed = [
-            make_dora(path, root / f"dora{i}", seed=i) if i in dora_ids else path
+            make_dora(path, root / f"dora{i}", seed=i)
+            if i in dora_ids
+            else make_saved_head(path, root / f"head{i}", i, config.vocab_size, config.hidden_size)
+            if i in head_ids
+            else path
             for i, path in enumerate(plain)
         ]
+        mixed_name = f"{len(dora_ids)} DoRA {len(head_ids)} lm_head"
         runs = []
-        for name, adapters in (("plain LoRA", plain), (f"{len(dora_ids)} of {args.adapters} DoRA", mixed)):
+        for name, adapters, vocab_slots in (("plain LoRA", plain, 0), (mixed_name, mixed, len(head_ids))):
+            args.max_vocab_loras = vocab_slots
             result, _ = throughput.run_engine(
                 args, name, model_dir, adapters, prompts.measured, max_len, None, prompts.warm_up
             )
@@ -107,7 +141,7 @@ def main(argv=None) -> None:
     for r in runs:
         print(f"{r.name:<22} {r.tokens_per_second:>12.0f} {steady_step_ms(r):>15.2f}  {r.note}")
     ratio = steady_step_ms(runs[1]) / steady_step_ms(runs[0])
-    print(f"summary: DoRA mix decode step / plain LoRA = {ratio:.3f}x (target <= 1.25x)")
+    print(f"summary: DoRA + lm_head mix decode step / plain LoRA = {ratio:.3f}x (target <= 1.25x)")
 
 
 if __name__ == "__main__":

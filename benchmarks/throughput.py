@@ -98,6 +98,7 @@ ENGINE_DEFAULTS = {
     "async_scheduling": True,
     "tensor_parallel_size": 1,
     "load_format": "auto",
+    "max_vocab_loras": 0,
 }
 
 
@@ -132,6 +133,7 @@ def make_engine(
         fp8_gemm=args.fp8_gemm,
         tensor_parallel_size=args.tensor_parallel_size,
         load_format=args.load_format,
+        max_vocab_loras=min(args.max_vocab_loras, max(1, len(adapters))),
     )
     engine = LLMEngine(config, skip_tokenizer_init=True)
     for i, path in enumerate(adapters):

@@ -64,6 +64,10 @@ class EngineConfig:
     lora_pool_rank_budget: int | None = None
     # Adapters kept on the host, ready to copy into a GPU slot; None: as many as max_loras.
     max_cpu_loras: int | None = None
+    # GPU slots (and as many CPU-tier rows) with room for an adapter's own embedding and LM head
+    # (modules_to_save, LoRA on embed_tokens / lm_head): 2 x vocab x hidden each, on the GPU (counted in
+    # gpu_memory_utilization, before the KV cache) and in host memory. 0: such adapters are refused.
+    max_vocab_loras: int = 0
     adapter_loader: str = "auto"  # see ADAPTER_LOADERS
     # "auto": float32 on the CPU, the checkpoint's dtype (bf16 for fp32 checkpoints) on CUDA.
     dtype: str = "auto"
@@ -166,6 +170,17 @@ class EngineConfig:
                 raise ValueError(
                     f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"
                 )
+        if isinstance(self.max_vocab_loras, bool) or not isinstance(self.max_vocab_loras, int):
+            raise ValueError(f"max_vocab_loras must be an integer (got {self.max_vocab_loras!r})")
+        if not 0 <= self.max_vocab_loras <= self.max_loras:
+            raise ValueError(
+                f"max_vocab_loras ({self.max_vocab_loras}) must be from 0 to max_loras ({self.max_loras})"
+            )
+        if self.max_vocab_loras and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "max_vocab_loras (adapters with their own embedding or LM head) is not supported with "
+                "tensor_parallel_size > 1 yet: the vocabulary-sharded copies are not built"
+            )
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
             if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

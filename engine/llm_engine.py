@@ -117,7 +117,9 @@ class LLMEngine:
             )
             # Local PEFT folders by name or path; a server plugs in the adapter store (usually through the
             # factory, since the model's shape is known only now).
-            self.adapters = AdapterRegistry(self.runner.shape, config.max_lora_rank)
+            self.adapters = AdapterRegistry(
+                self.runner.shape, config.max_lora_rank, vocab_modules_served=config.max_vocab_loras > 0
+            )
             if adapter_source_factory is not None:
                 adapter_source = adapter_source_factory(self.runner.shape, config.max_lora_rank)
             self.lora = AdapterManager(

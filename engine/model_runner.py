@@ -17,6 +17,7 @@ from engine.lora.context import LoRAContext
 from engine.lora.dora import DoraBase
 from engine.lora.pool import LoRAPool
 from engine.lora.slots import PAGE_RANK
+from engine.lora.vocab import VocabSlots
 from engine.model.attention import AttentionMetadata
 from engine.model.kv_quant import FP8_DTYPE
 from engine.model.loader import checkpoint_dtype, load_model
@@ -83,8 +84,13 @@ class ModelRunner:
                 self.dtype,
                 self.device,
                 config.lora_pool_rank_budget,
+                config.max_vocab_loras,
             )
             self.lora_slots.dora_base = DoraBase(self.model, self.lora_slots.layout)
+            if config.max_vocab_loras:
+                self.lora_slots.vocab = VocabSlots(
+                    self.model, config.max_vocab_loras, config.max_loras, self.dtype, self.device
+                )
         else:
             self.model, self.lora_slots = parallel.build(
                 config, model_path, hf_config, self.dtype, max_model_len, self.attention_backend
@@ -180,9 +186,13 @@ class ModelRunner:
         self.prompt_logprobs = {}
         # needs every row's hidden state: eager
         wants_prompt = wants_prompt_logprobs(scheduled)
+        # a step with adapters that own an embedding or LM head runs eagerly (engine/lora/vocab.py)
+        vocab = self.lora_slots.vocab
+        vocab_step = vocab is not None and vocab.step_uses(self.inputs.lora_slots[: len(scheduled)])
         if (
             self.graphs is not None
             and not wants_prompt
+            and not vocab_step
             and _is_decode_only(scheduled, self.graphs.max_batch_size)
         ):
             size = self.graphs.bucket(len(scheduled))
@@ -195,7 +205,12 @@ class ModelRunner:
                 return logits
             rows = [i for i, s in enumerate(scheduled) if s.samples]
             return logits[torch.tensor(rows, device=logits.device)]
-        if self.verify_graphs is not None and not wants_prompt and self.verify_graphs.fits(scheduled):
+        if (
+            self.verify_graphs is not None
+            and not wants_prompt
+            and not vocab_step
+            and self.verify_graphs.fits(scheduled)
+        ):
             return self.verify_graphs.execute(self.inputs, scheduled, in_flight, self.parallel)
         input_ids, meta, token_slots, logits_rows = self.inputs.prepare_eager(scheduled, in_flight)
         if self.parallel is not None:
@@ -205,14 +220,20 @@ class ModelRunner:
             self.parallel.send_eager(input_ids, meta, token_slots, logits_rows, prompt_rows)
         lora = None
         if token_slots is not None:
-            lora = LoRAContext(self.lora_slots, token_slots, self.rank_buckets(len(scheduled)))
+            buckets = self.rank_buckets(len(scheduled))
+            lora = LoRAContext(self.lora_slots, token_slots, buckets, vocab=vocab_step)
         hidden = self.model.forward(input_ids, meta, self.kv_caches, lora)
+
+        def compute_logits(rows) -> torch.Tensor:  # hidden rows -> logits, adapters' own heads included
+            rows = torch.as_tensor(rows, device=hidden.device)
+            return self.model.compute_logits(hidden[rows], lora.own_heads(rows) if vocab_step else ())
+
         if wants_prompt:
             vocab_size = self.model.vocab_size
             self.prompt_logprobs = compute_prompt_logprobs(
-                hidden, self.model.compute_logits, vocab_size, scheduled
+                compute_logits, vocab_size, scheduled, hidden.device
             )
-        return self.model.compute_logits(hidden[logits_rows])
+        return compute_logits(logits_rows)
 
     def step_guard(self):
         """Wraps one engine step: under tensor parallelism the watchdog times it, and a step that a

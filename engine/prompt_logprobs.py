@@ -64,22 +64,23 @@ def logit_chunks(num_rows: int, chunk_rows: int) -> list[slice]:
 
 
 def compute_prompt_logprobs(
-    hidden: torch.Tensor, compute_logits, vocab_size: int, scheduled: list[ScheduledRequest]
+    compute_logits, vocab_size: int, scheduled: list[ScheduledRequest], device: torch.device
 ) -> dict[Request, list[PromptTokenLogprobs]]:
     """The new entries of each request of the step that asked for prompt logprobs.
 
-    hidden: [num_tokens, hidden_size], the step's rows in `scheduled` order (each request's
-    num_new_tokens rows, from its `start`); compute_logits: hidden rows -> float32 [rows, vocab], called
-    once per `logit_chunks` piece of `prompt_logprob_rows` (`logit_chunk_rows(vocab_size)` rows each).
+    compute_logits: indices of the step's token rows (in `scheduled` order: each request's
+    num_new_tokens rows, from its `start`) -> float32 logits [rows, vocab], called once per
+    `logit_chunks` piece of `prompt_logprob_rows` (`logit_chunk_rows(vocab_size)` rows each); the rows
+    say which adapter's head serves each (engine/lora/vocab.py).
     """
     wanted = _wanted(scheduled)
     rows = [row for _, request_rows, _, _ in wanted for row in request_rows]
     targets = [t for _, _, request_targets, _ in wanted for t in request_targets]
     ks = [k for _, request_rows, _, k in wanted for _ in request_rows]
-    index = torch.tensor(rows, device=hidden.device)  # [num_rows]
+    index = torch.tensor(rows, device=device)  # [num_rows]
     entries: list[PromptTokenLogprobs] = []
     for chunk in logit_chunks(len(rows), logit_chunk_rows(vocab_size)):
-        logprobs = torch.log_softmax(compute_logits(hidden[index[chunk]]).float(), dim=-1)  # [n, vocab]
+        logprobs = torch.log_softmax(compute_logits(index[chunk]).float(), dim=-1)  # [n, vocab]
         ids = torch.tensor(targets[chunk], device=logprobs.device)  # [n]
         chosen = logprobs.gather(-1, ids[:, None])  # [n, 1]
         ranks = (logprobs >= chosen).sum(dim=-1)  # [n]

@@ -33,6 +33,8 @@ class AdapterRecords:
         self._observer = observer
         self._records: dict[str, ResidencyRecord] = {}  # every adapter known: held, local, failed or deleted
         self._free_rows = list(range(max_cpu_loras))  # rows of the tier no adapter occupies
+        # rows 0 .. this - 1 have room for an adapter's own embedding and LM head, as its slots do
+        self._vocab_rows = allocator.vocab_slots
         self._row_reads: dict[int, torch.cuda.Event | PendingCopy] = {}  # row -> the last copy out of it
         self._tick = 0  # counts uses of CPU-tier rows: their LRU order
 
@@ -162,13 +164,21 @@ class AdapterRecords:
         self._tick += 1
         record.cpu_used = self._tick
 
-    def _take_row(self) -> int | None:
+    def _take_row(self, vocab: bool = False) -> int | None:
         """A row to load into: a free one, else the least recently used adapter's, never one that a GPU
-        copy still reads nor one whose adapter waits in the CPU tier for a GPU slot."""
-        for i, row in enumerate(self._free_rows):
-            if self._row_writable(row):
+        copy still reads nor one whose adapter waits in the CPU tier for a GPU slot. `vocab`: a row with
+        room for an adapter's own embedding and LM head (rows below `vocab_rows`), which others take last."""
+        vocab_rows = self._vocab_rows
+        order = sorted(range(len(self._free_rows)), key=lambda i: (self._free_rows[i] < vocab_rows) != vocab)
+        for i in order:
+            row = self._free_rows[i]
+            if (row < vocab_rows or not vocab) and self._row_writable(row):
                 return self._free_rows.pop(i)
-        candidates = [r for r in self._records.values() if r.in_cpu_tier and not r.waits_in_cpu_tier]
+        candidates = [
+            r
+            for r in self._records.values()
+            if r.in_cpu_tier and not r.waits_in_cpu_tier and (r.row < vocab_rows or not vocab)
+        ]
         for victim in sorted(candidates, key=lambda r: r.cpu_used):
             if self._row_writable(victim.row):
                 row, victim.row = victim.row, None

@@ -74,7 +74,8 @@ class BackgroundLoads(Protocol):
 def read_into(tier: HostTier, row: int, folder: str | Path) -> None:
     """Validate the adapter in `folder` against the model and lay it out in row `row` of the tier, read
     straight from the mapped file (no tensors in between: docs/BENCHMARKS.md, load rate)."""
-    adapter = map_peft_adapter(folder, tier.layout.shape, tier.layout.max_rank)
+    served = tier.vocab_rows > 0  # an adapter's own embedding / LM head: refused when no row has room
+    adapter = map_peft_adapter(folder, tier.layout.shape, tier.layout.max_rank, vocab_modules_served=served)
     build_image(tier.layout, tier.dtype, adapter, out=tier.image(row))
 
 
@@ -96,7 +97,8 @@ class RowReader:
         """The same checks and layout from a config and a safetensors file held in memory; `label`
         names the weights in errors."""
         layout = self.tier.layout
-        adapter = peft_adapter_from_memory(config, weights, layout.shape, layout.max_rank, label)
+        served = self.tier.vocab_rows > 0
+        adapter = peft_adapter_from_memory(config, weights, layout.shape, layout.max_rank, label, served)
         build_image(layout, self.tier.dtype, adapter, out=self.tier.image(self.row))
 
     def came_from(self, origin: str) -> None:

@@ -21,9 +21,19 @@ class LoRAContext:
     # The kernel ranks the step is sized to (LoRAPool.step_buckets); None: one launch pair for the pool's
     # kernel rank, as under tensor parallelism.
     rank_buckets: tuple[int, ...] | None = None
+    # Whether some token's slot owns an embedding or LM head (engine/lora/vocab.py): eager steps only.
+    vocab: bool = False
     _meta: LoRABatchMeta | None = field(default=None, init=False)
     # The checked plan of each launch group this step (lora_kernels.ops.plan_paged), by its modules.
     _plans: dict[tuple[str, ...], ops.PagedPlan] = field(default_factory=dict, init=False)
+
+    def own_embedding(self, input_ids: torch.Tensor):
+        """(token rows, their embedding rows) of tokens whose adapter has its own embedding, or None."""
+        return self.slots.vocab.embed_rows(self.token_slots, input_ids)
+
+    def own_heads(self, token_rows: torch.Tensor) -> list:
+        """(logits rows, head matrix) per adapter with its own head among these tokens' rows."""
+        return self.slots.vocab.head_rows(self.token_slots[token_rows])
 
     def apply(
         self,

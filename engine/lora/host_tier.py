@@ -10,6 +10,7 @@ page-locked (registered with CUDA), so copies to the GPU run asynchronously on a
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import weakref
@@ -17,31 +18,53 @@ import weakref
 import torch
 
 from engine.lora.slots import SlotImage, SlotLayout
+from engine.lora.vocab import TABLE_COLUMNS
 
 
 class HostTier:
-    def __init__(self, layout: SlotLayout, dtype: torch.dtype, capacity: int, shared: bool, pinned: bool):
+    def __init__(
+        self,
+        layout: SlotLayout,
+        dtype: torch.dtype,
+        capacity: int,
+        shared: bool,
+        pinned: bool,
+        vocab_rows: int = 0,
+    ):
+        """`vocab_rows`: rows 0 .. vocab_rows - 1 also have room for an adapter's own embedding and LM head
+        (engine/lora/vocab.py)."""
         if capacity < 1:
             raise ValueError(f"the CPU tier needs at least one row (got {capacity})")
         self.layout, self.dtype, self.capacity = layout, dtype, capacity
         self.shared, self.pinned = shared, pinned
+        self.vocab_rows = min(vocab_rows, capacity)
         table_row = (layout.shape.num_layers, layout.table_columns)
+        vocab_shape = (self.vocab_rows, 2, layout.shape.vocab_size, layout.shape.hidden_size)
         self.num_bytes = capacity * (layout.numel * dtype.itemsize + table_row[0] * table_row[1] * 4)
+        self.num_bytes += math.prod(vocab_shape) * dtype.itemsize
         if shared:
             _check_shared_memory(self.num_bytes)
         self.weights = torch.zeros(capacity, layout.numel, dtype=dtype)
         self.table = torch.zeros(capacity, *table_row, dtype=torch.int32)
-        if shared:
-            self.weights.share_memory_()
-            self.table.share_memory_()
-        if pinned:  # registered in place: torch's pinned allocator may round the size up to a power of two
-            _register(self.weights)
-            _register(self.table)
+        self.vocab = torch.zeros(vocab_shape, dtype=dtype)  # [vocab_rows, 2, vocab, hidden]
+        self.vocab_table = torch.zeros(self.vocab_rows, 2, TABLE_COLUMNS, dtype=torch.int32)
+        tensors = (self.weights, self.table) + ((self.vocab, self.vocab_table) if self.vocab_rows else ())
+        for tensor in tensors:
+            if shared:
+                tensor.share_memory_()
+            if (
+                pinned
+            ):  # registered in place: torch's pinned allocator may round the size up to a power of two
+                _register(tensor)
 
     def image(self, row: int) -> SlotImage:
         """Row `row` as a slot image (views: what a loader writes there is what the slot copy reads)."""
         if not 0 <= row < self.capacity:
             raise ValueError(f"row {row} is outside the CPU tier's [0, {self.capacity})")
+        if row < self.vocab_rows:
+            return SlotImage(
+                self.layout, self.weights[row], self.table[row], self.vocab[row], self.vocab_table[row]
+            )
         return SlotImage(self.layout, self.weights[row], self.table[row])
 
 

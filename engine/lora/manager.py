@@ -46,6 +46,7 @@ from engine.lora.placements import OperatorPlacements
 from engine.lora.pool import LoRAPool
 from engine.lora.residency import AdapterStatus, ResidencyRecord
 from engine.lora.slot_allocator import SlotAllocator
+from engine.lora.slots import NEEDS_VOCAB_ROW
 
 logger = logging.getLogger(__name__)
 
@@ -88,12 +89,20 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
     ):
         if max_cpu_loras < 1:
             raise ValueError(f"max_cpu_loras must be positive (got {max_cpu_loras})")
-        super().__init__(SlotAllocator(slots.max_loras, slots.num_pages), max_cpu_loras, observer)
+        allocator = SlotAllocator(slots.max_loras, slots.num_pages, slots.vocab_slots)
+        super().__init__(allocator, max_cpu_loras, observer)
         self.source = source
         self.slots = slots
         self.max_cpu_loras = max_cpu_loras
         self._cuda = slots.device.type == "cuda"
-        self.tier = HostTier(slots.layout, slots.dtype, max_cpu_loras, shared=in_processes, pinned=self._cuda)
+        self.tier = HostTier(
+            slots.layout,
+            slots.dtype,
+            max_cpu_loras,
+            shared=in_processes,
+            pinned=self._cuda,
+            vocab_rows=slots.vocab_slots,
+        )
         self.loads = make_loads(in_processes, source, self.tier)
         logger.info(
             "CPU tier: %d adapters in %.0f MiB of %shost memory; adapter loads run in loader %s",
@@ -159,9 +168,16 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
                 self._free_row(record)
                 record.move(AdapterStatus.DELETED if record.deleted else AdapterStatus.STORED)
                 self._forget_if_idle(record)
+            elif getattr(error, "code", None) == NEEDS_VOCAB_ROW:
+                self._free_row(record)  # loaded again, into a row with room for its embedding / head
+                record.needs_vocab = True
+                record.move(AdapterStatus.STORED)
             elif error is None:
                 self._emit("load", "source", time.perf_counter() - record.load_started)
-                record.rank = self.tier.image(record.row).rank
+                image = self.tier.image(record.row)
+                record.rank = image.rank
+                # loaded straight into a row with room for them: its slot needs that room too
+                record.needs_vocab = image.owns_vocab
                 record.move(AdapterStatus.CPU)
                 self._touch(record)
                 if record.cold is not None:  # the slowest tier it came through this cold start
@@ -201,12 +217,13 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
             if record.status is not AdapterStatus.CPU or not slots_left:
                 continue  # failed or deleted; or no slot is left this step, but loads further back still start
             num_pages = self.tier.image(record.row).num_pages  # what its rank takes in the GPU pool
-            if not self.allocator.can_acquire(adapter_id, frozenset(protected), num_pages):
+            vocab = record.needs_vocab
+            if not self.allocator.can_acquire(adapter_id, frozenset(protected), num_pages, vocab):
                 slots_left = False  # every slot or page is in use; later adapters wait their turn too
                 continue
             self._touch(record)
             before = set(self.allocator.resident)
-            slot, _ = self.allocator.acquire(adapter_id, frozenset(protected), num_pages)
+            slot, _ = self.allocator.acquire(adapter_id, frozenset(protected), num_pages, vocab)
             self.allocator.release(adapter_id)  # resident but unpinned until a request runs with it
             for victim_id in before - set(self.allocator.resident):
                 self._lose_slot(self._records[victim_id])
@@ -299,7 +316,7 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
             return
         if record.status is not AdapterStatus.STORED:
             return  # a copy is local already, or it failed, or it was deleted
-        row = self._take_row()
+        row = self._take_row(record.needs_vocab)
         if row is None:
             return  # every row is being filled, copied from or waited for; `stage` tries again next step
         record.row, record.load_started = row, time.perf_counter()

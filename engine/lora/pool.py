@@ -69,8 +69,13 @@ class LoRAPool:
         dtype: torch.dtype,
         device: torch.device,
         rank_budget: int | None = None,
+        vocab_slots: int = 0,
     ):
+        """`vocab_slots`: slots 0 .. vocab_slots - 1 may hold adapters with their own embedding or LM head,
+        whose matrices live in `vocab` (engine/lora/vocab.py, attached by the model runner)."""
         self.shape = shape
+        self.vocab_slots = min(vocab_slots, max_loras)
+        self.vocab = None  # engine.lora.vocab.VocabSlots
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.dtype = dtype
@@ -146,7 +151,8 @@ class LoRAPool:
     def num_bytes(self) -> int:
         """Device memory the pool holds (weights, page tables, scales and ranks)."""
         tensors = (self.weights, self.page_table, self.table, self.dora_scales)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        vocab = self.vocab.num_bytes if self.vocab is not None else 0
+        return sum(t.numel() * t.element_size() for t in tensors) + vocab
 
     def image(self, adapter: PeftAdapter, pin_memory: bool = False) -> SlotImage:
         """Lay an adapter (validated against this model) out as pool pages, on the CPU."""
@@ -165,6 +171,10 @@ class LoRAPool:
             self.page_table[slot, start : start + count].copy_(self._page_ids[first : first + count])
         self.table[:, :, slot].copy_(image.table, non_blocking=True)
         self.slot_buckets[slot] = self.bucket_mask(image)
+        if self.vocab is not None:  # its own embedding / head, or none: the slot's old ones are dropped
+            self.vocab.load(slot, image.vocab, image.vocab_table)
+        elif image.owns_vocab:
+            raise ValueError("this adapter pool holds no adapter's own embedding or LM head")
         if image.use_dora:
             if self.dora_base is None:
                 raise ValueError("this adapter pool serves no DoRA adapters (no base weights attached)")

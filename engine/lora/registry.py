@@ -17,9 +17,12 @@ from adapter_format.model_shape import ModelShape
 
 
 class AdapterRegistry:
-    def __init__(self, shape: ModelShape, max_lora_rank: int):
+    def __init__(self, shape: ModelShape, max_lora_rank: int, vocab_modules_served: bool = False):
+        """`vocab_modules_served`: adapters with their own embedding or LM head are taken (the engine has
+        room for them: max_vocab_loras)."""
         self.shape = shape
         self.max_lora_rank = max_lora_rank
+        self.vocab_modules_served = vocab_modules_served
         self._paths: dict[str, Path] = {}  # adapter id -> folder
         # name -> its current adapter id; registering a name again gives it a new id ("name~2"), so
         # requests already running keep the weights they started with.
@@ -43,7 +46,9 @@ class AdapterRegistry:
         """Bind `name` to a PEFT folder, validating it now so a bad adapter fails at registration."""
         if not name or "/" in name or "~" in name:
             raise AdapterError("bad_name", f"adapter name {name!r} must be non-empty, without '/' or '~'")
-        adapter = load_peft_adapter(path, self.shape, self.max_lora_rank)
+        adapter = load_peft_adapter(
+            path, self.shape, self.max_lora_rank, vocab_modules_served=self.vocab_modules_served
+        )
         with self._lock:
             generation = self._generation.get(name, 0) + 1
             self._generation[name] = generation
@@ -88,5 +93,7 @@ class AdapterRegistry:
         if path is None:
             raise AdapterError("unknown_adapter", f"unknown adapter {adapter_id!r}")
         if read is None:
-            return load_peft_adapter(path, self.shape, self.max_lora_rank)
+            return load_peft_adapter(
+                path, self.shape, self.max_lora_rank, vocab_modules_served=self.vocab_modules_served
+            )
         return read(path)

@@ -71,6 +71,8 @@ class ResidencyRecord:
     retiring: bool = False  # replaced or deleted: dropped once `holds` reaches 0
     deleted: bool = False  # refused from now on; DELETED once dropped
     abandoned: bool = False  # dropped while LOADING: the row is freed when the load ends
+    # It has its own embedding or LM head (a load said so): only rows and slots with room for them hold it.
+    needs_vocab: bool = False
     # From the first request that missed the GPU until the adapter is usable there (cold_starts.py).
     cold: object = None
 

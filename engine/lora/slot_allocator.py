@@ -18,10 +18,13 @@ class SlotAllocator:
     Without `num_pages`, pages are not tracked (every adapter needs 0).
     """
 
-    def __init__(self, num_slots: int, num_pages: int | None = None):
+    def __init__(self, num_slots: int, num_pages: int | None = None, vocab_slots: int = 0):
+        """`vocab_slots`: slots 0 .. vocab_slots - 1 have room for an adapter's own embedding and LM head
+        (engine/lora/vocab.py): such adapters take only those, others take them last."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be positive (got {num_slots})")
         self.num_slots = num_slots
+        self.vocab_slots = min(vocab_slots, num_slots)
         self.pages = PageAllocator(num_pages) if num_pages is not None else None
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # LRU first
         self._ref_cnt: dict[str, int] = {}
@@ -45,12 +48,20 @@ class SlotAllocator:
         return list(self._slot_of)
 
     def can_acquire(
-        self, adapter_id: str, protected: frozenset[str] = frozenset(), num_pages: int = 0
+        self,
+        adapter_id: str,
+        protected: frozenset[str] = frozenset(),
+        num_pages: int = 0,
+        vocab: bool = False,
     ) -> bool:
-        return adapter_id in self._slot_of or self._victims(num_pages, protected) is not None
+        return adapter_id in self._slot_of or self._victims(num_pages, protected, vocab) is not None
 
     def acquire(
-        self, adapter_id: str, protected: frozenset[str] = frozenset(), num_pages: int = 0
+        self,
+        adapter_id: str,
+        protected: frozenset[str] = frozenset(),
+        num_pages: int = 0,
+        vocab: bool = False,
     ) -> tuple[int, bool]:
         """Pin `adapter_id` to a slot (and `num_pages` pages); returns (slot, whether its weights must be
         loaded there).
@@ -60,7 +71,7 @@ class SlotAllocator:
         slot = self._slot_of.get(adapter_id)
         needs_load = slot is None
         if needs_load:
-            victims = self._victims(num_pages, protected)
+            victims = self._victims(num_pages, protected, vocab)
             if victims is None:
                 raise RuntimeError(
                     f"no room for adapter {adapter_id!r} ({num_pages} pages): the {self.num_slots} adapter "
@@ -70,7 +81,7 @@ class SlotAllocator:
             for victim in victims:
                 self._remove(victim)
                 self.num_evictions += 1
-            slot = self._free_slots.pop()
+            slot = self._free_slots.pop(self._pick(vocab))
             self._slot_of[adapter_id] = slot
             self._ref_cnt[adapter_id] = 0
             if self.pages is not None:
@@ -114,17 +125,30 @@ class SlotAllocator:
         if pages is not None and self.pages is not None:
             self.pages.free(pages)
 
-    def _victims(self, num_pages: int, protected: frozenset[str]) -> list[str] | None:
-        """The fewest least-recently-used unpinned, unprotected adapters whose eviction leaves a slot and
-        `num_pages` pages free; None if even evicting all of them would not."""
-        free_slots = len(self._free_slots)
+    def _pick(self, vocab: bool) -> int:
+        """The index in `_free_slots` to take: the next free slot, past the vocab slots for a plain adapter
+        while one is free there, among them for an adapter with its own embedding or head."""
+        for i in range(len(self._free_slots) - 1, -1, -1):
+            if (self._free_slots[i] < self.vocab_slots) == vocab:
+                return i
+        return len(self._free_slots) - 1  # a plain adapter in a vocab slot (none other is free)
+
+    def _victims(self, num_pages: int, protected: frozenset[str], vocab: bool = False) -> list[str] | None:
+        """The fewest least-recently-used unpinned, unprotected adapters whose eviction leaves a slot (a
+        vocab slot for `vocab`) and `num_pages` pages free; None if even evicting all of them would not."""
+
+        def usable(slot: int) -> bool:
+            return slot < self.vocab_slots or not vocab
+
+        free_slots = sum(1 for slot in self._free_slots if usable(slot))
         free_pages = self.pages.num_free if self.pages is not None else num_pages
         victims = []
         for adapter_id in self._slot_of:
             if free_slots >= 1 and free_pages >= num_pages:
                 break
             if self._ref_cnt[adapter_id] == 0 and adapter_id not in protected:
-                victims.append(adapter_id)
-                free_slots += 1
-                free_pages += len(self._pages_of.get(adapter_id, ()))
+                if free_slots >= 1 or usable(self._slot_of[adapter_id]) or free_pages < num_pages:
+                    victims.append(adapter_id)
+                    free_slots += usable(self._slot_of[adapter_id])
+                    free_pages += len(self._pages_of.get(adapter_id, ()))
         return victims if free_slots >= 1 and free_pages >= num_pages else None

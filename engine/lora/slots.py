@@ -27,8 +27,14 @@ from functools import cached_property
 import torch
 
 from adapter_format.checkpoint import PeftAdapter
+from adapter_format.errors import AdapterError
 from adapter_format.model_shape import ModelShape
 from engine.lora.pages import pages_for_rank
+from engine.lora.vocab import TABLE_COLUMNS, write_vocab
+
+# A load that found an adapter with its own embedding or LM head in a row without room for them: the
+# manager loads it again into a row that has room (engine/lora/vocab.py).
+NEEDS_VOCAB_ROW = "needs_vocab_row"
 
 # Rank rows per page: ranks 8, 16 and 64 fill whole pages; rank 4 wastes half of one.
 PAGE_RANK = 8
@@ -162,6 +168,10 @@ class SlotImage:
     layout: SlotLayout
     weights: torch.Tensor  # [SlotLayout.numel]: max_pages pages of page_numel
     table: torch.Tensor  # [num_layers, layout.table_columns] int32 (scales as float32 bits)
+    # Room for an adapter's own embedding and LM head (engine/lora/vocab.py), in a row that has it:
+    # [2, vocab, hidden] and its table [2, vocab.TABLE_COLUMNS] int32.
+    vocab: torch.Tensor | None = None
+    vocab_table: torch.Tensor | None = None
 
     @property
     def pages(self) -> torch.Tensor:  # [max_pages, page_numel]
@@ -170,6 +180,11 @@ class SlotImage:
     @property
     def magnitudes(self) -> torch.Tensor:  # [num_layers, output_width]: DoRA's, zeros for plain LoRA
         return self.weights[self.layout.pages_numel :].view(self.layout.shape.num_layers, -1)
+
+    @property
+    def owns_vocab(self) -> bool:
+        """Whether it has its own embedding or LM head (engine/lora/vocab.py)."""
+        return self.vocab_table is not None and bool(self.vocab_table[:, 0].any())
 
     @property
     def use_dora(self) -> bool:
@@ -248,12 +263,20 @@ def build_image(
     the CPU tier, overwritten whole), or into new tensors, page-locked with `pin_memory`."""
     if adapter.rank > layout.max_rank:
         raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {layout.max_rank}")
+    if adapter.vocab and out is not None and out.vocab is None:
+        raise AdapterError(
+            NEEDS_VOCAB_ROW, "the adapter has its own embedding or LM head: it needs a row with room for them"
+        )
     if out is None:
         weights = torch.zeros(layout.numel, dtype=dtype, pin_memory=pin_memory)
         table = torch.zeros(
             layout.shape.num_layers, layout.table_columns, dtype=torch.int32, pin_memory=pin_memory
         )
         image = SlotImage(layout, weights, table)
+        if adapter.vocab:
+            v, h = layout.shape.vocab_size, layout.shape.hidden_size
+            image.vocab = torch.zeros(2, v, h, dtype=dtype, pin_memory=pin_memory)
+            image.vocab_table = torch.zeros(2, TABLE_COLUMNS, dtype=torch.int32)
     else:
         if out.layout != layout or out.weights.dtype != dtype:
             raise ValueError("the image to write into has another layout or dtype")
@@ -280,6 +303,8 @@ def build_image(
         )
     for group, bound in image.rank_bounds.items():
         bound.copy_(torch.stack([image.ranks[m] for m in group]).amax(0))
+    if image.vocab_table is not None:
+        write_vocab(image.vocab, image.vocab_table, adapter, layout.shape)
     if adapter.use_dora:
         table[:, layout.dora_column] = 1
         for (layer, module), pair in adapter.modules.items():

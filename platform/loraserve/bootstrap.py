@@ -52,6 +52,7 @@ def store_config(settings: ServerSettings) -> StoreConfig:
     return StoreConfig(
         url=settings.adapter_store,
         max_lora_rank=settings.max_lora_rank,
+        vocab_modules_served=settings.max_vocab_loras > 0,
         cache_dir=str(settings.cache_dir),
         served_model=announced_model_id(settings),
         cache_max_bytes=settings.adapter_cache_max_bytes,
@@ -83,6 +84,7 @@ def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
         max_lora_rank=settings.max_lora_rank,
         lora_pool_rank_budget=settings.lora_pool_rank_budget,
         max_cpu_loras=settings.max_cpu_loras,
+        max_vocab_loras=settings.max_vocab_loras,
         max_logprobs=settings.max_logprobs,
         adapter_loader=settings.adapter_loader,
         dtype=settings.dtype,

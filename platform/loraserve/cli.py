@@ -74,6 +74,7 @@ _SERVE_FIELDS = (
     "attention_backend",
     "max_loras",
     "max_cpu_loras",
+    "max_vocab_loras",
     "adapter_loader",
     "generation_config",
     "max_lora_rank",
@@ -213,6 +214,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--max-loras", type=int, default=4, help="adapters resident on the GPU at once")
     add("--max-cpu-loras", type=int, help="adapters kept ready in host memory (default: --max-loras)")
+    add(
+        "--max-vocab-loras",
+        type=int,
+        default=0,
+        help="GPU slots (and CPU-tier rows) for adapters with their own embedding or LM head "
+        "(modules_to_save, LoRA on embed_tokens/lm_head), each 2 x vocab x hidden; 0 refuses them (default 0)",
+    )
     add("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
     add(
         "--max-logprobs",

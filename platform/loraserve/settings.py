@@ -76,6 +76,7 @@ class ServerSettings:
     attention_backend: str = "auto"
     max_loras: int = 4
     max_cpu_loras: int | None = None
+    max_vocab_loras: int = 0  # engine.EngineConfig.max_vocab_loras
     adapter_loader: str = "auto"  # engine.config.ADAPTER_LOADERS
     generation_config: str = "auto"  # where unset sampling fields come from (GENERATION_CONFIGS)
     max_lora_rank: int = 16

@@ -63,8 +63,8 @@ def test_all_linear_paths_are_read_by_their_last_name():
         ),
         (
             LLAMA,
-            ["embed_tokens"],
-            r"\['embed_tokens'\] are not supported; LoRA on LlamaForCausalLM may target",
+            ["score"],
+            r"\['score'\] are not supported; LoRA on LlamaForCausalLM may target",
         ),
     ],
 )

@@ -26,11 +26,15 @@ def refused(store, keys_of, source, code: str, message: str, tenant: str = "acme
     "lora, code, message",
     [
         (dict(bias="all"), "bias_unsupported", r"train biases \(bias != 'none'\)"),
-        (dict(modules_to_save=["lm_head"]), "modules_to_save_unsupported", "modules_to_save"),
+        (
+            dict(modules_to_save=["lm_head"]),
+            "vocab_modules_unsupported",
+            r"its own lm_head \(modules_to_save\): this server keeps no room .* --max-vocab-loras",
+        ),
         (
             dict(target_modules=("q_proj", "embed_tokens")),
-            "unsupported_target",
-            r"\['embed_tokens'\] are not supported",
+            "vocab_modules_unsupported",
+            r"its own embed_tokens \(lora\)",
         ),
         (dict(llama=dict(hidden_size=32)), "shape_mismatch", "trained on another model"),
         (
@@ -175,3 +179,23 @@ def test_invalid_adapter_keeps_the_engine_code(store, adapter_dir, copy_adapter)
     assert err.value.code == "bad_rank"
     assert isinstance(err.value, ValueError)
     assert json.loads((folder / "adapter_config.json").read_text())["r"] == 0
+
+
+def test_own_embedding_and_head_are_stored_where_the_engine_keeps_room(
+    make_store, keys_of, make_peft_adapter, files_of
+):
+    """A server started with --max-vocab-loras takes modules_to_save and LoRA on embed_tokens / lm_head;
+    the record says which (`vocab_modules`, shown by /v1/adapters) and survives the manifest."""
+    store = make_store(vocab_modules_served=True)
+    saved = make_peft_adapter(modules_to_save=["lm_head"])
+    record = store.put("acme", "head", files_of(saved))
+    assert record.vocab_modules == {"lm_head": "modules_to_save"} and record.format == "lora"
+    lora = make_peft_adapter(target_modules=("q_proj", "embed_tokens"))
+    assert store.put("acme", "embed", files_of(lora)).vocab_modules == {"embed_tokens": "lora"}
+    assert store.get("acme", "head").vocab_modules == {"lm_head": "modules_to_save"}
+    assert store.get("acme", "embed").target_modules == ("q_proj", "embed_tokens")
+    # a resized vocabulary stays refused, naming the problem
+    resized = make_peft_adapter(modules_to_save=["lm_head"], llama=dict(vocab_size=520))
+    with pytest.raises(InvalidAdapter, match="520 rows where the base vocabulary has 512") as err:
+        store.put("acme", "grown", files_of(resized))
+    assert (err.value.code, err.value.field) == ("vocab_resized", "modules_to_save")

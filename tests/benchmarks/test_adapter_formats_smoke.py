@@ -16,9 +16,17 @@ def test_dora_against_plain_lora_runs_and_reports_the_ratio():
         "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")]),
         "OMP_NUM_THREADS": "1",
     }
-    command = [sys.executable, "benchmarks/adapter_formats.py", "--smoke", "--dora-fraction", "0.5"]
+    command = [
+        sys.executable,
+        "benchmarks/adapter_formats.py",
+        "--smoke",
+        "--dora-fraction",
+        "0.25",
+        "--lm-head-fraction",
+        "0.25",
+    ]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert any(line.startswith("2 of 4 DoRA") for line in lines), result.stdout
-    assert lines[-1].startswith("summary: DoRA mix decode step / plain LoRA = ")
+    assert any(line.startswith("1 DoRA 1 lm_head") for line in lines), result.stdout
+    assert lines[-1].startswith("summary: DoRA + lm_head mix decode step / plain LoRA = ")

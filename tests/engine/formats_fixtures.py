@@ -63,3 +63,23 @@ def greedy_by_adapter(model_dir, adapters: dict, prompts, assigned, max_new_toke
         for i, t in zip(rows, tokens):
             expected[i] = t
     return expected
+
+
+def make_vocab_adapter(
+    model_dir: Path, path: Path, seed: int = 0, save_base_layers: bool = True, **lora_kwargs
+):
+    """A PEFT adapter with its own embedding or LM head (modules_to_save) or LoRA on them, every trained
+    tensor random: modules_to_save copies moved away from the base. `save_base_layers=False` saves LoRA
+    on embed_tokens / lm_head without the base layers PEFT saves beside it by default."""
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **lora_kwargs))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "modules_to_save" in name:
+                param.add_(0.05 * torch.randn_like(param))
+            elif "lora_embedding" in name:
+                param.copy_(0.3 * torch.randn_like(param))
+    extra = {} if save_base_layers else {"save_embedding_layers": False}
+    model.save_pretrained(path, safe_serialization=True, **extra)
+    return Path(path)

@@ -172,3 +172,19 @@ def test_page_allocator_prefers_runs_and_refuses_double_frees():
         pages.free([5])
     assert runs([4, 5, 6, 9, 2]) == [(0, 4, 3), (3, 9, 1), (4, 2, 1)]
     assert pages_for_rank(8, 8) == 1 and pages_for_rank(9, 8) == 2 and pages_for_rank(0, 8) == 0
+
+
+def test_vocab_slots_hold_adapters_with_their_own_embedding_or_head_and_others_take_them_last():
+    """Slots 0 .. vocab_slots - 1 have room for an adapter's own embedding / LM head (engine/lora/vocab.py)."""
+    alloc = SlotAllocator(4, vocab_slots=2)
+    assert alloc.acquire("plain-a")[0] == 2 and alloc.acquire("plain-b")[0] == 3  # past the vocab slots
+    assert alloc.acquire("head-a", vocab=True)[0] == 0
+    assert alloc.acquire("plain-c")[0] == 1  # no other slot free: a plain adapter takes a vocab slot
+    alloc.release("plain-c")
+    # every vocab slot in use: the LRU unpinned adapter holding one is evicted, never one elsewhere
+    assert alloc.can_acquire("head-b", vocab=True)
+    assert alloc.acquire("head-b", vocab=True) == (1, True)
+    assert alloc.lookup("plain-c") is None and alloc.lookup("plain-a") == 2
+    assert not alloc.can_acquire("head-c", vocab=True), "both vocab slots are pinned"
+    alloc.release("plain-a")
+    assert alloc.can_acquire("plain-d") and not alloc.can_acquire("head-c", vocab=True)

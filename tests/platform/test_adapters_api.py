@@ -22,6 +22,7 @@ RECORD_FIELDS = {
     "size_bytes",
     "created_at",
     "format",
+    "vocab_modules",
 }
 
 
@@ -77,7 +78,7 @@ def test_upload_two_files_returns_the_record(client, peft_adapters):
     assert sorted(body["target_modules"]) == ["q_proj", "v_proj"]
     assert body["size_bytes"] == (peft_adapters["qv"] / "adapter_model.safetensors").stat().st_size
     assert len(body["sha256"]) == 64 and body["created_at"].endswith("Z")
-    assert body["format"] == "lora"
+    assert body["format"] == "lora" and body["vocab_modules"] == {}
 
 
 @pytest.mark.parametrize("kind", ["tar.gz", "zip"])

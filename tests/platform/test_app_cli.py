@@ -279,3 +279,16 @@ def test_cuda_without_a_visible_gpu_is_refused_before_anything_loads(monkeypatch
     check_device("auto", None)  # auto falls back to the CPU, as documented
     check_device("cpu", "cpu")
     assert "this is the CPU image" in caplog.text
+
+
+def test_max_vocab_loras_reaches_the_engine_and_the_store():
+    """Adapters with their own embedding or LM head: refused unless the server keeps room for them."""
+    from loraserve.bootstrap import store_config
+
+    default = settings([])
+    assert default.max_vocab_loras == 0 and not store_config(default).vocab_modules_served
+    flags = settings(["--max-vocab-loras", "2"])
+    assert (
+        engine_config(flags, "some/model").max_vocab_loras == 2 and store_config(flags).vocab_modules_served
+    )
+    assert settings([], {"LORASERVE_MAX_VOCAB_LORAS": "3"}).max_vocab_loras == 3

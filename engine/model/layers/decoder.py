@@ -229,15 +229,17 @@ class DecoderModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: key, value caches
         lora,  # LoRAContext | None
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = self.model.embed_tokens(input_ids)
+        own = lora.own_embedding(input_ids) if lora is not None and lora.vocab else None
+        hidden = self.model.embed_tokens(input_ids, own)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(hidden, residual, meta, kv_cache, lora)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, own_heads=()) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] float32; `own_heads`: (rows, matrix) of adapters' own heads."""
+        return self.lm_head(hidden, own_heads)
 
     # -- loading ---------------------------------------------------------------------------------------
 

@@ -25,6 +25,8 @@ class Adapter(msgspec.Struct, frozen=True, kw_only=True):
     # The parser tool_choice "auto" uses for this adapter (the upload's tool_call_parser); absent: the server's
     tool_call_parser: str | UnsetType = UNSET
     format: str = "lora"  # "lora" or "dora" (use_dora)
+    # The adapter's own embedding / LM head: {"lm_head": "modules_to_save" | "lora" | "saved", ...}
+    vocab_modules: dict[str, str] = {}
     object: Literal["adapter"] = "adapter"
 
     @classmethod

@@ -1,0 +1,168 @@
+"""Adapters with their own token embedding or LM head: PEFT's `modules_to_save` of embed_tokens / lm_head,
+and LoRA on them (adapter_format/vocab_modules.py reads both as PEFT does).
+
+Each such adapter holds whole [vocab, hidden] matrices: its embedding and its head (either may be the
+base's), so they cannot share the pool's pages of rank rows. `max_vocab_loras` (EngineConfig) sets aside
+that many of the GPU slots (slots 0 .. max_vocab_loras - 1) and CPU-tier rows (rows 0 .. the same) with
+room for two matrices each; only those hold such adapters, any adapter may use them (plain ones when no
+other slot is free), and an adapter's matrices are evicted with it.
+
+Per matrix, an image holds one of:
+- nothing (mode BASE): the base model's own matrix serves it;
+- a whole matrix (mode OWN): modules_to_save, a saved matrix, or LoRA merged over the base layer PEFT
+  saved beside it (`base + scale * left @ right`, computed in float32 on the CPU);
+- LoRA factors only (mode FACTORS, when PEFT saved no base layer): `left` [vocab, r] then `right`
+  [r, hidden] packed at the start of the matrix's room, merged with the model's own base matrix on the
+  GPU when the adapter is copied into its slot.
+LoRA over the embedding is exact merged: PEFT adds `scale * (A^T[id] @ B^T)` to the looked-up row, which
+is the row of `W + scale * A^T @ B^T`; over the head it is the same product reassociated.
+
+A step whose tokens use such a slot runs eagerly (no CUDA graph): each token of an own-embedding slot takes
+its row from the slot's matrix (one gather over the step's tokens), and the logits rows of an own-head
+slot are computed from its matrix, one matmul per such slot in the step. Steps without them run exactly
+as before (one host-side look-up of the step's slots decides).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from adapter_format.checkpoint import PeftAdapter
+from adapter_format.errors import AdapterError
+from adapter_format.vocab_modules import VocabModule, ties_head_to_embedding
+
+BASE, OWN, FACTORS = 0, 1, 2
+MERGE_ROWS = 4096  # rows of a vocabulary matrix merged at once (float32 scratch)
+EMBED, HEAD = 0, 1  # the two matrices of a slot, in this order
+# An image's vocab table: per matrix (mode, rank, scale as float32 bits).
+TABLE_COLUMNS = 3
+
+
+def write_vocab(matrices: torch.Tensor, table: torch.Tensor, adapter: PeftAdapter, shape) -> None:
+    """Lay an adapter's vocabulary modules out in a CPU-tier row's room: `matrices` [2, vocab, hidden],
+    `table` [2, TABLE_COLUMNS] int32 (zeroed here: modules the adapter lacks are the base's)."""
+    table.zero_()
+    vocab = adapter.vocab
+    embed, head = vocab.get("embed_tokens"), vocab.get("lm_head")
+    tie = adapter.ensure_weight_tying
+    if head is None and embed is not None and ties_head_to_embedding(embed, shape, tie):
+        head = embed  # the tied head reads the adapter's embedding (PEFT loads it into the tied weight)
+    if embed is None and head is not None and shape.tie_word_embeddings and tie:
+        embed = head
+    for index, module in ((EMBED, embed), (HEAD, head)):
+        if module is not None:
+            _write_one(matrices[index], table[index], module)
+
+
+def _write_one(room: torch.Tensor, row: torch.Tensor, module: VocabModule) -> None:
+    if module.left is None:
+        room.copy_(module.matrix)
+        row[0] = OWN
+        return
+    left, right = module.left, module.right
+    if module.matrix is not None:  # LoRA over the base layer PEFT saved: merge here, in float32
+        right32 = right.float()
+        for start in range(0, room.shape[0], MERGE_ROWS):  # bounded scratch (a loader's memory)
+            end = start + MERGE_ROWS
+            part = module.matrix[start:end].float() + module.scale * (left[start:end].float() @ right32)
+            room[start:end] = part
+        row[0] = OWN
+        return
+    if left.numel() + right.numel() > room.numel():
+        raise AdapterError(
+            "rank_too_large",
+            f"LoRA of rank {module.rank} on a vocabulary module without its base layer saved needs rank at "
+            "most about hidden / 2 here; save the adapter with PEFT's default save_embedding_layers",
+        )
+    flat = room.view(-1)
+    flat[: left.numel()].view(left.shape).copy_(left)
+    flat[left.numel() : left.numel() + right.numel()].view(right.shape).copy_(right)
+    row[0], row[1] = FACTORS, module.rank
+    row[2:3].view(torch.float32)[0] = module.scale
+
+
+class VocabSlots:
+    """The GPU side: `matrices`, the embeddings and the heads [max_vocab_loras, vocab, hidden] (this
+    rank's vocabulary rows), and per slot of the pool which of them it owns (`owns` [max_loras] int32: bit EMBED, bit HEAD; `owns_host` a host copy the runner
+    reads to choose the step's path)."""
+
+    def __init__(self, model, num_slots: int, max_loras: int, dtype: torch.dtype, device: torch.device):
+        embedding = model.model.embed_tokens
+        self.num_slots = num_slots
+        self._base = (embedding.weight, model.lm_head)  # the head's weight is read at use (tied or not)
+        shape = (num_slots, embedding.vocab_per_rank, embedding.hidden_size)
+        self.matrices = (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+        self.owns = torch.zeros(max_loras, dtype=torch.int32, device=device)
+        self.owns_host = np.zeros(max_loras, np.int32)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(m.numel() * m.element_size() for m in self.matrices)
+
+    def load(self, slot: int, matrices: torch.Tensor | None, table: torch.Tensor | None) -> None:
+        """Fill `slot`'s matrices from an image's room (None: a plain adapter, which owns none)."""
+        owns = 0
+        if matrices is not None:
+            for index in (EMBED, HEAD):
+                mode = int(table[index, 0])
+                if mode == BASE:
+                    continue
+                if slot >= self.num_slots:
+                    raise ValueError(f"slot {slot} has no room for an adapter's own embedding or head")
+                target = self.matrices[index][slot]
+                if mode == OWN:
+                    target.copy_(matrices[index], non_blocking=True)
+                else:
+                    self._merge(target, matrices[index], table[index], index)
+                owns |= 1 << index
+        self.owns[slot] = owns
+        self.owns_host[slot] = owns
+
+    def _merge(self, target: torch.Tensor, room: torch.Tensor, row: torch.Tensor, index: int) -> None:
+        """target = base + scale * left @ right, from factors packed at the start of `room`."""
+        rank, scale = int(row[1]), float(row[2:3].view(torch.float32)[0])
+        vocab, hidden = target.shape
+        flat = room.reshape(-1)
+        left = flat[: vocab * rank].view(vocab, rank).to(target.device, torch.float32)
+        right = (
+            flat[vocab * rank : vocab * rank + rank * hidden]
+            .view(rank, hidden)
+            .to(target.device, torch.float32)
+        )
+        base = self._base[0] if index == EMBED else self._head_weight()
+        for start in range(0, vocab, MERGE_ROWS):  # bounded float32 scratch
+            end = min(start + MERGE_ROWS, vocab)
+            target[start:end] = (base[start:end].float() + scale * (left[start:end] @ right)).to(target.dtype)
+
+    def _head_weight(self) -> torch.Tensor:
+        head = self._base[1]
+        return head.weight if head.weight is not None else self._base[0]
+
+    def step_uses(self, slots: np.ndarray) -> bool:
+        """Whether any of `slots` ([requests] int32, -1 for none) owns a matrix: such a step runs eagerly."""
+        return bool(self.owns_host[slots[slots >= 0]].any())
+
+    def embed_rows(self, token_slots: torch.Tensor, input_ids: torch.Tensor):
+        """(token rows, their slot's matrix rows) of the tokens whose slot owns an embedding, or None."""
+        return self._rows(token_slots, EMBED, input_ids)
+
+    def head_rows(self, row_slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per slot that owns a head among `row_slots` ([rows] int32): (its rows, its head matrix)."""
+        mask = (row_slots >= 0) & (self.owns[row_slots.clamp(min=0).long()] & (1 << HEAD) != 0)
+        rows = mask.nonzero().flatten()
+        if rows.numel() == 0:
+            return []
+        slots = row_slots[rows]
+        return [(rows[slots == s], self.matrices[HEAD][s]) for s in slots.unique().tolist()]
+
+    def _rows(self, token_slots, index, input_ids):
+        slots = token_slots.clamp(min=0).long()
+        mask = (token_slots >= 0) & (self.owns[slots] & (1 << index) != 0)
+        rows = mask.nonzero().flatten()
+        if rows.numel() == 0:
+            return None
+        return rows, self.matrices[index][slots[rows], input_ids[rows]]

@@ -207,6 +207,7 @@ def _churn(store_url, shape, cache_dir, max_bytes, records, rounds, errors):
                 errors.put(f"{type(exc).__name__}: {exc}")
 
 
+@pytest.mark.slow
 def test_processes_sharing_a_directory_never_read_a_folder_another_evicts(
     local_store, three_adapters, tmp_path, model_shape
 ):

@@ -133,6 +133,7 @@ def local_store(setup, tmp_path):
     return store
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loader", ["thread", "process"])
 def test_store_adapters_end_to_end_match_peft(setup, local_store, tmp_path, loader):
     events = Counter()
@@ -225,6 +226,7 @@ def test_cached_record_reads_the_cached_manifest_only(setup, local_store, tmp_pa
     assert cache.cached_record("acme", "a", 2) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loader", ["thread", "process"])
 def test_through_s3_a_checksum_mismatch_is_that_requests_error(
     setup, s3_endpoint, s3_bucket, s3_admin, tmp_path, loader

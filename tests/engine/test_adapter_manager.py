@@ -86,6 +86,7 @@ def prompts(seed: int, count: int) -> list[list[int]]:
     return [[rng.randrange(3, 512) for _ in range(rng.randrange(3, 21))] for _ in range(count)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loader", ["thread", "process"])
 def test_eight_adapters_through_two_slots_match_peft(case, loader):
     """32 requests over 8 adapters arrive a few per step; only 2 GPU slots and 2 CPU images exist. With
@@ -120,6 +121,7 @@ def test_eight_adapters_through_two_slots_match_peft(case, loader):
     engine.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loader", ["thread", "process"])
 def test_an_adapter_that_fails_to_load_fails_only_its_requests(case, tmp_path, loader):
     corrupt = tmp_path / "corrupt"
@@ -250,6 +252,7 @@ def test_stats_reflect_running_waiting_and_adapters(case):
     assert stats.num_prompt_tokens == sum(len(p) for p in all_prompts)
 
 
+@pytest.mark.slow
 def test_async_forget_and_stats_through_the_engine_core_process(case):
     modules = {name: str(path) for name, path in case["adapters"].items()}
     llm = AsyncLLM.from_config(engine_config(case), skip_tokenizer_init=True, lora_modules=modules)

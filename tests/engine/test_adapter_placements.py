@@ -67,6 +67,7 @@ def run(engine: LLMEngine, requests: list[tuple[str, str]]) -> dict[str, list[in
     return tokens
 
 
+@pytest.mark.slow
 def test_a_pinned_adapter_survives_every_other_adapters_requests(case):
     engine = make_engine(case)
     try:

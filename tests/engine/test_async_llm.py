@@ -29,6 +29,7 @@ async def _collect(llm: AsyncLLM, prompt, params, request_id, adapter=None):
     return deltas
 
 
+@pytest.mark.slow
 def test_deltas_concatenate_to_the_offline_output(engines):
     offline, streaming = engines
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)

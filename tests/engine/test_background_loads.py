@@ -88,6 +88,7 @@ def loads(case):
     loads.close()
 
 
+@pytest.mark.slow
 def test_a_process_load_is_the_thread_load(case, loads):
     tier = loads.tier
     tier.weights.fill_(float("nan"))  # poisoned: every byte of the row must be written
@@ -142,6 +143,7 @@ def test_a_source_that_cannot_be_pickled_fails_its_load_with_the_reason(case):
         loads.close()
 
 
+@pytest.mark.slow
 def test_a_dead_loader_process_fails_one_load_and_is_replaced(case):
     loads = ProcessLoads(FolderSource(case["root"]), shared_tier(case), num_processes=1)
     try:
@@ -161,6 +163,7 @@ def test_a_dead_loader_process_fails_one_load_and_is_replaced(case):
         loads.close()
 
 
+@pytest.mark.slow
 def test_loads_beyond_the_processes_queue_and_the_serving_process_runs_no_thread_for_them(case):
     """Four loads through two processes: every row gets its adapter, and the serving process gains no
     thread (each wake-up of one would take the GIL from the engine thread)."""
@@ -178,6 +181,7 @@ def test_loads_beyond_the_processes_queue_and_the_serving_process_runs_no_thread
         loads.close()
 
 
+@pytest.mark.slow
 def test_a_loader_starts_its_next_job_before_the_engine_collects_the_last(case):
     """The engine collects answers once per step: a loader idle until then capped loads at one per loader
     per step. With two jobs sent, both rows are written while nobody calls `finished`."""
@@ -200,6 +204,7 @@ def test_a_loader_starts_its_next_job_before_the_engine_collects_the_last(case):
         loads.close()
 
 
+@pytest.mark.slow
 def test_jobs_waiting_behind_a_load_whose_process_dies_run_in_its_replacement(case):
     loads = ProcessLoads(FolderSource(case["root"]), shared_tier(case), num_processes=1)
     try:
@@ -216,6 +221,7 @@ def test_jobs_waiting_behind_a_load_whose_process_dies_run_in_its_replacement(ca
         loads.close()
 
 
+@pytest.mark.slow
 def test_closed_loads_refuse_new_ones_and_the_processes_exit(case):
     loads = ProcessLoads(FolderSource(case["root"]), shared_tier(case), num_processes=1)
     run(loads, {"adapter": 0})

@@ -65,6 +65,7 @@ async def wait_until(predicate, timeout_s: float = 20.0) -> None:
         await asyncio.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_each_client_gets_its_own_outputs_and_aborts_only_its_own(core):
     _, connect = core
     first, second = connect("fe-0-a"), connect("fe-1-a")
@@ -119,6 +120,7 @@ def test_a_client_that_goes_away_has_its_requests_aborted(core):
     assert len(token_ids(after)) == 10  # the core serves on
 
 
+@pytest.mark.slow
 def test_the_core_dying_ends_the_streams_of_every_client(text_model_dir):
     handle, connect, stop = start(text_model_dir)
     clients = [connect("fe-0-x"), connect("fe-1-x")]  # each watches the core through a pidfd

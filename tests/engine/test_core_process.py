@@ -54,6 +54,7 @@ def joined(deltas, index: int = 0) -> tuple[list[int], str]:
     return sum((c.token_ids for c in completions), []), "".join(c.text for c in completions)
 
 
+@pytest.mark.slow
 def test_concurrent_streams_match_the_in_process_engine(served, offline):
     prompts = ["Hello world", "你好世界", "The quick brown fox", "a", "Once upon", "zzz"]
     adapters = ["alpha", "beta", None, "alpha", None, "beta"]
@@ -124,6 +125,7 @@ def test_refused_request_fails_alone(served):
     assert good[-1].error is None and len(joined(good)[0]) == 12
 
 
+@pytest.mark.slow
 def test_killed_core_fails_every_stream_and_refuses_new_requests(text_model_dir):
     llm = start_core(text_model_dir)
     pid = llm.core_pid
@@ -169,6 +171,7 @@ _FRONT_END = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_core_exits_when_its_front_end_is_killed(text_model_dir, tmp_path):
     script = tmp_path / "front_end.py"
     script.write_text(_FRONT_END)
@@ -192,6 +195,7 @@ def test_core_exits_when_its_front_end_is_killed(text_model_dir, tmp_path):
             kill_quietly(core_pid)
 
 
+@pytest.mark.slow
 def test_core_that_cannot_start_says_why_and_leaves_nothing(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # no weights
     before = set(child_pids(os.getpid()))

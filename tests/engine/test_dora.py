@@ -84,6 +84,7 @@ def test_dora_mixed_with_lora_and_base_matches_peft(dora_case, max_num_batched_t
         assert output.outputs[0].token_ids == expected, f"adapter {adapter}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp, max_loras", [(2, 2)])
 def test_dora_over_tensor_parallel_ranks_matches_peft(dora_case, tp, max_loras):
     if dora_case["arch"] == "qwen2":

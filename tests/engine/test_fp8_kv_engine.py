@@ -204,6 +204,7 @@ def test_prefix_caching_and_preemption_unchanged(models):
     assert [o.outputs[0].token_ids for o in outputs] == [o.token_ids for o in plain]
 
 
+@pytest.mark.slow
 @pytest.mark.interpreted
 def test_triton_backend_fp8_matches_torch_backend_fp8(models, prompts):
     """Interpreted Triton kernels read the float8 cache like the torch path: the same greedy tokens."""

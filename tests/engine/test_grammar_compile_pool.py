@@ -74,6 +74,7 @@ def test_the_loop_keeps_stepping_while_a_grammar_compiles(llm, slow_compiles):
     assert finished_at["free"] < compiled_at < finished_at["structured"], (finished_at, compiled_at)
 
 
+@pytest.mark.slow
 def test_one_compile_per_spec_and_a_budget_in_time(llm, slow_compiles):
     same = constrained(regex="(yes|no) please")
     outputs = llm.generate(["A", "B", "C"], [same, same, SamplingParams(n=2, **_fields(same))])

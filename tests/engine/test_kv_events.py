@@ -267,6 +267,7 @@ def test_replay_keeps_only_the_last_buffer_steps(text_model_dir, endpoints):
         consumer.close()
 
 
+@pytest.mark.slow
 def test_the_engine_core_process_publishes(text_model_dir, tmp_path):
     """A server's engine runs in the engine-core process: the config travels there and it binds the
     endpoint (an ipc:// address is bound, as a tcp://*: one is); a consumer connects."""

@@ -90,6 +90,7 @@ def test_greedy_matches_transformers_peft(case, setting):
         assert llm.engine.stats().num_prefix_cache_hits > 0, "the shared prefix was meant to hit the cache"
 
 
+@pytest.mark.slow
 @pytest.mark.interpreted
 def test_triton_path_matches(case):
     """The fused kernels (q/k norm with RoPE, Gemma's norms, GeGLU, partial rotary, soft caps) and the

@@ -134,6 +134,7 @@ def test_fused_checkpoint_layout(case):
     assert generate(make_llm(case, fused, max_num_seqs=8), case) == case["expected"]
 
 
+@pytest.mark.slow
 @pytest.mark.interpreted
 def test_triton_path_matches(case):
     """The fused-MoE kernels (interpreted) with the expert LoRA deltas: the tokens of the torch path.

@@ -40,6 +40,7 @@ def greedy(model_dir, backend: str, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.mark.slow
 def test_triton_backend_matches_torch_backend(mistral_dir):
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 23, 12)]

@@ -73,6 +73,7 @@ def _generate(case, setting: str, speculative_config=None):
     return [o.outputs[0].token_ids for o in outputs], llm.engine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_lanes_keep_greedy_tokens(case, setting):
     expected, _ = _generate(case, setting)

@@ -92,6 +92,7 @@ def generate(llm, case, params=GREEDY):
 
 
 # max_loras 2 with 4 adapters: slots are evicted and refilled, and the workers must follow rank 0's choice.
+@pytest.mark.slow
 @pytest.mark.parametrize("tp, max_loras", [(1, 4), (2, 2), (4, 4)])
 def test_c1_greedy_matches_one_rank_and_peft(c1_case, tp, max_loras):
     adapters = {k: str(v) for k, v in c1_case["adapters"].items()}
@@ -112,6 +113,7 @@ def test_c1_greedy_matches_one_rank_and_peft(c1_case, tp, max_loras):
             assert runner.kv_caches[0][0].shape[2] == max(1, 2 // tp)  # and caches its KV heads only
 
 
+@pytest.mark.slow
 def test_synchronous_scheduling_over_ranks(c1_case):
     """The C1 runs above schedule asynchronously (the default: a step's input tokens are still on rank 0's
     device when it is sent); the synchronous loop sends them from the host."""
@@ -125,6 +127,7 @@ def test_synchronous_scheduling_over_ranks(c1_case):
         assert generate(llm, c1_case) == c1_case["expected"]
 
 
+@pytest.mark.slow
 def test_a_vocabulary_the_ranks_do_not_divide(tmp_path):
     """511 ids over 2 ranks: the second shard is zero-padded; its padding never becomes a logit."""
     model_dir = make_model(tmp_path / "model", seed=3, vocab_size=511)
@@ -140,6 +143,7 @@ def test_a_vocabulary_the_ranks_do_not_divide(tmp_path):
         assert all(t < 511 for o in outputs for step in o.outputs[0].logprobs for t in step.top)
 
 
+@pytest.mark.slow
 def test_speculative_decoding_over_ranks(c1_case):
     """n-gram speculation: the verifying step's extra logits rows come from the gathered vocabulary."""
     if c1_case["arch"] != "llama":
@@ -162,6 +166,7 @@ def test_tensor_parallel_size_is_checked():
         EngineConfig(model="m", tensor_parallel_size=0)
 
 
+@pytest.mark.slow
 def test_an_engine_dropped_without_shutdown_makes_room_for_the_next(c1_case):
     """One tensor-parallel engine per process at a time (one process group): a dropped one leaves its group."""
     if c1_case["arch"] != "llama":
@@ -195,6 +200,7 @@ def test_heads_not_divisible_are_refused_before_any_worker_starts(c1_case):
     assert tp_workers() == []
 
 
+@pytest.mark.slow
 def test_a_failed_start_leaves_no_worker_and_no_group(tmp_path):
     model_dir = make_model(tmp_path / "model", seed=2)
     (weights,) = model_dir.glob("*.safetensors")
@@ -209,6 +215,7 @@ def test_a_failed_start_leaves_no_worker_and_no_group(tmp_path):
     assert not torch.distributed.is_initialized()  # another engine may form a group in this process
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama"])
 def test_a_dead_worker_stops_the_engine_with_an_error(tmp_path, arch):
     model_dir = make_model(tmp_path / "model", arch=arch, seed=2)
@@ -236,6 +243,7 @@ def _worker_pids(core_pid: int) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_served_core_runs_its_workers_and_none_outlives_it(text_model_dir):
     """`loraserve serve --tensor-parallel-size 2` runs the engine core in its own process: the workers are
     its children, the streams match one rank's, and killing the core (kill -9) takes the workers down."""

@@ -51,6 +51,7 @@ def worker_processes(llm) -> list:
     return list(llm.engine.runner.parallel.workers.processes)
 
 
+@pytest.mark.slow
 def test_shutdown_with_block_and_collection_each_make_room_for_the_next_engine(model_dir):
     with LLM(model=str(model_dir), tensor_parallel_size=2, **ARGS) as llm:
         expected = tokens(llm.generate(PROMPTS, GREEDY))
@@ -93,6 +94,7 @@ def test_one_rank_shutdown_frees_the_model_cache_and_pool_while_the_llm_is_kept(
     assert llm.closed and not llm.engine.has_unfinished_requests()
 
 
+@pytest.mark.slow
 def test_a_hung_worker_becomes_a_tensor_parallel_error(model_dir, monkeypatch):
     monkeypatch.setattr(workers_module, "STEP_TIMEOUT_S", 3.0)
     llm = LLM(model=str(model_dir), tensor_parallel_size=2, **ARGS)
@@ -123,6 +125,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parent_state", ["idle", "busy"])
 def test_a_parent_killed_with_sigkill_leaves_no_worker(model_dir, tmp_path, parent_state):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -168,6 +171,7 @@ def _tail(log) -> str:
     return "\n" + log.read()[-3000:]
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_over_ranks_equal_one_rank(model_dir, monkeypatch):
     """Rank 0 computes them; the workers join the vocabulary gathers of the same rows, in the same chunks
     (three rows at a time here, so a prompt spans several)."""
@@ -195,6 +199,7 @@ def test_prompt_logprobs_over_ranks_equal_one_rank(model_dir, monkeypatch):
             assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.interpreted
 def test_graph_steps_over_ranks_give_one_ranks_tokens(tmp_path, monkeypatch):
     """Decode and verification graph steps, replayed uncaptured on the interpreted kernels: rank 0's

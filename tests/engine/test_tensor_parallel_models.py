@@ -56,6 +56,7 @@ def random_prompts(seed: str, count: int = 4, low: int = 17, high: int = 30) -> 
     return [[rng.randrange(3, 512) for _ in range(rng.randrange(low, high))] for _ in range(count)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3"])
 def test_two_ranks_match_peft(tmp_path, arch):
     model_dir = make_model(tmp_path / "model", arch=arch, seed=2)
@@ -110,6 +111,7 @@ def fp8_models(tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, quantization", [("block_phi3", None), ("channel", None), ("plain", "fp8")])
 def test_fp8_weights_over_two_ranks_match_one(fp8_models, model, quantization):
     prompts = random_prompts(model, low=5, high=20)

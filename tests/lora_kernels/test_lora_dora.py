@@ -36,6 +36,7 @@ def expected(case, g, flags) -> torch.Tensor:
     return y
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("out_slices", [[96, 32, 32], [80]], ids=["qkv", "one_slice"])

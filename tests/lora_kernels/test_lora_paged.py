@@ -47,6 +47,7 @@ def assert_matches(case, y) -> None:
     assert torch.equal(y[untouched], case.y[untouched]), "rows without an adapter must stay bitwise"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("page", [8, 16])
 @pytest.mark.parametrize("out_slices", [[96, 32, 32], [80]], ids=["qkv", "one_slice"])
@@ -57,6 +58,7 @@ def test_mixed_ranks_in_one_batch_match_the_float64_reference(out_slices, page, 
     assert_matches(case, run_paged(case, out_slices, path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_odd_sizes_and_many_tiles(path) -> None:
     ranks = [5, 16, 64, 1]
@@ -86,6 +88,7 @@ def test_paged_equals_the_dense_slot_layout(path) -> None:
     torch.testing.assert_close(run_paged(case, out_slices, path), dense, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_rank_buckets_split_a_mixed_batch_and_match_the_reference(path) -> None:
     """Ranks 4-16 in a launch pair sized for rank 16, rank 64 in one sized for 64: the same y, to the

@@ -34,6 +34,7 @@ def codegen() -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["decode qkv", "decode", "decode qkv mixed"])
 def test_paged_kernels_move_the_bytes_as_the_dense_ones_do(codegen, case) -> None:
     dense, paged = codegen[f"{case}, dense"], codegen[f"{case}, paged"]

@@ -133,6 +133,7 @@ def model_dir(tmp_path_factory):
     return make_text_model(tmp_path_factory.mktemp("errors") / "model")
 
 
+@pytest.mark.slow
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tmp_path, model_dir):
     async def scenario(client, services):
         answers = []
@@ -155,6 +156,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tmp_path, m
     assert after.status_code == 200
 
 
+@pytest.mark.slow
 def test_oversize_prompt_is_400_with_the_limit(tmp_path, model_dir):
     async def scenario(client, services):
         too_long = {"model": "tiny", "prompt": list(range(1, MAX_MODEL_LEN + 5))}
@@ -166,6 +168,7 @@ def test_oversize_prompt_is_400_with_the_limit(tmp_path, model_dir):
     assert error["code"] == "context_length_exceeded" and str(MAX_MODEL_LEN) in error["message"]
 
 
+@pytest.mark.slow
 def test_unknown_path_wrong_method_and_oversize_body(tmp_path, model_dir):
     async def scenario(client, services):
         missing = await client.get("/v1/nope")
@@ -227,6 +230,7 @@ def test_server_side_failures_name_no_address_bucket_or_path(exc, status, code, 
     assert str(exc) in caplog.text
 
 
+@pytest.mark.slow
 def test_a_bad_seed_mid_batch_leaves_other_streams_and_the_engine_alone(tmp_path, model_dir):
     """A seed torch would refuse once stopped the engine for every tenant: now it is a 400 of its own,
     the streams around it finish, and /health stays 200."""
@@ -246,6 +250,7 @@ def test_a_bad_seed_mid_batch_leaves_other_streams_and_the_engine_alone(tmp_path
     assert health.status_code == 200 and after.status_code == 200
 
 
+@pytest.mark.slow
 def test_health_turns_503_when_the_engine_is_dead(tmp_path, model_dir):
     async def scenario(client, services):
         before = await client.get("/health")
@@ -261,6 +266,7 @@ def test_health_turns_503_when_the_engine_is_dead(tmp_path, model_dir):
     assert dead.status_code == 503 and ready.status_code == 503
 
 
+@pytest.mark.slow
 def test_a_body_that_is_not_declared_json_is_refused(tmp_path, model_dir):
     body = b'{"model": "tiny", "prompt": "x", "max_tokens": 2}'
 

@@ -58,6 +58,7 @@ def value(found: dict, name: str, **labels) -> float:
     return found[(name, frozenset(labels.items()))]
 
 
+@pytest.mark.slow
 def test_metrics_after_adapter_and_route_requests(tmp_path, model_dir, adapter_dir):
     async def scenario(client, services):
         before = (await client.get(METRICS_URL)).text
@@ -243,6 +244,7 @@ def test_moe_routing_is_exported_per_expert():
     assert not [name for name, _ in dense if name.startswith("loraserve_moe")]
 
 
+@pytest.mark.slow
 def test_lora_requests_info_names_a_running_adapter_as_requests_name_it(tmp_path, model_dir, adapter_dir):
     async def scenario(client, services):
         services.adapter_store.put("default", "a", adapter_dir)
@@ -262,6 +264,7 @@ def test_lora_requests_info_names_a_running_adapter_as_requests_name_it(tmp_path
     assert seen == [{"max_lora": "2", "running_lora_adapters": "a", "waiting_lora_adapters": ""}]
 
 
+@pytest.mark.slow
 def test_ready_reports_an_unreachable_adapter_store_without_failing_or_waiting(tmp_path, model_dir):
     """The store is shared by every replica: its outage must not take them all out of the load balancer,
     a hung store must not hang the probe, and the body names no path (anyone may read /ready)."""
@@ -291,6 +294,7 @@ def test_ready_reports_an_unreachable_adapter_store_without_failing_or_waiting(t
     assert all(p.ready for p in probes) and waited < 0.5
 
 
+@pytest.mark.slow
 def test_metrics_are_not_served_to_tenants_on_the_main_port(tmp_path, model_dir, adapter_dir):
     async def scenario(client, services):
         services.adapter_store.put("default", "a", adapter_dir)
@@ -312,6 +316,7 @@ def test_metrics_are_not_served_to_tenants_on_the_main_port(tmp_path, model_dir,
     assert health.status_code == 200 and ready.status_code == 200
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["http://testserver", "http://testserver:8001"])
 def test_a_scrape_key_guards_metrics_on_both_ports(tmp_path, model_dir, where):
     key = "scrape-key-0123456789abcdef"

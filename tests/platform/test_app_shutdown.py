@@ -38,6 +38,7 @@ async def start_stream(client, services, body):
     raise AssertionError("the stream never produced a token")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("timeout_s, finishes", [(0.0, False), (30.0, True)])
 def test_drain_refuses_new_work_and_ends_streams_properly(tmp_path, model_dir, timeout_s, finishes):
     async def scenario(client, services):

@@ -25,6 +25,7 @@ def model_dir(tmp_path_factory):
     return make_text_model(tmp_path_factory.mktemp("startup") / "model")
 
 
+@pytest.mark.slow
 def test_probes_answer_while_the_model_loads(tmp_path, model_dir, monkeypatch):
     loaded = asyncio.Event()  # made inside asyncio.run below
 

@@ -46,6 +46,7 @@ def completion(model, **extra):
     }
 
 
+@pytest.mark.slow
 def test_missing_malformed_and_unknown_keys_are_401(tmp_path, model_dir):
     async def scenario(client, services):
         return [
@@ -98,6 +99,7 @@ def test_adapter_serves_its_tenant_only_and_matches_peft(tmp_path, model_dir, ad
     assert upload.status_code == 403 and upload.json()["error"]["type"] == "permission_error"
 
 
+@pytest.mark.slow
 def test_tenant_over_its_limit_gets_429_while_others_are_served(tmp_path, model_dir):
     async def scenario(client, services):
         long = completion("tiny", max_tokens=110, stream=True)

@@ -51,6 +51,7 @@ def model_dir(tmp_path_factory):
     return make_text_model(tmp_path_factory.mktemp("boundary") / "model")
 
 
+@pytest.mark.slow
 def test_invalid_utf8_wide_integers_and_odd_keys_are_400s_naming_the_field(tmp_path, model_dir):
     allowed = tmp_path / "allowed"
     allowed.mkdir()
@@ -106,6 +107,7 @@ def test_invalid_utf8_wide_integers_and_odd_keys_are_400s_naming_the_field(tmp_p
     assert after.status_code == 200
 
 
+@pytest.mark.slow
 def test_an_integer_the_engine_cannot_carry_is_a_request_error_not_a_crash(tmp_path, model_dir):
     """The engine's own boundary: params wider than its messages fail that request as a RequestError."""
 
@@ -119,6 +121,7 @@ def test_an_integer_the_engine_cannot_carry_is_a_request_error_not_a_crash(tmp_p
     assert run(tmp_path, model_dir, scenario).status_code == 200
 
 
+@pytest.mark.slow
 def test_two_authorization_headers_are_refused(tmp_path, model_dir):
     body = b'{"model": "tiny", "prompt": "x", "max_tokens": 1}'
 

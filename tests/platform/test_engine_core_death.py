@@ -20,6 +20,7 @@ def model_dir(tmp_path_factory):
     return make_text_model(tmp_path_factory.mktemp("core-death") / "model")
 
 
+@pytest.mark.slow
 def test_killed_core_turns_health_ready_and_requests_into_503(tmp_path, model_dir):
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
 

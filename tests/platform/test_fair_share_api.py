@@ -41,6 +41,7 @@ def completion(max_tokens=8):
     return {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
+@pytest.mark.slow
 def test_a_tenant_over_its_tokens_per_minute_gets_429_with_retry_after(tmp_path, model_dir):
     async def scenario(client, services):
         served = [await client.post("/v1/completions", json=completion(), headers=ALICE) for _ in range(2)]
@@ -68,6 +69,7 @@ def test_a_tenant_over_its_tokens_per_minute_gets_429_with_retry_after(tmp_path,
     assert 'loraserve_tenant_weight{tenant="alice"} 2.0' in text
 
 
+@pytest.mark.slow
 def test_usage_reports_the_callers_tenant_only(tmp_path, model_dir):
     async def scenario(client, services):
         await client.post("/v1/completions", json=completion(), headers=ALICE)

@@ -13,6 +13,7 @@ import time
 import uuid
 
 import httpx
+import pytest
 from app_fixtures import keys_for, make_text_model, open_test_services
 from factories import make_adapter
 from loraserve.adapter_lookup import AdapterLookup
@@ -27,6 +28,7 @@ PROBE_LIMIT_S = 1.0
 ADMIN, USER = "sk-admin-file", "sk-user-in-redis"  # the user key exists only in Redis
 
 
+@pytest.mark.slow
 def test_redis_killed_and_restarted(tmp_path, redis_server_factory):
     redis = redis_server_factory()
     prefix = f"faults-{uuid.uuid4().hex[:8]}"

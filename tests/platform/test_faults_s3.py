@@ -63,6 +63,7 @@ def completion(model: str) -> dict:
     return {"model": model, "prompt": [4, 5, 6], "max_tokens": 3, "temperature": 0}
 
 
+@pytest.mark.slow
 def test_s3_outages_spare_resident_adapters(tmp_path, model_dir, adapter_dirs, s3_endpoint, s3_bucket):  # noqa: F811
     report: list[tuple[str, int, int, int, int, str]] = []
 

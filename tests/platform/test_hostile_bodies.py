@@ -105,6 +105,7 @@ def _bodies(doc: dict) -> list[tuple[str, bytes]]:
     return [(p, b if isinstance(b, bytes) else json.dumps(b).encode()) for p, b in bodies]
 
 
+@pytest.mark.slow
 def test_no_hostile_body_gets_a_5xx(tmp_path, model_dir):
     async def scenario(client, services):
         doc = (await client.get("/schema/openapi.json")).json()

@@ -42,6 +42,7 @@ def test_chat_renders_the_template_and_matches_transformers(tmp_path, model_dir)
     }
 
 
+@pytest.mark.slow
 def test_chat_stream_and_logprobs(tmp_path, model_dir):
     async def scenario(client, services):
         body = {
@@ -83,6 +84,7 @@ def test_chat_stream_and_logprobs(tmp_path, model_dir):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.slow
 def test_model_without_chat_template_is_a_clear_400(tmp_path, model_dir):
     async def scenario(client, services):
         services.tokenizer = make_tokenizer(chat_template=None)
@@ -101,6 +103,7 @@ def test_model_without_chat_template_is_a_clear_400(tmp_path, model_dir):
     assert completion.status_code == 200
 
 
+@pytest.mark.slow
 def test_non_text_content_parts_are_refused(tmp_path, model_dir):
     async def scenario(client, services):
         messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]

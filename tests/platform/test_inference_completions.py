@@ -70,6 +70,7 @@ def test_greedy_completion_equals_transformers(tmp_path, model_dir):
     }
 
 
+@pytest.mark.slow
 def test_prompts_times_n_give_indexed_choices_and_summed_usage(tmp_path, model_dir):
     async def scenario(client, services):
         body = {
@@ -95,6 +96,7 @@ def test_prompts_times_n_give_indexed_choices_and_summed_usage(tmp_path, model_d
     }
 
 
+@pytest.mark.slow
 def test_seed_reproduces_sampling_and_logprobs_are_consistent(tmp_path, model_dir):
     async def scenario(client, services):
         body = {
@@ -123,6 +125,7 @@ def test_seed_reproduces_sampling_and_logprobs_are_consistent(tmp_path, model_di
     assert logprobs["text_offset"][0] == 0
 
 
+@pytest.mark.slow
 def test_stop_string_ends_the_text_before_it(tmp_path, model_dir):
     async def scenario(client, services):
         body = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -137,6 +140,7 @@ def test_stop_string_ends_the_text_before_it(tmp_path, model_dir):
     assert full.startswith(cut["text"]) and full.index(stop) == len(cut["text"])
 
 
+@pytest.mark.slow
 def test_stream_concatenates_to_the_whole_response_and_ends_with_done(tmp_path, model_dir):
     async def scenario(client, services):
         body = {
@@ -170,6 +174,7 @@ def test_stream_concatenates_to_the_whole_response_and_ends_with_done(tmp_path, 
         assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
 
 
+@pytest.mark.slow
 def test_unset_sampling_fields_take_the_models_defaults(tmp_path, model_dir):
     """As vLLM with --generation-config auto: the model's generation_config.json fills what a request omits
     (here greedy, so the output must be transformers' greedy tokens); a field the request sets wins."""
@@ -189,6 +194,7 @@ def test_unset_sampling_fields_take_the_models_defaults(tmp_path, model_dir):
     assert len({c["text"] for c in sampled.json()["choices"]}) > 1
 
 
+@pytest.mark.slow
 def test_stream_sends_one_choice_per_chunk_cached_tokens_and_continuous_usage(tmp_path, model_dir):
     """With n > 1 each chunk carries one choice (as OpenAI and vLLM send them), no chunk but the usage chunk
     has an empty `choices`, usage reports the prefix-cache hits of a repeated prompt, and

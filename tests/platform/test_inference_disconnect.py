@@ -91,6 +91,7 @@ async def engine_idle(services) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_aborts_the_request_and_frees_kv_blocks(tmp_path, model_dir, stream):
     body = {
@@ -142,6 +143,7 @@ KEYS = {"sk-alice": {"tenant": "alice", "role": "admin"}, "sk-bob": {"tenant": "
 FILLER_TOKENS = 80
 
 
+@pytest.mark.slow
 def test_a_stream_whose_client_leaves_before_its_first_token_never_runs(tmp_path, model_dir):
     """One sequence at a time: bob's long request runs, alice's stream waits in the engine's queue, and
     her client leaves. The engine drops her request at once (it leaves the queue while bob's still
@@ -206,6 +208,7 @@ def test_a_stream_whose_client_leaves_before_its_first_token_never_runs(tmp_path
     assert reasons == {"stop": 0, "length": 1, "abort": 1, "error": 0}
 
 
+@pytest.mark.slow
 def test_a_request_the_engine_fails_counts_as_error(tmp_path, model_dir):
     adapter = make_adapter(model_dir, tmp_path / "a", seed=9, r=4, lora_alpha=8, target_modules=["q_proj"])
 

@@ -73,6 +73,7 @@ def expected_from_records(records: tuple[AdapterResidency, ...]) -> dict[tuple[s
     return expected
 
 
+@pytest.mark.slow
 def test_residency_series_follow_loads_and_evictions(tmp_path, model_dir, adapters):
     """max_loras 2 and a CPU tier of 2: three adapters of two tenants, one after another, then a pin."""
     settings = ServerSettings(placement_key=PLACEMENT_KEY)

@@ -27,6 +27,7 @@ def files(folder) -> list:
     ]
 
 
+@pytest.mark.slow
 def test_a_phi3_adapter_uploaded_and_served(tmp_path, phi, make_llama_style_adapter):
     model_dir, fused = phi
     tokenizer = make_tokenizer()

@@ -15,6 +15,7 @@ def model_dir(tmp_path_factory):
     return make_text_model(tmp_path_factory.mktemp("models") / "model")
 
 
+@pytest.mark.slow
 def test_models_list_as_vllm_shapes_it(tmp_path, model_dir):
     adapter = make_adapter(
         model_dir, tmp_path / "adapter", seed=4, r=4, lora_alpha=8, target_modules=["q_proj"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from app_fixtures import make_text_model, make_tokenizer
 from factories import EXPERTS, make_adapter, per_adapter_reference
 from test_inference_completions import run
@@ -21,6 +22,7 @@ def files(folder, config=None) -> list:
     ]
 
 
+@pytest.mark.slow
 def test_an_expert_adapter_uploaded_and_served(tmp_path):
     import torch
 

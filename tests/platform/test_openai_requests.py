@@ -22,6 +22,7 @@ def model_dir(tmp_path_factory):
     return make_text_model(tmp_path_factory.mktemp("requests") / "model")
 
 
+@pytest.mark.slow
 def test_root_path_serves_both_forms(tmp_path, model_dir):
     """As uvicorn runs it under --root-path /llm (the prefix written in front of every path): `/v1/...`
     from a proxy that stripped the prefix and `/llm/v1/...` sent straight to the server both route, and an
@@ -50,6 +51,7 @@ def test_root_path_serves_both_forms(tmp_path, model_dir):
     assert unknown.status_code == 404 and message.count("/llm") == 1, message
 
 
+@pytest.mark.slow
 def test_prompt_wordings_as_vllms(tmp_path, model_dir):
     async def scenario(client, services):
         api = sdk(client)
@@ -82,6 +84,7 @@ def test_prompt_wordings_as_vllms(tmp_path, model_dir):
     assert re.search("json_schema.*must be provided", errors["json_schema"])
 
 
+@pytest.mark.slow
 def test_options_this_server_lacks_are_400s_and_logprobs_list_the_chosen_token_first(tmp_path, model_dir):
     async def scenario(client, services):
         api = sdk(client)
@@ -114,6 +117,7 @@ def test_options_this_server_lacks_are_400s_and_logprobs_list_the_chosen_token_f
     assert all(token.startswith("token_id:") for token in as_ids.choices[0].logprobs.tokens)
 
 
+@pytest.mark.slow
 def test_batched_chat_completions(tmp_path, model_dir):
     """vLLM's POST /v1/chat/completions/batch: choice i answers conversation i, exactly as the same
     conversation alone would (greedy), with a JSON schema held for each; streaming is refused."""

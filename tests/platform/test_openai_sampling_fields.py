@@ -23,6 +23,7 @@ def sdk(client) -> openai.AsyncOpenAI:
     )
 
 
+@pytest.mark.slow
 def test_fields_change_the_output_as_defined(tmp_path, model_dir):
     async def scenario(client, services):
         api = sdk(client)
@@ -60,6 +61,7 @@ def test_fields_change_the_output_as_defined(tmp_path, model_dir):
     assert sampled.usage.completion_tokens == 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "fields, param",
     [
@@ -87,6 +89,7 @@ def test_bad_values_are_400s_naming_the_field(tmp_path, model_dir, fields, param
     assert error.status_code == 400 and param in error.message
 
 
+@pytest.mark.slow
 def test_vllm_stop_fields_and_stop_reason(tmp_path, model_dir):
     """vLLM's stop_token_ids, min_tokens and include_stop_str_in_output work, and each choice says what
     stopped it in vLLM's `stop_reason` (the token id or the string; null for length)."""

@@ -29,6 +29,7 @@ def sdk(client) -> openai.AsyncOpenAI:
 MESSAGES = [{"role": "user", "content": "What is the answer?"}]
 
 
+@pytest.mark.slow
 def test_max_tokens_beyond_the_context_is_vllms_400(tmp_path, model_dir):
     async def scenario(client, services):
         api = sdk(client)
@@ -62,6 +63,7 @@ def test_max_tokens_beyond_the_context_is_vllms_400(tmp_path, model_dir):
     assert fits.choices[0].finish_reason in ("stop", "length")  # exactly the room left is allowed
 
 
+@pytest.mark.slow
 def test_echo_with_max_tokens_zero_scores_the_prompt(tmp_path, model_dir):
     async def scenario(client, services):
         api = sdk(client)
@@ -88,6 +90,7 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(tmp_path, model_dir):
     assert "max_tokens must be at least 1" in no_echo["message"] and no_echo["param"] == "max_tokens"
 
 
+@pytest.mark.slow
 def test_models_retrieve(tmp_path, model_dir):
     adapter = make_adapter(
         model_dir, tmp_path / "adapter", seed=4, r=4, lora_alpha=8, target_modules=["q_proj"]
@@ -109,6 +112,7 @@ def test_models_retrieve(tmp_path, model_dir):
     assert "does not exist" in missing["message"] and missing["code"] == "model_not_found"
 
 
+@pytest.mark.slow
 def test_chat_stream_opens_with_the_role_alone_and_token_ids_are_null_unless_asked(tmp_path, model_dir):
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
     eos = {"ignore_eos": True}
@@ -147,6 +151,7 @@ def test_chat_stream_opens_with_the_role_alone_and_token_ids_are_null_unless_ask
     assert completion["choices"][0]["token_ids"] is None
 
 
+@pytest.mark.slow
 def test_usage_flags_as_vllms(tmp_path, model_dir):
     """--enable-prompt-tokens-details adds cached_tokens (off: null); --enable-force-include-usage puts the
     usage in every chunk of every stream, growing, and ends it with a usage chunk."""
@@ -178,6 +183,7 @@ def test_usage_flags_as_vllms(tmp_path, model_dir):
     assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 5
 
 
+@pytest.mark.slow
 def test_server_load(tmp_path, model_dir):
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True}
 

@@ -126,6 +126,7 @@ def _wait_for(driver, script: str, what: str):
     raise AssertionError(f"{what} did not render within {RENDER_TIMEOUT_S} s:\n{driver.page_source[:2000]}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", ["/schema", "/schema/swagger"])
 def test_swagger_ui_lists_every_operation_offline(browser, server_url, page):
     browser.get(server_url + page)

@@ -54,6 +54,7 @@ def check_vllm_shape(body: list, prompt: list[int], expected: torch.Tensor, k: i
             assert entry[str(token_id)]["logprob"] == pytest.approx(value, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_on_completions_and_chat(tmp_path, model_dir, reference):
     async def scenario(client, services):
         api = sdk(client)
@@ -86,6 +87,7 @@ def test_prompt_logprobs_on_completions_and_chat(tmp_path, model_dir, reference)
     )  # vLLM sends null when not asked for (as vLLM's tests read)
 
 
+@pytest.mark.slow
 def test_echo_with_logprobs_lists_the_prompt_first(tmp_path, model_dir, reference):
     async def scenario(client, services):
         api = sdk(client)
@@ -165,6 +167,7 @@ REFUSED = [
 ]
 
 
+@pytest.mark.slow
 def test_what_vllm_refuses_is_a_400_and_what_asks_nothing_passes(tmp_path, model_dir):
     """vLLM's rules (its default --max-logprobs 20: -1, the whole vocabulary, is over it); values that ask
     for nothing pass: top_logprobs 0 without logprobs, prompt_logprobs 0 with stream."""
@@ -196,6 +199,7 @@ def test_what_vllm_refuses_is_a_400_and_what_asks_nothing_passes(tmp_path, model
     assert chunks and chunks[-1].choices[0].finish_reason is not None
 
 
+@pytest.mark.slow
 def test_minus_one_is_the_whole_vocabulary_under_max_logprobs_minus_one(tmp_path, model_dir, reference):
     """`--max-logprobs -1` (vLLM's): -1 asks for every token's logprob, in chat's top_logprobs and in
     prompt_logprobs; completions' `logprobs: -1` stays refused, as vLLM refuses it."""

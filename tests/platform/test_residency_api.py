@@ -37,6 +37,7 @@ async def until_resident(client, check, timeout_s: float = 30.0) -> list[dict]:
     raise AssertionError(adapters)
 
 
+@pytest.mark.slow
 def test_preload_pin_unpin_and_unload(tmp_path, model_dir, adapter_dir):
     async def scenario(client, services):
         for name in ("a", "b", "c"):
@@ -94,6 +95,7 @@ def test_preload_pin_unpin_and_unload(tmp_path, model_dir, adapter_dir):
     assert left[0]["level"] == "gpu" and view["max_gpu_lora_adapters"] == 2 and view["max_operator_pins"] == 1
 
 
+@pytest.mark.slow
 def test_only_the_operator_on_the_metrics_listener_reaches_them(tmp_path, model_dir, adapter_dir):
     async def scenario(client, services):
         services.adapter_store.put("alpha", "a", adapter_dir)

@@ -24,6 +24,7 @@ def sdk(client) -> openai.AsyncOpenAI:
 GREEDY = {"max_tokens": 5, "temperature": 0}
 
 
+@pytest.mark.slow
 def test_echo_token_ids_and_truncation(tmp_path, model_dir):
     async def scenario(client, services):
         api = sdk(client)
@@ -62,6 +63,7 @@ def test_echo_token_ids_and_truncation(tmp_path, model_dir):
     assert plain.choices[0].model_extra["prompt_token_ids"] is None
 
 
+@pytest.mark.slow
 def test_chat_roles_continuation_and_token_ids(tmp_path, model_dir):
     messages = [
         {"role": "narrator", "content": "A story."},  # a custom role: the template decides
@@ -93,6 +95,7 @@ def test_chat_roles_continuation_and_token_ids(tmp_path, model_dir):
     assert len(continued.choices[0].model_extra["token_ids"]) == continued.usage.completion_tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "path, fields, param",
     [
@@ -119,6 +122,7 @@ def test_fields_that_cannot_be_honoured_are_400s(tmp_path, model_dir, path, fiel
     assert error.status_code == 400 and param in error.message
 
 
+@pytest.mark.slow
 def test_stream_options_as_vllm_reads_them(tmp_path, model_dir):
     """As vLLM's test_completion_stream_options: the usage chunk only with include_usage true, usage in
     every chunk only with continuous_usage_stats as well; `{}` asks for nothing (and passes without a

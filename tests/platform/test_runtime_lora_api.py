@@ -23,6 +23,7 @@ def model_dir(tmp_path_factory):
     return make_text_model(tmp_path_factory.mktemp("runtime") / "model")
 
 
+@pytest.mark.slow
 def test_runtime_loading_is_off_without_allowed_folders(tmp_path, model_dir):
     adapter = make_adapter(model_dir, tmp_path / "a", r=4, lora_alpha=8, target_modules=["q_proj"])
 
@@ -35,6 +36,7 @@ def test_runtime_loading_is_off_without_allowed_folders(tmp_path, model_dir):
     assert response.json()["error"]["code"] == "runtime_lora_loading_disabled"
 
 
+@pytest.mark.slow
 def test_load_use_replace_and_unload(tmp_path, model_dir):
     allowed = tmp_path / "allowed"
     first = make_adapter(model_dir, allowed / "v1", seed=1, r=4, lora_alpha=8, target_modules=["q_proj"])
@@ -107,6 +109,7 @@ def test_load_use_replace_and_unload(tmp_path, model_dir):
     assert "cannot be found" in answers["unload_again"].json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_vllms_statuses_for_bad_loads_and_unloads(tmp_path, model_dir):
     """vLLM's tests/entrypoints/openai lora tests: empty fields 400, a path that is not there 404, files that
     are no adapter 400, adapter_config.json keys the server cannot serve 400 with vLLM's words, and an

@@ -16,6 +16,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from api_env import ADMIN_A, bearer
 from live_server import live_server, read_response
 
@@ -36,6 +37,7 @@ def _request_head(method: str, path: str, length: int, content_type: str = "appl
     ).encode()
 
 
+@pytest.mark.slow
 def test_slow_headers_slow_bodies_and_silent_connections_get_408_and_are_closed(api_env, peft_adapters):
     env = api_env()
     env.services.adapter_store.put("alpha", "a", peft_adapters["qv"])  # what the routes below name

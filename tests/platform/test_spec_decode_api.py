@@ -66,6 +66,7 @@ def test_metrics_use_vllms_names():
     assert not any(name.startswith("vllm:spec_decode") for name, _ in plain)
 
 
+@pytest.mark.slow
 def test_requests_opt_out_and_in(tmp_path, model_dir):
     async def scenario(client, services):
         async def drafts() -> float:

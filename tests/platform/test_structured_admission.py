@@ -58,6 +58,7 @@ BAD_SPECS = [
 ]
 
 
+@pytest.mark.slow
 def test_bad_or_unsatisfiable_specs_are_400s_streamed_or_not(tmp_path, model_dir):
     async def scenario(client, services):
         answers = []
@@ -82,6 +83,7 @@ def test_bad_or_unsatisfiable_specs_are_400s_streamed_or_not(tmp_path, model_dir
     assert after.status_code == 200
 
 
+@pytest.mark.slow
 def test_a_tenant_at_its_cap_gets_429_before_any_work_for_the_request(tmp_path, model_dir):
     """alice may run one request: while it streams, a second is 429 whatever it holds (a spec the budget
     would refuse, a prompt far beyond the context), so none of that is looked at; bob is unaffected."""

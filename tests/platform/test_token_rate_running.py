@@ -87,6 +87,7 @@ async def stream_with(app, body: dict, key: str, on_chunk) -> list[dict]:
     return sent
 
 
+@pytest.mark.slow
 def test_a_long_request_is_charged_as_it_generates_and_the_tenant_then_waits(tmp_path, model_dir):
     clock = Clock()
     before_jump: list[int] = []

@@ -20,6 +20,7 @@ def model_dir(tmp_path_factory):
     return make_text_model(tmp_path_factory.mktemp("tokenize") / "model")
 
 
+@pytest.mark.slow
 def test_tokenize_detokenize_and_info(tmp_path, model_dir):
     async def scenario(client, services):
         tokenizer = services.tokenizer
@@ -52,6 +53,7 @@ def test_tokenize_detokenize_and_info(tmp_path, model_dir):
     assert "im_start" in info.json()["chat_template"]
 
 
+@pytest.mark.slow
 def test_tokenizer_endpoints_refuse_bad_input_and_other_tenants_names(tmp_path, model_dir):
     async def scenario(client, services):
         adapter = make_adapter(model_dir, tmp_path / "mine", r=4, lora_alpha=8, target_modules=["q_proj"])
@@ -80,6 +82,7 @@ def test_tokenizer_endpoints_refuse_bad_input_and_other_tenants_names(tmp_path, 
     assert "assistant" in answers[8].json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_invocations_routes_by_the_body_shape(tmp_path, model_dir):
     """SageMaker's /invocations: `messages` -> chat completion, `prompt` -> completion, neither or both -> 400."""
     base = {"model": "tiny", "max_tokens": 3, "temperature": 0, "ignore_eos": True}

@@ -28,6 +28,7 @@ TOOLS = [
 ASK = [{"role": "user", "content": "Weather?"}]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "phi3"])
 def test_forced_calls_keep_to_the_schema_on_each_family(tmp_path, arch):
     model_dir = make_text_model(tmp_path / "model", arch=arch)

@@ -38,6 +38,7 @@ def deploy_variables() -> dict[str, str]:
     return {name: where for name, where in found.items() if name.startswith("LORASERVE_")}
 
 
+@pytest.mark.slow
 def test_every_variable_is_a_serve_flag():
     flags = serve_flags()
     variables = deploy_variables()

@@ -91,6 +91,7 @@ def test_each_client_gets_its_own_outputs_and_aborts_only_its_own(core):
     assert "already in use" in duplicate[-1].error
 
 
+@pytest.mark.slow
 def test_a_client_that_goes_away_has_its_requests_aborted(core):
     handle, connect = core
     staying, leaving = connect("fe-0-stay"), connect("fe-1-leave")

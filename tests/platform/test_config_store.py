@@ -231,6 +231,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 def test_process_killed_mid_write_leaves_a_whole_record(tmp_path):
     """SIGKILL a writer rewriting one record in a loop: the file always holds one complete version."""
     with subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE) as writer:

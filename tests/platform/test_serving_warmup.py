@@ -99,6 +99,7 @@ def test_ready_only_after_the_warmup_ran_and_it_is_no_user_traffic(tmp_path, mod
     )
 
 
+@pytest.mark.slow
 def test_no_serving_warmup_turns_it_off(tmp_path, model_dir, monkeypatch):
     logged, reasons, metrics = start(tmp_path, model_dir, monkeypatch, serving_warmup=False)
     assert logged == [] and WARMING_UP not in reasons
@@ -117,6 +118,7 @@ def test_the_flag_and_its_environment_variable():
         parse(["--serving-warmup-timeout", "0"])
 
 
+@pytest.mark.slow
 def test_a_client_cannot_pass_for_the_warmup(tmp_path, model_dir):
     """The warm-up's identity lives in the ASGI scope, which only the server writes: a header, query or
     body field of the same name is an ordinary request (here: 401, the server has keys)."""

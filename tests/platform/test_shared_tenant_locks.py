@@ -76,6 +76,7 @@ def _reap(*processes) -> None:
             process.join(5)
 
 
+@pytest.mark.slow
 def test_processes_racing_past_the_route_quota_store_exactly_the_quota(tmp_path):
     locks = tmp_path / "locks"
     locks.mkdir()
@@ -92,6 +93,7 @@ def test_processes_racing_past_the_route_quota_store_exactly_the_quota(tmp_path)
     assert sum(stored) == len(routes) == QUOTA, (stored, [r.name for r in routes])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ending", ["release", "kill"])
 def test_a_held_lock_keeps_other_processes_out_until_its_holder_lets_go_or_dies(tmp_path, ending):
     (tmp_path / "locks").mkdir()

@@ -463,7 +463,7 @@ def parse_args(argv=None):
         p.error("needs a CUDA device (or --smoke)")
     if args.load_format == "dummy" and not args.skip_transformers:
         p.error("--load-format dummy writes no checkpoint for transformers: add --skip-transformers")
-    return args
+    return with_engine_defaults(args)
 
 
 def main(argv=None) -> None:

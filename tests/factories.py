@@ -206,3 +206,12 @@ def per_adapter_reference(model_dir: Path, adapters: dict[str, Path]):
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         models[name] = PeftModel.from_pretrained(base, path).eval()
     return models
+
+
+def first_tokens_agreement(got: list[list[int]], expected: list[list[int]], num_tokens: int) -> float:
+    """The GPU tests' bf16 measure: each row's common prefix with its reference, over num_tokens per row."""
+
+    def common_prefix(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    return sum(common_prefix(g, e) for g, e in zip(got, expected)) / (num_tokens * len(expected))

@@ -15,7 +15,7 @@ import random
 
 import pytest
 import torch
-from factories import make_adapter, make_model
+from factories import first_tokens_agreement, make_adapter, make_model
 from formats_fixtures import greedy_by_adapter, make_dora_adapter
 
 from engine import LLM, SamplingParams
@@ -80,10 +80,6 @@ def test_float32_matches_transformers_peft(case):
     assert replays > 0
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def test_bfloat16_agrees_with_transformers_and_graphs_equal_eager(case):
     expected = greedy_by_adapter(
         case["model_dir"],
@@ -97,6 +93,6 @@ def test_bfloat16_agrees_with_transformers_and_graphs_equal_eager(case):
     graphs, replays = run(case, "bfloat16", NUM_TOKENS)
     eager, _ = run(case, "bfloat16", NUM_TOKENS, enforce_eager=True)
     assert replays > 0 and graphs == eager
-    agreement = sum(common_prefix(g, e) for g, e in zip(graphs, expected)) / (NUM_TOKENS * len(expected))
+    agreement = first_tokens_agreement(graphs, expected, NUM_TOKENS)
     print(f"{case['arch']} DoRA: bf16 first-{NUM_TOKENS}-token agreement {agreement:.3f}")
     assert agreement >= 0.95

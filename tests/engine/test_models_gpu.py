@@ -18,7 +18,14 @@ import random
 
 import pytest
 import torch
-from factories import family_adapters, load_peft_reference, make_adapter, make_model, reference_greedy
+from factories import (
+    family_adapters,
+    first_tokens_agreement,
+    load_peft_reference,
+    make_adapter,
+    make_model,
+    reference_greedy,
+)
 
 from engine import LLM, SamplingParams
 
@@ -100,17 +107,13 @@ def test_float32_matches_transformers_peft(case):
     assert replays > 0
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def test_bfloat16_agrees_with_transformers_and_graphs_equal_eager(case):
     reference = load_peft_reference(case["model_dir"], case["adapters"]).to("cuda", torch.bfloat16)
     expected = [reference_greedy_cuda(reference, p, a) for p, a in zip(case["prompts"], case["assigned"])]
     del reference
     graphs, replays = run(case, "bfloat16", NUM_TOKENS)
     assert replays > 0
-    agreement = sum(common_prefix(g, e) for g, e in zip(graphs, expected)) / (NUM_TOKENS * len(expected))
+    agreement = first_tokens_agreement(graphs, expected, NUM_TOKENS)
     whole = sum(g == e for g, e in zip(graphs, expected)) / len(expected)
     print(
         f"{case['arch']}: bf16 first-{NUM_TOKENS}-token agreement {agreement:.3f}, whole prompts {whole:.3f}"
@@ -172,7 +175,7 @@ def test_fp8_block_checkpoint_over_two_gpus(tmp_path):
 
     assert tokens(2, "float32", "dequant") == tokens(1, "float32", "dequant")
     one, two = tokens(1, "bfloat16", "auto"), tokens(2, "bfloat16", "auto")
-    agreement = sum(common_prefix(a, b) for a, b in zip(one, two)) / (NUM_TOKENS * len(one))
+    agreement = first_tokens_agreement(one, two, NUM_TOKENS)
     print(
         f"FP8 block checkpoint, bf16 scaled_mm, tp 2 vs 1: first-{NUM_TOKENS}-token agreement {agreement:.3f}"
     )

@@ -17,7 +17,7 @@ import random
 
 import pytest
 import torch
-from factories import MOE_ADAPTERS, make_adapter, make_model, per_adapter_reference
+from factories import MOE_ADAPTERS, first_tokens_agreement, make_adapter, make_model, per_adapter_reference
 from test_fused_moe import inputs, reference
 from test_moe_models import expected_tokens
 
@@ -100,10 +100,6 @@ def test_float32_matches_transformers_peft(case):
     assert replays > 0
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 @torch.inference_mode()
 def test_bfloat16_agrees_with_transformers_and_graphs_equal_eager(case):
     references = per_adapter_reference(case["model_dir"], case["adapters"])
@@ -120,6 +116,6 @@ def test_bfloat16_agrees_with_transformers_and_graphs_equal_eager(case):
     graphs, replays = run(case, "bfloat16", NUM_TOKENS)
     eager, _ = run(case, "bfloat16", NUM_TOKENS, enforce_eager=True)
     assert replays > 0 and graphs == eager
-    agreement = sum(common_prefix(g, e) for g, e in zip(graphs, expected)) / (NUM_TOKENS * len(expected))
+    agreement = first_tokens_agreement(graphs, expected, NUM_TOKENS)
     print(f"{case['arch']}: bf16 first-{NUM_TOKENS}-token agreement {agreement:.3f}")
     assert agreement >= 0.95

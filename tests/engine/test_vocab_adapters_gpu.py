@@ -17,7 +17,7 @@ import random
 
 import pytest
 import torch
-from factories import make_adapter, make_model
+from factories import first_tokens_agreement, make_adapter, make_model
 from formats_fixtures import greedy_by_adapter, make_vocab_adapter
 
 from engine import LLM, SamplingParams
@@ -104,10 +104,6 @@ def test_float32_matches_peft_and_other_steps_keep_their_graphs(case):
         close(llm)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def test_bfloat16_agrees_with_peft_and_graphs_equal_eager(case):
     expected = greedy_by_adapter(
         case["model_dir"],
@@ -126,8 +122,6 @@ def test_bfloat16_agrees_with_peft_and_graphs_equal_eager(case):
         finally:
             close(llm)
     assert tokens[False] == tokens[True]
-    agreement = sum(common_prefix(g, e) for g, e in zip(tokens[False], expected)) / (
-        NUM_TOKENS * len(expected)
-    )
+    agreement = first_tokens_agreement(tokens[False], expected, NUM_TOKENS)
     print(f"vocab adapters: bf16 first-{NUM_TOKENS}-token agreement {agreement:.3f}")
     assert agreement >= 0.95

@@ -3,7 +3,7 @@ and base-model requests, through the Triton kernels' DoRA epilogue and the decod
 
 - float32: greedy tokens identical to transformers + PEFT (float32 on the CPU);
 - bfloat16: against transformers + PEFT in bfloat16 on the same GPU, >= 95% agreement on the first 32
-  tokens (common prefix, averaged), and the decode graphs give exactly the eager steps' tokens.
+  tokens (common prefix, averaged), with the decode graphs and eagerly (bf16 is not batch-invariant).
 
     TRITON_INTERPRET=0 python -m pytest tests/engine/test_dora_gpu.py -m gpu -q -s
 """
@@ -80,7 +80,7 @@ def test_float32_matches_transformers_peft(case):
     assert replays > 0
 
 
-def test_bfloat16_agrees_with_transformers_and_graphs_equal_eager(case):
+def test_bfloat16_agrees_with_transformers_with_graphs_and_eagerly(case):
     expected = greedy_by_adapter(
         case["model_dir"],
         case["adapters"],
@@ -92,7 +92,12 @@ def test_bfloat16_agrees_with_transformers_and_graphs_equal_eager(case):
     )
     graphs, replays = run(case, "bfloat16", NUM_TOKENS)
     eager, _ = run(case, "bfloat16", NUM_TOKENS, enforce_eager=True)
-    assert replays > 0 and graphs == eager
-    agreement = first_tokens_agreement(graphs, expected, NUM_TOKENS)
-    print(f"{case['arch']} DoRA: bf16 first-{NUM_TOKENS}-token agreement {agreement:.3f}")
-    assert agreement >= 0.95
+    assert replays > 0
+    # bf16 is not batch-invariant (a graph's padded batch can pick other GEMM kernels), so graphs and
+    # eager are each held to the reference; the float32 test holds graphs to it exactly.
+    with_graphs, eagerly = (first_tokens_agreement(t, expected, NUM_TOKENS) for t in (graphs, eager))
+    print(
+        f"{case['arch']} DoRA: bf16 first-{NUM_TOKENS}-token agreement with transformers: graphs "
+        f"{with_graphs:.3f}, eager {eagerly:.3f}; graphs with eager {first_tokens_agreement(graphs, eager, NUM_TOKENS):.3f}"
+    )
+    assert min(with_graphs, eagerly) >= 0.95

@@ -4,8 +4,8 @@ attention and on the routed experts mixed with base-model requests:
 
 - float32: greedy tokens identical to transformers + PEFT (float32 on the CPU);
 - bfloat16: against transformers + PEFT in bfloat16 on the same GPU, the greedy tokens agree on the first
-  32 positions (the common prefix of each prompt's 32 tokens, averaged) at >= 95%; and the decode graphs
-  give exactly the eager steps' tokens.
+  32 positions (the common prefix of each prompt's 32 tokens, averaged) at >= 95%, with the decode graphs
+  and eagerly (bf16 is not batch-invariant, so only float32 holds graphs to the reference exactly).
 
     TRITON_INTERPRET=0 python -m pytest tests/engine/test_moe_gpu.py -m gpu -q -s
 """
@@ -101,7 +101,7 @@ def test_float32_matches_transformers_peft(case):
 
 
 @torch.inference_mode()
-def test_bfloat16_agrees_with_transformers_and_graphs_equal_eager(case):
+def test_bfloat16_agrees_with_transformers_with_graphs_and_eagerly(case):
     references = per_adapter_reference(case["model_dir"], case["adapters"])
     expected = []
     for prompt, adapter in zip(case["prompts"], case["assigned"]):
@@ -115,7 +115,11 @@ def test_bfloat16_agrees_with_transformers_and_graphs_equal_eager(case):
     del references
     graphs, replays = run(case, "bfloat16", NUM_TOKENS)
     eager, _ = run(case, "bfloat16", NUM_TOKENS, enforce_eager=True)
-    assert replays > 0 and graphs == eager
-    agreement = first_tokens_agreement(graphs, expected, NUM_TOKENS)
-    print(f"{case['arch']}: bf16 first-{NUM_TOKENS}-token agreement {agreement:.3f}")
-    assert agreement >= 0.95
+    assert replays > 0
+    # bf16 is not batch-invariant (a graph's padded batch can pick other GEMM kernels), so graphs and
+    # eager are each held to the reference; the float32 test holds graphs to it exactly.
+    with_graphs, eagerly = (first_tokens_agreement(t, expected, NUM_TOKENS) for t in (graphs, eager))
+    print(
+        f"{case['arch']}: bf16 first-{NUM_TOKENS}-token agreement: graphs {with_graphs:.3f}, eager {eagerly:.3f}"
+    )
+    assert min(with_graphs, eagerly) >= 0.95

@@ -72,8 +72,11 @@ def test_each_decode_step_replays_the_graph_of_its_rank_buckets(mixed):
         replayed.append(rank_buckets if use_lora else ())
         return replay(num_seqs, size, use_lora, rank_buckets)
 
-    graphs.replay = recording
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
+    # Both adapters resident first: a request whose adapter is still loading waits while the base-model
+    # row decodes alone, which would replay the no-LoRA graph.
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 2, params, adapters=["small", "large"])
+    graphs.replay = recording
     reference = load_peft_reference(*mixed)
     eager = make_llm(mixed, enforce_eager=True)
     expected_buckets = {"small": {(16,)}, "large": {(64,)}, "both": {(16, 64)}}

@@ -12,10 +12,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from engine.engine_args import FP8_GEMMS, LOAD_FORMATS
 from engine.model.fp8_checkpoint import fp8_scheme, is_block_scaled
-from engine.model.fp8_linear import FP8_GEMMS, Fp8Linear
+from engine.model.fp8_linear import Fp8Linear
 from engine.model.layers.checkpoint_tensor import CheckpointTensor
-from engine.model.layers.context import LOAD_FORMATS, BuildContext, Fp8Settings
+from engine.model.layers.context import BuildContext, Fp8Settings
 from engine.model.layers.decoder import DecoderModel
 from engine.model.layers.sharding import SINGLE, TensorParallel
 from engine.model.registry import model_class

@@ -56,11 +56,16 @@ class Flag:
 
 
 def setting(
-    default: Any, *, flag: Flag | None = None, choices: tuple | None = None, why: str = "", repr: bool = True
+    default: Any,
+    *,
+    flag: Flag | None = None,
+    choices: tuple | None = None,
+    why: str = "",
+    secret: bool = False,
 ) -> Any:
-    """A settings field: its default, its flag (None: not on the command line), the values it may take
-    and what its error message adds after them."""
-    return field(default=default, repr=repr, metadata={"flag": flag, "choices": choices, "why": why})
+    """A settings field: its default, its flag (None: not on the command line), the values it may take,
+    what its error message adds after them, and whether it is a secret (never in a repr, so never logged)."""
+    return field(default=default, repr=not secret, metadata={"flag": flag, "choices": choices, "why": why})
 
 
 def flag_of(f: Field) -> Flag | None:
@@ -92,9 +97,7 @@ class EngineArgs:
     # None: the model's `max_position_embeddings`, resolved by the engine when the model is known.
     max_model_len: int | None = setting(None, flag=Flag("context length (default: the model's)"))
     block_size: int = setting(16, flag=Flag("tokens per KV cache block"))
-    gpu_memory_utilization: float = setting(
-        0.9, flag=Flag("share of GPU memory to use, model included")
-    )
+    gpu_memory_utilization: float = setting(0.9, flag=Flag("share of GPU memory to use, model included"))
     # "auto": the model dtype; "fp8" / "fp8_e4m3": half the bytes of bf16 per token (see KV_CACHE_DTYPES).
     kv_cache_dtype: str = setting(
         "auto",
@@ -188,7 +191,9 @@ class EngineArgs:
     attention_backend: str = setting(
         "auto",
         choices=ATTENTION_BACKENDS,
-        flag=Flag("auto: triton on CUDA, torch elsewhere; torch is the plain reference path (no CUDA graphs)"),
+        flag=Flag(
+            "auto: triton on CUDA, torch elsewhere; torch is the plain reference path (no CUDA graphs)"
+        ),
     )
     max_loras: int = setting(4, flag=Flag("adapters resident on the GPU at once"))
     # Adapters kept on the host, ready to copy into a GPU slot; None: as many as max_loras.
@@ -248,7 +253,9 @@ class EngineArgs:
     scheduling_policy: str = setting(
         "fair",
         choices=SCHEDULING_POLICIES,
-        flag=Flag("fair: tenants share the GPU by weight (virtual token counters); fcfs: first come first served"),
+        flag=Flag(
+            "fair: tenants share the GPU by weight (virtual token counters); fcfs: first come first served"
+        ),
     )
     # CPU only: bytes of KV cache when num_kv_blocks is not given (vLLM's VLLM_CPU_KVCACHE_SPACE, in GiB).
     cpu_kv_cache_bytes: int = setting(
@@ -329,7 +336,11 @@ def check_engine_args(args: EngineArgs, label: Callable[[str], str]) -> None:
         "cpu_kv_cache_bytes",
     ):
         _positive(label(name), getattr(args, name))
-    if isinstance(args.max_logprobs, bool) or not isinstance(args.max_logprobs, int) or args.max_logprobs < -1:
+    if (
+        isinstance(args.max_logprobs, bool)
+        or not isinstance(args.max_logprobs, int)
+        or args.max_logprobs < -1
+    ):
         raise ValueError(
             f"{label('max_logprobs')} must be -1 (no cap) or a non-negative integer (got {args.max_logprobs!r})"
         )
@@ -389,7 +400,9 @@ def check_engine_args(args: EngineArgs, label: Callable[[str], str]) -> None:
             raise ValueError(f"{label(name)} must be a positive number (got {value!r})")
     bypass = args.fairness_max_bypass_steps
     if isinstance(bypass, bool) or not isinstance(bypass, int) or bypass < 0:
-        raise ValueError(f"{label('fairness_max_bypass_steps')} must be a non-negative integer (got {bypass!r})")
+        raise ValueError(
+            f"{label('fairness_max_bypass_steps')} must be a non-negative integer (got {bypass!r})"
+        )
     for name in ("enforce_eager", "async_scheduling"):
         if not isinstance(getattr(args, name), bool):
             raise ValueError(f"{label(name)} must be a bool (got {getattr(args, name)!r})")

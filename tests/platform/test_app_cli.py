@@ -12,20 +12,10 @@ from factories import make_adapter
 from loraserve.bootstrap import engine_config, open_services, preload_lora_modules, sweep_quietly
 from loraserve.cli import build_parser, settings_from_args
 from loraserve.name_conflicts import NameConflict
-from loraserve.settings import (
-    ADAPTER_LOADERS,
-    ATTENTION_BACKENDS,
-    GENERATION_CONFIGS,
-    KV_CACHE_DTYPES,
-    LOAD_FORMATS,
-    QUANTIZATIONS,
-    SCHEDULING_POLICIES,
-    ServerSettings,
-)
+from loraserve.settings import ServerSettings
 
 from adapters_store import StoreConfig, StoreUnavailable, open_store
 from engine import ModelShape
-from engine import config as engine_config_module
 from engine.model.loader import load_config
 
 
@@ -135,17 +125,6 @@ def test_engine_gpu_options_from_flags_and_environment():
         "triton",
     )
     assert engine_config(settings(["--max-logprobs", "-1"]), "some/model").max_logprobs == -1
-
-
-def test_server_choices_are_the_engines():
-    """settings.py repeats the engine's choices so that client commands need not import torch."""
-    assert KV_CACHE_DTYPES == engine_config_module.KV_CACHE_DTYPES
-    assert ATTENTION_BACKENDS == engine_config_module.ATTENTION_BACKENDS
-    assert ADAPTER_LOADERS == engine_config_module.ADAPTER_LOADERS
-    assert GENERATION_CONFIGS == engine_config_module.GENERATION_CONFIGS
-    assert SCHEDULING_POLICIES == engine_config_module.SCHEDULING_POLICIES
-    assert QUANTIZATIONS == engine_config_module.QUANTIZATIONS
-    assert LOAD_FORMATS == engine_config_module.LOAD_FORMATS
 
 
 def test_quantization_flag_reaches_the_engine():

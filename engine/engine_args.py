@@ -297,29 +297,35 @@ class EngineArgs:
     fp8_gemm: str = setting("auto", choices=FP8_GEMMS)
 
     def __post_init__(self) -> None:
-        check_engine_args(self, self.label)
+        check_engine_args(self)
 
     def label(self, name: str) -> str:
         """How an error message names a setting: its field name (the server names its flag)."""
         return name
+
+    def not_a_choice(self, name: str, value: object, choices: tuple) -> str:
+        """The error for a value outside a setting's choices."""
+        allowed = (
+            "None or " + " or ".join(repr(c) for c in choices if c is not None)
+            if None in choices
+            else "one of " + ", ".join(choices)
+        )
+        return f"{name} must be {allowed} (got {value!r})"
 
     def engine_args(self) -> dict[str, Any]:
         """The engine's settings of this object, by field name (what EngineConfig takes besides the model)."""
         return {f.name: getattr(self, f.name) for f in fields(EngineArgs)}
 
 
-def check_engine_args(args: EngineArgs, label: Callable[[str], str]) -> None:
-    """Every check of the engine's settings that needs no torch; ValueError naming the setting."""
+def check_engine_args(args: EngineArgs) -> None:
+    """Every check of the engine's settings that needs no torch; ValueError naming the setting as
+    `args.label` does."""
+    label = args.label
     for f in fields(EngineArgs):
         choices = f.metadata.get("choices")
         value = getattr(args, f.name)
         if choices is not None and value not in choices:
-            allowed = (
-                "None or " + " or ".join(repr(c) for c in choices if c is not None)
-                if None in choices
-                else "one of " + ", ".join(choices)
-            )
-            raise ValueError(f"{label(f.name)} must be {allowed} (got {value!r}){f.metadata['why']}")
+            raise ValueError(args.not_a_choice(f.name, value, choices) + f.metadata["why"])
     for name in ("speculative_config", "kv_events_config"):
         try:
             {"speculative_config": SpeculativeConfig, "kv_events_config": KVEventsConfig}[name].parse(

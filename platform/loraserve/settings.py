@@ -369,6 +369,10 @@ class ServerSettings(EngineArgs):
         f = _FIELDS[name]
         return flag_name(f) if f.metadata.get("flag") is not None else name
 
+    def not_a_choice(self, name: str, value: object, choices: tuple) -> str:
+        allowed = ", ".join(choice for choice in choices if choice is not None)
+        return f"{self.label(name)} {value!r} is not supported; use one of {allowed}"
+
     def __post_init__(self) -> None:
         super().__post_init__()  # the engine's settings (engine.engine_args.check_engine_args)
         if not 0 <= self.port <= 65535:

@@ -357,21 +357,17 @@ def check_engine_args(args: EngineArgs) -> None:
             f"{label('grammar_compile_timeout_s')} must be a positive number of seconds "
             f"(got {args.grammar_compile_timeout_s})"
         )
-    if args.lora_pool_rank_budget is not None:
-        _positive(label("lora_pool_rank_budget"), args.lora_pool_rank_budget)
-        if args.lora_pool_rank_budget < args.max_lora_rank:
-            raise ValueError(
-                f"{label('lora_pool_rank_budget')} ({args.lora_pool_rank_budget}) must be at least "
-                f"{label('max_lora_rank')} ({args.max_lora_rank}): the pool must hold one adapter of the "
-                "largest rank"
-            )
-    if args.max_cpu_loras is not None:
-        _positive(label("max_cpu_loras"), args.max_cpu_loras)
-        if args.max_cpu_loras < args.max_loras:
-            raise ValueError(
-                f"{label('max_cpu_loras')} ({args.max_cpu_loras}) must be at least {label('max_loras')} "
-                f"({args.max_loras})"
-            )
+    for name, floor, why in (
+        ("lora_pool_rank_budget", "max_lora_rank", ": the pool must hold one adapter of the largest rank"),
+        ("max_cpu_loras", "max_loras", ""),
+    ):
+        value = getattr(args, name)
+        if value is not None:  # None: as large as `floor` allows
+            _positive(label(name), value)
+            if value < getattr(args, floor):
+                raise ValueError(
+                    f"{label(name)} ({value}) must be at least {label(floor)} ({getattr(args, floor)}){why}"
+                )
     vocab = args.max_vocab_loras
     if isinstance(vocab, bool) or not isinstance(vocab, int):
         raise ValueError(f"{label('max_vocab_loras')} must be an integer (got {vocab!r})")

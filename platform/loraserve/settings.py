@@ -8,16 +8,14 @@ here, so a typo fails at start with a message naming the flag instead of deep in
 
 from __future__ import annotations
 
-import argparse
-import json
-import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from adapters_store.config import DEFAULT_URL as DEFAULT_ADAPTER_STORE
-from adapters_store.config import GiB, parse_size, parse_store_url
+from adapters_store.config import GiB, parse_store_url
 from engine.core.steady import parse_cpus
 from engine.engine_args import EngineArgs, Flag, flag_name, setting
+from loraserve.flag_values import parse_lora_module, parse_size_flag, valid_module_name
 from loraserve.inference.tools.parsers import PARSERS, unknown_parser_message
 from loraserve.ops.http_timeouts import (
     DEFAULT_BODY_MIN_RATE,
@@ -33,15 +31,6 @@ BODY_BYTES_PER_TOKEN = 32
 DEFAULT_BODY_CONTEXT = 131072
 MIN_DEFAULT_BODY_SIZE = 4 << 20
 MIN_REQUEST_BODY_SIZE = 4096
-_MODULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
-
-def parse_size_flag(raw: str) -> int:
-    """`10GiB`, `500MiB` or bytes."""
-    try:
-        return parse_size(raw)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _metrics_port(raw: str) -> int:
@@ -51,46 +40,6 @@ def _metrics_port(raw: str) -> int:
     if not 1 <= port <= 65535:
         raise ValueError("expected a port in 1..65535, or off")
     return port
-
-
-class LoraModule(tuple):
-    """`(name, path)` of one `--lora-modules` entry; `base_model_name` is what vLLM's JSON form may add (the
-    server refuses to start when it names another model)."""
-
-    base_model_name: str | None
-
-    def __new__(cls, name: str, path: str, base_model_name: str | None = None) -> LoraModule:
-        module = super().__new__(cls, (name, path))
-        module.base_model_name = base_model_name
-        return module
-
-
-def parse_lora_module(spec: str) -> LoraModule:
-    """`NAME=PATH`, or vLLM's JSON `{"name": ..., "path": ..., "base_model_name": ...}`; ValueError naming the
-    expected forms otherwise."""
-    if spec.lstrip().startswith("{"):
-        return _parse_json_module(spec)
-    name, sep, path = spec.partition("=")
-    if not sep or not name or not path:
-        raise ValueError(
-            f"--lora-modules expects NAME=PATH or a JSON object with name and path (got {spec!r})"
-        )
-    return LoraModule(name.strip(), path.strip())
-
-
-def _parse_json_module(spec: str) -> LoraModule:
-    try:
-        fields = json.loads(spec)
-    except ValueError:
-        raise ValueError(f"--lora-modules: {spec!r} is not valid JSON") from None
-    known = {"name", "path", "base_model_name"}
-    if not isinstance(fields, dict) or not {"name", "path"} <= set(fields) or set(fields) - known:
-        raise ValueError(
-            f"--lora-modules JSON takes name, path and optionally base_model_name (got {spec!r})"
-        )
-    if not all(isinstance(v, str) and v for v in fields.values()):
-        raise ValueError(f"--lora-modules JSON values must be non-empty strings (got {spec!r})")
-    return LoraModule(fields["name"], fields["path"], fields.get("base_model_name"))
 
 
 @dataclass(frozen=True)
@@ -459,7 +408,7 @@ class ServerSettings(EngineArgs):
             )
         names = [name for name, _ in self.lora_modules]
         for name, path in self.lora_modules:
-            if not _MODULE.fullmatch(name) or ".." in name:
+            if not valid_module_name(name):
                 raise ValueError(
                     f"--lora-modules: {name!r} is not a valid adapter name "
                     "(1-64 letters, digits, '.', '_' or '-', starting with a letter or digit)"

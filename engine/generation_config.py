@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.config import GENERATION_CONFIGS
+from engine.engine_args import GENERATION_CONFIGS
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

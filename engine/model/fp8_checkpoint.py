@@ -24,9 +24,9 @@ from collections.abc import Mapping
 
 import torch
 
-from engine.model.fp8_linear import BLOCK, FP8_GEMMS, Fp8Linear, scaled_mm_problem
+from engine.engine_args import FP8_GEMMS, QUANTIZATIONS
+from engine.model.fp8_linear import BLOCK, Fp8Linear, scaled_mm_problem
 
-QUANTIZATIONS = (None, "fp8")
 ON_THE_FLY = "fp8 (on the fly)"
 COMPRESSED_TENSORS = "compressed-tensors"
 BLOCK_FP8 = "fp8 (checkpoint)"

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from engine.model.fp8_quant_kernel import quantize_activations_triton
 from engine.model.kv_quant import FP8_DTYPE, FP8_MAX
 
-FP8_GEMMS = ("auto", "scaled_mm", "dequant")
 BLOCK = 128  # the block-wise checkpoints' block edge, and the activation group of their GEMM
 # Smallest scale: an all-zero row or token must not divide by zero (its values quantize to 0 anyway).
 _MIN_AMAX = 1e-12

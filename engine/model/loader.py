@@ -12,10 +12,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from engine.engine_args import FP8_GEMMS, LOAD_FORMATS, EngineArgs
 from engine.model.fp8_checkpoint import fp8_scheme, is_block_scaled
-from engine.model.fp8_linear import FP8_GEMMS, Fp8Linear
+from engine.model.fp8_linear import Fp8Linear
 from engine.model.layers.checkpoint_tensor import CheckpointTensor
-from engine.model.layers.context import LOAD_FORMATS, BuildContext, Fp8Settings
+from engine.model.layers.context import BuildContext, Fp8Settings
 from engine.model.layers.decoder import DecoderModel
 from engine.model.layers.sharding import SINGLE, TensorParallel
 from engine.model.registry import model_class
@@ -73,9 +74,9 @@ def load_model(
     max_positions: int = 2048,
     attention_backend: str = "torch",
     quantization: str | None = None,
-    fp8_gemm: str = "auto",
+    fp8_gemm: str = EngineArgs.fp8_gemm,
     tp: TensorParallel = SINGLE,
-    load_format: str = "auto",
+    load_format: str = EngineArgs.load_format,
     expert_parallel: bool = False,
 ) -> DecoderModel:
     """The architecture's model (engine/model/registry.py) with this rank's shard of every weight.

@@ -61,40 +61,8 @@ def store_config(settings: ServerSettings) -> StoreConfig:
 
 
 def engine_config(settings: ServerSettings, model: str) -> EngineConfig:
-    return EngineConfig(
-        model=model,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_model_len=settings.max_model_len,
-        block_size=settings.block_size,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        num_kv_blocks=settings.num_kv_blocks,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        kv_cache_dtype=settings.kv_cache_dtype,
-        quantization=settings.quantization,
-        tensor_parallel_size=settings.tensor_parallel_size,
-        load_format=settings.load_format,
-        enable_expert_parallel=settings.enable_expert_parallel,
-        speculative_config=settings.speculative_config,
-        kv_events_config=settings.kv_events_config,
-        enforce_eager=settings.enforce_eager,
-        async_scheduling=settings.async_scheduling,
-        attention_backend=settings.attention_backend,
-        max_loras=settings.max_loras,
-        max_lora_rank=settings.max_lora_rank,
-        lora_pool_rank_budget=settings.lora_pool_rank_budget,
-        max_cpu_loras=settings.max_cpu_loras,
-        max_vocab_loras=settings.max_vocab_loras,
-        max_logprobs=settings.max_logprobs,
-        adapter_loader=settings.adapter_loader,
-        dtype=settings.dtype,
-        device=settings.device,
-        cpu_kv_cache_bytes=settings.cpu_kv_cache_bytes,
-        generation_config=settings.generation_config,
-        scheduling_policy=settings.scheduling_policy,
-        grammar_compile_threads=settings.grammar_compile_threads,
-        grammar_compile_timeout_s=settings.grammar_compile_timeout,
-    )
+    """The engine's config: the engine settings the server's settings embed (engine.engine_args), and the model."""
+    return EngineConfig.from_args(settings, model)
 
 
 def base_model_id(settings: ServerSettings, model: str) -> str:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from adapters_store import AdapterStore, DiskCache
 from adapters_store.merged_source import MERGE_MARK, parse_merge_id
+from engine.engine_args import EngineArgs
 from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import ConfigStore
 from loraserve.merges.service import Merges
@@ -138,7 +139,7 @@ class Services:
     # The model's recommended sampling fields for those a request leaves unset (its generation_config.json).
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     # vLLM's --max-logprobs: the most top logprobs a request may ask for; -1: the whole vocabulary.
-    max_logprobs: int = 20
+    max_logprobs: int = EngineArgs.max_logprobs
     # vLLM's --enable-prompt-tokens-details, --enable-force-include-usage, --enable-server-load-tracking
     prompt_tokens_details: bool = False
     force_include_usage: bool = False

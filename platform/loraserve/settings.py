@@ -1,22 +1,21 @@
 """The server's one validated configuration: every `loraserve serve` flag (vLLM's names where they exist).
 
-Engine sizes are passed through to engine.EngineConfig, which checks them again; the checks here are
-the ones the engine does not know about (URLs, files, the shape of `--lora-modules`), so a typo fails
-at start with a message naming the flag instead of deep inside the lifespan.
+Each field is declared once, with its default, its flag and help (`engine.engine_args.setting`); the
+engine's settings are `engine.engine_args.EngineArgs`'s fields, embedded here, and `loraserve.cli` derives
+the flags, the LORASERVE_* variables and `--help` from the fields of `ServerSettings`. The checks run
+here, so a typo fails at start with a message naming the flag instead of deep inside the lifespan.
 """
 
 from __future__ import annotations
 
-import json
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from adapters_store.config import DEFAULT_URL as DEFAULT_ADAPTER_STORE
 from adapters_store.config import GiB, parse_store_url
 from engine.core.steady import parse_cpus
-from engine.kv_events.config import KVEventsConfig
-from engine.spec_decode.config import SpeculativeConfig
+from engine.engine_args import EngineArgs, Flag, flag_name, setting
+from loraserve.flag_values import parse_lora_module, parse_size_flag, valid_module_name
 from loraserve.inference.tools.parsers import PARSERS, unknown_parser_message
 from loraserve.ops.http_timeouts import (
     DEFAULT_BODY_MIN_RATE,
@@ -25,133 +24,306 @@ from loraserve.ops.http_timeouts import (
 )
 
 DEFAULT_STATE_DIR = Path(".loraserve")
-# The engine's own choices (engine/config.py; a test keeps them equal), repeated so that `loraserve` client
-# commands need not import torch.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 = fp8_e4m3: float8 e4m3 K/V
-ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch elsewhere
-ADAPTER_LOADERS = ("auto", "thread", "process")  # auto: loader processes on CUDA, threads elsewhere
-GENERATION_CONFIGS = ("auto", "vllm")  # auto: the model's generation_config.json; vllm: ignore it
-QUANTIZATIONS = (None, "fp8")  # None: the checkpoint as is; fp8: float8 e4m3 linear projections
-LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint; dummy: random weights of its shapes, nothing read
 METRICS_OFF = 0  # --metrics-port off
-SCHEDULING_POLICIES = ("fair", "fcfs")  # fair: virtual token counters by tenant; fcfs: arrival order
 # The default body limit: about 4 characters a token, JSON escapes (up to 6 bytes a character) and chat
 # framing around them; 32 bytes a token of a 128k context is 4 MiB.
 BODY_BYTES_PER_TOKEN = 32
 DEFAULT_BODY_CONTEXT = 131072
 MIN_DEFAULT_BODY_SIZE = 4 << 20
 MIN_REQUEST_BODY_SIZE = 4096
-_MODULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _metrics_port(raw: str) -> int:
+    if raw.strip().lower() in ("off", "none", "0"):
+        return METRICS_OFF
+    port = int(raw)
+    if not 1 <= port <= 65535:
+        raise ValueError("expected a port in 1..65535, or off")
+    return port
 
 
 @dataclass(frozen=True)
-class ServerSettings:
-    """Everything `loraserve serve` can be told; `create_app` reads only what it needs."""
+class ServerSettings(EngineArgs):
+    """Everything `loraserve serve` can be told (the engine's settings included); `create_app` reads only
+    what it needs. Fields with a Flag are flags, in this order after the engine's in `--help`."""
 
     # None: the bundled demo model, converted once under ./.loraserve/models (see demo_model.py).
-    model: str | None = None
-    served_model_name: str | None = None  # the base model's id in requests; None: derived from `model`
-    host: str = "127.0.0.1"
-    port: int = 8000
-    root_path: str = ""  # the prefix a path-routing proxy strips ("" when served at the root)
-    dtype: str = "auto"
-    device: str = "auto"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: str = "auto"
-    quantization: str | None = None  # engine.EngineConfig.quantization
-    tensor_parallel_size: int = 1  # engine.EngineConfig.tensor_parallel_size
-    load_format: str = "auto"  # engine.EngineConfig.load_format (dummy: random weights)
-    enable_expert_parallel: bool = False  # engine.EngineConfig.enable_expert_parallel
-    # vLLM's --speculative-config: JSON text of engine.spec_decode.config.SpeculativeConfig; None: off
-    speculative_config: str | None = None
-    # vLLM's --kv-events-config: JSON text of engine.kv_events.config.KVEventsConfig; None: no KV events
-    kv_events_config: str | None = None
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # True: no CUDA graphs
-    async_scheduling: bool = True  # False: read each step's tokens before scheduling the next
-    attention_backend: str = "auto"
-    max_loras: int = 4
-    max_cpu_loras: int | None = None
-    max_vocab_loras: int = 0  # engine.EngineConfig.max_vocab_loras
-    adapter_loader: str = "auto"  # engine.config.ADAPTER_LOADERS
-    generation_config: str = "auto"  # where unset sampling fields come from (GENERATION_CONFIGS)
-    max_lora_rank: int = 16
-    max_logprobs: int = 20  # vLLM's --max-logprobs (engine.EngineConfig.max_logprobs); -1: no cap
+    model: str | None = setting(
+        None,
+        flag=Flag(
+            "local folder or Hugging Face id of a supported model: Llama, Mistral, Qwen2/3, Gemma 2/3, "
+            "Phi-3/4 (docs/MODELS.md; default: the bundled demo, "
+            "SmolLM2-135M-Instruct, converted once under STATE_DIR/models)"
+        ),
+    )
+    # The base model's id in requests; None: derived from `model`.
+    served_model_name: str | None = setting(
+        None, flag=Flag("the base model's name in requests and /v1/models (default: --model)")
+    )
+    host: str = setting("127.0.0.1", flag=Flag("address to listen on (default %(default)s; 0.0.0.0 for all)"))
+    port: int = setting(8000, flag=Flag())
+    # The prefix a path-routing proxy strips ("" when served at the root).
+    root_path: str = setting(
+        "",
+        flag=Flag(
+            "path prefix a proxy strips before forwarding (e.g. /llm), as vLLM's --root-path; "
+            "links in the API schema carry it"
+        ),
+    )
     # vLLM's usage flags: usage.prompt_tokens_details (cached_tokens) in answers; usage in every stream
     # chunk and a usage chunk at the end of every stream, whatever stream_options says
-    enable_prompt_tokens_details: bool = False
-    enable_force_include_usage: bool = False
-    enable_server_load_tracking: bool = False  # vLLM's: GET /load answers the requests in flight
-    return_tokens_as_token_ids: bool = False  # vLLM's: every request's logprobs name tokens token_id:N
-    lora_pool_rank_budget: int | None = None  # engine.EngineConfig.lora_pool_rank_budget
+    enable_prompt_tokens_details: bool = setting(
+        False,
+        flag=Flag(
+            "answer usage.prompt_tokens_details.cached_tokens (prompt tokens served from the prefix cache); "
+            "off: null, as vLLM's flag",
+            action="store_true",
+        ),
+    )
+    enable_force_include_usage: bool = setting(
+        False,
+        flag=Flag(
+            "usage in every streamed chunk and a usage chunk at the end of every stream, whatever "
+            "stream_options asks (vLLM's flag)",
+            action="store_true",
+        ),
+    )
+    # vLLM's: GET /load answers the requests in flight
+    enable_server_load_tracking: bool = setting(
+        False,
+        flag=Flag(
+            'GET /load answers {"server_load": N}, the completions and chat requests in flight (vLLM\'s flag)',
+            action="store_true",
+        ),
+    )
+    # vLLM's: every request's logprobs name tokens token_id:N
+    return_tokens_as_token_ids: bool = setting(
+        False,
+        flag=Flag(
+            "logprobs name every token as token_id:N, as each request's return_tokens_as_token_ids does "
+            "(vLLM's flag)",
+            action="store_true",
+        ),
+    )
     # (name, local PEFT folder) pairs put into the default tenant's store at start.
-    lora_modules: tuple[tuple[str, str], ...] = ()
+    lora_modules: tuple[tuple[str, str], ...] = setting(
+        (),
+        flag=Flag(
+            "PEFT folders stored as the default tenant's adapters at start (skipped if unchanged)",
+            metavar="NAME=PATH",
+            parse=parse_lora_module,
+            nargs="+",
+        ),
+    )
     # Folders under which POST /v1/load_lora_adapter may read adapters; empty: runtime loading is off.
-    allowed_lora_paths: tuple[str, ...] = ()
-    adapter_store: str = DEFAULT_ADAPTER_STORE
+    allowed_lora_paths: tuple[str, ...] = setting(
+        (),
+        flag=Flag(
+            "folders POST /v1/load_lora_adapter may load adapters from (vLLM's runtime loading); "
+            "unset: runtime loading is off",
+            metavar="DIR",
+            nargs="+",
+        ),
+    )
+    adapter_store: str = setting(
+        DEFAULT_ADAPTER_STORE, flag=Flag("file:///dir, file://./dir or s3://bucket/prefix")
+    )
     # The local disk cache of adapter files: its byte budget, and the free space to keep on its disk
     # (entries are evicted to keep it, and to make room when the disk is full).
-    adapter_cache_max_bytes: int = 10 * GiB
-    adapter_cache_min_free_bytes: int = 0
+    adapter_cache_max_bytes: int = setting(
+        10 * GiB,
+        flag=Flag(
+            "most bytes of adapter files kept in the local disk cache (STATE_DIR/cache/adapters), e.g. 10GiB "
+            "or 500MiB; least recently used versions are evicted beyond it (default 10GiB)",
+            metavar="SIZE",
+            parse=parse_size_flag,
+        ),
+    )
+    adapter_cache_min_free_bytes: int = setting(
+        0,
+        flag=Flag(
+            "free space the adapter cache leaves on its disk: cached versions are evicted to keep it, as they "
+            "are whenever the disk is full (default %(default)s: evict only when a write finds the disk full)",
+            metavar="SIZE",
+            parse=parse_size_flag,
+        ),
+    )
     # Adapter uploads one tenant may run at once (429 beyond), and A/B routes one tenant may hold (403 beyond).
-    max_concurrent_uploads_per_tenant: int = 2
-    max_routes_per_tenant: int = 1000
-    config_store: str | None = None  # None: embedded under ./.loraserve/config
-    api_keys: str | None = None  # JSON or YAML file of key -> {tenant, role}
-    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
-    max_concurrent_requests_per_tenant: int | None = None  # None: no default cap (keys may set their own)
-    scheduling_policy: str = "fair"  # SCHEDULING_POLICIES
-    # CPU only: KV cache bytes when the device is the CPU (tests pass small values).
-    cpu_kv_cache_bytes: int = 1 << 30
-    num_kv_blocks: int | None = None  # explicit KV cache size in blocks (tests)
-    state_dir: Path = field(default=DEFAULT_STATE_DIR)  # demo model, embedded config, disk cache
+    max_concurrent_uploads_per_tenant: int = setting(
+        2, flag=Flag("adapter uploads one tenant may run at once; more get 429 (default %(default)s)")
+    )
+    max_routes_per_tenant: int = setting(
+        1000, flag=Flag("A/B routes one tenant may hold; creating more gets 403 (default %(default)s)")
+    )
+    # None: embedded under ./.loraserve/config
+    config_store: str | None = setting(
+        None, flag=Flag("redis://host:6379/0 (default: embedded, under STATE_DIR/config)")
+    )
+    # JSON or YAML file of key -> {tenant, role}
+    api_keys: str | None = setting(
+        None,
+        flag=Flag(
+            "JSON or YAML file: key -> {tenant, role: admin|user, max_concurrent_requests, weight, "
+            "max_tokens_per_minute, cache_group}"
+        ),
+    )
+    shutdown_timeout: float = setting(30.0, flag=Flag("seconds in-flight requests get after SIGTERM"))
+    # None: no default cap (keys may set their own)
+    max_concurrent_requests_per_tenant: int | None = setting(
+        None, flag=Flag("default per-tenant cap (keys may set their own)")
+    )
+    # The demo model, the embedded config, the disk cache, compiled kernels.
+    state_dir: Path = setting(
+        DEFAULT_STATE_DIR,
+        flag=Flag("demo model, embedded config, adapter cache, compiled kernels (Triton cache)"),
+    )
     # /metrics lives on a listener of its own, out of tenants' reach (docs/OPERATIONS.md, "Metrics").
     # None: --port + 1 (no listener when --port is 0 or 65535); METRICS_OFF: no listener.
-    metrics_port: int | None = None
-    metrics_host: str | None = None  # None: --host
+    metrics_port: int | None = setting(
+        None,
+        flag=Flag(
+            "port of the metrics listener, which serves only /metrics, /health and /ready, out of "
+            "tenants' reach (default: --port + 1); off: none",
+            parse=_metrics_port,
+        ),
+    )
+    metrics_host: str | None = setting(None, flag=Flag("address of the metrics listener (default: --host)"))
     # Scrapers send `Authorization: Bearer KEY` on /metrics; with a key the main port serves /metrics too.
-    metrics_key: str | None = field(default=None, repr=False)  # a secret: never in logs
+    metrics_key: str | None = setting(  # a secret: never in logs
+        None,
+        secret=True,
+        flag=Flag(
+            "scrapers must send 'Authorization: Bearer KEY' for /metrics; with a key the main port "
+            "serves /metrics too (prefer the environment variable LORASERVE_METRICS_KEY)"
+        ),
+    )
     # The operator's residency endpoints (/v1/residency..., for `loraserve placement`) on the metrics
     # listener need `Authorization: Bearer KEY`; None: they are off.
-    placement_key: str | None = field(default=None, repr=False)
-    # vLLM's: tool_choice "auto" parses calls in the output with this parser (inference/tools/parsers/);
-    # adapters uploaded with a tool_call_parser of their own use theirs, with or without these flags.
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
+    placement_key: str | None = setting(
+        None,
+        secret=True,
+        flag=Flag(
+            "turns on the residency endpoints (/v1/residency: preload, pin, unpin adapters) on the "
+            "metrics listener, for `loraserve placement`; callers send 'Authorization: Bearer KEY' "
+            "(prefer the environment variable LORASERVE_PLACEMENT_KEY)"
+        ),
+    )
     # Adapter lookups (name -> version) are checked against the store again after this many seconds;
     # uploads and deletes reach every replica at once as config events, so this only bounds a lost event.
-    adapter_lookup_ttl: float = 30.0
+    adapter_lookup_ttl: float = setting(
+        30.0,
+        flag=Flag(
+            "seconds an adapter name's resolved version is trusted before the store is asked again "
+            "(uploads and deletes reach every replica at once through the config store's events)"
+        ),
+    )
+    # vLLM's: tool_choice "auto" parses calls in the output with this parser (inference/tools/parsers/);
+    # adapters uploaded with a tool_call_parser of their own use theirs, with or without these flags.
+    enable_auto_tool_choice: bool = setting(
+        False,
+        flag=Flag(
+            'vLLM\'s: tool_choice "auto" (the default when a request has tools) reads tool calls from the '
+            "output with --tool-call-parser (adapters uploaded with a tool_call_parser use their own)"
+        ),
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        flag=Flag(
+            f"the format models write tool calls in, by vLLM's names: {', '.join(PARSERS)} "
+            '(docs/API.md, "Tool calling")'
+        ),
+    )
     # Threads for tokenizing, chat templates and spec checks, off the event loop (loraserve/work_pool.py).
-    tokenizer_pool_size: int = 2
+    tokenizer_pool_size: int = setting(
+        2,
+        flag=Flag(
+            "threads that tokenize prompts, render chat templates and check structured-output specs, "
+            "off the event loop (default %(default)s)"
+        ),
+    )
     # Largest JSON request body in bytes, refused with 413 before it is parsed; None: request_body_limit's
     # default for the context length. Uploads have their own limit (the store's).
-    max_request_body_size: int | None = None
+    max_request_body_size: int | None = setting(
+        None,
+        flag=Flag(
+            f"largest JSON request body, refused with 413 before it is parsed (default: {BODY_BYTES_PER_TOKEN} "
+            f"bytes per token of --max-model-len, at least {MIN_DEFAULT_BODY_SIZE >> 20} MiB; uploads have "
+            "their own limit)",
+            metavar="BYTES",
+        ),
+    )
     # Slow clients (ops/http_timeouts.py): seconds for a request's headers, seconds for its body plus one
     # more for every `http_body_min_rate` bytes that arrive.
-    http_header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
-    http_body_timeout: float = DEFAULT_BODY_TIMEOUT_S
-    http_body_min_rate: int = DEFAULT_BODY_MIN_RATE
-    # Structured outputs' grammars (engine.EngineConfig.grammar_compile_*): compile threads in the engine
-    # core, and the seconds a compile may take before its requests fail as too complex.
-    grammar_compile_threads: int = 2
-    grammar_compile_timeout: float = 10.0
+    http_header_timeout: float = setting(
+        DEFAULT_HEADER_TIMEOUT_S,
+        flag=Flag(
+            "seconds a request's headers may take to arrive, from its first byte (slow clients get 408)"
+        ),
+    )
+    http_body_timeout: float = setting(
+        DEFAULT_BODY_TIMEOUT_S,
+        flag=Flag(
+            "seconds a request's body may take, plus one more for every --http-body-min-rate bytes "
+            "received (slow clients get 408)"
+        ),
+    )
+    http_body_min_rate: int = setting(
+        DEFAULT_BODY_MIN_RATE,
+        flag=Flag(
+            "the body rate that extends --http-body-timeout (default %(default)s: a large upload at a steady "
+            "rate always finishes, a trickle does not)",
+            metavar="BYTES_PER_S",
+        ),
+    )
     # vLLM's --api-server-count: front-end (HTTP) processes behind the one port, each with its own
     # connection to the one engine core (docs/PROCESSES.md); None: from the host's cores
     # (loraserve.frontends.placement.default_api_server_count).
-    api_server_count: int | None = None
+    api_server_count: int | None = setting(
+        None,
+        flag=Flag(
+            "front-end (HTTP) processes behind the one port, each talking to the one engine core (vLLM's "
+            "flag); default: 1 on the CPU, else (cores - 4) / 3 between 1 and 4 (docs/OPERATIONS.md)"
+        ),
+    )
     # Where the engine core's busy loop runs (engine.core.steady): auto, off, or a CPU list whose first
     # CPU runs the loop and the rest its other threads.
-    engine_core_cpus: str = "auto"
+    engine_core_cpus: str = setting(
+        "auto",
+        flag=Flag(
+            "CPUs of the engine core's busy loop: auto (on CUDA hosts of 4+ cores, the last CPU for the "
+            "loop and, from 8 cores, the one before for its other threads), off, or a list such as 14,15 "
+            "(the loop on the first, its other threads on the rest); everything else runs elsewhere"
+        ),
+    )
     # Before /ready: a few requests through each server process's own request path
     # (loraserve.ops.serving_warmup), bounded by the timeout; off with --no-serving-warmup.
-    serving_warmup: bool = True
-    serving_warmup_timeout: float = 60.0
+    serving_warmup: bool = setting(
+        True,
+        flag=Flag(
+            "before /ready, send each server process's own request path a few small requests "
+            "(completions and chat, streamed and not; tenant _warmup, not in the request metrics), so the "
+            "first requests after /ready are not the slow ones (docs/OPERATIONS.md)"
+        ),
+    )
+    serving_warmup_timeout: float = setting(
+        60.0,
+        flag=Flag(
+            "a serving warm-up not done after this is logged as a warning, and the server turns ready",
+            metavar="SECONDS",
+        ),
+    )
+
+    def label(self, name: str) -> str:
+        """Errors name the flag (`--max-loras`), or the field of a setting that has none."""
+        f = _FIELDS[name]
+        return flag_name(f) if f.metadata.get("flag") is not None else name
+
+    def not_a_choice(self, name: str, value: object, choices: tuple) -> str:
+        allowed = ", ".join(choice for choice in choices if choice is not None)
+        return f"{self.label(name)} {value!r} is not supported; use one of {allowed}"
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the engine's settings (engine.engine_args.check_engine_args)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535 (got {self.port})")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -195,53 +367,6 @@ class ServerSettings:
             raise ValueError(
                 f"--root-path must start with / and not end with one, e.g. /llm (got {self.root_path!r})"
             )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; use one of "
-                f"{', '.join(KV_CACHE_DTYPES)} (auto: the model dtype; fp8: float8 e4m3 with per-layer scales)"
-            )
-        if isinstance(self.tensor_parallel_size, bool) or not (
-            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1
-        ):
-            raise ValueError(
-                f"--tensor-parallel-size must be a positive integer (got {self.tensor_parallel_size!r})"
-            )
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(
-                f"--load-format {self.load_format!r} is not supported; use one of {', '.join(LOAD_FORMATS)}"
-            )
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"--quantization {self.quantization!r} is not supported; use fp8 (float8 e4m3 weights with "
-                "per-channel scales) or leave it out"
-            )
-        try:
-            SpeculativeConfig.parse(self.speculative_config)
-        except ValueError as exc:
-            raise ValueError(f"--speculative-config: {exc}") from None
-        try:
-            KVEventsConfig.parse(self.kv_events_config)
-        except ValueError as exc:
-            raise ValueError(f"--kv-events-config: {exc}") from None
-        if self.adapter_loader not in ADAPTER_LOADERS:
-            raise ValueError(
-                f"--adapter-loader {self.adapter_loader!r} is not supported; use one of {', '.join(ADAPTER_LOADERS)}"
-            )
-        if self.generation_config not in GENERATION_CONFIGS:
-            raise ValueError(
-                f"--generation-config {self.generation_config!r} is not supported; use one of "
-                f"{', '.join(GENERATION_CONFIGS)}"
-            )
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"--scheduling-policy {self.scheduling_policy!r} is not supported; use one of "
-                f"{', '.join(SCHEDULING_POLICIES)} (fair: share the GPU between tenants by weight)"
-            )
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"--attention-backend {self.attention_backend!r} is not supported; use one of "
-                f"{', '.join(ATTENTION_BACKENDS)}"
-            )
         try:
             parse_store_url(self.adapter_store)
         except ValueError as exc:
@@ -275,18 +400,6 @@ class ServerSettings:
         ):
             if not value > 0:
                 raise ValueError(f"{flag} must be positive (got {value})")
-        if isinstance(self.grammar_compile_threads, bool) or self.grammar_compile_threads < 1:
-            raise ValueError(
-                f"--grammar-compile-threads must be at least 1 (got {self.grammar_compile_threads})"
-            )
-        if not self.grammar_compile_timeout > 0:
-            raise ValueError(
-                f"--grammar-compile-timeout must be positive (got {self.grammar_compile_timeout})"
-            )
-        if self.max_logprobs < -1:
-            raise ValueError(
-                f"--max-logprobs must be -1 (no cap) or a non-negative integer (got {self.max_logprobs})"
-            )
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(unknown_parser_message(self.tool_call_parser))
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -295,7 +408,7 @@ class ServerSettings:
             )
         names = [name for name, _ in self.lora_modules]
         for name, path in self.lora_modules:
-            if not _MODULE.fullmatch(name) or ".." in name:
+            if not valid_module_name(name):
                 raise ValueError(
                     f"--lora-modules: {name!r} is not a valid adapter name "
                     "(1-64 letters, digits, '.', '_' or '-', starting with a letter or digit)"
@@ -346,41 +459,4 @@ class ServerSettings:
         return self.state_dir / "cache" / "triton"
 
 
-class LoraModule(tuple):
-    """`(name, path)` of one `--lora-modules` entry; `base_model_name` is what vLLM's JSON form may add (the
-    server refuses to start when it names another model)."""
-
-    base_model_name: str | None
-
-    def __new__(cls, name: str, path: str, base_model_name: str | None = None) -> LoraModule:
-        module = super().__new__(cls, (name, path))
-        module.base_model_name = base_model_name
-        return module
-
-
-def parse_lora_module(spec: str) -> LoraModule:
-    """`NAME=PATH`, or vLLM's JSON `{"name": ..., "path": ..., "base_model_name": ...}`; ValueError naming the
-    expected forms otherwise."""
-    if spec.lstrip().startswith("{"):
-        return _parse_json_module(spec)
-    name, sep, path = spec.partition("=")
-    if not sep or not name or not path:
-        raise ValueError(
-            f"--lora-modules expects NAME=PATH or a JSON object with name and path (got {spec!r})"
-        )
-    return LoraModule(name.strip(), path.strip())
-
-
-def _parse_json_module(spec: str) -> LoraModule:
-    try:
-        fields = json.loads(spec)
-    except ValueError:
-        raise ValueError(f"--lora-modules: {spec!r} is not valid JSON") from None
-    known = {"name", "path", "base_model_name"}
-    if not isinstance(fields, dict) or not {"name", "path"} <= set(fields) or set(fields) - known:
-        raise ValueError(
-            f"--lora-modules JSON takes name, path and optionally base_model_name (got {spec!r})"
-        )
-    if not all(isinstance(v, str) and v for v in fields.values()):
-        raise ValueError(f"--lora-modules JSON values must be non-empty strings (got {spec!r})")
-    return LoraModule(fields["name"], fields["path"], fields.get("base_model_name"))
+_FIELDS = {f.name: f for f in fields(ServerSettings)}

@@ -4,6 +4,7 @@ idempotent `--lora-modules` preload."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -12,20 +13,11 @@ from factories import make_adapter
 from loraserve.bootstrap import engine_config, open_services, preload_lora_modules, sweep_quietly
 from loraserve.cli import build_parser, settings_from_args
 from loraserve.name_conflicts import NameConflict
-from loraserve.settings import (
-    ADAPTER_LOADERS,
-    ATTENTION_BACKENDS,
-    GENERATION_CONFIGS,
-    KV_CACHE_DTYPES,
-    LOAD_FORMATS,
-    QUANTIZATIONS,
-    SCHEDULING_POLICIES,
-    ServerSettings,
-)
+from loraserve.settings import ServerSettings
 
 from adapters_store import StoreConfig, StoreUnavailable, open_store
 from engine import ModelShape
-from engine import config as engine_config_module
+from engine.engine_args import SCHEDULING_POLICIES, EngineArgs, flag_name, flag_of
 from engine.model.loader import load_config
 
 
@@ -137,15 +129,26 @@ def test_engine_gpu_options_from_flags_and_environment():
     assert engine_config(settings(["--max-logprobs", "-1"]), "some/model").max_logprobs == -1
 
 
-def test_server_choices_are_the_engines():
-    """settings.py repeats the engine's choices so that client commands need not import torch."""
-    assert KV_CACHE_DTYPES == engine_config_module.KV_CACHE_DTYPES
-    assert ATTENTION_BACKENDS == engine_config_module.ATTENTION_BACKENDS
-    assert ADAPTER_LOADERS == engine_config_module.ADAPTER_LOADERS
-    assert GENERATION_CONFIGS == engine_config_module.GENERATION_CONFIGS
-    assert SCHEDULING_POLICIES == engine_config_module.SCHEDULING_POLICIES
-    assert QUANTIZATIONS == engine_config_module.QUANTIZATIONS
-    assert LOAD_FORMATS == engine_config_module.LOAD_FORMATS
+def test_engine_flags_come_from_the_engine_declaration():
+    """Each engine setting with a Flag is a flag with the declaration's default and choices (a new
+    scheduling policy there is accepted here as is), and its variable is LORASERVE_<FLAG>."""
+    serve = build_parser({})._subparsers._group_actions[0].choices["serve"]
+    actions = {action.dest: action for action in serve._actions}
+    declared = [f for f in dataclasses.fields(EngineArgs) if flag_of(f) is not None]
+    assert len(declared) >= 25
+    for f in declared:
+        action = actions[flag_name(f).removeprefix("--").replace("-", "_")]
+        assert action.option_strings[0] == flag_name(f) and action.default == f.default, f.name
+        if f.metadata["choices"] is not None:
+            assert list(action.choices) == [c for c in f.metadata["choices"] if c is not None], f.name
+    assert list(actions["scheduling_policy"].choices) == list(SCHEDULING_POLICIES)
+    policy = SCHEDULING_POLICIES[-1]
+    assert settings([], {"LORASERVE_SCHEDULING_POLICY": policy}).scheduling_policy == policy
+    timeout = settings(["--grammar-compile-timeout", "2.5", "--cpu-kv-cache-space", "0.5"])
+    assert (timeout.grammar_compile_timeout_s, timeout.cpu_kv_cache_bytes) == (2.5, 1 << 29)
+    assert engine_config(timeout, "m").grammar_compile_timeout_s == 2.5
+    with pytest.raises(ValueError, match="--max-loras must be a positive integer"):
+        ServerSettings(max_loras=0)  # the engine's checks run on the server's settings, naming the flag
 
 
 def test_quantization_flag_reaches_the_engine():

@@ -22,7 +22,7 @@ def test_defaults_environment_and_flags():
     assert (
         default.tokenizer_pool_size,
         default.grammar_compile_threads,
-        default.grammar_compile_timeout,
+        default.grammar_compile_timeout_s,
     ) == (
         2,
         2,
@@ -41,7 +41,7 @@ def test_defaults_environment_and_flags():
     }
     from_env = settings([], env)
     assert from_env.request_body_limit == 1_000_000 and from_env.tokenizer_pool_size == 3
-    assert from_env.http_header_timeout == 5.0 and from_env.grammar_compile_timeout == 2.5
+    assert from_env.http_header_timeout == 5.0 and from_env.grammar_compile_timeout_s == 2.5
     assert settings(["--tokenizer-pool-size", "4"], env).tokenizer_pool_size == 4  # the flag wins
     config = engine_config(settings(["--grammar-compile-threads", "3"], env), "some-model")
     assert (config.grammar_compile_threads, config.grammar_compile_timeout_s) == (3, 2.5)
@@ -56,7 +56,7 @@ def test_defaults_environment_and_flags():
         ({"http_body_timeout": -1}, "--http-body-timeout"),
         ({"http_body_min_rate": 0}, "--http-body-min-rate"),
         ({"grammar_compile_threads": 0}, "--grammar-compile-threads"),
-        ({"grammar_compile_timeout": 0}, "--grammar-compile-timeout"),
+        ({"grammar_compile_timeout_s": 0}, "--grammar-compile-timeout"),
     ],
 )
 def test_bad_values_name_their_flag(fields, flag):

@@ -9,7 +9,6 @@ import torch
 from engine.model.layers.sharding import SINGLE, TensorParallel
 
 # vLLM's names: "auto" reads the checkpoint; "dummy" fills random weights and reads nothing.
-LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import SamplingParams
+from engine.engine_args import EngineArgs
 from engine.generation_config import apply_generation_defaults
 from engine.sampling_params import WHOLE_VOCABULARY
 from loraserve.errors import BadRequest
@@ -32,7 +33,7 @@ def echo_only(body: CompletionRequest) -> bool:
 class LogprobsCap:
     """vLLM's --max-logprobs (-1: the whole vocabulary) and the vocabulary size (None: unknown)."""
 
-    max_logprobs: int = 20
+    max_logprobs: int = EngineArgs.max_logprobs
     vocab_size: int | None = None
 
     def check(self, kind: str, value: int | None, param: str) -> None:

@@ -7,7 +7,7 @@ import dataclasses
 import msgspec
 import pytest
 
-from engine import EngineStats, SamplingParams
+from engine import EngineStats, RequestMeta, SamplingParams
 from engine.messages import (
     AbortRequests,
     AddRequest,
@@ -56,7 +56,11 @@ PARAMS = SamplingParams(
     "message",
     [
         AddRequest(
-            "r1#0", [1, 2, 3], PARAMS, "acme/a@1", tenant="acme", tenant_weight=2.5, cache_salt="s\x00é"
+            "r1#0",
+            [1, 2, 3],
+            PARAMS,
+            "acme/a@1",
+            meta=RequestMeta(tenant="acme", tenant_weight=2.5, priority=-(2**63), cache_salt="s\x00é"),
         ),
         AddRequest("r2", [7], SamplingParams(structured_outputs={"choice": ["yes", "no"]}), None),
         AbortRequests(["r1#0", "r1#1"]),

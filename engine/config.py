@@ -32,9 +32,10 @@ ADAPTER_LOADERS = ("auto", "thread", "process")
 # vLLM's --generation-config: "auto" takes unset sampling fields from the model's generation_config.json,
 # "vllm" ignores the file (engine/generation_config.py).
 GENERATION_CONFIGS = ("auto", "vllm")
-# Which waiting request runs next: "fair" (virtual token counters by tenant, engine/fairness.py) or
-# "fcfs" (arrival order, ignoring tenants). vLLM's option name; its "priority" is not offered.
-SCHEDULING_POLICIES = ("fair", "fcfs")
+# Which waiting request runs next: "fair" (virtual token counters by tenant, engine/fairness.py),
+# "fcfs" (arrival order, ignoring tenants) or "priority" (vLLM's: each request's priority, then arrival).
+# vLLM's option name; each is a class in engine/scheduling_policies/.
+SCHEDULING_POLICIES = ("fair", "fcfs", "priority")
 
 
 @dataclass(frozen=True)

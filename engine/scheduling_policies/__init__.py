@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from engine.scheduling_policies.base import SchedulingPolicy
 from engine.scheduling_policies.fair import FairPolicy
 from engine.scheduling_policies.fcfs import FcfsPolicy
+from engine.scheduling_policies.priority import PriorityPolicy
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 POLICIES: dict[str, type[SchedulingPolicy]] = {
     "fair": FairPolicy,
     "fcfs": FcfsPolicy,
+    "priority": PriorityPolicy,
 }
 
 __all__ = ["POLICIES", "SchedulingPolicy", "make_policy"]

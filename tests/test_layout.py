@@ -3,6 +3,7 @@
 import ast
 import pathlib
 import platform
+import re
 import sysconfig
 
 import pytest
@@ -62,3 +63,13 @@ def test_the_import_scan_sees_every_form_of_import(tmp_path):
         "b.py": {"engine", "loraserve"},
         "c.py": set(),
     }
+
+
+def test_the_scheduler_never_names_a_scheduling_policy():
+    """The scheduler asks its policy object (engine/scheduling_policies/); adding a policy never edits it."""
+    from engine.config import SCHEDULING_POLICIES
+
+    text = (REPO / "engine" / "scheduler.py").read_text()
+    named = {name for name in SCHEDULING_POLICIES if re.search(rf"\b{name}\b", text, re.IGNORECASE)}
+    assert named == set()
+    assert "scheduling_policy" not in text  # nor reads the setting itself (make_policy does)

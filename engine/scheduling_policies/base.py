@@ -84,7 +84,8 @@ class SchedulingPolicy:
         num_missing_blocks: int,
     ) -> list[Request]:
         """Running requests to preempt so that waiting `request` gets a row (`need_row`) and
-        `num_missing_blocks` more free blocks; [] when it may not or they cannot all be had."""
+        `num_missing_blocks` more free blocks; [] when it may not or they cannot all be had. Never one
+        admitted in this step (`admitted_now`), nor one that would wait in `request`'s own queue."""
         return []
 
     def reserved_budget(self, request: Request, heads: Sequence[Request]) -> int:

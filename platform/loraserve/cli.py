@@ -338,7 +338,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--scheduling-policy",
         default="fair",
         choices=SCHEDULING_POLICIES,
-        help="fair: tenants share the GPU by weight (virtual token counters); fcfs: first come first served",
+        help="fair: tenants share the GPU by weight (virtual token counters); fcfs: first come first served; "
+        "priority: lower request `priority` first (vLLM's), then arrival",
     )
     add(
         "--state-dir",

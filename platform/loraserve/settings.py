@@ -34,7 +34,8 @@ GENERATION_CONFIGS = ("auto", "vllm")  # auto: the model's generation_config.jso
 QUANTIZATIONS = (None, "fp8")  # None: the checkpoint as is; fp8: float8 e4m3 linear projections
 LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint; dummy: random weights of its shapes, nothing read
 METRICS_OFF = 0  # --metrics-port off
-SCHEDULING_POLICIES = ("fair", "fcfs")  # fair: virtual token counters by tenant; fcfs: arrival order
+# fair: virtual token counters by tenant; fcfs: arrival order; priority: each request's priority, then arrival
+SCHEDULING_POLICIES = ("fair", "fcfs", "priority")
 # The default body limit: about 4 characters a token, JSON escapes (up to 6 bytes a character) and chat
 # framing around them; 32 bytes a token of a 128k context is 4 MiB.
 BODY_BYTES_PER_TOKEN = 32

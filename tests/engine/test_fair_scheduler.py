@@ -381,7 +381,7 @@ def test_counters_charge_prompts_once_and_every_sampled_token():
 @pytest.mark.parametrize(
     ("setting", "value"),
     [
-        ("scheduling_policy", "priority"),
+        ("scheduling_policy", "lottery"),
         ("fairness_prompt_token_weight", 0),
         ("fairness_output_token_weight", -1.0),
         ("fairness_max_bypass_steps", -1),

@@ -14,7 +14,7 @@ from engine.core.request_checks import RequestError
 from engine.fairness import VirtualTokenCounters
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.request_meta import RequestMeta
+from engine.request_meta import RequestMeta, with_priority
 from engine.scheduler import Scheduler
 from engine.scheduling_policies import POLICIES, SchedulingPolicy, make_policy
 
@@ -276,3 +276,19 @@ def test_a_non_zero_priority_is_refused_under_another_policy(mixed_llm):
         mixed_llm.generate(["a", "b"], params, priority=[0])
     with pytest.raises(ValueError, match="priority given twice"):
         mixed_llm.engine.add_request("twice", "a", params, meta=RequestMeta(priority=1), priority=2)
+
+
+def test_vllms_priority_argument_folds_into_the_meta():
+    """AsyncLLM.generate and LLMEngine.add_request take vLLM's `priority=` beside `meta`."""
+    acme = RequestMeta(tenant="acme", tenant_weight=2.0, cache_salt="s")
+    assert with_priority(None, 0) == RequestMeta()
+    assert with_priority(acme, 0) is acme
+    assert with_priority(acme, -7) == RequestMeta(
+        tenant="acme", tenant_weight=2.0, cache_salt="s", priority=-7
+    )
+    assert with_priority(RequestMeta(priority=3), 3).priority == 3
+    with pytest.raises(ValueError, match="priority given twice"):
+        with_priority(RequestMeta(priority=3), 4)
+    for bad in (1.5, True, "1"):
+        with pytest.raises(ValueError, match="priority must be an integer"):
+            with_priority(None, bad)

@@ -22,8 +22,9 @@ class LLM:
     folder, or None for the base model. A dict prompt may carry vLLM's `cache_salt` (a non-empty string):
     it then shares prefix-cache blocks only with prompts of the same salt; prompts without one share
     with each other, as before. `priority` (vLLM's, one integer per prompt, lower served first) needs
-    `scheduling_policy="priority"`; under another policy a non-zero one raises RequestError, as in vLLM. A prompt that cannot be served (too long, unknown adapter)
-    comes back with `error` set and `finish_reason` "error"; the others are unaffected.
+    `scheduling_policy="priority"`; under another policy a non-zero one raises RequestError, as in vLLM.
+    A prompt that cannot be served (too long, unknown adapter) comes back with `error` set and
+    `finish_reason` "error"; the others are unaffected.
     Without `sampling_params`, prompts use `get_default_sampling_params()`: the model's recommended
     sampling fields (its generation_config.json) unless `generation_config="vllm"`.
 

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import w1_setup as w1  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.request_meta import RequestMeta  # noqa: E402
 
 
 @dataclass
@@ -125,7 +126,7 @@ def play(engine: LLMEngine, arrivals: list[Arrival], name: str) -> RunResult:
             params = SamplingParams(
                 temperature=0.0, max_tokens=a.output_tokens, min_tokens=a.output_tokens, ignore_eos=True
             )
-            engine.add_request(a.request_id, a.prompt, params, tenant=a.tenant)
+            engine.add_request(a.request_id, a.prompt, params, meta=RequestMeta(tenant=a.tenant))
             next_arrival += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, min(0.001, pending[next_arrival].at - now)))
@@ -153,10 +154,10 @@ def run(args, model_dir: Path, policy: str, arrivals: list[Arrival], name: str, 
     ]
     play(engine, warm, "warm-up")
     scheduler = engine.scheduler
-    before = (scheduler.num_preemptions, scheduler.num_fairness_preemptions)
+    before = (scheduler.num_preemptions, scheduler.num_admission_preemptions)
     result = play(engine, arrivals, name)
     result.num_preemptions = scheduler.num_preemptions - before[0]
-    result.num_fairness_preemptions = scheduler.num_fairness_preemptions - before[1]
+    result.num_fairness_preemptions = scheduler.num_admission_preemptions - before[1]
     engine.shutdown()
     del engine
     return result

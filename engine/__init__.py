@@ -26,6 +26,7 @@ _EXPORTS = {
     "supported_architectures": "engine.model.registry",
     "Observer": "adapter_format.events",
     "RequestError": "engine.llm_engine",
+    "RequestMeta": "engine.request_meta",
     "RequestOutput": "engine.outputs",
     "SamplingParams": "engine.sampling_params",
 }
@@ -44,6 +45,7 @@ __all__ = [
     "ModelShape",
     "Observer",
     "RequestError",
+    "RequestMeta",
     "RequestOutput",
     "SamplingParams",
     "model_shape",
@@ -76,5 +78,6 @@ if TYPE_CHECKING:
     from engine.lora.manager import AdapterSource
     from engine.model.registry import model_shape, supported_architectures
     from engine.outputs import CompletionOutput, RequestOutput
+    from engine.request_meta import RequestMeta
     from engine.sampling_params import SamplingParams
     from engine.stats import EngineStats

@@ -32,9 +32,10 @@ ADAPTER_LOADERS = ("auto", "thread", "process")
 # vLLM's --generation-config: "auto" takes unset sampling fields from the model's generation_config.json,
 # "vllm" ignores the file (engine/generation_config.py).
 GENERATION_CONFIGS = ("auto", "vllm")
-# Which waiting request runs next: "fair" (virtual token counters by tenant, engine/fairness.py) or
-# "fcfs" (arrival order, ignoring tenants). vLLM's option name.
-SCHEDULING_POLICIES = ("fair", "fcfs")
+# Which waiting request runs next: "fair" (virtual token counters by tenant, engine/fairness.py),
+# "fcfs" (arrival order, ignoring tenants) or "priority" (vLLM's: each request's priority, then arrival).
+# vLLM's option name; each is a class in engine/scheduling_policies/.
+SCHEDULING_POLICIES = ("fair", "fcfs", "priority")
 # None: the checkpoint as it is; "fp8": the linear projections as float8 e4m3 (engine/model/fp8_checkpoint.py).
 QUANTIZATIONS = (None, "fp8")
 # How FP8 projections multiply (engine/model/fp8_linear.py).
@@ -254,7 +255,8 @@ class EngineArgs:
         "fair",
         choices=SCHEDULING_POLICIES,
         flag=Flag(
-            "fair: tenants share the GPU by weight (virtual token counters); fcfs: first come first served"
+            "fair: tenants share the GPU by weight (virtual token counters); fcfs: first come first served; "
+            "priority: each request's priority field (lower first), then arrival"
         ),
     )
     # CPU only: bytes of KV cache when num_kv_blocks is not given (vLLM's VLLM_CPU_KVCACHE_SPACE, in GiB).

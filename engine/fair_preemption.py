@@ -30,10 +30,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from engine.fairness import VirtualTokenCounters
-from engine.kv_cache import KVCacheManager
-from engine.request import Request
+if TYPE_CHECKING:
+    from engine.fairness import VirtualTokenCounters
+    from engine.kv_cache import KVCacheManager
+    from engine.request import Request
 
 # How much more of the batch (rows per weight) a victim's tenant must keep than the taker's gets.
 ROW_RATIO = 2
@@ -51,36 +53,39 @@ def pick_victims(
 ) -> list[Request]:
     """Running requests to preempt so that `request` gets a row (`need_row`) and `num_missing_blocks`
     more free blocks, by the rules above; [] when they cannot all be had (then nobody is preempted)."""
-    tenant = request.tenant
+    tenant = request.meta.tenant
     floor = counters.counter(tenant)
     new_ids = {r.request_id for r in admitted_now}
     candidates = [
         r
         for r in running
-        if r.tenant != tenant
+        if r.meta.tenant != tenant
         and r.num_preemptions == 0
         and r.request_id not in new_ids
-        and counters.counter(r.tenant) >= floor
+        and counters.counter(r.meta.tenant) >= floor
         and not kv.shares_unwritten_blocks(r)
     ]
     if not candidates:
         return []
-    rows = Counter(r.tenant for r in running)
+    rows = Counter(r.meta.tenant for r in running)
     # T's rows per weight once admitted; a victim's tenant must keep ROW_RATIO times that after the move.
     taker = ROW_RATIO * (rows[tenant] + 1) / counters.weight(tenant)
     position_of = {id(r): position for position, r in enumerate(running)}
-    candidates.sort(key=lambda r: (-counters.counter(r.tenant), r.num_computed_tokens, -position_of[id(r)]))
+    candidates.sort(
+        key=lambda r: (-counters.counter(r.meta.tenant), r.num_computed_tokens, -position_of[id(r)])
+    )
     victims: list[Request] = []
     num_freed = 0
     while (need_row and not victims) or num_freed < num_missing_blocks:
         victim = next(
-            (r for r in candidates if (rows[r.tenant] - 1) / counters.weight(r.tenant) >= taker), None
+            (r for r in candidates if (rows[r.meta.tenant] - 1) / counters.weight(r.meta.tenant) >= taker),
+            None,
         )
         if victim is None:
             return []
         candidates.remove(victim)
         victims.append(victim)
-        rows[victim.tenant] -= 1
+        rows[victim.meta.tenant] -= 1
         num_freed += kv.num_freeable_blocks(victim)
     return victims
 
@@ -95,5 +100,5 @@ def reserved_budget(tenant: str, heads: Sequence[Request], counters: VirtualToke
     return sum(
         head.num_tokens - head.num_computed_tokens
         for head in heads
-        if head.tenant != tenant and counters.counter(head.tenant) <= counter
+        if head.meta.tenant != tenant and counters.counter(head.meta.tenant) <= counter
     )

@@ -9,6 +9,7 @@ from engine.generation_config import apply_generation_defaults, load_generation_
 from engine.llm_engine import LLMEngine
 from engine.model.loader import resolve_model_path
 from engine.outputs import RequestOutput
+from engine.request_meta import RequestMeta
 from engine.sampling_params import SamplingParams
 
 PromptInput = str | list[int] | dict
@@ -20,8 +21,10 @@ class LLM:
     `adapters` holds, per prompt, a name registered with `lora_modules`/`register_adapter`, a local PEFT
     folder, or None for the base model. A dict prompt may carry vLLM's `cache_salt` (a non-empty string):
     it then shares prefix-cache blocks only with prompts of the same salt; prompts without one share
-    with each other, as before. A prompt that cannot be served (too long, unknown adapter)
-    comes back with `error` set and `finish_reason` "error"; the others are unaffected.
+    with each other, as before. `priority` (vLLM's, one integer per prompt, lower served first) needs
+    `scheduling_policy="priority"`; under another policy a non-zero one raises RequestError, as in vLLM.
+    A prompt that cannot be served (too long, unknown adapter) comes back with `error` set and
+    `finish_reason` "error"; the others are unaffected.
     Without `sampling_params`, prompts use `get_default_sampling_params()`: the model's recommended
     sampling fields (its generation_config.json) unless `generation_config="vllm"`.
 
@@ -86,6 +89,7 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         adapters: str | None | Sequence[str | None] = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         if self.closed:
             raise RuntimeError("this LLM was shut down: start a new one")
@@ -94,12 +98,16 @@ class LLM:
             sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params"
         )
         adapter_list = _per_prompt(adapters, len(prompts), "adapters")
+        priorities = _per_prompt(0 if priority is None else priority, len(prompts), "priority")
+        metas = [RequestMeta(priority=rank, cache_salt=salt) for rank, salt in zip(priorities, salts)]
+        for meta in metas:  # all refused before any is queued
+            self.engine.check_meta(meta)
         ids = []
-        for prompt, salt, p, adapter in zip(prompts, salts, params, adapter_list):
+        for prompt, meta, p, adapter in zip(prompts, metas, params, adapter_list):
             request_id = str(self._next_id)
             self._next_id += 1
             ids.append(request_id)
-            self.engine.add_request(request_id, prompt, p, adapter, cache_salt=salt)
+            self.engine.add_request(request_id, prompt, p, adapter, meta=meta)
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():

@@ -37,7 +37,6 @@ from engine.core.step_outputs import (
     needs_last_token,
     sampled_rows,
 )
-from engine.fairness import DEFAULT_TENANT
 from engine.kv_cache import KVCacheManager
 from engine.kv_events import KVEventRecorder
 from engine.kv_events.publisher import ZmqEventPublisher
@@ -49,6 +48,7 @@ from engine.model_runner import ModelRunner
 from engine.output_processor import ParentRequest
 from engine.outputs import RequestOutput
 from engine.request import Request
+from engine.request_meta import RequestMeta, with_priority
 from engine.sampler import SampledStep, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -179,22 +179,20 @@ class LLMEngine:
         params: SamplingParams | None = None,
         adapter: str | None = None,
         *,
-        tenant: str | None = None,
-        tenant_weight: float = 1.0,
-        cache_salt: str | None = None,
+        meta: RequestMeta | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request. A request that cannot be served is reported as a failed output at the next
         step instead of raising, so one bad request never disturbs a batch.
 
-        `tenant` is the fair scheduler's key (None: the one shared "default" key) and `tenant_weight`
-        that tenant's weight: a tenant of weight 2 gets twice the share of weight 1 (engine/fairness.py).
-        `cache_salt` (vLLM's): the request reads and shares prefix-cache blocks only with requests of the
-        same salt (None: with every unsalted request); see engine/kv_cache/block_hash.py."""
+        `meta`: its tenant, the tenant's weight, its priority and cache salt (engine/request_meta.py;
+        default: the shared "default" tenant, weight 1, priority 0, unsalted). `priority` is vLLM's
+        argument, the same as `meta.priority`. A non-zero priority under a policy that does not use it
+        raises RequestError, as vLLM refuses it."""
         self._check_open()
         params = params or SamplingParams()
-        tenant = DEFAULT_TENANT if tenant is None else tenant
-        checks.check_tenant(tenant, tenant_weight)
-        checks.check_cache_salt(cache_salt)
+        meta = with_priority(meta, priority)
+        self.check_meta(meta)
         if request_id in self.requests.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self._delta_outputs and params.n > 1:
@@ -212,7 +210,13 @@ class LLMEngine:
             self.requests.refuse(request_id, prompt_text, prompt_ids or [], adapter, str(exc), code)
             return
         parent = ParentRequest(request_id, prompt_text, prompt_ids, adapter, [None] * params.n)
-        self.requests.queue(parent, params, adapter_id, tenant, float(tenant_weight), cache_salt)
+        self.requests.queue(parent, params, adapter_id, meta)
+
+    def check_meta(self, meta: RequestMeta) -> None:
+        """What of `meta` depends on this engine: RequestError for a priority its policy would ignore."""
+        checks.check_priority(
+            meta.priority, self.scheduler.policy.uses_priority, self.config.scheduling_policy
+        )
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         self.requests.abort([request_ids] if isinstance(request_ids, str) else list(request_ids))

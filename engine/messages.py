@@ -27,6 +27,7 @@ import msgspec
 
 from engine.outputs import RequestTimes
 from engine.prompt_logprobs import PromptTokenLogprobs
+from engine.request_meta import RequestMeta
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -41,9 +42,8 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     # again by its __post_init__ when decoded, so no field list is kept twice.
     params: SamplingParams
     adapter: str | None = None  # an adapter id or name the core's adapter source resolves; None: base model
-    tenant: str | None = None  # the fair scheduler's key (None: the shared default); LLMEngine.add_request
-    tenant_weight: float = 1.0
-    cache_salt: str | None = None  # prefix-cache sharing only with equal salts; LLMEngine.add_request
+    # Tenant, weight, priority, cache salt: checked by its __post_init__ when decoded (LLMEngine.add_request)
+    meta: RequestMeta = msgspec.field(default_factory=RequestMeta)
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):

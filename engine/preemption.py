@@ -1,49 +1,32 @@
 """Preemption: which running request gives way when KV blocks run out, and how it goes back to waiting.
 
-A preempted request loses its blocks and its speculative proposals, waits at the head of its queue and
-is recomputed from token 0 when admission reaches it again. When blocks run out, the victim under the
-"fair" policy is the newest running request of the tenant with the highest virtual token counter (the
-one most over its share), under "fcfs" the newest overall. The fair scheduler's other preemptions, that
-make room for a tenant below its share, are chosen by engine/fair_preemption.py and carried out here.
+A preempted request loses its blocks and its speculative proposals, waits at the head of its queue (or
+where the policy places it) and is recomputed from token 0 when admission reaches it again. Which
+running request gives way when blocks run out is the scheduling policy's choice (`pick_victim`: the
+newest under "fcfs"; the newest of the tenant most over its share under "fair"; the worst priority under
+"priority"); so are the preemptions that make room for a waiting request (`pick_victims`), carried out
+here.
 """
 
 from __future__ import annotations
 
-from engine.fairness import VirtualTokenCounters
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest
-from engine.tenant_queues import TenantQueues
+from engine.waiting_queues import WaitingQueues
 
 
 class Preemptor:
-    def __init__(
-        self,
-        fair: bool,
-        counters: VirtualTokenCounters,
-        kv_cache_manager: KVCacheManager,
-        queues: TenantQueues,
-    ) -> None:
-        self.fair = fair
-        self.counters = counters
+    def __init__(self, kv_cache_manager: KVCacheManager, queues: WaitingQueues) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.queues = queues
         self.num_preemptions = 0  # cumulative, for metrics
-        self.num_fairness_preemptions = 0  # the part of them that made room for a tenant below its share
-
-    def pick_victim(self, running: list[Request]) -> Request:
-        """The newest running request of the tenant with the highest counter ("fcfs": the newest)."""
-        if not self.fair:
-            return running[-1]
-        victim, highest = None, 0.0
-        for request in reversed(running):
-            counter = self.counters.counter(request.tenant)
-            if victim is None or counter > highest:
-                victim, highest = request, counter
-        return victim
+        # The part of them that made room for a waiting request (fair: a tenant below its share;
+        # priority: a better priority) rather than for a running one's blocks.
+        self.num_admission_preemptions = 0
 
     def preempt(self, request: Request) -> None:
-        """Free a request's blocks and put it back at the head of its queue (it is no longer running)."""
+        """Free a request's blocks and put it back in its queue (it is no longer running)."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -52,7 +35,7 @@ class Preemptor:
         self.num_preemptions += 1
         self.queues.push(request, front=True)
 
-    def preempt_for_fairness(
+    def preempt_for_admission(
         self,
         victims: list[Request],
         running: list[Request],
@@ -70,5 +53,5 @@ class Preemptor:
                 budget += item.num_new_tokens
             self.preempt(victim)
             preempted.append(victim)
-            self.num_fairness_preemptions += 1
+            self.num_admission_preemptions += 1
         return budget

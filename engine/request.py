@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.fairness import DEFAULT_TENANT
+from engine.request_meta import RequestMeta
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -65,12 +65,10 @@ class Request:
     adapter_id: str | None = None
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    # Whose share of the engine this request uses (the fair scheduler's key), and that tenant's weight.
-    tenant: str = DEFAULT_TENANT
-    tenant_weight: float = 1.0
-    # Seeds the prefix-cache hash chain (engine/kv_cache/block_hash.py): requests share cached KV only
-    # if their salts are equal. The server salts with the tenant; None (offline) shares with all unsalted.
-    cache_salt: str | None = None
+    # Tenant, weight, priority, cache salt (engine/request_meta.py): what the scheduler, its policy and
+    # the prefix cache read besides the tokens. The server salts the cache with the tenant; offline
+    # requests are unsalted unless they ask (vLLM's cache_salt).
+    meta: RequestMeta = field(default_factory=RequestMeta)
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

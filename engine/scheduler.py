@@ -1,8 +1,10 @@
 """Iteration-level scheduling: which requests compute how many tokens in the next step.
 
-This file is the queue policy: in which order running and waiting requests get their share of a step,
-and which waiting requests are admitted. How many tokens each one computes (the token budget, chunked
-prefill, speculative proposals) is engine/token_budget.py; who gives way when KV blocks run out is
+This file is the mechanism: running requests get their share of a step first, then waiting requests
+are admitted while the budget, rows, blocks and adapter slots allow. What a scheduling policy decides
+(the waiting queues' order, passing over or holding for a head, whom to preempt) is asked of the policy
+object (engine/scheduling_policies/), never of its name. How many tokens each request computes (the
+token budget, chunked prefill, speculative proposals) is engine/token_budget.py; preempting is
 engine/preemption.py; the data handed to the model runner is engine/scheduler_output.py.
 """
 
@@ -10,17 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine import fair_preemption
 from engine.config import EngineConfig
 from engine.fairness import VirtualTokenCounters
 from engine.kv_cache import KVCacheManager
 from engine.preemption import Preemptor
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.scheduling_policies import make_policy
 from engine.stats import TenantStats
-from engine.tenant_queues import TenantQueues
 from engine.tenant_usage import TenantLedger
 from engine.token_budget import TokenBudget
+from engine.waiting_queues import WaitingQueues
 
 # Where they were first defined: the model runner and the tests import them from here.
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
@@ -30,23 +32,20 @@ class Scheduler:
     """Continuous batching in the vLLM v1 style: every step re-decides the whole batch.
 
     Running requests go first, oldest first, so decodes never starve behind prefills. When blocks
-    run out a running request is preempted (blocks freed, recomputed from token 0 later; the victim's
-    rule is in engine/preemption.py).
+    run out a running request is preempted (blocks freed, recomputed from token 0 later); the policy
+    picks which.
 
-    Waiting requests wait in one FIFO queue per tenant ("fair") or one queue for all ("fcfs").
-    Admission takes the head of the queue whose tenant has the lowest counter (engine/fairness.py),
-    again and again, while the token budget, `max_num_seqs`, free blocks and `max_loras` allow. A
-    request whose adapter is still loading is skipped without holding up the requests behind it.
-    Under "fcfs" so is one that would be one adapter too many, and a head that lacks room (blocks, or
-    the budget without chunked prefill) stops admission. Under "fair" both are passed over, but only
-    for `fairness_max_bypass_steps` steps each, so that neither a stream of short prompts nor of other
-    adapters can starve them: after that, admission waits for a head that lacks room; for one that lacks
-    an adapter slot, no other adapter takes a slot before it and the running adapter closest to done
-    admits nothing new until its slot frees, while requests of the other running adapters (and of the
-    base model) are still admitted. Also under "fair" (rules in
-    engine/fair_preemption.py): a request that finds the batch full (rows or blocks) preempts running
-    requests of a tenant more over its share, and running prefills leave the token budget first to
-    waiting requests of tenants whose counters are not above theirs.
+    Waiting requests wait in FIFO queues keyed by the policy. Admission takes the head of the queue the
+    policy ranks first, again and again, while the token budget, `max_num_seqs`, free blocks and
+    `max_loras` allow. A request whose adapter is still loading (or whose grammar still compiles) is
+    skipped without holding up the requests behind it. One that would be one adapter too many is
+    skipped too, until the policy says it holds the line: then no other adapter takes a slot before it
+    and the running adapter closest to done admits nothing new until its slot frees, while requests of
+    the other running adapters (and of the base model) are still admitted. A head that lacks room
+    (blocks, or the budget without chunked prefill) stops admission unless the policy lets admission
+    pass over it. A head that finds the batch full (rows or blocks) may preempt the running requests
+    the policy picks for it, and running prefills leave the token budget the policy reserves for the
+    waiting heads. Tenants' virtual token counters (engine/fairness.py) are charged under every policy.
     """
 
     def __init__(
@@ -69,20 +68,19 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.adapter_ready = adapter_ready
-        self.fair = config.scheduling_policy == "fair"
         self.counters = VirtualTokenCounters(
             config.fairness_prompt_token_weight, config.fairness_output_token_weight
         )
+        self.policy = make_policy(config, self.counters)  # read-only for callers
         self.ledger = TenantLedger()
         # Read-only for callers. running: admission order, oldest first.
         self.running: list[Request] = []
-        self._queues = TenantQueues(self.fair, self.counters)  # the waiting requests
-        self._bypassed: dict[str, int] = {}  # request id -> steps admission went past it (fair only)
+        self._queues = WaitingQueues(self.policy, self.counters)  # the waiting requests
         # While a request holds the line for an adapter slot: the running adapter admitting nothing new.
         self._draining: str | None = None
         self._requests: dict[str, Request] = {}  # request_id -> every unfinished request
-        self._token_budget = TokenBudget(config, kv_cache_manager, max_model_len, self.counters)
-        self._preemptor = Preemptor(self.fair, self.counters, kv_cache_manager, self._queues)
+        self._token_budget = TokenBudget(config, kv_cache_manager, max_model_len, self.policy)
+        self._preemptor = Preemptor(kv_cache_manager, self._queues)
 
     @property
     def num_preemptions(self) -> int:
@@ -90,9 +88,10 @@ class Scheduler:
         return self._preemptor.num_preemptions
 
     @property
-    def num_fairness_preemptions(self) -> int:
-        """The part of the preemptions that made room for a tenant below its share."""
-        return self._preemptor.num_fairness_preemptions
+    def num_admission_preemptions(self) -> int:
+        """The part of the preemptions that made room for a waiting request (the policy's `pick_victims`)
+        rather than for a running request's blocks."""
+        return self._preemptor.num_admission_preemptions
 
     @property
     def num_running(self) -> int:
@@ -150,7 +149,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self._queues.remove(request)
-            self._bypassed.pop(request_id, None)
+            self.policy.forget(request)
         request.status = status
         self.kv_cache_manager.free(request)
         return request
@@ -159,7 +158,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-        capped: list[Request] = []  # running prefills that left budget to admissions (fair only)
+        capped: list[Request] = []  # running prefills that left budget to admissions
         budget = self._schedule_running(budget, scheduled, preempted, capped)
         newly_admitted: list[Request] = []
         # After a preemption the cache is full: admitting now would only preempt again.
@@ -172,7 +171,7 @@ class Scheduler:
             request.num_computed_tokens += item.num_new_tokens
             request.status = RequestStatus.RUNNING
             if item.samples:  # one generated token, whatever the step recomputes
-                generated[request.tenant] = generated.get(request.tenant, 0) + 1
+                generated[request.meta.tenant] = generated.get(request.meta.tenant, 0) + 1
         for tenant, num_tokens in generated.items():  # once per tenant: a step's decodes are its bulk
             cost = self.counters.charge(tenant, num_output_tokens=num_tokens)
             self.ledger.generated(tenant, num_tokens, cost)
@@ -192,12 +191,12 @@ class Scheduler:
     ) -> int:
         """Give each running request, oldest first, its next tokens; returns the budget left.
 
-        A victim scheduled earlier in this step (only "fair" picks those) gives back its tokens: nothing
-        of the step has run yet, so freeing its blocks loses no work. Under "fair" a prefill leaves the
-        budget that waiting requests of tenants not above its own need (at least one token for itself),
-        and goes into `capped`, to get what admission leaves of it.
+        A victim scheduled earlier in this step (a policy may pick one) gives back its tokens: nothing of
+        the step has run yet, so freeing its blocks loses no work. A prefill leaves the budget the policy
+        reserves for the waiting heads (at least one token for itself), and if that capped it goes into
+        `capped`, to get what admission leaves of it.
         """
-        heads = self._queues.heads() if self.fair and self.config.enable_chunked_prefill else []
+        heads = self._queues.heads() if self.config.enable_chunked_prefill else []
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -210,7 +209,7 @@ class Scheduler:
                 capped.append(request)
             preempted_self = False
             while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
-                victim = self._preemptor.pick_victim(self.running)
+                victim = self.policy.pick_victim(self.running)
                 position = self.running.index(victim)
                 del self.running[position]
                 if position < index:
@@ -242,29 +241,31 @@ class Scheduler:
         newly_admitted: list[Request],
         preempted: list[Request],
     ) -> int:
-        """Admit heads of the lowest-counter queues; skipped requests keep their place. Returns the
-        budget left. Under "fair" a head that lacks a row or blocks may preempt others for them."""
+        """Admit heads of the queues the policy ranks first; skipped requests keep their place. Returns
+        the budget left. A head that lacks a row or blocks may preempt the running requests the policy
+        picks for it."""
         kv = self.kv_cache_manager
         adapters = {r.adapter_id for r in self.running if r.adapter_id is not None}
         queues = self._queues
         cursors = dict.fromkeys(queues.keys(), 0)  # per queue: its next candidate; earlier ones are skipped
-        holding = False  # a request waits for an adapter slot past its bypasses (fair only)
-        while budget > 0 and (self.fair or len(self.running) < self.config.max_num_seqs):
+        holding = False  # a request holds the line for an adapter slot (the policy said so)
+        policy = self.policy
+        while budget > 0 and (policy.preempts_for_admission or len(self.running) < self.config.max_num_seqs):
             key = min(
-                (k for k, i in cursors.items() if i < len(queues.queue(k))), key=queues.priority, default=None
+                (k for k, i in cursors.items() if i < len(queues.queue(k))), key=queues.rank, default=None
             )
             if key is None:
                 break
             request = queues.queue(key)[cursors[key]]
-            need_row = len(self.running) >= self.config.max_num_seqs  # only under fair here
+            need_row = len(self.running) >= self.config.max_num_seqs  # only if the policy preempts for it
             if self._one_adapter_too_many(request.adapter_id, adapters):
                 if need_row:  # not admitted this step anyway: no bypass to count
                     del cursors[key]
                     continue
-                # Under fair, a request kept out by other adapters holds the line after a while: no other
+                # A request kept out by other adapters may hold the line (the policy's call): no other
                 # adapter takes a slot before it, and one running adapter drains (admits nothing new), so
                 # a slot frees in bounded time while the other running adapters keep admitting.
-                if self.fair and not self._may_bypass(request):
+                if policy.hold_for_slot(request):
                     holding = True
                     if self._draining not in adapters:
                         self._draining = self._drain_victim()
@@ -282,19 +283,18 @@ class Scheduler:
                 continue
             hits, num_hit_tokens, num_new_tokens, fits = self._token_budget.admission_plan(request, budget)
             num_missing_blocks = kv.num_missing_blocks(request, num_new_tokens, hits) if fits else 0
-            if self.fair and fits and (need_row or num_missing_blocks):
-                victims = fair_preemption.pick_victims(
+            if fits and (need_row or num_missing_blocks):
+                victims = policy.pick_victims(
                     request,
                     self.running,
                     newly_admitted,
-                    self.counters,
                     kv,
                     need_row=need_row,
                     num_missing_blocks=num_missing_blocks,
                 )
                 if victims:
                     planned_budget = budget
-                    budget = self._preemptor.preempt_for_fairness(
+                    budget = self._preemptor.preempt_for_admission(
                         victims, self.running, scheduled, preempted, budget
                     )
                     for victim in victims:  # no victim comes back in the step that preempted it
@@ -307,19 +307,19 @@ class Scheduler:
                     )
                     need_row = False
             if need_row:
-                del cursors[key]  # only a preemption admits anyone now; another tenant may be owed one
+                del cursors[key]  # only a preemption admits anyone now; another queue may be owed one
                 continue
             if not fits or kv.allocate_slots(request, num_new_tokens, hits) is None:
-                if not self.fair or not self._may_bypass(request):
+                if not policy.pass_over(request):
                     break  # admission waits for this head, so it cannot starve
                 del cursors[key]  # the other queues go first this step
                 continue
             if request.status is RequestStatus.WAITING:  # charged once, not again after a preemption
                 request.num_cached_tokens = num_hit_tokens
-                cost = self.counters.charge(request.tenant, num_prompt_tokens=request.num_prompt_tokens)
+                cost = self.counters.charge(request.meta.tenant, num_prompt_tokens=request.num_prompt_tokens)
                 self.ledger.admitted(request, cost)
             queues.pop(key, cursors[key])
-            self._bypassed.pop(request.request_id, None)
+            policy.forget(request)
             if not queues.has(key):
                 cursors.pop(key, None)
             request.num_computed_tokens += num_hit_tokens
@@ -344,14 +344,6 @@ class Scheduler:
                 count, left = load.get(request.adapter_id, (0, 0))
                 load[request.adapter_id] = (count + 1, left + _tokens_left(request, self.max_model_len))
         return min(load, key=load.__getitem__, default=None)
-
-    def _may_bypass(self, request: Request) -> bool:
-        """Whether admission may go past `request`, which lacks room or an adapter slot; counts the steps."""
-        count = self._bypassed.get(request.request_id, 0)
-        if count >= self.config.fairness_max_bypass_steps:
-            return False
-        self._bypassed[request.request_id] = count + 1
-        return True
 
     def _one_adapter_too_many(self, adapter_id: str | None, adapters: set[str]) -> bool:
         return (

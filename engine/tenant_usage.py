@@ -31,7 +31,7 @@ class TenantLedger:
 
     def admitted(self, request: Request, cost: float) -> None:
         """`request` was admitted for the first time; `cost` is its weighted prompt cost."""
-        usage = self._add(request.tenant, cost)
+        usage = self._add(request.meta.tenant, cost)
         usage.num_requests += 1
         usage.num_prompt_tokens += request.num_prompt_tokens
         usage.queue_time_s += max(0.0, self._clock() - request.arrival_time)
@@ -88,5 +88,5 @@ class TenantLedger:
 def _count(requests: Iterable[Request]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for request in requests:
-        counts[request.tenant] = counts.get(request.tenant, 0) + 1
+        counts[request.meta.tenant] = counts.get(request.meta.tenant, 0) + 1
     return counts

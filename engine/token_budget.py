@@ -5,19 +5,18 @@ preempted request's recompute) is split over several steps, each chunk taking wh
 without it a request needs all its remaining tokens in one step and waits for a step with room. A
 decoding request's speculative proposals ride along with its next token while the budget and the free
 blocks allow: the budget cuts them first, and they never take a block that another running request
-needs for its own next token. Under "fair" a running prefill leaves the budget that waiting requests of
-tenants not above its own need (engine/fair_preemption.py), and gets back what admission left unused at
-the end of the step (`extend_capped`).
+needs for its own next token. A running prefill leaves the budget the scheduling policy reserves for
+the waiting queues' heads (under "fair", what tenants not above its own need: engine/fair_preemption.py),
+and gets back what admission left unused at the end of the step (`extend_capped`).
 """
 
 from __future__ import annotations
 
-from engine import fair_preemption
 from engine.config import EngineConfig
-from engine.fairness import VirtualTokenCounters
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
 from engine.scheduler_output import ScheduledRequest
+from engine.scheduling_policies import SchedulingPolicy
 
 
 class TokenBudget:
@@ -26,20 +25,20 @@ class TokenBudget:
         config: EngineConfig,
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
-        counters: VirtualTokenCounters,
+        policy: SchedulingPolicy,
     ) -> None:
         self.chunked_prefill = config.enable_chunked_prefill
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
-        self.counters = counters
+        self.policy = policy
 
     def running_share(
         self, request: Request, budget: int, heads: list[Request], num_running_after: int
     ) -> tuple[int, int, bool] | None:
         """A running request's tokens this step: (tokens to compute, how many of them are speculative
-        proposals, whether the fair reserve for `heads` capped it), or None when it computes nothing now.
+        proposals, whether the policy's reserve for `heads` capped it), or None when it computes nothing now.
 
-        `heads`: the heads of the waiting queues (fair with chunked prefill only, else []);
+        `heads`: the heads of the waiting queues as the step began (with chunked prefill only, else []);
         `num_running_after`: the running requests after this one, each of which keeps a block for its
         next token. Proposals the budget or the blocks cannot take are dropped from the request."""
         num_new_tokens = request.num_scheduled_tokens - request.num_computed_tokens
@@ -54,7 +53,7 @@ class TokenBudget:
             return None
         limit, capped = budget, False
         if heads and request.num_tokens - request.num_computed_tokens > 1:  # a prefill, or a recompute
-            limit = max(1, budget - fair_preemption.reserved_budget(request.tenant, heads, self.counters))
+            limit = max(1, budget - self.policy.reserved_budget(request, heads))
             capped = limit < min(num_new_tokens, budget)
         num_new_tokens = min(num_new_tokens + num_spec_tokens, limit)
         num_spec_tokens = max(0, num_new_tokens - 1) if num_spec_tokens else 0  # proposals the budget cut

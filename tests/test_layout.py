@@ -4,6 +4,7 @@ imports flow one way, and each engine setting is declared once."""
 import ast
 import pathlib
 import platform
+import re
 import subprocess
 import sys
 import sysconfig
@@ -212,3 +213,13 @@ def test_the_settings_scan_sees_each_form_of_repetition(tmp_path):
     assert repeated_choice_lists([tmp_path], {"SCHEDULING_POLICIES": ("fair", "fcfs")}) == [
         "a.py:7 repeats SCHEDULING_POLICIES"
     ]
+
+
+def test_the_scheduler_never_names_a_scheduling_policy():
+    """The scheduler asks its policy object (engine/scheduling_policies/); adding a policy never edits it."""
+    from engine.engine_args import SCHEDULING_POLICIES
+
+    text = (REPO / "engine" / "scheduler.py").read_text()
+    named = {name for name in SCHEDULING_POLICIES if re.search(rf"\b{name}\b", text, re.IGNORECASE)}
+    assert named == set()
+    assert "scheduling_policy" not in text  # nor reads the setting itself (make_policy does)

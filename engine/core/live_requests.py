@@ -21,6 +21,7 @@ from engine.lora.manager import AdapterManager
 from engine.output_processor import ParentRequest, RequestState
 from engine.outputs import RequestOutput
 from engine.request import NO_LORA, Request, RequestStatus
+from engine.request_meta import RequestMeta
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -63,17 +64,12 @@ class LiveRequests:
         parent: ParentRequest,
         params: SamplingParams,
         adapter_id: str | None,
-        tenant: str,
-        tenant_weight: float,
-        cache_salt: str | None = None,
+        meta: RequestMeta,
     ) -> None:
         """Queue the children of a checked request; a ValueError (the scheduler refuses what can never
         fit the KV cache) refuses the whole request."""
         try:
-            children = [
-                self._new_child(parent, params, index, adapter_id, tenant, tenant_weight, cache_salt)
-                for index in range(params.n)
-            ]
+            children = [self._new_child(parent, params, index, adapter_id, meta) for index in range(params.n)]
         except ValueError as exc:  # the scheduler's "can never fit" is this request's (lower max_tokens)
             self.refuse(
                 parent.request_id,
@@ -194,9 +190,7 @@ class LiveRequests:
         params: SamplingParams,
         index: int,
         adapter_id: str | None,
-        tenant: str,
-        tenant_weight: float,
-        cache_salt: str | None,
+        meta: RequestMeta,
     ) -> Request:
         child_id = parent.request_id if params.n == 1 else f"{parent.request_id}#{index}"
         child = Request(
@@ -205,9 +199,7 @@ class LiveRequests:
             sampling_params=child_params(params, index, self.eos_token_ids),
             adapter_id=adapter_id,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-            tenant=tenant,
-            tenant_weight=tenant_weight,
-            cache_salt=cache_salt,
+            meta=meta,
         )
         self.structured.add(child)  # its grammar compiles off the loop; the scheduler waits for it
         try:

@@ -147,9 +147,7 @@ class EngineCoreLoop:
                 message.prompt_token_ids,
                 message.params,
                 message.adapter,
-                tenant=message.tenant,
-                tenant_weight=message.tenant_weight,
-                cache_salt=message.cache_salt,
+                meta=message.meta,
             )
         except ValueError as exc:  # this request's data (params, a duplicate id): fail it, keep serving
             self._refuse(

@@ -23,20 +23,13 @@ class RequestError(ValueError):
     code = "invalid_request"
 
 
-def check_tenant(tenant: str, tenant_weight: float) -> None:
-    """The fair scheduler's key and weight must be a non-empty string and a positive finite number."""
-    if not isinstance(tenant, str) or not tenant:
-        raise ValueError(f"tenant must be a non-empty string or None (got {tenant!r})")
-    if isinstance(tenant_weight, bool) or not isinstance(tenant_weight, (int, float)):
-        raise ValueError(f"tenant_weight must be a positive number (got {tenant_weight!r})")
-    if not 0 < tenant_weight < float("inf"):
-        raise ValueError(f"tenant_weight must be a positive number (got {tenant_weight!r})")
-
-
-def check_cache_salt(cache_salt: str | None) -> None:
-    """vLLM's rule: a cache salt is None or a non-empty string."""
-    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-        raise ValueError(f"cache_salt must be a non-empty string or None (got {cache_salt!r})")
+def check_priority(priority: int, policy_uses_priority: bool, policy: str) -> None:
+    """vLLM's rule: a non-zero priority only under a policy that orders by it (never silently ignored)."""
+    if priority != 0 and not policy_uses_priority:
+        raise RequestError(
+            f"priority {priority} needs the 'priority' scheduling policy (--scheduling-policy priority); "
+            f"this engine schedules by {policy!r}: leave priority at 0"
+        )
 
 
 def tokenize(tokenizer, prompt: str) -> list[int]:

@@ -42,6 +42,7 @@ from engine.messages import (
 )
 from engine.model.loader import resolve_model_path
 from engine.outputs import RequestOutput
+from engine.request_meta import RequestMeta, with_priority
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from engine.tokenizer import load_tokenizer
@@ -169,18 +170,18 @@ class AsyncLLM:
         request_id: str,
         adapter: str | None = None,
         *,
-        tenant: str | None = None,
-        tenant_weight: float = 1.0,
-        cache_salt: str | None = None,
+        meta: RequestMeta | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield deltas: each output's completions hold only the text, tokens and logprobs that are new
         since the previous yield. The last one has `finished` set; a failed request's has `error`.
-        `tenant`, `tenant_weight` and `cache_salt`: see LLMEngine.add_request."""
+        `meta` (tenant, weight, priority, cache salt) and vLLM's `priority`: see LLMEngine.add_request."""
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
+        meta = with_priority(meta, priority)
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
         if ids is None and self.tokenizer is not None:
             ids = self.tokenizer(text).input_ids
@@ -196,7 +197,7 @@ class AsyncLLM:
             self._children[child_id] = stream
         try:
             try:
-                self._client.send(*request.add_requests(tenant, tenant_weight, cache_salt))
+                self._client.send(*request.add_requests(meta))
             except (OverflowError, msgspec.EncodeError) as exc:  # e.g. an integer wider than 64 bits
                 raise RequestError(f"the request holds a value the engine cannot take: {exc}") from None
             while not request.finished:

@@ -22,6 +22,7 @@ from engine.messages import AddRequest, RequestDelta
 from engine.outputs import CompletionOutput, RequestOutput, RequestTimes
 from engine.prompt_logprobs import PromptTokenLogprobs
 from engine.request import Request, RequestStatus
+from engine.request_meta import RequestMeta
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -142,18 +143,14 @@ class RequestProcessor:
                 detokenizer = IncrementalDetokenizer(tokenizer, request)
             self._children[child_id] = _Child(index, detokenizer, params.logprobs is not None)
 
-    def add_requests(
-        self, tenant: str | None = None, tenant_weight: float = 1.0, cache_salt: str | None = None
-    ) -> list[AddRequest]:
+    def add_requests(self, meta: RequestMeta) -> list[AddRequest]:
         return [
             AddRequest(
                 child_id,
                 self.prompt_token_ids,
                 dataclasses.replace(params, stop=[]),
                 self.adapter,
-                tenant=tenant,
-                tenant_weight=tenant_weight,
-                cache_salt=cache_salt,
+                meta=meta,
             )
             for child_id, params in zip(self.child_ids, self._child_params)
         ]

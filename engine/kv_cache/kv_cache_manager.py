@@ -199,7 +199,7 @@ class KVCacheManager:
     def _hashes(self, request: Request) -> list[bytes]:
         hashes = self._block_hashes.setdefault(request.request_id, [])
         return extend_block_hashes(
-            hashes, request.all_token_ids, self.block_size, request.adapter_id, request.cache_salt
+            hashes, request.all_token_ids, self.block_size, request.adapter_id, request.meta.cache_salt
         )
 
     def _cache_full_blocks(

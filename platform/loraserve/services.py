@@ -55,9 +55,7 @@ class EngineClient(Protocol):
         request_id: str,
         adapter: str | None = None,
         *,
-        tenant: str | None = None,
-        tenant_weight: float = 1.0,
-        cache_salt: str | None = None,
+        meta: Any = None,  # engine.RequestMeta: tenant, weight, priority, cache salt
     ) -> Any: ...
 
     async def abort(self, request_id: str) -> None: ...

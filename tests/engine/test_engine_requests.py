@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from factories import make_adapter, make_model
 
-from engine import SamplingParams
+from engine import RequestMeta, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -166,7 +166,7 @@ def test_a_seed_changed_after_validation_fails_its_request_alone(llm):
 def test_tenant_and_weight_reach_the_scheduler_and_its_accounting(llm):
     engine = llm.engine
     before = {t.tenant: t for t in engine.stats().tenants}.get("default")
-    engine.add_request("fair-1", [5, 6, 7, 8], GREEDY, None, tenant="acme", tenant_weight=3)
+    engine.add_request("fair-1", [5, 6, 7, 8], GREEDY, None, meta=RequestMeta(tenant="acme", tenant_weight=3))
     engine.add_request("fair-2", [5, 6, 7], SamplingParams(max_tokens=2, n=2, ignore_eos=True), None)
     while engine.has_unfinished_requests():
         engine.step()
@@ -182,10 +182,10 @@ def test_tenant_and_weight_reach_the_scheduler_and_its_accounting(llm):
     assert [now - then for now, then in zip(counts, earlier)] == [2, 6, 4]
     for bad in ("", 7):
         with pytest.raises(ValueError, match="tenant"):
-            engine.add_request(f"bad-{bad}", [5], GREEDY, tenant=bad)
+            RequestMeta(tenant=bad)
     for weight in (0, -1.0, float("nan"), True):
         with pytest.raises(ValueError, match="tenant_weight"):
-            engine.add_request("bad-weight", [5], GREEDY, tenant="acme", tenant_weight=weight)
+            RequestMeta(tenant="acme", tenant_weight=weight)
 
 
 @pytest.fixture(scope="module")

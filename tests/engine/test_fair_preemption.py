@@ -12,6 +12,7 @@ from engine import fair_preemption
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.request_meta import RequestMeta
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
@@ -120,7 +121,7 @@ def test_a_tenant_below_its_share_is_scheduled_in_the_step_it_arrives(name):
     output = run(scheduler, {0: b}, 1).outputs[0]
     assert [b.index(r) for r in output.newly_admitted if r in b] == admitted
     assert [a.index(r) for r in output.preempted] == victims
-    assert scheduler.num_fairness_preemptions == len(victims)
+    assert scheduler.num_admission_preemptions == len(victims)
     scheduled = {s.request for s in output.scheduled}
     assert all(b[i] in scheduled for i in admitted)
     assert all(r.status is RequestStatus.PREEMPTED and r.num_computed_tokens == 0 for r in output.preempted)
@@ -179,8 +180,8 @@ def test_no_thrashing(name, arrivals, fairness_preemptions):
     assert not scheduler.has_unfinished_requests()
     # Blocks never ran out: every preemption made room for a tenant, each request suffered at most one.
     low, high = fairness_preemptions
-    assert scheduler.num_preemptions == scheduler.num_fairness_preemptions
-    assert low <= scheduler.num_fairness_preemptions <= high
+    assert scheduler.num_preemptions == scheduler.num_admission_preemptions
+    assert low <= scheduler.num_admission_preemptions <= high
     assert all(r.num_preemptions <= 1 for r in requests)
     assert max(preempted_by_step) <= 1  # one row per step, for one request of B's
 
@@ -194,10 +195,14 @@ def test_victims_never_include_a_request_sharing_blocks_registered_this_step():
     kv = KVCacheManager(64, BLOCK_SIZE, True)
     scheduler = Scheduler(config, kv, 64)
     prefix = list(range(100, 116))
-    decoding = Request("decoding", list(range(200, 214)), SamplingParams(max_tokens=20), tenant="a")
-    prefilling = Request("prefilling", prefix, SamplingParams(max_tokens=20), tenant="a")
+    decoding = Request(
+        "decoding", list(range(200, 214)), SamplingParams(max_tokens=20), meta=RequestMeta(tenant="a")
+    )
+    prefilling = Request("prefilling", prefix, SamplingParams(max_tokens=20), meta=RequestMeta(tenant="a"))
     run(scheduler, {0: [decoding, prefilling]}, 1)  # 14 tokens, then the first 10 of 16
-    same_prefix = Request("same-prefix", prefix + [1, 2], SamplingParams(max_tokens=2), tenant="a")
+    same_prefix = Request(
+        "same-prefix", prefix + [1, 2], SamplingParams(max_tokens=2), meta=RequestMeta(tenant="a")
+    )
     b = make_request("b", 4, 2)
     output = run(scheduler, {0: [same_prefix, b]}, 1).outputs[0]
     # The prefill registers blocks 2-3 for this step, same-prefix hits them and takes the last row;
@@ -247,7 +252,12 @@ def test_random_floods_with_shared_prefixes_keep_the_kv_cache_consistent(seed):
         prompt = rng.choice(prefixes)[: rng.randint(0, 8)] + [
             rng.randrange(5) for _ in range(rng.randint(1, 12))
         ]
-        return Request(f"{tenant}{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 10)), tenant=tenant)
+        return Request(
+            f"{tenant}{i}",
+            prompt,
+            SamplingParams(max_tokens=rng.randint(1, 10)),
+            meta=RequestMeta(tenant=tenant),
+        )
 
     arrivals = {0: [request(i, "a") for i in range(30)]}
     for step in range(1, 60, 4):
@@ -305,20 +315,20 @@ def test_a_preempted_victim_resumes_with_the_same_greedy_tokens(text_model_dir, 
     expected: dict[str, list[int]] = {}
     alone = engine(max_num_seqs=8)
     for request_id, prompt in prompts.items():
-        alone.add_request(request_id, prompt, greedy, tenant=request_id[0])
+        alone.add_request(request_id, prompt, greedy, meta=RequestMeta(tenant=request_id[0]))
     drain(alone, expected)
 
     crowded = engine(max_num_seqs=3, async_scheduling=async_scheduling, enable_prefix_caching=caching)
     got: dict[str, list[int]] = {}
     for request_id in ("a0", "a1", "a2", "a3"):
-        crowded.add_request(request_id, prompts[request_id], greedy, tenant="a")
+        crowded.add_request(request_id, prompts[request_id], greedy, meta=RequestMeta(tenant="a"))
     for _ in range(3):
         crowded.step()
     scheduler = crowded.scheduler
     assert {r.request_id for r in scheduler.running} == {"a0", "a1", "a2"}
-    crowded.add_request("b0", prompts["b0"], greedy, tenant="b")
+    crowded.add_request("b0", prompts["b0"], greedy, meta=RequestMeta(tenant="b"))
     crowded.step()
     assert "b0" in {r.request_id for r in scheduler.running}  # admitted in the step it arrived
-    assert scheduler.num_fairness_preemptions == 1
+    assert scheduler.num_admission_preemptions == 1
     drain(crowded, got)
     assert got == expected

@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.fairness import VirtualTokenCounters, service_bound
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.request_meta import RequestMeta
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tenant_usage import SHARE_WINDOW_S, TenantLedger
@@ -39,8 +40,7 @@ def make_request(tenant, num_prompt_tokens, max_tokens=8, weight=1.0, adapter_id
         list(range(num_prompt_tokens)),
         SamplingParams(max_tokens=max_tokens),
         adapter_id=adapter_id,
-        tenant=tenant,
-        tenant_weight=weight,
+        meta=RequestMeta(tenant=tenant, tenant_weight=weight),
     )
     if arrival is not None:
         request.arrival_time = arrival
@@ -62,24 +62,24 @@ def run(scheduler, arrivals, num_steps):
     for step in range(num_steps):
         for request in arrivals.get(step, []):
             scheduler.add_request(request)
-        before = {r.tenant for r in scheduler.waiting}
+        before = {r.meta.tenant for r in scheduler.waiting}
         output = scheduler.schedule()
         service: dict[str, float] = {}
         for request in output.newly_admitted:
             if request.request_id not in admitted:
                 admitted.add(request.request_id)
-                service[request.tenant] = (
-                    service.get(request.tenant, 0.0) + PROMPT_WEIGHT * request.num_prompt_tokens
+                service[request.meta.tenant] = (
+                    service.get(request.meta.tenant, 0.0) + PROMPT_WEIGHT * request.num_prompt_tokens
                 )
         for item in output.scheduled:
             if item.samples:
                 request = item.request
-                service[request.tenant] = service.get(request.tenant, 0.0) + OUTPUT_WEIGHT
+                service[request.meta.tenant] = service.get(request.meta.tenant, 0.0) + OUTPUT_WEIGHT
                 request.append_output_token(7)
                 if request.num_output_tokens >= request.sampling_params.max_tokens:
                     scheduler.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
         trace.service.append(service)
-        trace.backlogged.append(before & {r.tenant for r in scheduler.waiting})
+        trace.backlogged.append(before & {r.meta.tenant for r in scheduler.waiting})
         trace.outputs.append(output)
     return trace
 
@@ -381,7 +381,7 @@ def test_counters_charge_prompts_once_and_every_sampled_token():
 @pytest.mark.parametrize(
     ("setting", "value"),
     [
-        ("scheduling_policy", "priority"),
+        ("scheduling_policy", "lottery"),
         ("fairness_prompt_token_weight", 0),
         ("fairness_output_token_weight", -1.0),
         ("fairness_max_bypass_steps", -1),
@@ -415,8 +415,7 @@ def test_random_multi_tenant_workloads_keep_the_kv_cache_consistent_and_finish(s
             [rng.randrange(3) for _ in range(rng.randint(1, 20))],
             SamplingParams(max_tokens=rng.randint(1, 12)),
             adapter_id=rng.choice([None, "a", "b", "c"]),
-            tenant=rng.choice(["t1", "t2", "t3"]),
-            tenant_weight=2.0,
+            meta=RequestMeta(tenant=rng.choice(["t1", "t2", "t3"]), tenant_weight=2.0),
         )
         for i in range(60)
     ]

@@ -7,7 +7,7 @@ import dataclasses
 import msgspec
 import pytest
 
-from engine import EngineStats, SamplingParams
+from engine import EngineStats, RequestMeta, SamplingParams
 from engine.messages import (
     AbortRequests,
     AddRequest,
@@ -56,7 +56,11 @@ PARAMS = SamplingParams(
     "message",
     [
         AddRequest(
-            "r1#0", [1, 2, 3], PARAMS, "acme/a@1", tenant="acme", tenant_weight=2.5, cache_salt="s\x00é"
+            "r1#0",
+            [1, 2, 3],
+            PARAMS,
+            "acme/a@1",
+            meta=RequestMeta(tenant="acme", tenant_weight=2.5, priority=-(2**63), cache_salt="s\x00é"),
         ),
         AddRequest("r2", [7], SamplingParams(structured_outputs={"choice": ["yes", "no"]}), None),
         AbortRequests(["r1#0", "r1#1"]),
@@ -119,6 +123,18 @@ def test_params_the_engine_refuses_do_not_decode():
     raw["params"]["max_tokens"] = 0
     with pytest.raises(msgspec.ValidationError, match="max_tokens"):
         decode_input(msgspec.msgpack.encode(raw))
+
+
+def test_every_meta_field_crosses_and_a_bad_one_does_not_decode():
+    """RequestMeta checks itself when decoded, as SamplingParams does: a new field needs no second list."""
+    meta = RequestMeta(tenant="t", tenant_weight=0.5, priority=3, cache_salt="x")
+    assert all(getattr(meta, f) != getattr(RequestMeta(), f) for f in RequestMeta.__struct_fields__)
+    assert decode_input(encode(AddRequest("r", [1], PARAMS, meta=meta))).meta == meta
+    for field, bad in [("tenant", ""), ("tenant_weight", -1.0), ("priority", 1.5), ("cache_salt", "")]:
+        raw = msgspec.to_builtins(AddRequest("r", [1], SamplingParams()))
+        raw["meta"][field] = bad
+        with pytest.raises(msgspec.ValidationError, match=field):
+            decode_input(msgspec.msgpack.encode(raw))
 
 
 def test_an_output_on_the_input_socket_is_refused():

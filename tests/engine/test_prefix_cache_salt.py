@@ -9,6 +9,7 @@ from engine import LLM, SamplingParams
 from engine.kv_cache import KVCacheManager, extend_block_hashes, hash_block_tokens, root_block_hash
 from engine.kv_cache.block_hash import ROOT_BLOCK_HASH
 from engine.request import Request
+from engine.request_meta import RequestMeta
 
 BLOCK_SIZE = 4
 TOKENS = list(range(10, 31))  # 5 full blocks and a partial one
@@ -16,7 +17,11 @@ TOKENS = list(range(10, 31))  # 5 full blocks and a partial one
 
 def make_request(request_id, salt, adapter_id=None, tokens=TOKENS):
     return Request(
-        request_id, list(tokens), SamplingParams(max_tokens=4), adapter_id=adapter_id, cache_salt=salt
+        request_id,
+        list(tokens),
+        SamplingParams(max_tokens=4),
+        adapter_id=adapter_id,
+        meta=RequestMeta(cache_salt=salt),
     )
 
 

@@ -12,10 +12,10 @@ from engine.scheduler import ScheduledRequest, Scheduler
 
 BLOCK_SIZE = 4
 SAMPLED_TOKEN = 7
-_POLICY = {"name": "fair"}  # set per test by `policy`: with one tenant both policies behave alike
+_POLICY = {"name": "fair"}  # set per test by `policy`: with one tenant and one priority all behave alike
 
 
-@pytest.fixture(autouse=True, params=["fair", "fcfs"])
+@pytest.fixture(autouse=True, params=["fair", "fcfs", "priority"])
 def policy(request):
     _POLICY["name"] = request.param
     yield request.param

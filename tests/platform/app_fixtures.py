@@ -109,6 +109,7 @@ async def open_test_services(
     speculative_config: dict | None = None,
     max_num_seqs: int = 16,
     prompt_tokens_details: bool = False,
+    scheduling_policy: str = "fair",
 ) -> AsyncIterator[Services]:
     """`store_config` (e.g. S3) replaces the local store under `root`; `config_store` the embedded one."""
     shape = model_shape(load_config(model_dir))  # sizes and the architecture's LoRA targets
@@ -136,6 +137,7 @@ async def open_test_services(
         max_num_seqs=max_num_seqs,
         max_logprobs=max_logprobs,
         speculative_config=speculative_config,
+        scheduling_policy=scheduling_policy,
     )
     # The engine core runs in its own process, as in `loraserve serve`.
     engine = AsyncLLM.from_config(

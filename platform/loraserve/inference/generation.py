@@ -6,8 +6,9 @@ window as each delta arrives. Closing the stream (client gone, handler done, shu
 is still running, which frees its KV blocks; the tenant's lease and the rest of its token hold are
 released, and every completion is counted in `vllm:request_success_total` by its finish reason (one
 that never got one: `abort`, or `error` when the engine failed it), exactly once, however the stream
-ends. Engine requests carry the caller's tenant and weight (the fair scheduler's key) and the cache
-salt that keeps its prefix cache to itself (loraserve.tenancy.cache_salt).
+ends. Engine requests carry one RequestMeta (engine/request_meta.py): the caller's tenant and weight
+(the fair policy's key), the request's priority, and the cache salt that keeps its prefix cache to
+itself (loraserve.tenancy.cache_salt).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from engine import EngineDeadError, RequestOutput, SamplingParams
 from engine.outputs import RequestTimes
+from engine.request_meta import RequestMeta
 from loraserve.errors import BadRequest, ServiceUnavailable
 from loraserve.services import Services
 from loraserve.tenancy import Lease, Principal, TokenReservation
@@ -57,7 +59,7 @@ class Generation:
         lease: Lease,
         principal: Principal | None = None,
         tokens: TokenReservation | None = None,
-        cache_salt: str | None = None,
+        meta: RequestMeta | None = None,
     ) -> None:
         self.services = services
         self.request_id = request_id
@@ -67,7 +69,7 @@ class Generation:
         self.lease = lease
         self.principal = principal
         self.tokens = tokens
-        self.cache_salt = cache_salt
+        self.meta = meta if meta is not None else RequestMeta()
         self.ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self._timings = [_Timing() for _ in prompts]
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -140,15 +142,8 @@ class Generation:
     async def _deltas(self, index: int) -> AsyncIterator[RequestOutput]:
         """Prompt `index`'s engine stream, its timings recorded (and observed once it ends)."""
         timing = self._timings[index]
-        principal = self.principal
         stream = self.services.engine.generate(
-            self.prompts[index],
-            self.params,
-            self.ids[index],
-            self.adapter,
-            tenant=principal.tenant if principal is not None else None,
-            tenant_weight=principal.weight if principal is not None else 1.0,
-            cache_salt=self.cache_salt,
+            self.prompts[index], self.params, self.ids[index], self.adapter, meta=self.meta
         )
         async for delta in stream:
             new_tokens = _record(timing, delta)

@@ -101,6 +101,9 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM's: share prefix-cache blocks only with requests of this salt, always within the caller's
     # tenant (or cache group); a non-empty string. See loraserve.tenancy.cache_salt.
     cache_salt: Annotated[str, Meta(min_length=1)] | None = None
+    # vLLM's: under --scheduling-policy priority, lower values are served first and preempted last; any
+    # other policy refuses a non-zero priority (400, from the engine's check), never ignores it.
+    priority: Annotated[int, Meta(ge=-(2**63), le=MAX_INT)] = 0
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
     # vLLM's extensions: no stop before min_tokens; token ids that stop like eos; the stop string kept in
     # the text; special tokens' text kept

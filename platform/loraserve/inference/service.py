@@ -25,6 +25,7 @@ from litestar import Request, Response
 from litestar.response import Stream
 
 from engine import EngineDeadError, RequestOutput, SamplingParams
+from engine.request_meta import RequestMeta
 from loraserve.errors import (
     APIError,
     BadRequest,
@@ -226,7 +227,12 @@ async def _generate(
         lease,
         principal,
         tokens,
-        cache_salt=engine_cache_salt(principal, body.cache_salt),
+        meta=RequestMeta(
+            tenant=principal.tenant,
+            tenant_weight=principal.weight,
+            priority=body.priority,
+            cache_salt=engine_cache_salt(principal, body.cache_salt),
+        ),
     )
     options = ResponseOptions(
         want_logprobs=params.logprobs is not None,

@@ -97,7 +97,8 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, st
 
 
 def _env_value(action: argparse.Action, raw: str) -> object:
-    if isinstance(action, argparse.BooleanOptionalAction):
+    # --x/--no-x switches and on-only ones (store_true: nargs 0, a bool const) read true or false alike
+    if isinstance(action, argparse.BooleanOptionalAction) or (action.nargs == 0 and action.const is True):
         value = raw.strip().lower()
         if value not in _TRUE | _FALSE:
             raise ValueError("expected true or false")

@@ -50,6 +50,10 @@ def test_defaults_flags_and_environment(tmp_path):
     assert default.root_path == "" and settings(["--root-path", "/llm"]).root_path == "/llm"
     assert default.max_logprobs == 20 and settings(["--max-logprobs", "-1"]).max_logprobs == -1
     assert settings([], {"LORASERVE_MAX_LOGPROBS": "50"}).max_logprobs == 50
+    # an on-only switch read from the environment is a bool, "false" included
+    for raw, value in (("false", False), ("0", False), ("true", True), ("on", True)):
+        env = {"LORASERVE_ENABLE_PROMPT_TOKENS_DETAILS": raw}
+        assert settings([], env).enable_prompt_tokens_details is value
 
 
 @pytest.mark.parametrize(
@@ -68,6 +72,7 @@ def test_defaults_flags_and_environment(tmp_path):
             ["LORASERVE_ATTENTION_BACKEND", "auto, torch, triton"],
         ),
         ([], {"LORASERVE_ENFORCE_EAGER": "sometimes"}, ["LORASERVE_ENFORCE_EAGER", "true or false"]),
+        ([], {"LORASERVE_RETURN_TOKENS_AS_TOKEN_IDS": "yes please"}, ["true or false"]),
         (["--api-keys", "/no/such/keys.yaml"], {}, ["--api-keys"]),
         (["--lora-modules", "nameonly"], {}, ["NAME=PATH"]),
         (["--lora-modules", "x=/no/such/dir"], {}, ["PEFT adapter folder"]),

@@ -7,6 +7,8 @@ UploadTooLarge -> 413, AdapterNotFound -> 404, ChecksumError and StoreUnavailabl
 
 from __future__ import annotations
 
+from adapter_format.errors import InvalidName  # noqa: F401 (one class for names, adapter_format/names.py)
+
 
 class StoreError(Exception):
     """Base of the store's errors; `code` names the failed check."""
@@ -21,12 +23,6 @@ class StoreError(Exception):
     @property
     def message(self) -> str:
         return str(self.args[0])
-
-
-class InvalidName(StoreError, ValueError):
-    """A tenant, adapter name, version or `name@version` reference outside the safe syntax."""
-
-    code = "invalid_name"
 
 
 class InvalidAdapter(StoreError, ValueError):

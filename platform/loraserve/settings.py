@@ -8,10 +8,10 @@ at start with a message naming the flag instead of deep inside the lifespan.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from adapter_format.names import NAME_RULE, is_valid_name
 from adapters_store.config import DEFAULT_URL as DEFAULT_ADAPTER_STORE
 from adapters_store.config import GiB, parse_store_url
 from engine.core.steady import parse_cpus
@@ -41,7 +41,6 @@ BODY_BYTES_PER_TOKEN = 32
 DEFAULT_BODY_CONTEXT = 131072
 MIN_DEFAULT_BODY_SIZE = 4 << 20
 MIN_REQUEST_BODY_SIZE = 4096
-_MODULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -295,11 +294,8 @@ class ServerSettings:
             )
         names = [name for name, _ in self.lora_modules]
         for name, path in self.lora_modules:
-            if not _MODULE.fullmatch(name) or ".." in name:
-                raise ValueError(
-                    f"--lora-modules: {name!r} is not a valid adapter name "
-                    "(1-64 letters, digits, '.', '_' or '-', starting with a letter or digit)"
-                )
+            if not is_valid_name(name):
+                raise ValueError(f"--lora-modules: {name!r} is not a valid adapter name ({NAME_RULE})")
             if not Path(path).is_dir():
                 raise ValueError(f"--lora-modules {name}={path}: {path!r} is not a PEFT adapter folder")
         if len(set(names)) != len(names):

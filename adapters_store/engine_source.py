@@ -24,7 +24,7 @@ from adapter_format.errors import AdapterError
 from adapter_format.events import Observer, emit
 from adapter_format.files import WEIGHTS_FILE
 from adapter_format.model_shape import ModelShape
-from adapter_format.names import format_adapter_id, parse_adapter_id  # noqa: F401 (tests, benchmarks)
+from adapter_format.names import parse_adapter_id
 from adapters_store.base import AdapterStore
 from adapters_store.cache import DiskCache
 from adapters_store.errors import AdapterNotFound, ChecksumError, DiskFull, StoreError

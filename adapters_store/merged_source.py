@@ -17,7 +17,7 @@ from typing import Any
 from adapter_format.checkpoint import load_peft_adapter
 from adapter_format.errors import AdapterError
 from adapter_format.files import WEIGHTS_FILE
-from adapter_format.names import format_merge_id, parse_merge_id  # noqa: F401 (callers' import path)
+from adapter_format.names import parse_merge_id
 
 
 def merge_folder(directory: Path, tenant: str, key: str) -> Path:

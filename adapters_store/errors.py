@@ -1,8 +1,10 @@
 """What the adapter store raises on purpose.
 
 Every error carries a stable `code` (for API bodies and metrics) and a message that names the problem
-and the fix. The HTTP layer maps them with one table: InvalidName/InvalidAdapter -> 400,
+and the fix. The HTTP layer maps them with one table: InvalidName/InvalidAdapter -> 422,
 UploadTooLarge -> 413, AdapterNotFound -> 404, ChecksumError and StoreUnavailable -> 503, DiskFull -> 507.
+InvalidName (a bad tenant, name, version or reference) is adapter_format's, the one class the store and
+the server raise for names; it is not a StoreError.
 """
 
 from __future__ import annotations

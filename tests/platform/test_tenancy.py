@@ -237,7 +237,10 @@ def test_limit_429_with_retry_after_and_release_on_exit():
             with pytest.raises(TooManyRequests, match="limit is 2") as excinfo:
                 async with limiter.acquire(alice):
                     pass
-            assert status_and_code(excinfo.value) == (429, "rate_limit_exceeded") and excinfo.value.retry_after_s >= 1
+            assert (
+                status_and_code(excinfo.value) == (429, "rate_limit_exceeded")
+                and excinfo.value.retry_after_s >= 1
+            )
             async with limiter.acquire(principal("bob")):  # other tenants are unaffected
                 assert limiter.in_flight("bob") == 1
         assert limiter.in_flight("alice") == 0

@@ -1,4 +1,5 @@
-"""The one error type for adapters the engine cannot serve (and the store refuses to take)."""
+"""The errors of adapter files and names: AdapterError for an adapter the engine cannot serve (and the store
+refuses to take), InvalidName for a name, version, reference or id outside the syntax (names.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ class AdapterError(ValueError):
 
     def __reduce__(self):  # raised in a loader process, re-raised in the engine's: keep code and field
         return type(self), (self.code, str(self), self.field)
+
+
+class InvalidName(ValueError):
+    """A tenant, adapter or route name, version, `name@version` reference or adapter id outside the safe
+    syntax (adapter_format/names.py). The store and the server raise this one class; the API answers 422."""
+
+    code = "invalid_name"
 
 
 def show_value(value: object) -> str:

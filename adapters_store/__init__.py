@@ -7,6 +7,7 @@ with cache.checkout("acme", record) as cached:
     adapter = load_peft_adapter(cached.path, shape, max_lora_rank)
 """
 
+from adapter_format.names import format_ref, parse_ref
 from adapters_store.base import AdapterStore
 from adapters_store.cache import CachedAdapter, DiskCache
 from adapters_store.config import StoreConfig, parse_store_url
@@ -24,7 +25,6 @@ from adapters_store.factory import open_store
 from adapters_store.intake import AdapterFiles, Staged, UploadSource
 from adapters_store.local import LocalStore
 from adapters_store.metrics import CountingMetrics, StoreMetrics
-from adapters_store.names import format_ref, parse_ref
 from adapters_store.record import AdapterRecord
 
 __all__ = [

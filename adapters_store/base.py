@@ -35,6 +35,7 @@ from typing import BinaryIO, TypeVar
 
 from adapter_format.files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE
 from adapter_format.model_shape import ModelShape
+from adapter_format.names import check_adapter_name, check_tenant, check_version, is_valid_name, parse_ref
 from adapter_format.peft_config import MAX_CONFIG_BYTES
 from adapters_store.config import StoreConfig
 from adapters_store.disk_space import disk_full_is_an_error
@@ -43,13 +44,6 @@ from adapters_store.filenames import MANIFEST_FILE
 from adapters_store.intake import UploadSource, stage_upload
 from adapters_store.link_digests import LinkDigests
 from adapters_store.metrics import StoreMetrics
-from adapters_store.names import (
-    check_name,
-    check_tenant,
-    check_version,
-    is_valid_name,
-    parse_ref,
-)
 from adapters_store.record import AdapterRecord, check_parser_name, recorded_base_model, utc_now_iso
 from adapters_store.streams import CHUNK_BYTES
 from adapters_store.validate import CheckedAdapter, check_folder
@@ -83,7 +77,7 @@ class AdapterStore(ABC):
         """Validate `source` completely, then store it as the next version of `name` (with the tool-call
         parser its record names, if any)."""
         check_tenant(tenant)
-        check_name(name)
+        check_adapter_name(name)
         if tool_call_parser is not None:
             try:
                 check_parser_name(tool_call_parser)
@@ -152,7 +146,7 @@ class AdapterStore(ABC):
     def versions(self, tenant: str, name: str) -> builtins.list[AdapterRecord]:
         """Every committed version of one adapter, oldest first; AdapterNotFound if there is none."""
         check_tenant(tenant)
-        check_name(name)
+        check_adapter_name(name)
         records = [
             r for v in self._committed_versions(tenant, name) if (r := self._read_manifest(tenant, name, v))
         ]
@@ -163,7 +157,7 @@ class AdapterStore(ABC):
     def get(self, tenant: str, name: str, version: int | None = None) -> AdapterRecord:
         """One version's record; version None means the latest committed one."""
         check_tenant(tenant)
-        check_name(name)
+        check_adapter_name(name)
         if version is None:
             for latest in reversed(self._committed_versions(tenant, name)):
                 if record := self._read_manifest(tenant, name, latest):

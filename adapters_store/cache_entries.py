@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapter_format.files import ADAPTER_FILES
-from adapters_store.names import is_valid_name
+from adapter_format.names import VERSION_PATTERN, is_valid_name
 
-_FOLDER = re.compile(r"(?P<version>[1-9][0-9]*)-(?P<sha256>[0-9a-f]{64})")
+_FOLDER = re.compile(rf"(?P<version>{VERSION_PATTERN})-(?P<sha256>[0-9a-f]{{64}})")
 
 
 @dataclass(frozen=True)

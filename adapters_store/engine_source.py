@@ -1,4 +1,5 @@
-"""The adapter store as the engine's AdapterSource: ids `tenant/name@version`, loads through the disk cache.
+"""The adapter store as the engine's AdapterSource: ids `tenant/name@version` (adapter_format/names.py), loads
+through the disk cache.
 
 `resolve` only checks the id's syntax (it runs on the engine thread for every request, so it does no
 I/O); whether the version exists is learnt by `load`, in the background, where every store error
@@ -23,39 +24,16 @@ from adapter_format.errors import AdapterError
 from adapter_format.events import Observer, emit
 from adapter_format.files import WEIGHTS_FILE
 from adapter_format.model_shape import ModelShape
+from adapter_format.names import parse_adapter_id
 from adapters_store.base import AdapterStore
 from adapters_store.cache import DiskCache
-from adapters_store.errors import AdapterNotFound, ChecksumError, DiskFull, InvalidName, StoreError
+from adapters_store.errors import AdapterNotFound, ChecksumError, DiskFull, StoreError
 from adapters_store.metrics import RecordingMetrics, replay_metrics
-from adapters_store.names import check_name, check_tenant, check_version, format_ref, parse_ref
 from adapters_store.record import AdapterRecord
 
 log = logging.getLogger(__name__)
-_ID_FORM = "tenant/name@version, e.g. acme/support-bot@3"
 # Streamed loads whose disk-cache write may wait at once (each holds its adapter's bytes meanwhile).
 MAX_PENDING_FILLS = 4
-
-
-def format_adapter_id(tenant: str, name: str, version: int) -> str:
-    """The engine's id of one committed adapter version of one tenant (names checked)."""
-    check_tenant(tenant)
-    check_name(name)
-    check_version(version)
-    return f"{tenant}/{format_ref(name, version)}"
-
-
-def parse_adapter_id(adapter_id: str) -> tuple[str, str, int]:
-    """`tenant/name@version` -> (tenant, name, version); InvalidName (a ValueError) names what is wrong."""
-    if not isinstance(adapter_id, str):
-        raise InvalidName(f"adapter id must be a string (got {type(adapter_id).__name__})")
-    tenant, sep, ref = adapter_id.partition("/")
-    if not sep:
-        raise InvalidName(f"adapter id {adapter_id!r} has no tenant; use {_ID_FORM}")
-    check_tenant(tenant)
-    name, version = parse_ref(ref)
-    if version is None:
-        raise InvalidName(f"adapter id {adapter_id!r} has no version; use {_ID_FORM}")
-    return tenant, name, version
 
 
 class StoreAdapterSource:

@@ -1,11 +1,15 @@
 """What the adapter store raises on purpose.
 
 Every error carries a stable `code` (for API bodies and metrics) and a message that names the problem
-and the fix. The HTTP layer maps them with one table: InvalidName/InvalidAdapter -> 400,
+and the fix. The HTTP layer maps them with one table: InvalidName/InvalidAdapter -> 422,
 UploadTooLarge -> 413, AdapterNotFound -> 404, ChecksumError and StoreUnavailable -> 503, DiskFull -> 507.
+InvalidName (a bad tenant, name, version or reference) is adapter_format's, the one class the store and
+the server raise for names; it is not a StoreError.
 """
 
 from __future__ import annotations
+
+from adapter_format.errors import InvalidName  # noqa: F401 (one class for names, adapter_format/names.py)
 
 
 class StoreError(Exception):
@@ -21,12 +25,6 @@ class StoreError(Exception):
     @property
     def message(self) -> str:
         return str(self.args[0])
-
-
-class InvalidName(StoreError, ValueError):
-    """A tenant, adapter name, version or `name@version` reference outside the safe syntax."""
-
-    code = "invalid_name"
 
 
 class InvalidAdapter(StoreError, ValueError):

@@ -7,7 +7,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
-from adapters_store.names import check_name, check_version, format_ref
+from adapter_format.names import check_adapter_name, check_version, format_ref
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _PARSER = re.compile(r"[A-Za-z0-9_\-]{1,64}")
@@ -74,7 +74,7 @@ class AdapterRecord:
             raise ValueError("manifest must be a JSON object")
         try:
             record = cls(
-                name=check_name(raw["name"]),
+                name=check_adapter_name(raw["name"]),
                 version=check_version(raw["version"]),
                 rank=int(raw["rank"]),
                 alpha=float(raw["alpha"]),

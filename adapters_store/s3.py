@@ -23,6 +23,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from adapter_format.files import CONFIG_FILE, WEIGHTS_FILE
 from adapter_format.model_shape import ModelShape
+from adapter_format.names import format_ref
 from adapters_store.base import AdapterStore, MissingKey
 from adapters_store.config import StoreConfig
 from adapters_store.errors import StoreUnavailable
@@ -166,7 +167,7 @@ class S3Store(AdapterStore):
         for _ in range(MAX_CLAIM_ATTEMPTS):
             prefix = f"{tenant}/{name}/{version}/"
             claimed = self._call(
-                f"claim {tenant}/{name}@{version}",
+                f"claim {tenant}/{format_ref(name, version)}",
                 lambda p=prefix: self._put_file(p + CONFIG_FILE, folder / CONFIG_FILE, exclusive=True),
             )
             if claimed:

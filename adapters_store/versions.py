@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from adapter_format.files import CONFIG_FILE
+from adapter_format.names import parse_version
 from adapters_store.filenames import MANIFEST_FILE
-from adapters_store.names import parse_version
 
 TOMBSTONE_FILE = "deleted.json"
 

@@ -43,9 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapter_format.files import WEIGHTS_FILE  # noqa: E402
 from adapter_format.model_shape import ModelShape  # noqa: E402
+from adapter_format.names import parse_adapter_id  # noqa: E402
 from adapters_store.cache import DiskCache  # noqa: E402
 from adapters_store.config import StoreConfig  # noqa: E402
-from adapters_store.engine_source import StoreAdapterSource, parse_adapter_id  # noqa: E402
+from adapters_store.engine_source import StoreAdapterSource  # noqa: E402
 from adapters_store.local import LocalStore  # noqa: E402
 from benchmarks.adapter_loading import SMOKE_SHAPE, write_peft_folder  # noqa: E402
 from benchmarks.adapter_scale_setup import DEFAULT_TENANT, build_local_store  # noqa: E402

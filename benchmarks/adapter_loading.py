@@ -343,8 +343,9 @@ def store_adapters(root: Path, shape: ModelShape, folders: dict[str, list[str]])
     """The folders uploaded to a local adapter store with a disk cache in front, as the server runs by
     default: ({kind: adapter ids `bench/name@1`}, a factory of the engine's StoreAdapterSource). The disk
     cache is filled first, so a load reads the cached folder as the server does once it has seen one."""
+    from adapter_format.names import format_adapter_id
     from adapters_store import AdapterFiles, DiskCache, StoreConfig, open_store
-    from adapters_store.engine_source import StoreAdapterSource, format_adapter_id
+    from adapters_store.engine_source import StoreAdapterSource
 
     store = open_store(StoreConfig(url=f"file://{root / 'store'}", max_lora_rank=RANK), shape)
     cache = DiskCache(store, root / "disk-cache", 1 << 40)

@@ -1,7 +1,9 @@
-"""The repo layout must never shadow Python's stdlib `platform` module (see docs/ARCHITECTURE.md, Layout rules),
-imports flow one way, and each engine setting is declared once."""
+"""The repo's layout rules (docs/ARCHITECTURE.md, Layout rules): the stdlib `platform` module is never shadowed,
+imports flow one way, the control plane has no import circle, each engine setting is declared once, and
+each rule about names and requests has one definition."""
 
 import ast
+import functools
 import pathlib
 import platform
 import re
@@ -28,6 +30,7 @@ def test_platform_folder_is_not_a_package():
 # package -> the top-level packages it must never import (docs/ARCHITECTURE.md, imports flow one way)
 FORBIDDEN_IMPORTS = {
     "adapter_format": {"engine", "adapters_store", "loraserve", "lora_kernels"},
+    "engine": {"loraserve", "adapters_store", "litestar"},
     "adapters_store": {"engine", "loraserve", "lora_kernels", "litestar"},
     "lora_kernels": {"engine", "adapters_store", "adapter_format", "loraserve"},
 }
@@ -223,3 +226,265 @@ def test_the_scheduler_never_names_a_scheduling_policy():
     named = {name for name in SCHEDULING_POLICIES if re.search(rf"\b{name}\b", text, re.IGNORECASE)}
     assert named == set()
     assert "scheduling_policy" not in text  # nor reads the setting itself (make_policy does)
+
+
+# --- no import circle in the control plane ---------------------------------------------------------------
+
+
+def module_graph(root: pathlib.Path, package: str) -> dict[str, set[str]]:
+    """module -> the modules of `package` it imports (the package folder `root/package`).
+
+    Imports inside functions count (a late import is still an import circle, only hidden); an
+    `if __name__ == "__main__":` block does not (it runs as a script, never on import). An edge goes to
+    the module named: `from a.b import c` to `a.b.c` when that is a module, else to `a.b`; the parent
+    packages Python initializes on the way are not edges (every submodule would otherwise form a circle
+    with its package's `__init__`).
+    """
+    modules = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        named: list[str] = []
+        for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                named += [alias.name for alias in node.names]
+            else:
+                base = here[: len(here) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                named += [
+                    f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module for a in node.names
+                ]
+        graph[name] = set()
+        for target in named:
+            parts = target.split(".")
+            hit = next(
+                (".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in modules),
+                None,
+            )
+            if hit is not None and hit != name:
+                graph[name].add(hit)
+    return graph
+
+
+def _import_nodes(tree: ast.AST):
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_main_guard(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _is_main_guard(test: ast.expr) -> bool:
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "__name__"
+        and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
+    )
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph.get(target, ())))))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_control_plane_has_no_import_circle():
+    graph = module_graph(REPO / "platform", "loraserve")
+    assert len(graph) > 100 and "loraserve.errors" in graph["loraserve.app"]
+    assert circles(graph) == []
+
+
+def test_the_circle_finder_sees_late_imports_and_ignores_package_parents_and_scripts(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from pkg.a import A\n")
+    (pkg / "a.py").write_text("from pkg.sub import b\nA = 1\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from pkg import c\n")  # late
+    (pkg / "c.py").write_text("from . import a\nif __name__ == '__main__':\n    import pkg.d\n")
+    (pkg / "d.py").write_text("import pkg.c\n")
+    graph = module_graph(tmp_path, "pkg")
+    assert graph["pkg.sub.b"] == {"pkg.c"} and graph["pkg.c"] == {"pkg.a"} and graph["pkg.d"] == {"pkg.c"}
+    assert circles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+
+
+# --- one definition per rule -------------------------------------------------------------------------------
+
+CODE = ("adapter_format", "adapters_store", "engine", "lora_kernels", "platform/loraserve", "benchmarks")
+NAMES = "adapter_format/names.py"
+
+
+@functools.cache
+def code_files() -> tuple[pathlib.Path, ...]:
+    return tuple(path for folder in CODE for path in sorted((REPO / folder).rglob("*.py")))
+
+
+@functools.cache
+def source(path: pathlib.Path) -> str:
+    return path.read_text()
+
+
+def files_with(*fragments: str) -> list[pathlib.Path]:
+    """The code files whose text holds one of `fragments` (only those are parsed: parsing all takes seconds)."""
+    return [path for path in code_files() if any(f in source(path) for f in fragments)]
+
+
+@functools.cache
+def syntax_tree(path: pathlib.Path) -> ast.Module:
+    return ast.parse(source(path), str(path))
+
+
+@functools.cache
+def literals(path: pathlib.Path) -> tuple[str, ...]:
+    """The file's string literals, the constant parts of f-strings included, docstrings left out."""
+    tree = syntax_tree(path)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return tuple(
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    )
+
+
+def homes(hint: str, predicate) -> dict[str, int]:
+    """file -> how many of its literals match `predicate` (among the files whose text holds `hint`)."""
+    found = {}
+    for path in files_with(hint):
+        count = sum(1 for text in literals(path) if predicate(text))
+        if count:
+            found[path.relative_to(REPO).as_posix()] = count
+    return found
+
+
+def test_the_version_and_name_syntax_are_written_once():
+    assert homes("[1-9]", lambda text: "[1-9][0-9]{0,17}" in text) == {NAMES: 1}
+    assert homes("[A-Za-z0-9]", lambda text: "[A-Za-z0-9][A-Za-z0-9._-]" in text) == {NAMES: 1}
+    # every other spelling of a positive integer is JSON's number grammar (0 or [1-9][0-9]*), another rule
+    others = homes("[1-9]", lambda text: "[1-9][0-9]" in text and "[1-9][0-9]{0,17}" not in text)
+    assert set(others) == {"platform/loraserve/inference/tools/json_partial.py"}
+    assert all(
+        "0|[1-9][0-9]*" in text for text in literals(REPO / next(iter(others))) if "[1-9][0-9]" in text
+    )
+
+
+def _at_joins(path: pathlib.Path) -> int:
+    """f-strings that write `{x}@{y}`: a value, then text starting with '@', then a value."""
+    count = 0
+    for node in ast.walk(syntax_tree(path)):
+        if isinstance(node, ast.JoinedStr):
+            parts = node.values
+            count += any(
+                isinstance(a, ast.FormattedValue)
+                and isinstance(b, ast.Constant)
+                and b.value == "@"
+                and isinstance(c, ast.FormattedValue)
+                for a, b, c in zip(parts, parts[1:], parts[2:])
+            )
+    return count
+
+
+def _splits_at(path: pathlib.Path) -> int:
+    """Calls that split a string at '@' (`.partition("@")`, `.rpartition("@")`, `.split("@")`, ...)."""
+    return sum(
+        1
+        for node in ast.walk(syntax_tree(path))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in {"partition", "rpartition", "split", "rsplit"}
+        and any(isinstance(arg, ast.Constant) and arg.value == "@" for arg in node.args)
+    )
+
+
+def test_name_at_version_is_written_and_read_in_one_place():
+    written = {p.relative_to(REPO).as_posix(): n for p in files_with("}@{") if (n := _at_joins(p))}
+    read = {p.relative_to(REPO).as_posix(): n for p in files_with('"@"', "'@'") if (n := _splits_at(p))}
+    assert written == {NAMES: 1}
+    assert read == {NAMES: 2}  # parse_ref (partition) and strip_version (rpartition)
+
+
+# functions of one rule each: defined in adapter_format/names.py and nowhere else
+NAME_RULES = (
+    "check_name",
+    "check_adapter_name",
+    "check_route_name",
+    "is_valid_name",
+    "check_version",
+    "parse_version",
+    "parse_ref",
+    "format_ref",
+    "format_adapter_id",
+    "parse_adapter_id",
+    "format_merge_id",
+    "parse_merge_id",
+    "split_adapter_id",
+)
+
+
+def test_each_name_rule_is_defined_once():
+    defined: dict[str, list[str]] = {}
+    for path in files_with(*(f"def {name}(" for name in NAME_RULES)):
+        for node in ast.walk(syntax_tree(path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in NAME_RULES:
+                defined.setdefault(node.name, []).append(path.relative_to(REPO).as_posix())
+    assert defined == {name: [NAMES] for name in NAME_RULES}
+
+
+def test_request_checks_live_in_the_engine_alone():
+    """The HTTP layer calls the engine's request checks (engine/core/request_checks.py) rather than restating
+    them: each message is written once, in the engine."""
+    for fragment in ("which is greater than max allowed", " is out of vocabulary", " has token ids "):
+        found = homes(fragment.strip(), lambda text, f=fragment: f in text)
+        assert len(found) == 1 and next(iter(found)).startswith("engine/"), (fragment, found)

@@ -2,7 +2,9 @@
 
 Each check raises RequestError (or AdapterError for the adapter) naming the problem and the fix; the
 engine turns that into a failed output for that request alone. Caller mistakes that are bugs rather
-than bad data (a bad tenant key) raise ValueError at once.
+than bad data (a bad tenant key) raise ValueError at once. The HTTP server runs the same checks
+(`check_prompt`, `check_token_ids`, `check_logprobs`) before it queues anything, so its 400s and the
+engine's refusals say the same (its error table maps RequestError, `code` and `param` included).
 """
 
 from __future__ import annotations
@@ -18,9 +20,16 @@ Prompt = str | list[int]
 
 class RequestError(ValueError):
     """A request the engine refuses (the message names the problem); the request's own data is at fault,
-    so its output carries `code` as `error_code` (the API answers 400 with it)."""
+    so its output carries `code` as `error_code` (the API answers 400 with it, and `param`, the request
+    field at fault, when there is one)."""
 
     code = "invalid_request"
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.param = param
 
 
 def check_priority(priority: int, policy_uses_priority: bool, policy: str) -> None:
@@ -53,43 +62,67 @@ def resolve_adapter(lora, adapter: str | None) -> str | None:
     return adapter_id
 
 
-def check_prompt(prompt_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+def check_prompt(prompt_ids: list[int], max_model_len: int | None, vocab_size: int | None) -> None:
+    """A prompt must hold at least one token, leave room for one generated token in the context, and name
+    tokens of the vocabulary (None: a limit the caller does not know, not checked)."""
     if not prompt_ids:
-        raise RequestError("the prompt is empty")
-    if len(prompt_ids) >= max_model_len:
+        raise RequestError("the prompt is empty", param="prompt")
+    if max_model_len is not None and len(prompt_ids) >= max_model_len:
         raise RequestError(
-            f"the prompt has {len(prompt_ids)} tokens, but max_model_len is {max_model_len} "
-            "(prompt plus at least one generated token); shorten the prompt"
+            f"the prompt has {len(prompt_ids)} tokens, but this model's context (max_model_len) is "
+            f"{max_model_len} tokens, prompt plus output; shorten the prompt",
+            code="context_length_exceeded",
+            param="prompt",
         )
-    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    bad = [t for t in prompt_ids if vocab_size is not None and not 0 <= t < vocab_size]
     if bad:
-        raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        raise RequestError(
+            f"Token id {bad[0]} is out of vocabulary: prompt token ids must lie in [0, {vocab_size})",
+            param="prompt",
+        )
 
 
-def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Token ids in logit_bias and allowed_token_ids must exist in this model's vocabulary."""
-    for name, ids in (
-        ("logit_bias", params.logit_bias or {}),
-        ("allowed_token_ids", params.allowed_token_ids or []),
-    ):
+def check_token_ids(params: SamplingParams, vocab_size: int, *, stop_token_ids: bool = False) -> None:
+    """Token ids in logit_bias and allowed_token_ids must exist in this model's vocabulary. The server
+    checks stop_token_ids too (a 400 before queueing); the engine, as vLLM's, lets an id it can never
+    sample be (it never stops anything)."""
+    fields = [("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])]
+    if stop_token_ids:
+        fields.append(("stop_token_ids", params.stop_token_ids))
+    for name, ids in fields:
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise RequestError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+            raise RequestError(
+                f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})", param=name
+            )
+
+
+def check_logprobs(
+    kind: str, value: int | None, max_logprobs: int, vocab_size: int | None, param: str | None = None
+) -> int | None:
+    """vLLM's rule for a count of `kind` ("sample" or "prompt") logprobs: -1 asks for the whole
+    vocabulary; more than `max_logprobs` (-1: the vocabulary) is refused with vLLM's message. Returns the
+    count with -1 made the vocabulary size (kept -1 while the size is unknown, None)."""
+    if value is None:
+        return None
+    asked = vocab_size if value == WHOLE_VOCABULARY else value  # None: the whole of an unknown vocabulary
+    cap = vocab_size if max_logprobs == -1 else max_logprobs  # None: no known cap
+    if cap is None or (asked is not None and asked <= cap):
+        return value if asked is None else asked
+    shown = "the whole vocabulary (-1)" if asked is None else str(asked)
+    raise RequestError(
+        f"Requested {kind} logprobs of {shown}, which is greater than max allowed: {cap}", param=param
+    )
 
 
 def capped_logprobs(params: SamplingParams, vocab_size: int, config: EngineConfig) -> SamplingParams:
-    """vLLM's rule: -1 asks for the whole vocabulary; more than `max_logprobs` (-1: the vocabulary) is
-    refused with vLLM's message. Returns the params with -1 made the vocabulary size."""
-    cap = vocab_size if config.max_logprobs == -1 else config.max_logprobs
+    """`check_logprobs` on the params' two counts; returns the params with -1 made the vocabulary size."""
     changes = {}
     for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
         value = getattr(params, name)
-        if value == WHOLE_VOCABULARY:
-            value = changes[name] = vocab_size
-        if value is not None and value > cap:
-            raise RequestError(
-                f"Requested {kind} logprobs of {value}, which is greater than max allowed: {cap}"
-            )
+        checked = check_logprobs(kind, value, config.max_logprobs, vocab_size, name)
+        if checked != value:
+            changes[name] = checked
     return dataclasses.replace(params, **changes) if changes else params
 
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import hashlib
 
+from adapter_format.names import strip_version
+
 
 def router_name(adapter_id: str) -> str:
     """The adapter id without its `@version` suffix (the tenant-qualified name routers route by)."""
-    base, at, version = adapter_id.rpartition("@")
-    return base if at and base and version.isdigit() else adapter_id
+    return strip_version(adapter_id)
 
 
 def lora_int_id(adapter_id: str) -> int:

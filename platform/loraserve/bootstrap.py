@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
+from adapter_format.names import format_adapter_id
 from adapters_store import AdapterNotFound, AdapterStore, DiskCache, StoreConfig, open_store
 from adapters_store.engine_source import StoreAdapterSource
 from adapters_store.merged_source import MergedAdapterSource
@@ -33,7 +34,7 @@ from loraserve.name_conflicts import check_not_base_model
 from loraserve.ops.metrics import Metrics
 from loraserve.ops.server_load import ServerLoad
 from loraserve.routing import Router
-from loraserve.services import Services, engine_adapter_id
+from loraserve.services import Services
 from loraserve.settings import ServerSettings
 from loraserve.tenancy import (
     DEFAULT_TENANT,
@@ -219,7 +220,7 @@ def preload_lora_modules(store: AdapterStore, modules: tuple[tuple[str, str], ..
         else:
             record = store.put(DEFAULT_TENANT, name, path)
             log.info("adapter %s: stored %s as %s for tenant %r", name, path, record.ref, DEFAULT_TENANT)
-        stored.append(engine_adapter_id(DEFAULT_TENANT, record.name, record.version))
+        stored.append(format_adapter_id(DEFAULT_TENANT, record.name, record.version))
     return stored
 
 

@@ -29,7 +29,6 @@ from adapters_store import (
     StoreUnavailable,
     UploadTooLarge,
 )
-from adapters_store import InvalidName as StoreInvalidName
 from engine import EngineDeadError, RequestError
 from loraserve.config_store import ConfigStoreError, ConfigStoreUnavailable
 from loraserve.routing import InvalidRoute
@@ -148,8 +147,7 @@ ERROR_TABLE: tuple[ErrorRow, ...] = tuple(
         # The adapter store, names, routes, the config store and the engine.
         (UploadTooLarge, 413, "upload_too_large"),
         (InvalidAdapter, 422, "invalid_adapter"),
-        (StoreInvalidName, 422, "invalid_name"),
-        (InvalidName, 422, "invalid_name"),
+        (InvalidName, 422, "invalid_name"),  # one class for the store's and the server's names
         (InvalidRoute, 422, "invalid_route"),
         (AdapterNotFound, 404, "adapter_not_found"),
         (ChecksumError, 503, "adapter_corrupt"),  # its text names only the caller's adapter and what to do

@@ -5,16 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 
 from adapters_store.config import parse_size
-
-_MODULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
-
-def valid_module_name(name: str) -> bool:
-    """A `--lora-modules` adapter name: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit."""
-    return bool(_MODULE.fullmatch(name)) and ".." not in name
 
 
 def parse_size_flag(raw: str) -> int:

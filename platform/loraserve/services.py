@@ -3,8 +3,9 @@
 Handlers receive `services: Services` and `principal: Principal` as Litestar dependencies (the app
 factory provides both); they stay two or three lines long and call the parts below.
 
-Adapter ids handed to the engine are `tenant/name@version` (see `engine_adapter_id`): the tenant is
-part of the id, so two tenants' adapters of the same name never share a GPU slot or a KV prefix.
+Adapter ids handed to the engine are `tenant/name@version` (adapter_format/names.py: `format_adapter_id`):
+the tenant is part of the id, so two tenants' adapters of the same name never share a GPU slot or a KV
+prefix.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from adapters_store import AdapterStore, DiskCache
-from adapters_store.merged_source import MERGE_MARK, parse_merge_id
 from engine.engine_args import EngineArgs
 from loraserve.adapter_lookup import AdapterLookup
 from loraserve.config_store import ConfigStore
@@ -25,24 +25,6 @@ from loraserve.routing import Router
 from loraserve.tenancy import Authenticator, ConcurrencyLimiter, TokenRateLimiter
 from loraserve.tenancy.upload_slots import UploadSlots
 from loraserve.work_pool import WorkPool
-
-
-def engine_adapter_id(tenant: str, name: str, version: int) -> str:
-    """The engine's id for one committed adapter version of one tenant."""
-    return f"{tenant}/{name}@{version}"
-
-
-def split_engine_adapter_id(adapter_id: str) -> tuple[str, str, int] | None:
-    """`(tenant, name, version)` of an id `engine_adapter_id` made, or `(tenant, "merge+<key>", 0)` of a
-    merge's (adapters_store/merged_source.py); None for an id of any other form."""
-    merge = parse_merge_id(adapter_id)
-    if merge is not None:
-        return merge[0], MERGE_MARK + merge[1], 0
-    tenant, slash, ref = adapter_id.partition("/")
-    name, at, version = ref.rpartition("@")
-    if not (tenant and slash and name and at and version.isdigit()):
-        return None
-    return tenant, name, int(version)
 
 
 class EngineClient(Protocol):

@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from adapter_format.names import NAME_RULE, is_valid_name
 from adapters_store.config import DEFAULT_URL as DEFAULT_ADAPTER_STORE
 from adapters_store.config import GiB, parse_store_url
 from engine.core.steady import parse_cpus
 from engine.engine_args import EngineArgs, Flag, flag_name, setting
-from loraserve.flag_values import parse_lora_module, parse_size_flag, valid_module_name
+from loraserve.flag_values import parse_lora_module, parse_size_flag
 from loraserve.inference.tools.parsers import PARSERS, unknown_parser_message
 from loraserve.ops.http_timeouts import (
     DEFAULT_BODY_MIN_RATE,
@@ -408,11 +409,8 @@ class ServerSettings(EngineArgs):
             )
         names = [name for name, _ in self.lora_modules]
         for name, path in self.lora_modules:
-            if not valid_module_name(name):
-                raise ValueError(
-                    f"--lora-modules: {name!r} is not a valid adapter name "
-                    "(1-64 letters, digits, '.', '_' or '-', starting with a letter or digit)"
-                )
+            if not is_valid_name(name):
+                raise ValueError(f"--lora-modules: {name!r} is not a valid adapter name ({NAME_RULE})")
             if not Path(path).is_dir():
                 raise ValueError(f"--lora-modules {name}={path}: {path!r} is not a PEFT adapter folder")
         if len(set(names)) != len(names):

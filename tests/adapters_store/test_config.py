@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from adapter_format.names import check_name, parse_version
 from adapters_store import AdapterRecord, InvalidName, StoreConfig, parse_ref, parse_store_url
-from adapters_store.names import check_name, parse_version
 from adapters_store.retry import RetryPolicy, backoff_delay
 
 

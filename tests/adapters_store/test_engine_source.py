@@ -10,8 +10,9 @@ import pytest
 from factories import load_peft_reference, make_adapter, make_model, reference_greedy
 from transformers import AutoConfig
 
+from adapter_format.names import format_adapter_id, parse_adapter_id
 from adapters_store import AdapterFiles, CountingMetrics, DiskCache, StoreConfig, StoreUnavailable, open_store
-from adapters_store.engine_source import StoreAdapterSource, format_adapter_id, parse_adapter_id
+from adapters_store.engine_source import StoreAdapterSource
 from engine import AdapterError, EngineConfig, LLMEngine, ModelShape, SamplingParams
 
 NUM_NEW_TOKENS = 6

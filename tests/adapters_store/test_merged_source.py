@@ -8,7 +8,8 @@ import pickle
 import pytest
 
 from adapter_format.errors import AdapterError
-from adapters_store.merged_source import MergedAdapterSource, format_merge_id, merge_folder, parse_merge_id
+from adapter_format.names import format_merge_id, parse_merge_id
+from adapters_store.merged_source import MergedAdapterSource, merge_folder
 
 KEY = "0123456789abcdef" * 2
 

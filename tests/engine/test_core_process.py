@@ -120,7 +120,7 @@ def test_refused_request_fails_alone(served):
 
     bad_adapter, bad_token, good = asyncio.run(run())
     assert "unknown adapter 'missing'" in bad_adapter[-1].error
-    assert "outside the vocabulary" in bad_token[-1].error
+    assert "out of vocabulary" in bad_token[-1].error
     assert bad_token[-1].outputs[0].finish_reason == "error"
     assert good[-1].error is None and len(joined(good)[0]) == 12
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import uvicorn
 from litestar import Litestar
 from loraserve.app import shutdown_of
-from loraserve.cli import DrainingServer
+from loraserve.http_server import DrainingServer
 from loraserve.ops.http_timeouts import bounded_h11_protocol
 
 

@@ -20,7 +20,7 @@ from loraserve.merges.service import Merges
 from loraserve.resolution import ModelNotFound, resolve_model
 from loraserve.settings import ServerSettings
 
-from adapters_store.merged_source import parse_merge_id
+from adapter_format.names import parse_merge_id
 
 
 @pytest.fixture

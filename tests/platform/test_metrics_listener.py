@@ -8,7 +8,8 @@ import socket
 
 import pytest
 import uvicorn
-from loraserve.cli import build_parser, listening_sockets, settings_from_args
+from loraserve.cli import build_parser, settings_from_args
+from loraserve.http_server import listening_sockets
 from loraserve.settings import METRICS_OFF
 
 

@@ -8,6 +8,7 @@ import json
 
 import pytest
 from loraserve.config_store import EmbeddedConfigStore
+from loraserve.errors import status_and_code
 from loraserve.tenancy import (
     DEFAULT_TENANT,
     ApiKey,
@@ -84,7 +85,7 @@ def test_keys_are_kept_as_sha256_hashes(file_keys):
         ("{}", "non-empty mapping"),
         ('{"sk-x": "alice"}', "entry 1: settings must be a mapping"),
         ('{"sk-x": {"role": "admin"}}', "entry 1: tenant must be a string"),
-        ('{"sk-x": {"tenant": "a/b"}}', "entry 1: tenant 'a/b' is invalid"),
+        ('{"sk-x": {"tenant": "a/b"}}', "entry 1: tenant 'a/b' contains a path separator"),
         ('{"sk-x": {"tenant": "a", "role": "root"}}', "role must be 'admin' or 'user'"),
         ('{"sk-x": {"tenant": "a", "max_concurrent_requests": 0}}', "positive integer"),
         ('{"sk-x": {"tenant": "a", "max_concurrent_requests": true}}', "positive integer"),
@@ -140,7 +141,7 @@ def test_known_keys_map_to_their_principal(file_keys):
 def test_unauthorized(file_keys, header, message):
     with pytest.raises(Unauthorized, match=message) as excinfo:
         authenticate(Authenticator(file_keys), header)
-    assert excinfo.value.status_code == 401
+    assert status_and_code(excinfo.value) == (401, "invalid_api_key")
     assert "Authorization: Bearer" in str(excinfo.value)
 
 
@@ -149,7 +150,7 @@ def test_user_key_on_admin_call_is_forbidden(file_keys):
     assert require_admin(authenticate(auth, "Bearer sk-alice-admin")).tenant == "alice"
     with pytest.raises(Forbidden, match="needs an admin key") as excinfo:
         require_admin(authenticate(auth, "Bearer sk-bob-user"))
-    assert excinfo.value.status_code == 403
+    assert status_and_code(excinfo.value) == (403, "insufficient_permissions")
 
 
 def test_open_mode_without_any_key():
@@ -209,7 +210,7 @@ def test_valid_names(name):
         ("a..b", "contains '..'"),
         (".hidden", "invalid"),
         ("-dash", "invalid"),
-        ("a/b", "invalid"),
+        ("a/b", "path separator"),
         ("a b", "invalid"),
         ("é", "invalid"),
         (7, "must be a string"),
@@ -236,7 +237,10 @@ def test_limit_429_with_retry_after_and_release_on_exit():
             with pytest.raises(TooManyRequests, match="limit is 2") as excinfo:
                 async with limiter.acquire(alice):
                     pass
-            assert excinfo.value.status_code == 429 and excinfo.value.retry_after_s >= 1
+            assert (
+                status_and_code(excinfo.value) == (429, "rate_limit_exceeded")
+                and excinfo.value.retry_after_s >= 1
+            )
             async with limiter.acquire(principal("bob")):  # other tenants are unaffected
                 assert limiter.in_flight("bob") == 1
         assert limiter.in_flight("alice") == 0

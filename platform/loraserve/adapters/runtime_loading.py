@@ -24,7 +24,6 @@ from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
 from adapters_store import AdapterNotFound, InvalidAdapter
-from adapters_store import InvalidName as StoreInvalidName
 from loraserve.adapters import service
 from loraserve.adapters.local_folder import OUTSIDE, contained, open_adapter_files
 from loraserve.errors import BadRequest, NotFound, PermissionDenied
@@ -78,7 +77,7 @@ class RuntimeLoRAController(Controller):
             )
         try:
             record = await _store(services, principal, data, folder)
-        except (InvalidAdapter, InvalidName, StoreInvalidName) as exc:  # vLLM's 400, not the uploads' 422
+        except (InvalidAdapter, InvalidName) as exc:  # vLLM's 400, not the uploads' 422
             raise BadRequest(str(exc), code=getattr(exc, "code", None) or "invalid_adapter") from None
         return Response(
             f"Success: LoRA adapter '{data.lora_name}' added successfully (version {record.version})."
@@ -96,7 +95,7 @@ class RuntimeLoRAController(Controller):
             raise BadRequest("'lora_name' must be provided.", param="lora_name")
         try:
             await service.delete_adapter(services, principal, data.lora_name)
-        except (AdapterNotFound, InvalidName, StoreInvalidName):  # a name no adapter can have is not found
+        except (AdapterNotFound, InvalidName):  # a name no adapter can have is not found
             raise NotFound(
                 f"The lora adapter '{data.lora_name}' cannot be found.", code="adapter_not_found"
             ) from None

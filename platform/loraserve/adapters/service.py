@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from litestar import Request
 
+from adapter_format.names import format_adapter_id
 from adapters_store import parse_ref
 from adapters_store.upload_intake import UploadIntake
 from loraserve.adapters.multipart_reader import read_upload_body
@@ -21,7 +22,7 @@ from loraserve.adapters.upload_form import UploadForm
 from loraserve.config_store import ConfigStoreError
 from loraserve.name_conflicts import check_not_base_model, refuse_breaking_routes
 from loraserve.routing.in_use import variants_needing
-from loraserve.services import Services, engine_adapter_id
+from loraserve.services import Services
 from loraserve.tenancy import Principal, require_admin
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ async def delete_adapter(services: Services, principal: Principal, ref: str) -> 
     await _announce(services, tenant, name, "delete")
     for record in records:
         if services.engine is not None:
-            services.engine.forget_adapter(engine_adapter_id(tenant, record.name, record.version))
+            services.engine.forget_adapter(format_adapter_id(tenant, record.name, record.version))
         # Pinned copies (a load in progress) stay until released; LRU removes them later.
         await asyncio.to_thread(services.disk_cache.discard, tenant, record.name, record.version)
     log.info("tenant %s deleted adapter %s versions %s", tenant, name, [r.version for r in records])

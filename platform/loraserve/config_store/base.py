@@ -10,7 +10,7 @@ in progress, and a deletion sees every route written before it could be refused,
 at a version deleted under it. Here with one lock per tenant, enough for a store that one process uses
 (embedded); the Redis store adds a mark in Redis and a transaction, for replicas.
 
-Names: writes raise InvalidName for a tenant or route name outside tenancy.names' syntax; reads
+Names: writes raise InvalidName for a tenant or route name outside adapter_format/names.py's syntax; reads
 answer None / False / [] instead, since nothing can be stored under such a name, so a request's
 `model` can be looked up as a route whatever it is. Key hashes must be 64 hex digits (ValueError).
 """

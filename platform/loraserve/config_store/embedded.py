@@ -5,7 +5,7 @@
 
 A file per record keeps every write a single atomic replace (atomic.py) with no lock and no
 read-modify-write of a shared file, and makes tenant namespacing a directory. Names are validated
-before they become paths (tenancy.names), so no record can escape its folder.
+before they become paths (adapter_format/names.py), so no record can escape its folder.
 
 Change events reach subscribers of this instance only: one server process per directory. Replicas
 that must see each other's changes share a Redis store instead. File I/O runs in a worker thread so
@@ -23,13 +23,13 @@ from typing import Literal, TypeVar
 
 import msgspec
 
+from adapter_format.names import check_route_name, check_tenant, is_valid_name
 from loraserve.config_store.atomic import atomic_delete, atomic_write
 from loraserve.config_store.base import ConfigStore
 from loraserve.config_store.errors import ConfigStoreError, ConfigStoreUnavailable
 from loraserve.config_store.events import ConfigEvent, EventCallback, Subscribers
 from loraserve.routing.route import Route
 from loraserve.tenancy.keys import ApiKey, is_key_hash
-from loraserve.tenancy.names import check_route_name, check_tenant, is_valid_name
 
 log = logging.getLogger(__name__)
 

@@ -39,12 +39,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError, WatchError
 
+from adapter_format.names import check_route_name, check_tenant, is_valid_name
 from loraserve.config_store.base import ConfigStore
 from loraserve.config_store.errors import AdapterBeingDeleted, ConfigStoreError, ConfigStoreUnavailable
 from loraserve.config_store.events import ConfigEvent, EventCallback, Subscribers
 from loraserve.routing.route import Route, parse_adapter_ref
 from loraserve.tenancy.keys import ApiKey, is_key_hash
-from loraserve.tenancy.names import check_route_name, check_tenant, is_valid_name
 
 log = logging.getLogger(__name__)
 

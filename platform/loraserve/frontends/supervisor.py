@@ -111,7 +111,7 @@ class Supervisor:
             # Before any front end starts: prometheus_client reads it when first imported there.
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(runtime.metrics_dir)
             start_hub(runtime.events_in, runtime.events_out)
-            from loraserve.cli import listening_sockets
+            from loraserve.http_server import listening_sockets
 
             sockets = listening_sockets(
                 settings, uvicorn.Config("loraserve.app:create_app", host=settings.host, port=settings.port)

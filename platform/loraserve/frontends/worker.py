@@ -51,8 +51,8 @@ def run_front_end(options: FrontEndOptions) -> None:
     ).start()
     from engine.core.steady import set_cpu_threads
     from loraserve.app import create_app
-    from loraserve.cli import run_app
     from loraserve.frontends.role import FrontEnd
+    from loraserve.http_server import run_app
 
     set_cpu_threads(cuda=True)  # a front end does no tensor math: one torch thread
     role = FrontEnd(options.slot, options.runtime, options.core)

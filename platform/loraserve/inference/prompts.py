@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from engine.core.request_checks import check_prompt, check_token_ids
 from loraserve.errors import BadRequest
 from loraserve.inference.schemas import ChatMessage
 from loraserve.inference.tools import add_tool_fields
@@ -183,22 +184,8 @@ def tokenize(text: str, tokenizer: Any, limit: int | None = None) -> list[int]:
 
 
 def check_prompt_ids(ids: list[int], tokenizer: Any, max_model_len: int | None) -> None:
-    if not ids:
-        raise BadRequest("the prompt is empty", param="prompt")
-    if max_model_len is not None and len(ids) >= max_model_len:
-        raise BadRequest(
-            f"the prompt has {len(ids)} tokens, but this model's context (max_model_len) is {max_model_len} "
-            "tokens, prompt plus output; shorten the prompt",
-            code="context_length_exceeded",
-            param="prompt",
-        )
-    vocab = len(tokenizer) if tokenizer is not None else None
-    bad = [t for t in ids if vocab is not None and not 0 <= t < vocab]
-    if bad:
-        raise BadRequest(
-            f"Token id {bad[0]} is out of vocabulary: prompt token ids must lie in [0, {vocab})",
-            param="prompt",
-        )
+    """The engine's prompt checks (a RequestError, which the error table answers 400), before queueing."""
+    check_prompt(ids, max_model_len, len(tokenizer) if tokenizer is not None else None)
 
 
 def check_output_room(max_tokens: int | None, prompts: list[list[int]], max_model_len: int | None) -> None:
@@ -240,18 +227,7 @@ def _is_token_id(value: object) -> bool:
 
 
 def check_sampling_token_ids(params: Any, tokenizer: Any) -> None:
-    """logit_bias, allowed_token_ids and stop_token_ids must name tokens of the vocabulary (a 400, before
-    queueing)."""
-    if tokenizer is None:
-        return
-    vocab = len(tokenizer)
-    for name, ids in (
-        ("logit_bias", params.logit_bias or {}),
-        ("allowed_token_ids", params.allowed_token_ids or []),
-        ("stop_token_ids", params.stop_token_ids),
-    ):
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise BadRequest(
-                f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})", param=name
-            )
+    """logit_bias, allowed_token_ids and stop_token_ids must name tokens of the vocabulary: the engine's
+    check (a 400, before queueing)."""
+    if tokenizer is not None:
+        check_token_ids(params, len(tokenizer), stop_token_ids=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import SamplingParams
+from engine.core.request_checks import check_logprobs
 from engine.engine_args import EngineArgs
 from engine.generation_config import apply_generation_defaults
 from engine.sampling_params import WHOLE_VOCABULARY
@@ -37,23 +38,8 @@ class LogprobsCap:
     vocab_size: int | None = None
 
     def check(self, kind: str, value: int | None, param: str) -> None:
-        """Refuse, with vLLM's message, a count above the cap; -1 asks for the whole vocabulary."""
-        if value is None:
-            return
-        whole = value == WHOLE_VOCABULARY
-        asked = self.vocab_size if whole else value
-        if self.max_logprobs == -1:
-            if asked is None or self.vocab_size is None or asked <= self.vocab_size:
-                return
-            cap = self.vocab_size
-        else:
-            cap = self.max_logprobs
-            if asked is not None and asked <= cap:
-                return
-        shown = "the whole vocabulary (-1)" if asked is None else str(asked)
-        raise BadRequest(
-            f"Requested {kind} logprobs of {shown}, which is greater than max allowed: {cap}", param=param
-        )
+        """The engine's rule (engine.core.request_checks.check_logprobs), refused before queueing."""
+        check_logprobs(kind, value, self.max_logprobs, self.vocab_size, param)
 
 
 def completion_params(

@@ -2,7 +2,7 @@
 
 A merge's identity is its canonical description: the tenant, the base model, each part as
 `name@version` with its weight, in order, the method, density and sign method. Its sha256 names the
-engine adapter (`tenant/merge+<key>`, adapters_store/merged_source.py) and seeds DARE's masks
+engine adapter (`tenant/merge+<key>`, adapter_format/names.py) and seeds DARE's masks
 (adapter_format/merge.py: `merge_seed`), so the same request always gets the same merged adapter, on
 every replica. The first request for a merge reads the parts through the disk cache and merges them on
 the work pool (never on the event loop, never in the engine core), then writes the result as a PEFT
@@ -39,8 +39,9 @@ from adapter_format.merge import (
     write_merged_folder,
 )
 from adapter_format.model_shape import ModelShape
+from adapter_format.names import format_merge_id
 from adapters_store import AdapterRecord, DiskCache
-from adapters_store.merged_source import format_merge_id, merge_folder
+from adapters_store.merged_source import merge_folder
 from loraserve.work_pool import WorkPool
 
 log = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from adapter_format.errors import InvalidName
 from adapter_format.merge import (
     DENSITY_METHODS,
     MAJORITY_SIGN_METHODS,
@@ -21,9 +22,9 @@ from adapter_format.merge import (
     SIGN_METHODS,
     MergeMethod,
 )
+from adapter_format.names import split_tenant
 from loraserve.merges.fields import MergedAdapters
 from loraserve.routing.route import AdapterRef, parse_adapter_ref
-from loraserve.tenancy.errors import InvalidName
 
 MAX_MERGE_PARTS = 8  # adapters in one merge: each is read and merged into the new one
 MAX_MERGE_WEIGHT = 1000.0  # |weight|; PEFT takes any, nothing useful is near this
@@ -65,9 +66,7 @@ def check_merge(merge: MergedAdapters, at: str = "merged_adapters") -> MergeSpec
         )
     refs: list[AdapterRef] = []
     for i, ref in enumerate(ids):
-        bare = (
-            ref.partition("/")[2] if "/" in ref else ref
-        )  # `tenant/name`: the tenant is checked at resolution
+        bare = split_tenant(ref)[1]  # `tenant/name`: the tenant is checked at resolution
         try:
             parsed = parse_adapter_ref(bare)
         except InvalidName as exc:

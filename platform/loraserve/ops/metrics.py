@@ -23,12 +23,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from adapter_format.names import split_adapter_id
 from engine import EngineStats
 from engine.outputs import RequestTimes
 from engine.stats import HistogramCounts
 from loraserve.ops.lora_residency_metrics import LoRAResidencyMetrics
 from loraserve.routing import Variant
-from loraserve.services import split_engine_adapter_id
 
 # vLLM's finished_reason values (its FINISH_REASON_STRINGS) that this engine produces.
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -397,7 +397,7 @@ class _StateCollector(Collector):
         tiers = (("gpu", stats.gpu_adapters), ("cpu", stats.cpu_adapters)) if stats is not None else ()
         for tier, adapter_ids in tiers:
             for adapter_id in adapter_ids:
-                parts = split_engine_adapter_id(adapter_id)
+                parts = split_adapter_id(adapter_id)
                 tenant, name, version = parts if parts is not None else ("", adapter_id, 0)
                 family.add_metric([tenant, name, str(version), tier], 1.0)
         for tenant, name, version in self._disk_adapters():
@@ -503,7 +503,7 @@ def affinity_names(adapter_ids: Iterable[str]) -> str:
     """
     names: dict[str, None] = {}  # an ordered set
     for adapter_id in adapter_ids:
-        parts = split_engine_adapter_id(adapter_id)
+        parts = split_adapter_id(adapter_id)
         names[adapter_id if parts is None else parts[1]] = None
     return ",".join(names)
 

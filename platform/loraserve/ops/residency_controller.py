@@ -25,15 +25,14 @@ from litestar import Controller, Request, get, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
+from adapter_format.errors import InvalidName
+from adapter_format.names import check_tenant, format_adapter_id, split_tenant
 from adapters_store import AdapterNotFound
-from adapters_store import InvalidName as StoreInvalidName
 from engine.lora.router_names import router_name
 from loraserve.errors import BadRequest, Conflict, NotFound, ServiceUnavailable
 from loraserve.json_guard import require_json_body
 from loraserve.ops.metrics_access import MetricsAccess
-from loraserve.services import Services, engine_adapter_id
-from loraserve.tenancy import InvalidName
-from loraserve.tenancy.names import check_tenant
+from loraserve.services import Services
 
 
 class PreloadRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -161,8 +160,8 @@ def _stats(services: Services):
 
 async def _engine_id(services: Services, adapter: str) -> str:
     """The engine id of `tenant/name` (its latest version) or `tenant/name@version`."""
-    tenant, slash, ref = adapter.partition("/")
-    if not slash or not ref:
+    tenant, ref = split_tenant(adapter)
+    if tenant is None or not ref:
         raise BadRequest(
             f"adapter {adapter!r} must be tenant-qualified: tenant/name or tenant/name@version",
             param="adapter",
@@ -170,6 +169,6 @@ async def _engine_id(services: Services, adapter: str) -> str:
     try:
         check_tenant(tenant)
         record = await services.adapter_lookup.resolve(services.adapter_store, tenant, ref)
-    except (AdapterNotFound, InvalidName, StoreInvalidName):
+    except (AdapterNotFound, InvalidName):
         raise NotFound(f"adapter {adapter!r} does not exist", code="adapter_not_found") from None
-    return engine_adapter_id(tenant, record.name, record.version)
+    return format_adapter_id(tenant, record.name, record.version)

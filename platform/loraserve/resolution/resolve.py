@@ -16,14 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from adapter_format.errors import InvalidName
 from adapter_format.merge import MergeError
+from adapter_format.names import format_adapter_id, split_tenant
 from adapters_store import AdapterNotFound, AdapterRecord
-from adapters_store import InvalidName as StoreInvalidName
 from loraserve.errors import BadRequest
 from loraserve.merges.fields import MergedAdapters
 from loraserve.merges.spec import InvalidMerge, MergeSpec, check_merge
 from loraserve.resolution.resolved import ModelNotFound, ResolvedModel
-from loraserve.services import Services, engine_adapter_id
+from loraserve.services import Services
 from loraserve.tenancy import Principal
 
 
@@ -81,8 +82,8 @@ async def resolve_model(
 
 def _unqualified(model: str, tenant: str) -> str | None:
     """`model` without the caller's own `tenant/` prefix; None for another tenant's prefix."""
-    prefix, slash, rest = model.partition("/")
-    if not slash:
+    prefix, rest = split_tenant(model)
+    if prefix is None:
         return model
     return rest if prefix == tenant and rest else None
 
@@ -162,7 +163,7 @@ async def _lookup(services: Services, tenant: str, ref: str) -> AdapterRecord:
         return await services.adapter_lookup.resolve(
             services.adapter_store, tenant, ref, is_resident=_is_resident(services)
         )
-    except (AdapterNotFound, StoreInvalidName) as exc:
+    except (AdapterNotFound, InvalidName) as exc:
         raise LookupError(ref) from exc
 
 
@@ -172,7 +173,7 @@ def _is_resident(services: Services) -> Callable[[str, AdapterRecord], bool]:
     def is_resident(tenant: str, record: AdapterRecord) -> bool:
         stats = getattr(services.engine, "stats", None)  # None: no engine yet
         resident = getattr(stats(), "resident_adapters", ()) if stats is not None else ()
-        return engine_adapter_id(tenant, record.name, record.version) in resident
+        return format_adapter_id(tenant, record.name, record.version) in resident
 
     return is_resident
 
@@ -182,7 +183,7 @@ def _adapter(
 ) -> ResolvedModel:
     return ResolvedModel(
         kind="route" if route else "adapter",
-        engine_adapter_id=engine_adapter_id(tenant, record.name, record.version),
+        engine_adapter_id=format_adapter_id(tenant, record.name, record.version),
         served_model=record.ref,
         route=route,
         variant=variant,

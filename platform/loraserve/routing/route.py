@@ -1,4 +1,4 @@
-"""A/B route records and adapter references (`name` or `name@version`).
+"""A/B route records and adapter references (`name` or `name@version`, adapter_format/names.py).
 
 A Route belongs to one tenant (the config store keys it by tenant; the record itself does not repeat
 it, so the API can return it as is). Variant order matters: the router lays the weights out as
@@ -7,18 +7,15 @@ consecutive ranges in this order (see routing/hashing.py), so reordering variant
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 import msgspec
 
+from adapter_format.names import format_ref, parse_ref, split_tenant
 from loraserve.merges.fields import MergedAdapters
-from loraserve.tenancy.errors import InvalidName
-from loraserve.tenancy.names import check_adapter_name
 
 Sticky = Literal["user", "none"]
 STICKY_MODES: tuple[str, ...] = ("user", "none")
-_VERSION = re.compile(r"[1-9][0-9]{0,17}")
 
 
 class Variant(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -40,7 +37,7 @@ class Variant(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
         """The adapter references (`name`, `name@2`) the variant needs."""
         if self.merge is None:
             return (self.adapter,) if self.adapter else ()
-        return tuple(ref.partition("/")[2] if "/" in ref else ref for ref in self.merge.ids)
+        return tuple(split_tenant(ref)[1] for ref in self.merge.ids)
 
 
 class Route(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,20 +55,10 @@ class AdapterRef(msgspec.Struct, frozen=True, kw_only=True):
     version: int | None = None  # None: the latest version at serving time
 
     def __str__(self) -> str:
-        return self.name if self.version is None else f"{self.name}@{self.version}"
+        return format_ref(self.name, self.version)
 
 
 def parse_adapter_ref(ref: object) -> AdapterRef:
     """`"a"` -> AdapterRef(name="a"); `"a@2"` -> AdapterRef(name="a", version=2); InvalidName otherwise."""
-    if not isinstance(ref, str):
-        raise InvalidName(
-            f"adapter reference must be a string like 'name' or 'name@2' (got {type(ref).__name__})"
-        )
-    name, at, version = ref.partition("@")
-    if not at:
-        return AdapterRef(name=check_adapter_name(name))
-    if not _VERSION.fullmatch(version):
-        raise InvalidName(
-            f"adapter reference {ref!r}: the version after '@' must be a positive integer without leading zeros"
-        )
-    return AdapterRef(name=check_adapter_name(name), version=int(version))
+    name, version = parse_ref(ref)
+    return AdapterRef(name=name, version=version)

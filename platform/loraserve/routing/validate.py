@@ -12,11 +12,11 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import msgspec
 
+from adapter_format.names import check_route_name
 from loraserve.merges.fields import MergedAdapters
 from loraserve.merges.spec import InvalidMerge, check_merge
 from loraserve.routing.route import STICKY_MODES, AdapterRef, Route, Variant, parse_adapter_ref
 from loraserve.tenancy.errors import InvalidName
-from loraserve.tenancy.names import check_route_name
 
 MAX_VARIANTS = 64
 MAX_WEIGHT = 1_000_000

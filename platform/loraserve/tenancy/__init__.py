@@ -1,6 +1,15 @@
-"""Tenancy: API keys (hashed), principals, admin checks, name syntax, per-tenant concurrency and token limits,
+"""Tenancy: API keys (hashed), principals, admin checks, name syntax (adapter_format/names.py), per-tenant concurrency and token limits,
 and who may share the prefix cache."""
 
+from adapter_format.names import (
+    MAX_NAME_LENGTH,
+    NAME_RULE,
+    check_adapter_name,
+    check_name,
+    check_route_name,
+    check_tenant,
+    is_valid_name,
+)
 from loraserve.tenancy.auth import (
     Authenticator,
     KeySource,
@@ -19,15 +28,6 @@ from loraserve.tenancy.errors import (
 )
 from loraserve.tenancy.keys import ROLES, ApiKey, Role, hash_key, is_key_hash, load_api_keys, parse_api_keys
 from loraserve.tenancy.limiter import ConcurrencyLimiter, Lease
-from loraserve.tenancy.names import (
-    MAX_NAME_LENGTH,
-    NAME_RULE,
-    check_adapter_name,
-    check_name,
-    check_route_name,
-    check_tenant,
-    is_valid_name,
-)
 from loraserve.tenancy.principal import DEFAULT_TENANT, OPEN_MODE_PRINCIPAL, Principal
 from loraserve.tenancy.token_limiter import TokenRateLimiter, TokenReservation
 

@@ -1,22 +1,16 @@
 """Errors of authentication, authorization and per-tenant limits.
 
-The HTTP status and error code of each are in the app's one exception table (loraserve/errors.py).
+The HTTP status and error code of each are in the app's one exception table (loraserve/errors.py,
+`status_and_code`); these classes know nothing of HTTP, so the table may import them and not the reverse.
 """
 
 from __future__ import annotations
 
+from adapter_format.errors import InvalidName  # noqa: F401 (one class for names: adapter_format/names.py)
+
 
 class TenancyError(Exception):
     """Base class of the errors below."""
-
-    @property
-    def status_code(self) -> int:
-        """The HTTP status the app's exception table gives this error."""
-        from loraserve.errors import status_and_code  # late: loraserve.errors imports this module
-
-        mapped = status_and_code(self)
-        assert mapped is not None  # the table has a row for TenancyError itself
-        return mapped[0]
 
 
 class Unauthorized(TenancyError):
@@ -33,10 +27,6 @@ class TooManyRequests(TenancyError):
     def __init__(self, message: str, *, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s  # whole seconds, ready for the Retry-After header
-
-
-class InvalidName(ValueError):
-    """A tenant, adapter or route name outside the safe syntax (the API answers 422)."""
 
 
 class InvalidKeysFile(ValueError):

@@ -29,8 +29,8 @@ from typing import Literal
 import msgspec
 import yaml
 
+from adapter_format.names import check_name, check_tenant
 from loraserve.tenancy.errors import InvalidKeysFile, InvalidName
-from loraserve.tenancy.names import check_name, check_tenant
 
 Role = Literal["admin", "user"]
 ROLES: tuple[str, ...] = ("admin", "user")
@@ -55,7 +55,7 @@ class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
     weight: float = 1.0  # the tenant's weight in the fair scheduler
     max_tokens_per_minute: int | None = None  # None: no token-rate limit
     # Tenants whose keys name the same group share prefix-cache blocks (a common system prompt); None:
-    # the tenant shares with nobody else. A name (tenancy/names.py).
+    # the tenant shares with nobody else. A name (adapter_format/names.py).
     cache_group: str | None = None
 
     @property

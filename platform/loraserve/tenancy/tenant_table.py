@@ -49,7 +49,10 @@ NO_ROW = -1
 def row_dtype(num_slots: int) -> np.dtype:
     return np.dtype(
         [
-            ("name", "S64"),  # tenant names are at most 64 ASCII characters (tenancy.names); b"": free
+            (
+                "name",
+                "S64",
+            ),  # tenant names are at most 64 ASCII characters (adapter_format/names.py); b"": free
             ("in_flight", "i8", (num_slots,)),
             ("held", "i8", (num_slots,)),
             ("uploads", "i8", (num_slots,)),  # adapter uploads in progress (tenancy.upload_slots)

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
@@ -152,9 +153,18 @@ def make_adapter(model_dir: Path, path: Path, seed: int = 0, **lora_kwargs) -> P
     return Path(path)
 
 
+def load_reference_base(model_dir: Path):
+    """The transformers model the engine is held to (float32). A model that soft-caps its attention logits
+    (Gemma 2) gets transformers' eager attention, named: some transformers releases (5.17, the GPU
+    machines') default Gemma 2 to SDPA, which silently drops the soft cap (later ones refuse SDPA for it)."""
+    softcap = getattr(AutoConfig.from_pretrained(model_dir), "attn_logit_softcapping", None)
+    extra = {"attn_implementation": "eager"} if softcap is not None else {}
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra).eval()
+
+
 def load_peft_reference(model_dir: Path, adapters: dict[str, Path]):
     """transformers + PEFT with every adapter loaded under its name (for `adapter_names=`)."""
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    base = load_reference_base(model_dir)
     if not adapters:
         return base
     names = list(adapters)
@@ -203,8 +213,7 @@ def per_adapter_reference(model_dir: Path, adapters: dict[str, Path]):
     wrappers refuse mixed-adapter batches (`adapter_names=`), so each adapter is its own model."""
     models = {None: load_peft_reference(model_dir, {})}
     for name, path in adapters.items():
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        models[name] = PeftModel.from_pretrained(base, path).eval()
+        models[name] = PeftModel.from_pretrained(load_reference_base(model_dir), path).eval()
     return models
 
 

@@ -87,8 +87,9 @@ def run(case, dtype: str, max_tokens: int, enforce_eager: bool = False, attentio
 
 def test_float32_matches_transformers_peft(case):
     """The served path (Triton attention, CUDA graphs), then, where it differs, the torch attention path
-    eager: the second localizes a failure of the first (Gemma 2 diverged here on 2026-11-27, while its
-    soft-capped attention kernel alone matches float64: test_soft_capped_attention)."""
+    eager: the second localizes a failure of the first. (Gemma 2 failed here on 2026-11-27 on all three at
+    once: the reference, under transformers 5.17's default SDPA, had dropped the attention soft cap;
+    load_peft_reference now names eager attention for it.)"""
     reference = load_peft_reference(case["model_dir"], case["adapters"])
     expected = [reference_greedy(reference, p, a, 16) for p, a in zip(case["prompts"], case["assigned"])]
     tokens, replays = run(case, "float32", 16)

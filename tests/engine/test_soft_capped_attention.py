@@ -1,12 +1,14 @@
 """Attention logit soft-capping (Gemma 2): scores become cap * tanh(scores / cap) before the mask, in the
 Triton kernel (interpreted on the CPU) and on the torch path, against a float64 reference; with sliding
-windows, split-K decode, GQA and an fp8 cache."""
+windows, split-K decode, GQA and an fp8 cache; and the transformers reference keeps the cap."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from factories import load_peft_reference, make_model
 from paged_attention_cases import make_batch, quantize_batch, reference_attention
+from transformers.models.gemma2.modeling_gemma2 import Gemma2PreTrainedModel
 
 from engine.model.attention import AttentionMetadata, paged_attention
 from engine.model.paged_attention_triton import paged_attention_triton
@@ -132,3 +134,20 @@ def test_cuda_compiled_tiles_cap_scores(dtype, window):
             softcap=10.0 / 4,
         )
         torch.testing.assert_close(out.cpu().double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_transformers_reference_keeps_the_soft_cap_where_it_would_default_to_sdpa(tmp_path, monkeypatch):
+    """transformers 5.17 (the GPU machines') defaults Gemma 2 to SDPA, whose path drops the attention soft
+    cap without a word: test_models_gpu's reference then disagreed with the engine (on the GPU and on the
+    CPU alike) on 18 of its 24 prompts. The reference names eager attention for soft-capped models."""
+    model_dir = make_model(tmp_path / "model", arch="gemma2", seed=1)
+    monkeypatch.setattr(Gemma2PreTrainedModel, "_supports_sdpa", True)  # as transformers 5.17 ships it
+    reference = load_peft_reference(model_dir, {})
+    assert reference.config._attn_implementation == "eager"
+    input_ids = torch.arange(3, 23)[None]  # 20 tokens, past the 8-token window
+    with torch.inference_mode():
+        capped = reference(input_ids).logits
+        for layer in reference.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        uncapped = reference(input_ids).logits
+    assert not torch.allclose(capped, uncapped, atol=1e-3)  # the cap bites at this size

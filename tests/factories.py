@@ -209,9 +209,66 @@ def per_adapter_reference(model_dir: Path, adapters: dict[str, Path]):
 
 
 def first_tokens_agreement(got: list[list[int]], expected: list[list[int]], num_tokens: int) -> float:
-    """The GPU tests' bf16 measure: each row's common prefix with its reference, over num_tokens per row."""
+    """Each row's common prefix with its reference, over num_tokens per row: a diagnostic printed beside
+    `assert_greedy_close`, never a bar (one near-tie early in a row costs the whole rest of the row)."""
 
     def common_prefix(a: list[int], b: list[int]) -> int:
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
     return sum(common_prefix(g, e) for g, e in zip(got, expected)) / (num_tokens * len(expected))
+
+
+# A row's greedy tokens and, per generated token, the top log-probabilities there (token id -> logprob).
+Greedy = tuple[list[int], list[dict[int, float]]]
+TOP_LOGPROBS = 5  # how deep in the other side's distribution a diverging token may sit
+
+
+def top_logprobs(scores, k: int = TOP_LOGPROBS) -> list[dict[int, float]]:
+    """transformers generate's per-step `scores` (each [1, vocab], with output_scores=True) as top-k dicts."""
+    result = []
+    for step in scores:
+        values, ids = step[0].float().log_softmax(-1).topk(k)
+        result.append(dict(zip(ids.tolist(), values.tolist())))
+    return result
+
+
+def engine_greedy(output) -> Greedy:
+    """An engine RequestOutput's tokens and top logprobs (the request asked for SamplingParams(logprobs=k))."""
+    completion = output.outputs[0]
+    return completion.token_ids, [step.top for step in completion.logprobs]
+
+
+def greedy_divergences(got: list[Greedy], expected: list[Greedy], top_k: int = TOP_LOGPROBS) -> list[str]:
+    """Greedy sequences compared as vLLM's tests compare them (check_logprobs_close): each row is walked to
+    its first differing token, where each side's token must be among the other side's top_k; a row is not
+    compared past that point (from there on the two continue different texts). Rows that never diverge
+    pass. Returns one line per row that fails, empty when all pass."""
+    failures = []
+    for row, ((tokens_a, tops_a), (tokens_b, tops_b)) in enumerate(zip(got, expected, strict=True)):
+        at = next((i for i, (a, b) in enumerate(zip(tokens_a, tokens_b)) if a != b), None)
+        if at is None:
+            continue
+        a, b = tokens_a[at], tokens_b[at]
+        top_a, top_b = (sorted(t[at], key=t[at].get, reverse=True)[:top_k] for t in (tops_a, tops_b))
+        if a not in top_b or b not in top_a:
+            failures.append(
+                f"row {row}, token {at}: {a} vs {b}; top-{top_k} there {top_a} vs {top_b} "
+                f"(logprobs {[round(tops_a[at][t], 3) for t in top_a]} vs {[round(tops_b[at][t], 3) for t in top_b]})"
+            )
+    return failures
+
+
+def assert_greedy_close(
+    got: list[Greedy], expected: list[Greedy], label: str, num_tokens: int, top_k: int = TOP_LOGPROBS
+) -> None:
+    """The bf16 GPU tests' check (`greedy_divergences`), printing the first-tokens agreement and how many
+    rows diverge as diagnostics first."""
+    failures = greedy_divergences(got, expected, top_k)
+    tokens_got, tokens_expected = [g[0] for g in got], [e[0] for e in expected]
+    agreement = first_tokens_agreement(tokens_got, tokens_expected, num_tokens)
+    diverged = sum(g != e for g, e in zip(tokens_got, tokens_expected))
+    print(
+        f"{label}: first-{num_tokens}-token agreement {agreement:.3f}, {diverged}/{len(got)} rows diverge, "
+        f"{len(failures)} outside each other's top-{top_k}"
+    )
+    assert not failures, f"{label}: " + "; ".join(failures)

@@ -1,9 +1,11 @@
 """How far transformers + PEFT in bfloat16 is from itself in float32 on the GPU tests' tiny models.
 
-For the DoRA, vocab-adapter and MoE GPU tests' exact models, adapters and prompts, greedy tokens of
-transformers + PEFT in float32 and in bfloat16 (the device given): the first-32-token agreement (the
-old measure), where rows first diverge, the float32 reference's top-1/top-2 logprob gap there, and
-whether the bf16 token is in the float32 top-k (the measure in tests/factories.py).
+For the DoRA, vocab-adapter and MoE GPU tests' exact models, adapters and prompts: greedy tokens of
+transformers + PEFT in float32 (on the CPU) against those of transformers + PEFT in bfloat16 (on
+--device) and, with --engine, of the engine in bfloat16. For each: the first-32-token agreement (the old
+measure), how many rows diverge, the float32 reference's top-1/top-2 logprob gap where they do, the bf16
+token's rank in the float32 distribution there, and the rows failing the top-k check that the bf16 GPU
+tests use (tests/factories.py, greedy_divergences).
 
     OMP_NUM_THREADS=1 python benchmarks/bf16_sensitivity.py [--device cpu] [--cases dora-llama,vocab,...]
 """
@@ -21,6 +23,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).parents[1] / "tests"), str(Path(__file__).parents[1] / "tests" / "engine")]
 from factories import (  # noqa: E402
     MOE_ADAPTERS,
+    engine_greedy,
     first_tokens_agreement,
     greedy_divergences,
     make_adapter,
@@ -93,6 +96,30 @@ def greedy_with_logprobs(model_dir, paths, prompts, assigned, dtype, device):
     return tokens, logprobs
 
 
+def engine_with_logprobs(model_dir, paths, prompts, assigned, dtype, device):
+    """The engine's greedy tokens and each step's top-TOP_K logprobs (dicts) of each row."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(
+        model=str(model_dir), lora_modules={k: str(v) for k, v in paths.items()}, dtype=dtype, device=device,
+        skip_tokenizer_init=True, max_loras=len(paths), max_vocab_loras=len(paths), max_lora_rank=16,
+        max_num_seqs=16, max_num_batched_tokens=256, max_model_len=128,
+    )  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, logprobs=TOP_K)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapters=assigned)
+        assert all(o.error is None for o in outputs), [o.error for o in outputs]
+        return [engine_greedy(o) for o in outputs]
+    finally:
+        llm.engine.shutdown()
+
+
+def as_tops(logprobs):
+    return [
+        [dict(zip(*map(torch.Tensor.tolist, step.topk(TOP_K)[::-1]))) for step in rows] for rows in logprobs
+    ]
+
+
 def report(name, fp32, bf16):
     (ref_tokens, ref_lp), (tokens, lp) = fp32, bf16
     agreement = first_tokens_agreement(tokens, ref_tokens, NUM_TOKENS)
@@ -111,7 +138,7 @@ def report(name, fp32, bf16):
     ]
     failures = greedy_divergences(list(zip(tokens, tops)), list(zip(ref_tokens, ref_tops)), TOP_K)
     print(
-        f"{name}: PEFT bf16 vs fp32: first-{NUM_TOKENS} agreement {agreement:.3f}; {diverged}/{len(tokens)} rows "
+        f"{name} bf16 vs PEFT fp32: first-{NUM_TOKENS} agreement {agreement:.3f}; {diverged}/{len(tokens)} rows "
         f"diverge; fp32 top1-top2 logprob gap at the divergence: "
         f"{', '.join(f'{g:.3f}' for g in sorted(gaps))}; bf16 token's fp32 rank: {sorted(ranks)}; "
         f"rows failing the top-{TOP_K} check: {len(failures)} {failures}",
@@ -123,13 +150,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--engine", action="store_true", help="also the engine in bf16 on --device")
     args = parser.parse_args()
     for name in args.cases.split(","):
         with tempfile.TemporaryDirectory() as root:
             model_dir, paths, prompts, assigned = build(Path(root), name)
             fp32 = greedy_with_logprobs(model_dir, paths, prompts, assigned, torch.float32, "cpu")
             bf16 = greedy_with_logprobs(model_dir, paths, prompts, assigned, torch.bfloat16, args.device)
-            report(name, fp32, bf16)
+            report(f"{name} PEFT", fp32, bf16)
+            if args.engine:
+                rows = engine_with_logprobs(model_dir, paths, prompts, assigned, "bfloat16", args.device)
+                report(f"{name} engine", fp32, ([r[0] for r in rows], [r[1] for r in rows]))
 
 
 if __name__ == "__main__":

@@ -165,12 +165,10 @@ def load_peft_reference(model_dir: Path, adapters: dict[str, Path]):
 
 
 @torch.inference_mode()
-def reference_greedy(model, prompt_ids: list[int], adapter: str | None, max_new_tokens: int) -> list[int]:
-    """Greedy tokens from transformers + PEFT for one prompt; `adapter` None means the base model."""
-    input_ids = torch.tensor([prompt_ids])
-    kwargs = {}
-    if isinstance(model, PeftModel):
-        kwargs["adapter_names"] = [adapter if adapter is not None else "__base__"]
+def generate_greedy(model, prompt_ids: list[int], max_new_tokens: int, top_k: int | None = None, **kwargs):
+    """transformers' greedy tokens of one prompt on the model's device; with top_k, a `Greedy`: the tokens
+    and each step's top_k logprobs of the raw logits (as the engine's `logprobs`, before min_tokens)."""
+    input_ids = torch.tensor([prompt_ids], device=model.device)
     out = model.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
@@ -178,9 +176,23 @@ def reference_greedy(model, prompt_ids: list[int], adapter: str | None, max_new_
         max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens,
         pad_token_id=0,
+        output_logits=top_k is not None,
+        return_dict_in_generate=True,
         **kwargs,
     )
-    return out[0, len(prompt_ids) :].tolist()
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
+    return tokens if top_k is None else (tokens, top_logprobs(out.logits, top_k))
+
+
+def reference_greedy(
+    model, prompt_ids: list[int], adapter: str | None, max_new_tokens: int, top_k: int | None = None
+):
+    """Greedy tokens from transformers + PEFT for one prompt; `adapter` None means the base model. With
+    top_k, a `Greedy` (`generate_greedy`)."""
+    kwargs = {}
+    if isinstance(model, PeftModel):
+        kwargs["adapter_names"] = [adapter if adapter is not None else "__base__"]
+    return generate_greedy(model, prompt_ids, max_new_tokens, top_k, **kwargs)
 
 
 # Adapters of a mixture of experts: attention only, the routed experts only (PEFT's target_parameters on
@@ -223,10 +235,10 @@ Greedy = tuple[list[int], list[dict[int, float]]]
 TOP_LOGPROBS = 5  # how deep in the other side's distribution a diverging token may sit
 
 
-def top_logprobs(scores, k: int = TOP_LOGPROBS) -> list[dict[int, float]]:
-    """transformers generate's per-step `scores` (each [1, vocab], with output_scores=True) as top-k dicts."""
+def top_logprobs(logits, k: int = TOP_LOGPROBS) -> list[dict[int, float]]:
+    """transformers generate's per-step `logits` (each [1, vocab], output_logits=True) as top-k dicts."""
     result = []
-    for step in scores:
+    for step in logits:
         values, ids = step[0].float().log_softmax(-1).topk(k)
         result.append(dict(zip(ids.tolist(), values.tolist())))
     return result

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).parents[1] / "tests"), str(Path(__file__).parents[1] / "tests" / "engine")]
+ROOT = Path(__file__).parents[1]
+# the repository root in place of this folder (whose lora_kernels.py would shadow the package), then tests'
+sys.path[:1] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "engine")]
 from factories import (  # noqa: E402
     MOE_ADAPTERS,
     engine_greedy,

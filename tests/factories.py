@@ -270,11 +270,12 @@ def greedy_divergences(got: list[Greedy], expected: list[Greedy], top_k: int = T
     return failures
 
 
-def assert_greedy_close(
+def check_greedy_close(
     got: list[Greedy], expected: list[Greedy], label: str, num_tokens: int, top_k: int = TOP_LOGPROBS
-) -> None:
-    """The bf16 GPU tests' check (`greedy_divergences`), printing the first-tokens agreement and how many
-    rows diverge as diagnostics first."""
+) -> list[str]:
+    """The bf16 GPU tests' check (`greedy_divergences`), the first-tokens agreement and how many rows
+    diverge printed first as diagnostics. Returns the failures, each naming `label`, so that a test can
+    report all of its comparisons before it asserts."""
     failures = greedy_divergences(got, expected, top_k)
     tokens_got, tokens_expected = [g[0] for g in got], [e[0] for e in expected]
     agreement = first_tokens_agreement(tokens_got, tokens_expected, num_tokens)
@@ -283,4 +284,11 @@ def assert_greedy_close(
         f"{label}: first-{num_tokens}-token agreement {agreement:.3f}, {diverged}/{len(got)} rows diverge, "
         f"{len(failures)} outside each other's top-{top_k}"
     )
-    assert not failures, f"{label}: " + "; ".join(failures)
+    return [f"{label}: {failure}" for failure in failures]
+
+
+def assert_greedy_close(
+    got: list[Greedy], expected: list[Greedy], label: str, num_tokens: int, top_k: int = TOP_LOGPROBS
+) -> None:
+    failures = check_greedy_close(got, expected, label, num_tokens, top_k)
+    assert not failures, "; ".join(failures)

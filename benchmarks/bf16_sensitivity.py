@@ -134,11 +134,8 @@ def report(name, fp32, bf16):
         top = ref_rows[at].topk(2)
         gaps.append(float(top.values[0] - top.values[1]))
         ranks.append(int((ref_rows[at] > ref_rows[at][got[at]]).sum()))  # bf16 token's rank in fp32 (0 = top)
-    tops = [[dict(zip(*map(torch.Tensor.tolist, step.topk(TOP_K)[::-1]))) for step in rows] for rows in (lp)]
-    ref_tops = [
-        [dict(zip(*map(torch.Tensor.tolist, step.topk(TOP_K)[::-1]))) for step in rows] for rows in ref_lp
-    ]
-    failures = greedy_divergences(list(zip(tokens, tops)), list(zip(ref_tokens, ref_tops)), TOP_K)
+    tops = lp if isinstance(lp[0][0], dict) else as_tops(lp)  # the engine's are top-k dicts already
+    failures = greedy_divergences(list(zip(tokens, tops)), list(zip(ref_tokens, as_tops(ref_lp))), TOP_K)
     print(
         f"{name} bf16 vs PEFT fp32: first-{NUM_TOKENS} agreement {agreement:.3f}; {diverged}/{len(tokens)} rows "
         f"diverge; fp32 top1-top2 logprob gap at the divergence: "

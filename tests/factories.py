@@ -271,20 +271,29 @@ def greedy_divergences(got: list[Greedy], expected: list[Greedy], top_k: int = T
 
 
 def check_greedy_close(
-    got: list[Greedy], expected: list[Greedy], label: str, num_tokens: int, top_k: int = TOP_LOGPROBS
+    got: list[Greedy],
+    expected: list[Greedy],
+    label: str,
+    num_tokens: int,
+    top_k: int = TOP_LOGPROBS,
+    allowed: int = 0,
 ) -> list[str]:
     """The bf16 GPU tests' check (`greedy_divergences`), the first-tokens agreement and how many rows
     diverge printed first as diagnostics. Returns the failures, each naming `label`, so that a test can
-    report all of its comparisons before it asserts."""
+    report all of its comparisons before it asserts; none while at most `allowed` rows fail (mixtures of
+    experts only: a bf16 routing flip earlier in a row can move the distribution past the top-k, for
+    transformers against itself in float32 too, benchmarks/bf16_sensitivity.py)."""
     failures = greedy_divergences(got, expected, top_k)
     tokens_got, tokens_expected = [g[0] for g in got], [e[0] for e in expected]
     agreement = first_tokens_agreement(tokens_got, tokens_expected, num_tokens)
     diverged = sum(g != e for g, e in zip(tokens_got, tokens_expected))
     print(
         f"{label}: first-{num_tokens}-token agreement {agreement:.3f}, {diverged}/{len(got)} rows diverge, "
-        f"{len(failures)} outside each other's top-{top_k}"
+        f"{len(failures)} outside each other's top-{top_k} (allowed {allowed})"
     )
-    return [f"{label}: {failure}" for failure in failures]
+    for failure in failures[:allowed]:
+        print(f"  allowed: {failure}")
+    return [f"{label}: {failure}" for failure in failures] if len(failures) > allowed else []
 
 
 def assert_greedy_close(

@@ -9,6 +9,7 @@ import torch
 from factories import (
     TOP_LOGPROBS,
     assert_greedy_close,
+    check_greedy_close,
     generate_greedy,
     greedy_divergences,
     make_model,
@@ -64,7 +65,7 @@ def test_identical_sequences_pass(model, reference, capsys):
     copies = [forced(model, p, tokens) for p, (tokens, _) in zip(PROMPTS, reference)]
     assert greedy_divergences(copies, reference) == []
     assert_greedy_close(copies, reference, "same", NUM_TOKENS)
-    assert "agreement 1.000, 0/3 rows diverge" in capsys.readouterr().out
+    assert "agreement 1.000, 0/3 rows diverge, 0 outside" in capsys.readouterr().out
 
 
 def test_divergence_to_the_runner_up_passes_and_later_tokens_are_not_compared(model, reference, capsys):
@@ -89,6 +90,10 @@ def test_divergence_outside_the_top_k_fails(model, reference):
         assert len(failures) == 1 and failures[0].startswith("row 2, token 5:"), failures
     with pytest.raises(AssertionError, match="row 2, token 5"):
         assert_greedy_close(got, reference, "far", NUM_TOKENS)
+    # a mixture of experts' allowance: one failing row passes with allowed=1, two do not
+    assert check_greedy_close(got, reference, "far", NUM_TOKENS, allowed=1) == []
+    got[0] = diverge_at(model, PROMPTS[0], reference[0][0], at=1, rank=TOP_LOGPROBS + 30)
+    assert len(check_greedy_close(got, reference, "far", NUM_TOKENS, allowed=1)) == 2
 
 
 def test_a_row_is_compared_only_up_to_its_first_divergence():

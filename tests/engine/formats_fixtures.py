@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from factories import generate_greedy
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -31,26 +32,16 @@ def peft_greedy(
     max_new_tokens: int,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    top_k: int | None = None,
 ):
-    """transformers + PEFT greedy tokens of each prompt under one adapter (None: the base model). One
-    adapter per model: PEFT refuses mixed-adapter batches (`adapter_names`) with DoRA."""
+    """transformers + PEFT greedy tokens of each prompt under one adapter (None: the base model); with
+    top_k, `Greedy` rows (tokens and top logprobs, factories.generate_greedy). One adapter per model:
+    PEFT refuses mixed-adapter batches (`adapter_names`) with DoRA and with target_parameters."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter).eval()
     model = model.to(device, dtype)
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt], device=device)
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            pad_token_id=0,
-        )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return [generate_greedy(model, prompt, max_new_tokens, top_k) for prompt in prompts]
 
 
 def greedy_by_adapter(model_dir, adapters: dict, prompts, assigned, max_new_tokens, **kwargs):

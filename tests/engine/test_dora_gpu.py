@@ -2,8 +2,10 @@
 and base-model requests, through the Triton kernels' DoRA epilogue and the decode CUDA graphs:
 
 - float32: greedy tokens identical to transformers + PEFT (float32 on the CPU);
-- bfloat16: against transformers + PEFT in bfloat16 on the same GPU, >= 95% agreement on the first 32
-  tokens (common prefix, averaged), with the decode graphs and eagerly (bf16 is not batch-invariant).
+- bfloat16: against transformers + PEFT in bfloat16 on the same GPU, with the decode graphs and eagerly
+  (bf16 is not batch-invariant): where a row's greedy tokens first differ, each side's token is among the
+  other's top 5 (factories.check_greedy_close; the first-32-token agreement is printed, not held: on
+  these tiny models PEFT in bf16 agrees with itself in float32 at ~0.5, benchmarks/bf16_sensitivity.py).
 
     TRITON_INTERPRET=0 python -m pytest tests/engine/test_dora_gpu.py -m gpu -q -s
 """
@@ -15,7 +17,7 @@ import random
 
 import pytest
 import torch
-from factories import first_tokens_agreement, make_adapter, make_model
+from factories import TOP_LOGPROBS, check_greedy_close, engine_greedy, make_adapter, make_model
 from formats_fixtures import greedy_by_adapter, make_dora_adapter
 
 from engine import LLM, SamplingParams
@@ -59,13 +61,15 @@ def run(case, dtype: str, max_tokens: int, enforce_eager: bool = False):
         **ARGS,
     )
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=TOP_LOGPROBS
+        )
         outputs = llm.generate(
             [{"prompt_token_ids": p} for p in case["prompts"]], params, adapters=case["assigned"]
         )
         assert all(o.error is None for o in outputs)
         replays = 0 if llm.engine.runner.graphs is None else llm.engine.runner.graphs.num_replays
-        return [o.outputs[0].token_ids for o in outputs], replays
+        return [engine_greedy(o) for o in outputs], replays
     finally:
         llm.engine.shutdown()
         del llm
@@ -75,8 +79,8 @@ def run(case, dtype: str, max_tokens: int, enforce_eager: bool = False):
 
 def test_float32_matches_transformers_peft(case):
     expected = greedy_by_adapter(case["model_dir"], case["adapters"], case["prompts"], case["assigned"], 16)
-    tokens, replays = run(case, "float32", 16)
-    assert tokens == expected
+    rows, replays = run(case, "float32", 16)
+    assert [tokens for tokens, _ in rows] == expected
     assert replays > 0
 
 
@@ -89,15 +93,17 @@ def test_bfloat16_agrees_with_transformers_with_graphs_and_eagerly(case):
         NUM_TOKENS,
         dtype=torch.bfloat16,
         device="cuda",
+        top_k=TOP_LOGPROBS,
     )
     graphs, replays = run(case, "bfloat16", NUM_TOKENS)
     eager, _ = run(case, "bfloat16", NUM_TOKENS, enforce_eager=True)
     assert replays > 0
-    # bf16 is not batch-invariant (a graph's padded batch can pick other GEMM kernels), so graphs and
-    # eager are each held to the reference; the float32 test holds graphs to it exactly.
-    with_graphs, eagerly = (first_tokens_agreement(t, expected, NUM_TOKENS) for t in (graphs, eager))
-    print(
-        f"{case['arch']} DoRA: bf16 first-{NUM_TOKENS}-token agreement with transformers: graphs "
-        f"{with_graphs:.3f}, eager {eagerly:.3f}; graphs with eager {first_tokens_agreement(graphs, eager, NUM_TOKENS):.3f}"
-    )
-    assert min(with_graphs, eagerly) >= 0.95
+    # bf16 is not batch-invariant (a graph's padded batch can pick other GEMM kernels): graphs and eager
+    # are held to the reference and to each other by the top-k check; float32 holds graphs exactly.
+    label = f"{case['arch']} DoRA bf16"
+    failures = [
+        *check_greedy_close(graphs, expected, f"{label}, graphs vs PEFT", NUM_TOKENS),
+        *check_greedy_close(eager, expected, f"{label}, eager vs PEFT", NUM_TOKENS),
+        *check_greedy_close(graphs, eager, f"{label}, graphs vs eager", NUM_TOKENS),
+    ]
+    assert not failures, "; ".join(failures)

@@ -2,9 +2,10 @@
 decode CUDA graphs, with adapters of different ranks and target sets mixed with base-model requests:
 
 - float32: greedy tokens identical to transformers + PEFT (float32 on the CPU);
-- bfloat16: against transformers + PEFT in bfloat16 on the same GPU, the greedy tokens agree on the first
-  32 positions (the common prefix of each prompt's 32 tokens, averaged) at >= 95%; and the decode graphs
-  give exactly the eager steps' tokens.
+- bfloat16: against transformers + PEFT in bfloat16 on the same GPU, where a prompt's greedy tokens first
+  differ each side's token is among the other's top 5 (factories.check_greedy_close, vLLM's measure; the
+  first-32-token agreement is printed as a diagnostic); and the decode graphs give exactly the eager
+  steps' tokens.
 
 Gemma 3 runs at head_dim 256, its real size (the attention kernel's largest head).
 
@@ -19,8 +20,10 @@ import random
 import pytest
 import torch
 from factories import (
+    TOP_LOGPROBS,
+    check_greedy_close,
+    engine_greedy,
     family_adapters,
-    first_tokens_agreement,
     load_peft_reference,
     make_adapter,
     make_model,
@@ -43,7 +46,11 @@ ARGS = dict(max_loras=3, max_lora_rank=16, max_num_seqs=16, max_num_batched_toke
 
 
 def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
+    return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, logprobs=TOP_LOGPROBS)
+
+
+def tokens_of(rows) -> list[list[int]]:
+    return [tokens for tokens, _ in rows]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -77,7 +84,7 @@ def run(case, dtype: str, max_tokens: int, enforce_eager: bool = False, attentio
         )
         assert all(o.error is None for o in outputs)
         replays = 0 if llm.engine.runner.graphs is None else llm.engine.runner.graphs.num_replays
-        return [o.outputs[0].token_ids for o in outputs], replays
+        return [engine_greedy(o) for o in outputs], replays
     finally:
         llm.engine.shutdown()
         del llm
@@ -92,7 +99,8 @@ def test_float32_matches_transformers_peft(case):
     load_peft_reference now names eager attention for it.)"""
     reference = load_peft_reference(case["model_dir"], case["adapters"])
     expected = [reference_greedy(reference, p, a, 16) for p, a in zip(case["prompts"], case["assigned"])]
-    tokens, replays = run(case, "float32", 16)
+    rows, replays = run(case, "float32", 16)
+    tokens = tokens_of(rows)
     if tokens != expected:
         eager_torch, _ = run(case, "float32", 16, enforce_eager=True, attention_backend="torch")
         eager_triton, _ = run(case, "float32", 16, enforce_eager=True, attention_backend="triton")
@@ -100,8 +108,8 @@ def test_float32_matches_transformers_peft(case):
             name: sum(t == e for t, e in zip(toks, expected))
             for name, toks in (
                 ("graphs+triton", tokens),
-                ("eager+torch", eager_torch),
-                ("eager+triton", eager_triton),
+                ("eager+torch", tokens_of(eager_torch)),
+                ("eager+triton", tokens_of(eager_triton)),
             )
         }
         pytest.fail(f"{case['arch']}: prompts matching the reference out of {len(expected)}: {matches}")
@@ -110,45 +118,29 @@ def test_float32_matches_transformers_peft(case):
 
 def test_bfloat16_agrees_with_transformers_and_graphs_equal_eager(case):
     reference = load_peft_reference(case["model_dir"], case["adapters"]).to("cuda", torch.bfloat16)
-    expected = [reference_greedy_cuda(reference, p, a) for p, a in zip(case["prompts"], case["assigned"])]
+    expected = [
+        reference_greedy(reference, p, a, NUM_TOKENS, top_k=TOP_LOGPROBS)
+        for p, a in zip(case["prompts"], case["assigned"])
+    ]
     del reference
     graphs, replays = run(case, "bfloat16", NUM_TOKENS)
     assert replays > 0
-    agreement = first_tokens_agreement(graphs, expected, NUM_TOKENS)
-    whole = sum(g == e for g, e in zip(graphs, expected)) / len(expected)
-    print(
-        f"{case['arch']}: bf16 first-{NUM_TOKENS}-token agreement {agreement:.3f}, whole prompts {whole:.3f}"
-    )
-    assert agreement >= 0.95
+    failures = check_greedy_close(graphs, expected, f"{case['arch']} bf16, graphs vs PEFT", NUM_TOKENS)
+    assert not failures, "; ".join(failures)
     # Replays equal eager steps where both run the same shapes (padding a decode batch to its graph's
     # bucket changes the GEMMs' shapes, and so bf16 rounding): 16 prompts (a bucket) of 12 tokens, one
     # step of prefill, then every decode step at batch 16 in both runs.
     uniform = {**case, "prompts": [p[:12] for p in case["prompts"][:16]], "assigned": case["assigned"][:16]}
     graphs, replays = run(uniform, "bfloat16", 8)
     eager, _ = run(uniform, "bfloat16", 8, enforce_eager=True)
-    assert replays > 0 and graphs == eager
-
-
-@torch.inference_mode()
-def reference_greedy_cuda(model, prompt_ids: list[int], adapter: str | None) -> list[int]:
-    input_ids = torch.tensor([prompt_ids], device="cuda")
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        do_sample=False,
-        max_new_tokens=NUM_TOKENS,
-        min_new_tokens=NUM_TOKENS,
-        pad_token_id=0,
-        adapter_names=[adapter if adapter is not None else "__base__"],
-    )
-    return out[0, len(prompt_ids) :].tolist()
+    assert replays > 0 and tokens_of(graphs) == tokens_of(eager)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_fp8_block_checkpoint_over_two_gpus(tmp_path):
     """A block-scaled FP8 Phi-3 (fused projections) split over two GPUs: with the exact `dequant` GEMM
     (float32) the tokens of one GPU; with `scaled_mm` in bf16 (each rank quantizes its activations over
-    its own columns) >= 95% agreement on the first 32 tokens."""
+    its own columns) the top-k check at each prompt's first differing token (factories.check_greedy_close)."""
     from fp8_checkpoints import write_block_fp8
 
     sizes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
@@ -163,21 +155,18 @@ def test_fp8_block_checkpoint_over_two_gpus(tmp_path):
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(17, 60))] for _ in range(16)]
 
-    def tokens(tp: int, dtype: str, gemm: str) -> list[list[int]]:
+    def greedy_rows(tp: int, dtype: str, gemm: str):
         llm = LLM(model=str(checkpoint), tensor_parallel_size=tp, dtype=dtype, fp8_gemm=gemm, **ARGS)
         try:
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(NUM_TOKENS))
-            return [o.outputs[0].token_ids for o in outputs]
+            return [engine_greedy(o) for o in outputs]
         finally:
             llm.engine.shutdown()
             del llm
             gc.collect()
             torch.cuda.empty_cache()
 
-    assert tokens(2, "float32", "dequant") == tokens(1, "float32", "dequant")
-    one, two = tokens(1, "bfloat16", "auto"), tokens(2, "bfloat16", "auto")
-    agreement = first_tokens_agreement(one, two, NUM_TOKENS)
-    print(
-        f"FP8 block checkpoint, bf16 scaled_mm, tp 2 vs 1: first-{NUM_TOKENS}-token agreement {agreement:.3f}"
-    )
-    assert agreement >= 0.95
+    assert tokens_of(greedy_rows(2, "float32", "dequant")) == tokens_of(greedy_rows(1, "float32", "dequant"))
+    one, two = greedy_rows(1, "bfloat16", "auto"), greedy_rows(2, "bfloat16", "auto")
+    failures = check_greedy_close(two, one, "FP8 block checkpoint, bf16 scaled_mm, tp 2 vs 1", NUM_TOKENS)
+    assert not failures, "; ".join(failures)

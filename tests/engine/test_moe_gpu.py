@@ -3,9 +3,15 @@ fp32) against float64, and the models through them and the decode CUDA graphs, w
 attention and on the routed experts mixed with base-model requests:
 
 - float32: greedy tokens identical to transformers + PEFT (float32 on the CPU);
-- bfloat16: against transformers + PEFT in bfloat16 on the same GPU, the greedy tokens agree on the first
-  32 positions (the common prefix of each prompt's 32 tokens, averaged) at >= 95%, with the decode graphs
-  and eagerly (bf16 is not batch-invariant, so only float32 holds graphs to the reference exactly).
+- bfloat16: against transformers + PEFT in bfloat16 on the same GPU, with the decode graphs and eagerly
+  (bf16 is not batch-invariant, so only float32 holds graphs to the reference exactly): where a prompt's
+  greedy tokens first differ, each side's token is among the other's top 5 (factories.check_greedy_close),
+  in all but a quarter of the prompts at most. The allowance is a routing flip's: with experts 2 and 3
+  of a token a few thousandths apart in probability, bf16 rounding picks another expert and moves that
+  position's distribution by more than the top 5 spans, for transformers against itself in float32 as
+  well (on the CPU, PEFT bf16 vs float32: Qwen3-MoE 3 of 16 prompts, the engine 2; Mixtral 0 and 3, where
+  the engine's distribution at each failing position equals PEFT bf16's on the same prefix to ~0.03;
+  benchmarks/bf16_sensitivity.py). The first-32-token agreement is printed, not held.
 
     TRITON_INTERPRET=0 python -m pytest tests/engine/test_moe_gpu.py -m gpu -q -s
 """
@@ -17,7 +23,16 @@ import random
 
 import pytest
 import torch
-from factories import MOE_ADAPTERS, first_tokens_agreement, make_adapter, make_model, per_adapter_reference
+from factories import (
+    MOE_ADAPTERS,
+    TOP_LOGPROBS,
+    check_greedy_close,
+    engine_greedy,
+    make_adapter,
+    make_model,
+    per_adapter_reference,
+)
+from formats_fixtures import greedy_by_adapter
 from test_fused_moe import inputs, reference
 from test_moe_models import expected_tokens
 
@@ -30,6 +45,7 @@ pytestmark = [
 ]
 NUM_TOKENS = 32
 NUM_PROMPTS = 16
+ROUTING_FLIPS = NUM_PROMPTS // 4  # prompts allowed outside the top-k check in bf16 (the docstring says why)
 ARGS = dict(max_loras=3, max_lora_rank=16, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=128)
 
 
@@ -78,13 +94,15 @@ def run(case, dtype: str, max_tokens: int, enforce_eager: bool = False):
         **ARGS,
     )
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=TOP_LOGPROBS
+        )
         outputs = llm.generate(
             [{"prompt_token_ids": p} for p in case["prompts"]], params, adapters=case["assigned"]
         )
         assert all(o.error is None for o in outputs)
         replays = 0 if llm.engine.runner.graphs is None else llm.engine.runner.graphs.num_replays
-        return [o.outputs[0].token_ids for o in outputs], replays
+        return [engine_greedy(o) for o in outputs], replays
     finally:
         llm.engine.shutdown()
         del llm
@@ -95,31 +113,31 @@ def run(case, dtype: str, max_tokens: int, enforce_eager: bool = False):
 def test_float32_matches_transformers_peft(case):
     references = per_adapter_reference(case["model_dir"], case["adapters"])
     expected = [expected_tokens(references[a], p, 16) for p, a in zip(case["prompts"], case["assigned"])]
-    tokens, replays = run(case, "float32", 16)
-    assert tokens == expected
+    rows, replays = run(case, "float32", 16)
+    assert [tokens for tokens, _ in rows] == expected
     assert replays > 0
 
 
-@torch.inference_mode()
 def test_bfloat16_agrees_with_transformers_with_graphs_and_eagerly(case):
-    references = per_adapter_reference(case["model_dir"], case["adapters"])
-    expected = []
-    for prompt, adapter in zip(case["prompts"], case["assigned"]):
-        model = references[adapter].to("cuda", torch.bfloat16)
-        ids = torch.tensor([prompt], device="cuda")
-        out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NUM_TOKENS,
-            min_new_tokens=NUM_TOKENS, pad_token_id=0,
-        )  # fmt: skip
-        expected.append(out[0, len(prompt) :].tolist())
-    del references
+    expected = greedy_by_adapter(
+        case["model_dir"],
+        case["adapters"],
+        case["prompts"],
+        case["assigned"],
+        NUM_TOKENS,
+        dtype=torch.bfloat16,
+        device="cuda",
+        top_k=TOP_LOGPROBS,
+    )
     graphs, replays = run(case, "bfloat16", NUM_TOKENS)
     eager, _ = run(case, "bfloat16", NUM_TOKENS, enforce_eager=True)
     assert replays > 0
-    # bf16 is not batch-invariant (a graph's padded batch can pick other GEMM kernels), so graphs and
-    # eager are each held to the reference; the float32 test holds graphs to it exactly.
-    with_graphs, eagerly = (first_tokens_agreement(t, expected, NUM_TOKENS) for t in (graphs, eager))
-    print(
-        f"{case['arch']}: bf16 first-{NUM_TOKENS}-token agreement: graphs {with_graphs:.3f}, eager {eagerly:.3f}"
-    )
-    assert min(with_graphs, eagerly) >= 0.95
+    # bf16 is not batch-invariant (a graph's padded batch can pick other GEMM kernels): graphs and eager
+    # are held to the reference and to each other by the top-k check; float32 holds graphs exactly.
+    label = f"{case['arch']} bf16"
+    failures = [
+        *check_greedy_close(graphs, expected, f"{label}, graphs vs PEFT", NUM_TOKENS, allowed=ROUTING_FLIPS),
+        *check_greedy_close(eager, expected, f"{label}, eager vs PEFT", NUM_TOKENS, allowed=ROUTING_FLIPS),
+        *check_greedy_close(graphs, eager, f"{label}, graphs vs eager", NUM_TOKENS, allowed=ROUTING_FLIPS),
+    ]
+    assert not failures, "; ".join(failures)

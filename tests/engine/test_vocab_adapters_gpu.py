@@ -4,8 +4,11 @@ their steps run eagerly, every other step still replays the graphs.
 - float32: a batch mixing modules_to_save (embed_tokens, lm_head), LoRA on embed_tokens / lm_head, a plain
   adapter and the base model gives transformers + PEFT's greedy tokens (float32 on the CPU); then a batch
   of plain and base requests on the same engine replays graphs and matches too.
-- bfloat16: >= 95% first-32-token agreement with transformers + PEFT in bfloat16 on the same GPU, with
-  graphs and eagerly (bf16 is not batch-invariant, so only float32 holds graphs to eager exactly).
+- bfloat16: against transformers + PEFT in bfloat16 on the same GPU, with graphs and eagerly (bf16 is not
+  batch-invariant, so only float32 holds graphs to eager exactly): where a row's greedy tokens first
+  differ, each side's token is among the other's top 5 (factories.check_greedy_close; the first-32-token
+  agreement is printed, not held: on this tiny model PEFT in bf16 agrees with itself in float32 at ~0.4,
+  benchmarks/bf16_sensitivity.py).
 
     TRITON_INTERPRET=0 python -m pytest tests/engine/test_vocab_adapters_gpu.py -m gpu -q -s
 """
@@ -17,7 +20,7 @@ import random
 
 import pytest
 import torch
-from factories import first_tokens_agreement, make_adapter, make_model
+from factories import TOP_LOGPROBS, check_greedy_close, engine_greedy, make_adapter, make_model
 from formats_fixtures import greedy_by_adapter, make_vocab_adapter
 
 from engine import LLM, SamplingParams
@@ -65,11 +68,12 @@ def case(tmp_path_factory):
     return dict(model_dir=model_dir, adapters=adapters, prompts=prompts, assigned=assigned)
 
 
-def generate(llm, prompts, assigned, max_tokens):
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+def generate(llm, prompts, assigned, max_tokens, logprobs: int | None = None):
+    """Greedy token ids of each prompt; with `logprobs`, `Greedy` rows (tokens and top logprobs)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=logprobs)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapters=assigned)
     assert all(o.error is None for o in outputs)
-    return [o.outputs[0].token_ids for o in outputs]
+    return [o.outputs[0].token_ids if logprobs is None else engine_greedy(o) for o in outputs]
 
 
 def make_llm(case, dtype, enforce_eager=False):
@@ -113,20 +117,20 @@ def test_bfloat16_agrees_with_peft_with_graphs_and_eagerly(case):
         NUM_TOKENS,
         dtype=torch.bfloat16,
         device="cuda",
+        top_k=TOP_LOGPROBS,
     )
-    tokens = {}
+    rows = {}
     for eager in (False, True):
         llm = make_llm(case, "bfloat16", enforce_eager=eager)
         try:
-            tokens[eager] = generate(llm, case["prompts"], case["assigned"], NUM_TOKENS)
+            rows[eager] = generate(llm, case["prompts"], case["assigned"], NUM_TOKENS, TOP_LOGPROBS)
         finally:
             close(llm)
-    # bf16 is not batch-invariant (a graph's padded batch can pick other GEMM kernels), so graphs and
-    # eager are each held to the reference; float32 above holds them to it exactly.
-    agreement = {eager: first_tokens_agreement(tokens[eager], expected, NUM_TOKENS) for eager in tokens}
-    between = first_tokens_agreement(tokens[False], tokens[True], NUM_TOKENS)
-    print(
-        f"vocab adapters: bf16 first-{NUM_TOKENS}-token agreement with PEFT: graphs {agreement[False]:.3f}, "
-        f"eager {agreement[True]:.3f}; graphs with eager {between:.3f}"
-    )
-    assert min(agreement.values()) >= 0.95
+    # bf16 is not batch-invariant (a graph's padded batch can pick other GEMM kernels): graphs and eager
+    # are held to the reference and to each other by the top-k check; float32 holds them exactly.
+    failures = [
+        *check_greedy_close(rows[False], expected, "vocab adapters bf16, graphs vs PEFT", NUM_TOKENS),
+        *check_greedy_close(rows[True], expected, "vocab adapters bf16, eager vs PEFT", NUM_TOKENS),
+        *check_greedy_close(rows[False], rows[True], "vocab adapters bf16, graphs vs eager", NUM_TOKENS),
+    ]
+    assert not failures, "; ".join(failures)

@@ -3,8 +3,8 @@ their decode steps replay the graphs too (engine/lora/vocab.py: static shapes, c
 
 - float32: a batch mixing modules_to_save (embed_tokens, lm_head), LoRA on embed_tokens / lm_head, a plain
   adapter and the base model gives transformers + PEFT's greedy tokens (float32 on the CPU), its decode
-  steps, which hold own-embedding and own-head tokens, served by graph replays; then a batch of plain and
-  base requests on the same engine replays graphs and matches too.
+  steps, which hold own-embedding and own-head tokens, served by graph replays, with no Triton compile
+  after ready; then a batch of plain and base requests on the same engine replays graphs and matches too.
 - bfloat16: >= 95% first-32-token agreement with transformers + PEFT in bfloat16 on the same GPU, with
   graphs and eagerly (bf16 is not batch-invariant, so only float32 holds graphs to eager exactly).
 
@@ -21,7 +21,7 @@ import torch
 from factories import first_tokens_agreement, make_adapter, make_model
 from formats_fixtures import VocabReplays, greedy_by_adapter, make_vocab_adapter
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, kernel_compiles
 
 pytestmark = [
     pytest.mark.gpu,
@@ -99,6 +99,9 @@ def test_float32_matches_peft_with_vocab_steps_in_graphs(case):
         # adapters' tokens: most of those steps are replays (if such steps ran eagerly: 0)
         print(f"vocab adapters: {replays.vocab} of {replays.total} decode replays held their tokens")
         assert replays.vocab >= 8
+        # the warm-up and the capture compiled the vocab path's kernel (and everything else) before ready
+        compiled = llm.engine.stats().num_kernel_compiles_after_ready
+        assert compiled == 0, f"{compiled} compiles after ready: {list(kernel_compiles.install().recent)}"
         graphs = llm.engine.runner.graphs
         before = graphs.num_replays
         plain = [i for i, a in enumerate(case["assigned"]) if a in (None, "plain")]

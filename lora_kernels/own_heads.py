@@ -28,7 +28,7 @@ import triton.language as tl
 from lora_kernels.tiles import interpreting
 
 BLOCK_M = 16  # rows of one head per tile: tl.dot's least; decode steps hold a few rows per adapter
-BLOCK_N = 64  # vocabulary columns per program
+BLOCK_N = 128  # vocabulary columns per program (a 128 x BLOCK_K head tile streams per step of K)
 
 
 @triton.jit

@@ -330,10 +330,13 @@ class ModelRunner:
         )
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         slots = torch.zeros(num_tokens, dtype=torch.int32, device=self.device)
-        with torch.inference_mode():
-            hidden = self.model.forward(ids, meta, caches, LoRAContext(self.lora_slots, slots))
+        with torch.inference_mode():  # the vocab path too, when there are vocab slots (its scratch counts)
+            lora = LoRAContext(self.lora_slots, slots, vocab=self.lora_slots.vocab is not None)
+            hidden = self.model.forward(ids, meta, caches, lora)
             rows = min(self.config.max_num_seqs, num_tokens)
-            self.model.compute_logits(hidden[:rows])
+            self.model.compute_logits(
+                hidden[:rows], lora.own_heads(torch.arange(rows, device=self.device)) if lora.vocab else None
+            )
         del caches, hidden
         torch.cuda.synchronize(self.device)
 

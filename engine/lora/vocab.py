@@ -22,8 +22,10 @@ captures this path whenever the pool has vocab slots): every token takes the bas
 where its slot owns an embedding, that slot's row instead (one gather and a `where` over the step's
 tokens); the logits rows of own-head slots are recomputed from their heads by one kernel launch
 (lora_kernels/own_heads.py) whose programs of heads no row uses exit at once, so a step reads only the
-heads its rows use. Nothing reads the device back to the host. With max_vocab_loras 0 there is no
-VocabSlots and none of this runs.
+heads its rows use. Nothing reads the device back to the host. Eager steps with adapters run the same
+code (so the warm-up's LoRA steps compile the kernel before ready); only speculative verification steps
+holding such tokens run eagerly instead of in their graphs (`step_uses`). With max_vocab_loras 0 there is
+no VocabSlots and none of this runs.
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ each of the pool's rank variants (engine/lora/pool.LoRAPool.bucket_variants: eac
 all of them), so a step of rank-16 adapters in a pool for rank 64 replays kernels sized for 16. Every
 input lives in a static buffer the graphs read: a step copies its inputs in with padding rows up to the
 bucket (InputBatch.prepare_decode, one copy per buffer), replays, and reads the logits rows it needs.
-Mixed prefill/decode steps stay eager.
+Mixed prefill/decode steps stay eager. When the pool has slots for adapters with their own embedding or
+LM head (max_vocab_loras > 0), the LoRA graphs also hold that path (engine/lora/vocab.py: a per-token
+gather and one head kernel, static shapes), so steps of such adapters replay too; without them the
+graphs are as before.
 
 Padding rows must not disturb real ones: each writes its K/V into a scratch block that the KV cache
 manager never hands out (the cache has one block more than the scheduler knows of), attends only to
@@ -176,6 +179,10 @@ class DecodeCudaGraphs:
             seq_lens_tensor=inputs.seq_lens[:size],
             query_start_loc_tensor=inputs.query_start_loc[: size + 1],
         )
-        context = LoRAContext(self.lora_slots, inputs.token_slots[:size], lora) if lora else None
+        context = None
+        if lora:  # with vocab slots, the LoRA graphs hold adapters' own embeddings and heads too
+            vocab = self.lora_slots.vocab is not None
+            context = LoRAContext(self.lora_slots, inputs.token_slots[:size], lora, vocab=vocab)
         hidden = self.model.forward(inputs.input_ids[:size], meta, self.kv_caches, context)
-        return self.model.compute_logits(hidden)
+        own = context.own_heads() if context is not None and context.vocab else None
+        return self.model.compute_logits(hidden, own)

@@ -186,13 +186,12 @@ class ModelRunner:
         self.prompt_logprobs = {}
         # needs every row's hidden state: eager
         wants_prompt = wants_prompt_logprobs(scheduled)
-        # a step with adapters that own an embedding or LM head runs eagerly (engine/lora/vocab.py)
+        # Adapters that own an embedding or LM head (engine/lora/vocab.py): their path has static shapes
+        # and the decode graphs capture it; the verification graphs do not, so such steps verify eagerly.
         vocab = self.lora_slots.vocab
-        vocab_step = vocab is not None and vocab.step_uses(self.inputs.lora_slots[: len(scheduled)])
         if (
             self.graphs is not None
             and not wants_prompt
-            and not vocab_step
             and _is_decode_only(scheduled, self.graphs.max_batch_size)
         ):
             size = self.graphs.bucket(len(scheduled))
@@ -205,6 +204,7 @@ class ModelRunner:
                 return logits
             rows = [i for i, s in enumerate(scheduled) if s.samples]
             return logits[torch.tensor(rows, device=logits.device)]
+        vocab_step = vocab is not None and vocab.step_uses(self.inputs.lora_slots[: len(scheduled)])
         if (
             self.verify_graphs is not None
             and not wants_prompt
@@ -221,12 +221,14 @@ class ModelRunner:
         lora = None
         if token_slots is not None:
             buckets = self.rank_buckets(len(scheduled))
-            lora = LoRAContext(self.lora_slots, token_slots, buckets, vocab=vocab_step)
+            # the vocab path whenever the pool has vocab slots: the code the decode graphs capture
+            lora = LoRAContext(self.lora_slots, token_slots, buckets, vocab=vocab is not None)
         hidden = self.model.forward(input_ids, meta, self.kv_caches, lora)
 
         def compute_logits(rows) -> torch.Tensor:  # hidden rows -> logits, adapters' own heads included
             rows = torch.as_tensor(rows, device=hidden.device)
-            return self.model.compute_logits(hidden[rows], lora.own_heads(rows) if vocab_step else ())
+            own = lora.own_heads(rows) if lora is not None and lora.vocab else None
+            return self.model.compute_logits(hidden[rows], own)
 
         if wants_prompt:
             vocab_size = self.model.vocab_size
@@ -328,10 +330,13 @@ class ModelRunner:
         )
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         slots = torch.zeros(num_tokens, dtype=torch.int32, device=self.device)
-        with torch.inference_mode():
-            hidden = self.model.forward(ids, meta, caches, LoRAContext(self.lora_slots, slots))
+        with torch.inference_mode():  # the vocab path too, when there are vocab slots (its scratch counts)
+            lora = LoRAContext(self.lora_slots, slots, vocab=self.lora_slots.vocab is not None)
+            hidden = self.model.forward(ids, meta, caches, lora)
             rows = min(self.config.max_num_seqs, num_tokens)
-            self.model.compute_logits(hidden[:rows])
+            self.model.compute_logits(
+                hidden[:rows], lora.own_heads(torch.arange(rows, device=self.device)) if lora.vocab else None
+            )
         del caches, hidden
         torch.cuda.synchronize(self.device)
 

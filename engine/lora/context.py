@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,19 +23,25 @@ class LoRAContext:
     # The kernel ranks the step is sized to (LoRAPool.step_buckets); None: one launch pair for the pool's
     # kernel rank, as under tensor parallelism.
     rank_buckets: tuple[int, ...] | None = None
-    # Whether some token's slot owns an embedding or LM head (engine/lora/vocab.py): eager steps only.
+    # Whether the step runs the path of adapters' own embeddings and LM heads (engine/lora/vocab.py): the
+    # runner's steps and decode graphs do whenever the pool has vocab slots (static shapes; rows of
+    # other adapters keep the base's), the verification graphs never (vocab steps verify eagerly).
     vocab: bool = False
     _meta: LoRABatchMeta | None = field(default=None, init=False)
     # The checked plan of each launch group this step (lora_kernels.ops.plan_paged), by its modules.
     _plans: dict[tuple[str, ...], ops.PagedPlan] = field(default_factory=dict, init=False)
 
-    def own_embedding(self, input_ids: torch.Tensor):
-        """(token rows, their embedding rows) of tokens whose adapter has its own embedding, or None."""
-        return self.slots.vocab.embed_rows(self.token_slots, input_ids)
+    def own_embedding(self, input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The base embedding's `rows` [tokens, hidden] with own-embedding adapters' rows in place."""
+        return self.slots.vocab.embed(self.token_slots, input_ids, rows)
 
-    def own_heads(self, token_rows: torch.Tensor) -> list:
-        """(logits rows, head matrix) per adapter with its own head among these tokens' rows."""
-        return self.slots.vocab.head_rows(self.token_slots[token_rows])
+    def own_heads(
+        self, token_rows: torch.Tensor | None = None
+    ) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """For the logits of these tokens' rows (None: every token's): a function (logits [rows, vocab],
+        hidden [rows, hidden]) that recomputes in place the rows of adapters with their own head."""
+        row_slots = self.token_slots if token_rows is None else self.token_slots[token_rows]
+        return functools.partial(self.slots.vocab.head_logits, row_slots=row_slots)
 
     def apply(
         self,

@@ -17,10 +17,15 @@ Per matrix, an image holds one of:
 LoRA over the embedding is exact merged: PEFT adds `scale * (A^T[id] @ B^T)` to the looked-up row, which
 is the row of `W + scale * A^T @ B^T`; over the head it is the same product reassociated.
 
-A step whose tokens use such a slot runs eagerly (no CUDA graph): each token of an own-embedding slot takes
-its row from the slot's matrix (one gather over the step's tokens), and the logits rows of an own-head
-slot are computed from its matrix, one matmul per such slot in the step. Steps without them run exactly
-as before (one host-side look-up of the step's slots decides).
+Selecting them per row has static shapes, so decode steps keep their CUDA graphs (engine/cuda_graphs.py
+captures this path whenever the pool has vocab slots): every token takes the base embedding row and,
+where its slot owns an embedding, that slot's row instead (one gather and a `where` over the step's
+tokens); the logits rows of own-head slots are recomputed from their heads by one kernel launch
+(lora_kernels/own_heads.py) whose programs of heads no row uses exit at once, so a step reads only the
+heads its rows use. Nothing reads the device back to the host. Eager steps with adapters run the same
+code (so the warm-up's LoRA steps compile the kernel before ready); only speculative verification steps
+holding such tokens run eagerly instead of in their graphs (`step_uses`). With max_vocab_loras 0 there is
+no VocabSlots and none of this runs.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 from adapter_format.checkpoint import PeftAdapter
 from adapter_format.errors import AdapterError
 from adapter_format.vocab_modules import VocabModule, ties_head_to_embedding
+from lora_kernels.own_heads import own_head_logits
 
 BASE, OWN, FACTORS = 0, 1, 2
 MERGE_ROWS = 4096  # rows of a vocabulary matrix merged at once (float32 scratch)
@@ -84,8 +90,9 @@ def _write_one(room: torch.Tensor, row: torch.Tensor, module: VocabModule) -> No
 
 class VocabSlots:
     """The GPU side: `matrices`, the embeddings and the heads [max_vocab_loras, vocab, hidden] (this
-    rank's vocabulary rows), and per slot of the pool which of them it owns (`owns` [max_loras] int32: bit EMBED, bit HEAD; `owns_host` a host copy the runner
-    reads to choose the step's path)."""
+    rank's vocabulary rows); per slot of the pool, the index of its own embedding and head in them
+    (`owner` [2, max_loras] int32, -1: the base's; static, read by the captured graphs), and `owns_host`,
+    a host copy of which matrices each slot owns (bit EMBED, bit HEAD)."""
 
     def __init__(self, model, num_slots: int, max_loras: int, dtype: torch.dtype, device: torch.device):
         embedding = model.model.embed_tokens
@@ -96,7 +103,7 @@ class VocabSlots:
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),
         )
-        self.owns = torch.zeros(max_loras, dtype=torch.int32, device=device)
+        self.owner = torch.full((2, max_loras), -1, dtype=torch.int32, device=device)
         self.owns_host = np.zeros(max_loras, np.int32)
 
     @property
@@ -119,7 +126,10 @@ class VocabSlots:
                 else:
                     self._merge(target, matrices[index], table[index], index)
                 owns |= 1 << index
-        self.owns[slot] = owns
+        # in place: the captured graphs read this tensor
+        self.owner[:, slot] = torch.tensor(
+            [slot if owns >> i & 1 else -1 for i in (EMBED, HEAD)], dtype=torch.int32
+        )
         self.owns_host[slot] = owns
 
     def _merge(self, target: torch.Tensor, room: torch.Tensor, row: torch.Tensor, index: int) -> None:
@@ -143,26 +153,19 @@ class VocabSlots:
         return head.weight if head.weight is not None else self._base[0]
 
     def step_uses(self, slots: np.ndarray) -> bool:
-        """Whether any of `slots` ([requests] int32, -1 for none) owns a matrix: such a step runs eagerly."""
+        """Whether any of `slots` ([requests] int32, -1 for none) owns a matrix (the verification graphs
+        do not hold this path: such steps verify eagerly)."""
         return bool(self.owns_host[slots[slots >= 0]].any())
 
-    def embed_rows(self, token_slots: torch.Tensor, input_ids: torch.Tensor):
-        """(token rows, their slot's matrix rows) of the tokens whose slot owns an embedding, or None."""
-        return self._rows(token_slots, EMBED, input_ids)
+    def embed(self, token_slots: torch.Tensor, input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` [tokens, hidden] (the base embedding's) with each token whose slot owns an embedding
+        given that embedding's row instead; token_slots [tokens] int32 (-1: none), input_ids [tokens]."""
+        own = self.owner[EMBED][token_slots.clamp(min=0).long()]  # [tokens]: the slot's embedding or -1
+        own = torch.where(token_slots >= 0, own, -1)
+        picked = self.matrices[EMBED][own.clamp(min=0).long(), input_ids]  # [tokens, hidden]
+        return torch.where((own >= 0)[:, None], picked, rows)
 
-    def head_rows(self, row_slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per slot that owns a head among `row_slots` ([rows] int32): (its rows, its head matrix)."""
-        mask = (row_slots >= 0) & (self.owns[row_slots.clamp(min=0).long()] & (1 << HEAD) != 0)
-        rows = mask.nonzero().flatten()
-        if rows.numel() == 0:
-            return []
-        slots = row_slots[rows]
-        return [(rows[slots == s], self.matrices[HEAD][s]) for s in slots.unique().tolist()]
-
-    def _rows(self, token_slots, index, input_ids):
-        slots = token_slots.clamp(min=0).long()
-        mask = (token_slots >= 0) & (self.owns[slots] & (1 << index) != 0)
-        rows = mask.nonzero().flatten()
-        if rows.numel() == 0:
-            return None
-        return rows, self.matrices[index][slots[rows], input_ids[rows]]
+    def head_logits(self, logits: torch.Tensor, hidden: torch.Tensor, row_slots: torch.Tensor) -> None:
+        """Recompute, in place, the `logits` rows [rows, vocab] whose slot (`row_slots` [rows] int32)
+        owns a head from that head and `hidden` [rows, hidden]; other rows keep the base head's."""
+        own_head_logits(logits, hidden, self.matrices[HEAD], row_slots, self.owner[HEAD])

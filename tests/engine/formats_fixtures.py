@@ -74,3 +74,20 @@ def make_vocab_adapter(
     extra = {} if save_base_layers else {"save_embedding_layers": False}
     model.save_pretrained(path, safe_serialization=True, **extra)
     return Path(path)
+
+
+class VocabReplays:
+    """Counts the decode-graph replays of steps holding a token of an adapter with its own embedding or
+    LM head (wraps the runner's graphs; a return of such steps to eager mode leaves `vocab` at 0)."""
+
+    def __init__(self, runner) -> None:
+        self.total = self.vocab = 0
+        graphs, inputs, slots = runner.graphs, runner.inputs, runner.lora_slots.vocab
+        replay = graphs.replay
+
+        def counting(num_seqs, *args, **kwargs):
+            self.total += 1
+            self.vocab += slots.step_uses(inputs.lora_slots[:num_seqs])
+            return replay(num_seqs, *args, **kwargs)
+
+        graphs.replay = counting

@@ -10,11 +10,12 @@ import random
 import pytest
 import torch
 from factories import make_adapter, make_model
-from formats_fixtures import greedy_by_adapter, make_vocab_adapter
+from formats_fixtures import VocabReplays, greedy_by_adapter, make_vocab_adapter
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, EngineConfig, SamplingParams
+from engine.cuda_graphs import UNCAPTURED_GRAPHS_ENV
 
 NUM_NEW_TOKENS = 6
 
@@ -109,6 +110,28 @@ def test_vocab_adapters_mixed_with_lora_and_base_match_peft(vocab_case, override
     if overrides:
         assert llm.engine.lora.allocator.num_evictions > 0, "vocab slots were meant to be refilled"
     llm.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.interpreted
+def test_vocab_steps_replay_the_decode_graphs(vocab_case, monkeypatch):
+    """The decode graphs' path (replayed uncaptured on the CPU, on the interpreted kernels) serves the
+    decode steps of adapters with their own embedding and head, with PEFT's tokens."""
+    if vocab_case["tied"]:
+        pytest.skip("CI time: the untied model has both an own embedding and an own head")
+    monkeypatch.setenv(UNCAPTURED_GRAPHS_ENV, "1")
+    llm = make_llm(vocab_case, attention_backend="triton")
+    replays = VocabReplays(llm.engine.runner)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
+    count = len(vocab_case["adapters"]) + 1  # each adapter once, and the base model
+    prompts, assigned = vocab_case["prompts"][:count], vocab_case["assigned"][:count]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapters=assigned)
+    llm.shutdown()
+    for output, expected, adapter in zip(outputs, vocab_case["expected"], assigned):
+        assert output.error is None, output.error
+        assert output.outputs[0].token_ids == expected, f"adapter {adapter}"
+    # every request runs at once: its NUM_NEW_TOKENS - 1 decode steps hold vocab adapters' tokens
+    assert replays.vocab == replays.total == NUM_NEW_TOKENS - 1
 
 
 def test_prompt_logprobs_read_the_adapters_own_head(vocab_case):

@@ -1,9 +1,10 @@
 """Adapters with their own embedding or LM head on a GPU (skipped without CUDA), with decode CUDA graphs on:
-their steps run eagerly, every other step still replays the graphs.
+their decode steps replay the graphs too (engine/lora/vocab.py: static shapes, captured).
 
 - float32: a batch mixing modules_to_save (embed_tokens, lm_head), LoRA on embed_tokens / lm_head, a plain
-  adapter and the base model gives transformers + PEFT's greedy tokens (float32 on the CPU); then a batch
-  of plain and base requests on the same engine replays graphs and matches too.
+  adapter and the base model gives transformers + PEFT's greedy tokens (float32 on the CPU), its decode
+  steps, which hold own-embedding and own-head tokens, served by graph replays, with no Triton compile
+  after ready; then a batch of plain and base requests on the same engine replays graphs and matches too.
 - bfloat16: against transformers + PEFT in bfloat16 on the same GPU, with graphs and eagerly (bf16 is not
   batch-invariant, so only float32 holds graphs to eager exactly): where a row's greedy tokens first
   differ, each side's token is among the other's top 5 (factories.check_greedy_close; the first-32-token
@@ -21,9 +22,9 @@ import random
 import pytest
 import torch
 from factories import TOP_LOGPROBS, check_greedy_close, engine_greedy, make_adapter, make_model
-from formats_fixtures import greedy_by_adapter, make_vocab_adapter
+from formats_fixtures import VocabReplays, greedy_by_adapter, make_vocab_adapter
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, kernel_compiles
 
 pytestmark = [
     pytest.mark.gpu,
@@ -92,11 +93,19 @@ def close(llm):
     torch.cuda.empty_cache()
 
 
-def test_float32_matches_peft_and_other_steps_keep_their_graphs(case):
+def test_float32_matches_peft_with_vocab_steps_in_graphs(case):
     expected = greedy_by_adapter(case["model_dir"], case["adapters"], case["prompts"], case["assigned"], 16)
     llm = make_llm(case, "float32")
     try:
+        replays = VocabReplays(llm.engine.runner)
         assert generate(llm, case["prompts"], case["assigned"], 16) == expected
+        # 16 decode tokens a request, and while the first 16 requests run every decode step holds vocab
+        # adapters' tokens: most of those steps are replays (if such steps ran eagerly: 0)
+        print(f"vocab adapters: {replays.vocab} of {replays.total} decode replays held their tokens")
+        assert replays.vocab >= 8
+        # the warm-up and the capture compiled the vocab path's kernel (and everything else) before ready
+        compiled = llm.engine.stats().num_kernel_compiles_after_ready
+        assert compiled == 0, f"{compiled} compiles after ready: {list(kernel_compiles.install().recent)}"
         graphs = llm.engine.runner.graphs
         before = graphs.num_replays
         plain = [i for i, a in enumerate(case["assigned"]) if a in (None, "plain")]

@@ -229,7 +229,7 @@ class DecoderModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: key, value caches
         lora,  # LoRAContext | None
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        own = lora.own_embedding(input_ids) if lora is not None and lora.vocab else None
+        own = lora.own_embedding if lora is not None and lora.vocab else None
         hidden = self.model.embed_tokens(input_ids, own)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
@@ -237,8 +237,8 @@ class DecoderModel(nn.Module):
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor, own_heads=()) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] float32; `own_heads`: (rows, matrix) of adapters' own heads."""
+    def compute_logits(self, hidden: torch.Tensor, own_heads=None) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] float32; `own_heads`: adapters' own heads (LoRAContext.own_heads)."""
         return self.lm_head(hidden, own_heads)
 
     # -- loading ---------------------------------------------------------------------------------------

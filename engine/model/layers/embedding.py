@@ -28,12 +28,13 @@ class VocabParallelEmbedding(nn.Module):
         self.scale = None if scale is None else torch.tensor(scale, dtype=ctx.dtype, device=ctx.device)
 
     def forward(self, input_ids: torch.Tensor, own=None) -> torch.Tensor:  # [tokens] -> [tokens, hidden]
-        """`own`: (token rows, their rows from adapters' own embeddings) to use instead of the base's,
-        before the scale, as PEFT's copy of a scaled embedding scales its rows (engine/lora/vocab.py)."""
+        """`own`: a function (input_ids, rows) -> rows that puts adapters' own embedding rows in place of
+        the base's (LoRAContext.own_embedding), before the scale, as PEFT's copy of a scaled embedding
+        scales its rows (engine/lora/vocab.py). Tensor parallelism serves no such adapters."""
         if self.tp.world_size == 1:
             rows = F.embedding(input_ids, self.weight)
             if own is not None:
-                rows[own[0]] = own[1]
+                rows = own(input_ids, rows)
         else:
             local = input_ids - self.vocab_start
             outside = (local < 0) | (local >= self.vocab_per_rank)
@@ -75,12 +76,13 @@ class ParallelLMHead(nn.Module):
         """Use the embedding's rows (a checkpoint without lm_head.weight): frees this head's own."""
         self.weight = None
 
-    def forward(self, hidden: torch.Tensor, own=()) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
-        """`own`: (rows, head matrix) per adapter with its own head: those rows' logits come from it."""
+    def forward(self, hidden: torch.Tensor, own=None) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        """`own`: a function (logits, hidden) that recomputes in place the rows of adapters with their own
+        head (LoRAContext.own_heads), before the soft cap, which applies to them as to every row."""
         weight = self._embedding[0].weight if self.weight is None else self.weight
         logits = F.linear(hidden, weight)  # [n, vocab_per_rank]
-        for rows, matrix in own:  # one matmul per such adapter in the step (engine/lora/vocab.py)
-            logits[rows] = F.linear(hidden[rows], matrix)
+        if own is not None:  # one launch, static shapes (engine/lora/vocab.py)
+            own(logits, hidden)
         if self.tp.world_size > 1:
             logits = self.tp.gather_columns(logits)[:, : self.vocab_size]
         logits = logits.float()

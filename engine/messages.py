@@ -44,6 +44,7 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     tenant: str | None = None  # the fair scheduler's key (None: the shared default); LLMEngine.add_request
     tenant_weight: float = 1.0
     cache_salt: str | None = None  # prefix-cache sharing only with equal salts; LLMEngine.add_request
+    counts_prompt: bool = True  # False for an n > 1 request's later children: its prompt is counted once
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):

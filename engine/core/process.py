@@ -125,13 +125,11 @@ def _hellos(outputs: zmq.Socket, wait_s: float) -> list[bytes]:
 
 
 def _build_engine(options: CoreProcessOptions, adapter_events: list):
-    from engine.llm_engine import LLMEngine  # after the environment is set: torch and Triton read it
+    from engine.engine_core import EngineCore  # after the environment is set: torch and Triton read it
 
-    engine = LLMEngine(
+    engine = EngineCore(  # token deltas only: text is the front end's job
         options.config,
         skip_tokenizer_init=options.skip_tokenizer_init,
-        detokenize=False,  # text is the front end's job
-        output_kind="delta",  # each step's new tokens only: the messages carry nothing twice
         adapter_source=options.adapter_source,
         adapter_observer=lambda event, tier, seconds=0.0: adapter_events.append((event, tier, seconds)),
     )

@@ -29,7 +29,7 @@ from engine.core.handle import CoreAddresses, CoreHandle, CoreWatch
 from engine.core.request_checks import RequestError
 from engine.core.steady import CpuPlan
 from engine.frontend.core_client import DEFAULT_STARTUP_TIMEOUT_S, CoreClient, EngineDeadError
-from engine.frontend.output_processor import RequestProcessor
+from engine.frontend.output_processor import Prompt, new_request
 from engine.messages import (
     AbortRequests,
     ForgetAdapter,
@@ -47,8 +47,6 @@ from engine.stats import EngineStats
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int]
 
 
 @dataclass(eq=False)
@@ -180,15 +178,11 @@ class AsyncLLM:
             raise EngineDeadError(str(self.dead_error))
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = params or SamplingParams()
-        text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-        if ids is None and self.tokenizer is not None:
-            ids = self.tokenizer(text).input_ids
-        request = RequestProcessor(
-            request_id, text, ids or [], params, adapter, self.tokenizer, self.eos_token_ids
+        request, failed = new_request(
+            request_id, prompt, params or SamplingParams(), adapter, self.tokenizer, self.eos_token_ids
         )
-        if ids is None:
-            yield request.fail("this engine has no tokenizer: give the prompt as token ids")
+        if failed is not None:
+            yield failed
             return
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.child_ids)
         self._streams[request_id] = stream

@@ -54,10 +54,9 @@ class _Child:
     times: RequestTimes | None = None  # once finished
     _first_times: RequestTimes | None = None  # the core's, at the first token, and when they arrived
     _first_seen: float = 0.0
-    # Everything so far, and how much of it went out.
+    # Everything so far (cumulative), else the news since the last output.
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    num_taken: int = 0
 
     def __post_init__(self) -> None:
         if self.logprobs:
@@ -105,18 +104,18 @@ class _Child:
         finished = self.finish_reason is not None
         delta = not self.cumulative
         text = self.detokenizer.get_next_output_text(finished, delta=delta) if self.detokenizer else ""
-        first = self.num_taken if delta else 0
         completion = CompletionOutput(
             index=self.index,
             text=text,
-            token_ids=self.token_ids[first:],
+            token_ids=list(self.token_ids),
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.token_logprobs[first:] if self.logprobs else None,
+            logprobs=list(self.token_logprobs) if self.logprobs else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             times=self.times if finished else None,
         )
-        self.num_taken = len(self.token_ids)
+        if delta:  # what went out is not kept: a stream's state stays small at any length
+            self.token_ids, self.token_logprobs = [], []
         self.done = finished
         return completion
 

@@ -1,6 +1,6 @@
 """Streaming API for servers: submit a request, iterate its deltas, abort it; the engine runs in its own process.
 
-`AsyncLLM.from_config(config, ...)` starts the engine core process (engine.core) and talks to it only
+`AsyncLLM.from_config(config, ...)` starts the engine core process (engine.core_process) and talks to it only
 through engine.messages; `AsyncLLM.connect(addresses, client_id, ...)` joins a core another process
 started, as one of several front-end processes (`loraserve serve --api-server-count N`). Tokenization of text prompts, detokenization, stop strings, logprobs and the
 `n > 1` fan-in happen here, in the caller's process, on the event loop of the coroutine that iterates
@@ -25,9 +25,9 @@ import msgspec
 
 from adapter_format.events import Observer, emit
 from engine.config import EngineConfig
-from engine.core.handle import CoreAddresses, CoreHandle, CoreWatch
 from engine.core.request_checks import RequestError
 from engine.core.steady import CpuPlan
+from engine.core_process.handle import CoreAddresses, CoreHandle, CoreWatch
 from engine.frontend.core_client import DEFAULT_STARTUP_TIMEOUT_S, CoreClient, EngineDeadError
 from engine.frontend.output_processor import Prompt, new_request
 from engine.messages import (
@@ -236,8 +236,8 @@ class AsyncLLM:
         self._client.send(UnpinAdapters(list(adapter_ids), unload))
 
     def stats(self) -> EngineStats:
-        """The latest snapshot the core published (at most a step, or engine.core.clients.STATS_INTERVAL_S,
-        old)."""
+        """The latest snapshot the core published (at most a step, or
+        engine.core_process.clients.STATS_INTERVAL_S, old)."""
         raw = self._stats_raw
         cached_raw, stats = self._stats_decoded
         if raw is not cached_raw:

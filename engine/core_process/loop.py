@@ -2,8 +2,8 @@
 its token deltas as they are.
 
 The loop blocks on its sockets only while it has nothing to run; while requests run it only drains what
-has arrived and steps again. It serves one or several front ends ("clients"; engine.core.clients): each
-request belongs to the client that added it, and each step sends every client one StepOutputs holding
+has arrived and steps again. It serves one or several front ends ("clients";
+engine.core_process.clients): each request belongs to the client that added it, and each step sends every client one StepOutputs holding
 its own requests' deltas, the step's stats snapshot (encoded once for all), and, for one client only,
 the adapter events. One request's bad data fails that request alone (AddRequest errors become a failed
 RequestDelta); an exception out of `EngineCore.core_step` is an engine bug and ends the loop (the process
@@ -17,9 +17,9 @@ import logging
 import msgspec
 import zmq
 
-from engine.core.clients import Clients
 from engine.core.request_checks import RequestError
 from engine.core.step_outputs import refused_delta
+from engine.core_process.clients import Clients
 from engine.engine_core import EngineCore
 from engine.messages import (
     AbortRequests,

@@ -214,7 +214,7 @@ class EngineCore:
         idle while the host does its bookkeeping; each call then returns the previous step's results.
 
         Under tensor parallelism a step a worker's death or hang cut short raises TensorParallelError
-        (engine/parallel/workers.py) instead of returning outputs; the engine cannot step again.
+        (engine/parallel/workers.py) instead of returning deltas; the engine cannot step again.
         """
         self._check_open()
         with self.runner.step_guard():
@@ -223,7 +223,7 @@ class EngineCore:
     def _step(self) -> list[RequestDelta]:
         self.poll_adapters()  # failed loads fail their waiting requests, in `requests.pending`
         self.requests.admit_compiled()  # compiled grammars free their requests; failed specs fail theirs
-        outputs, self.requests.pending = self.requests.pending, []
+        deltas, self.requests.pending = self.requests.pending, []
         self.lora.stage(r.adapter_id for r in self.scheduler.waiting if r.adapter_id is not None)
         scheduled = self.scheduler.schedule()
         for request in scheduled.preempted:
@@ -245,7 +245,7 @@ class EngineCore:
             sampling = self._sampling_rows(scheduled.scheduled)
             if sampling:
                 if self._in_flight is not None and any(needs_last_token(r) for r in sampling):
-                    outputs.extend(self._update(self._in_flight))  # penalties, grammars read the tokens
+                    deltas.extend(self._update(self._in_flight))  # penalties, grammars read the tokens
                     self._in_flight = None
                 # Grammar masks are filled on the host while the GPU still computes the logits; they go
                 # last, so no bias can bring back a token the grammar forbids.
@@ -265,11 +265,11 @@ class EngineCore:
         else:
             finished = launched
         if finished is not None:
-            outputs.extend(self._update(finished))
+            deltas.extend(self._update(finished))
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         self.publish_kv_events()
-        return outputs
+        return deltas
 
     def _sampling_rows(self, scheduled) -> list[Request]:
         """The request of each logits row: one per sampling request, more with speculative proposals."""

@@ -1,176 +1,59 @@
-"""The synchronous engine: requests in, one scheduled step at a time, outputs out.
+"""The synchronous engine: the engine core in the caller's process, behind the front end's output path.
 
-Calls flow one way: engine -> scheduler -> KV cache manager; engine -> model runner -> model.
-A bad request (too long, unknown or unloadable adapter) fails alone with an error that names the
-problem; the engine keeps serving everything else.
-
-This file is the engine's API and its step loop. Its parts on the core side (engine/core/): the checks a
-request passes on the way in (request_checks.py), the unfinished requests and every way one ends
-(live_requests.py), sampling and the assembly of a step's outputs (step_outputs.py), and the counters
-behind `stats()` (engine_metrics.py).
+As vLLM's LLMEngine: user requests go in through the same front-end processing the server's AsyncLLM
+uses (engine/frontend/output_processor.py: tokenizing, the `n > 1` fan-out into child requests, then
+text, stop strings, logprobs and the fan-in), and the core (engine/engine_core.py) runs the steps and
+sends token deltas. A stop string ends a request here, which aborts its sequences in the core.
 """
 
 from __future__ import annotations
 
-import gc
-import logging
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-import torch
-
-from adapter_format.checkpoint import PeftAdapter
-from adapter_format.errors import AdapterError
-from adapter_format.events import Observer
-from adapter_format.model_shape import ModelShape
-from engine import kernel_compiles
 from engine.config import EngineConfig
-from engine.core import request_checks as checks
-from engine.core.engine_metrics import EngineCounters, cache_config, engine_stats
-from engine.core.live_requests import LiveRequests
-from engine.core.request_checks import Prompt, RequestError, child_params
-from engine.core.step_outputs import (
-    Sampled,
-    latest_per_request,
-    launch_sampling,
-    merge_deltas,
-    needs_last_token,
-    sampled_rows,
-)
-from engine.kv_cache import KVCacheManager
-from engine.kv_events import KVEventRecorder
-from engine.kv_events.publisher import ZmqEventPublisher
-from engine.logits_processors import apply_logits_processors
-from engine.lora.manager import AdapterManager, AdapterSource
-from engine.lora.registry import AdapterRegistry
-from engine.model.loader import load_config, resolve_model_path
-from engine.model_runner import ModelRunner
-from engine.output_processor import ParentRequest
+from engine.core.request_checks import RequestError
+from engine.engine_core import AdapterSourceFactory, EngineCore
+from engine.frontend.output_processor import OutputProcessor, Prompt, new_request
 from engine.outputs import RequestOutput
-from engine.request import Request
 from engine.request_meta import RequestMeta, with_priority
-from engine.sampler import SampledStep, Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.spec_decode.speculator import Speculator
-from engine.stats import EngineStats
-from engine.structured_output.matchers import StructuredOutputs
-from engine.tokenizer import eos_token_ids, load_tokenizer
-from engine.warmup import warm_up
 
-# RequestError, Prompt and child_params were defined here first: callers import them from here.
-__all__ = ["OUTPUT_KINDS", "AdapterSourceFactory", "LLMEngine", "Prompt", "RequestError", "child_params"]
+__all__ = ["OUTPUT_KINDS", "AdapterSourceFactory", "LLMEngine", "Prompt", "RequestError"]
 
-logger = logging.getLogger(__name__)
-
-# Builds the adapter source once the model (and so its shape) is known: (shape, max_lora_rank) -> source.
-AdapterSourceFactory = Callable[[ModelShape, int], AdapterSource]
 # "cumulative": each output holds everything generated so far; "delta": only what is new since the last.
 OUTPUT_KINDS = ("cumulative", "delta")
-PRELOAD_LEVELS = ("cpu", "gpu")  # where preload_adapters brings adapters
 
 
-class LLMEngine:
+class LLMEngine(EngineCore):
     def __init__(
         self,
         config: EngineConfig,
         tokenizer=None,
         skip_tokenizer_init: bool = False,
-        adapter_source: AdapterSource | None = None,
-        adapter_observer: Observer | None = None,
+        adapter_source=None,
+        adapter_observer=None,
         adapter_source_factory: AdapterSourceFactory | None = None,
         detokenize: bool = True,
         output_kind: str = "cumulative",
     ):
         """`detokenize=False`: outputs carry token ids only (no text, no stop strings); the tokenizer is
-        still loaded for structured outputs. The engine core process runs so: its front end makes text.
+        still loaded for structured outputs.
 
-        `output_kind="delta"` (vLLM's RequestOutputKind.DELTA): each output carries only the tokens (and
-        logprobs) new since the request's previous output, so a step costs the same at every length. The
-        engine core runs so; it takes one completion per request (`n` is fanned out by its front end)."""
+        `output_kind="delta"` (vLLM's RequestOutputKind.DELTA): each output carries only the text, tokens
+        (and logprobs) new since the request's previous output, so a step costs the same at every length."""
         if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)} (got {output_kind!r})")
-        self.output_kind = output_kind
-        self._delta_outputs = output_kind == "delta"
-        if adapter_source is not None and adapter_source_factory is not None:
-            raise ValueError("pass adapter_source or adapter_source_factory, not both")
-        self.config = config
-        model_path = resolve_model_path(config.model)
-        hf_config = load_config(model_path)
-        self.max_model_len = checks.serving_max_model_len(config, hf_config)
-        self.tokenizer = (
-            tokenizer if tokenizer is not None or skip_tokenizer_init else load_tokenizer(model_path)
+        super().__init__(
+            config,
+            tokenizer=tokenizer,
+            skip_tokenizer_init=skip_tokenizer_init,
+            adapter_source=adapter_source,
+            adapter_observer=adapter_observer,
+            adapter_source_factory=adapter_source_factory,
         )
-        self.eos_token_ids = eos_token_ids(model_path, hf_config, self.tokenizer)
-        self._compiles = kernel_compiles.install()  # before the runner, so start-up compiles are counted
-        self.counters = EngineCounters(self._compiles)
-        self.runner = ModelRunner(config, model_path, hf_config, self.max_model_len)
-        try:  # a start that fails here still frees the runner (and its workers) at once
-            capacity = self.runner.num_kv_blocks * config.block_size
-            if capacity < self.max_model_len:
-                raise ValueError(
-                    f"the KV cache holds {capacity} tokens, fewer than max_model_len {self.max_model_len}: "
-                    "lower max_model_len or give the cache more blocks"
-                )
-            self.kv_cache = KVCacheManager(
-                self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
-            )
-            # Local PEFT folders by name or path; a server plugs in the adapter store (usually through the
-            # factory, since the model's shape is known only now).
-            self.adapters = AdapterRegistry(
-                self.runner.shape, config.max_lora_rank, vocab_modules_served=config.max_vocab_loras > 0
-            )
-            if adapter_source_factory is not None:
-                adapter_source = adapter_source_factory(self.runner.shape, config.max_lora_rank)
-            self.lora = AdapterManager(
-                adapter_source or self.adapters,
-                self.runner.lora_slots,
-                config.num_cpu_loras,
-                observer=adapter_observer,
-                in_processes=config.loads_in_processes,
-            )
-            self.scheduler = Scheduler(
-                config, self.kv_cache, self.max_model_len, adapter_ready=self.lora.is_ready
-            )
-            self.sampler = Sampler(config.seed)
-            spec = config.speculative_config
-            self.speculator = Speculator(spec, self.max_model_len, self.runner) if spec is not None else None
-            self._cache_config = cache_config(config, self.runner.num_kv_blocks)
-            vocab_size = self.runner.model.vocab_size
-            self.structured = StructuredOutputs(
-                self.tokenizer,
-                vocab_size,
-                self.eos_token_ids,
-                compile_threads=config.grammar_compile_threads,
-                compile_timeout_s=config.grammar_compile_timeout_s,
-            )
-            self._in_flight: Sampled | None = None  # async scheduling: the launched step not yet read back
-            if self.runner.device.type == "cuda":  # elsewhere nothing is compiled
-                warm_up(self.runner, self.sampler)
-            self.requests = LiveRequests(
-                self.scheduler,
-                self.lora,
-                self.structured,
-                self.sampler,
-                self.speculator,
-                self.eos_token_ids,
-                self.max_model_len,
-                self.counters,
-                detokenizer_tokenizer=self.tokenizer if detokenize else None,
-                delta_outputs=self._delta_outputs,
-            )
-            self.kv_events = self._open_kv_events(config)  # last: a failed start leaves no socket open
-        except BaseException:
-            if getattr(self, "lora", None) is not None:
-                self.lora.shutdown()
-            if getattr(self, "structured", None) is not None:
-                self.structured.shutdown()
-            self.runner.shutdown()
-            raise
-        self.closed = False
-        self.mark_ready()
-
-    # -- requests -------------------------------------------------------------------------------
+        self.output_kind = output_kind
+        self._detokenize = detokenize
+        self._outputs = OutputProcessor()
 
     def add_request(
         self,
@@ -190,50 +73,34 @@ class LLMEngine:
         argument, the same as `meta.priority`. A non-zero priority under a policy that does not use it
         raises RequestError, as vLLM refuses it."""
         self._check_open()
-        params = params or SamplingParams()
         meta = with_priority(meta, priority)
         self.check_meta(meta)
-        if request_id in self.requests.parents:
+        if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if self._delta_outputs and params.n > 1:
-            raise ValueError("an engine with delta outputs takes n=1 requests: fan n out in front of it")
-        prompt_text, prompt_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-        try:
-            prompt_ids = checks.tokenize(self.tokenizer, prompt_text) if prompt_ids is None else prompt_ids
-            adapter_id = checks.resolve_adapter(self.lora, adapter)
-            vocab_size = self.runner.model.vocab_size
-            checks.check_prompt(prompt_ids, self.max_model_len, vocab_size)
-            checks.check_token_ids(params, vocab_size)
-            params = checks.capped_logprobs(params, vocab_size, self.config)
-        except (AdapterError, RequestError) as exc:
-            code = exc.code if isinstance(exc, RequestError) else None
-            self.requests.refuse(request_id, prompt_text, prompt_ids or [], adapter, str(exc), code)
-            return
-        parent = ParentRequest(request_id, prompt_text, prompt_ids, adapter, [None] * params.n)
-        self.requests.queue(parent, params, adapter_id, meta)
-
-    def check_meta(self, meta: RequestMeta) -> None:
-        """What of `meta` depends on this engine: RequestError for a priority its policy would ignore."""
-        checks.check_priority(
-            meta.priority, self.scheduler.policy.uses_priority, self.config.scheduling_policy
+        request, failed = new_request(
+            request_id,
+            prompt,
+            params or SamplingParams(),
+            adapter,
+            self.tokenizer,
+            self.eos_token_ids,
+            cumulative=self.output_kind == "cumulative",
+            detokenize=self._detokenize,
         )
+        self._outputs.add(request, failed)
+        if failed is None:
+            for child in request.add_requests(meta):
+                self.add_core_request(child)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        self.requests.abort([request_ids] if isinstance(request_ids, str) else list(request_ids))
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.abort_core_requests(self._outputs.child_ids(ids))
 
     def has_unfinished_requests(self) -> bool:
-        if self.closed:
-            return False
-        return (
-            bool(self.requests.pending)
-            or self._in_flight is not None
-            or self.scheduler.has_unfinished_requests()
-        )
-
-    # -- one step ---------------------------------------------------------------------------------
+        return super().has_unfinished_requests() or (not self.closed and self._outputs.has_pending)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; returns what changed for each request.
+        """Schedule and run one step; returns what changed for each request (one output per request).
 
         With `async_scheduling` the step's sampled tokens stay in flight: the host schedules and launches
         the next step (reading those tokens on the device) before it waits for them, so the GPU is not
@@ -242,231 +109,6 @@ class LLMEngine:
         Under tensor parallelism a step a worker's death or hang cut short raises TensorParallelError
         (engine/parallel/workers.py) instead of returning outputs; the engine cannot step again.
         """
-        self._check_open()
-        with self.runner.step_guard():
-            return self._step()
-
-    def _step(self) -> list[RequestOutput]:
-        self.poll_adapters()  # failed loads fail their waiting requests, in `requests.pending`
-        self.requests.admit_compiled()  # compiled grammars free their requests; failed specs fail theirs
-        outputs, self.requests.pending = self.requests.pending, []
-        self.lora.stage(r.adapter_id for r in self.scheduler.waiting if r.adapter_id is not None)
-        scheduled = self.scheduler.schedule()
-        for request in scheduled.preempted:
-            self.requests.unpin(request)
-        now = time.monotonic()
-        for request in scheduled.newly_admitted:
-            self.requests.pin(request)
-            if request.scheduled_time is None:
-                request.scheduled_time = now
-        launched = None
-        if scheduled.scheduled:
-            self.counters.iteration_tokens.observe(scheduled.num_batched_tokens)
-            if self.speculator is not None:
-                self.speculator.before_execute(scheduled.scheduled)
-            logits = self.runner.execute(scheduled.scheduled, self._in_flight_step())
-            for request, entries in self.runner.prompt_logprobs.items():
-                request.prompt_logprobs.extend(entries)
-            self.lora.start_copies()  # while the GPU runs the step: issuing copies must not delay its launch
-            sampling = self._sampling_rows(scheduled.scheduled)
-            if sampling:
-                if self._in_flight is not None and any(needs_last_token(r) for r in sampling):
-                    outputs.extend(self._update(self._in_flight))  # penalties, grammars read the tokens
-                    self._in_flight = None
-                # Grammar masks are filled on the host while the GPU still computes the logits; they go
-                # last, so no bias can bring back a token the grammar forbids.
-                prepared = self.structured.prepare(sampling)
-                logits = self.structured.apply(apply_logits_processors(logits, sampling), prepared)
-                launched = launch_sampling(self.sampler, logits, sampling)
-        else:
-            self.lora.start_copies()
-            if self.lora.num_loading and self._in_flight is None:
-                self.lora.wait_for_loads(timeout=0.05)  # nothing runnable until an adapter arrives
-            if self.structured.num_compiling and self._in_flight is None:
-                self.structured.wait(timeout_s=0.05)  # nor until a grammar compiles
-        if self.config.async_scheduling:
-            finished, self._in_flight = self._in_flight, launched
-            for request in launched[0].requests if launched else ():
-                request.num_in_flight += 1
-        else:
-            finished = launched
-        if finished is not None:
-            outputs.extend(self._update(finished))
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
-        self.publish_kv_events()
-        return merge_deltas(outputs) if self._delta_outputs else latest_per_request(outputs)
-
-    def _sampling_rows(self, scheduled) -> list[Request]:
-        """The request of each logits row: one per sampling request, more with speculative proposals."""
-        if self.speculator is not None:
-            return self.speculator.sampling_rows(scheduled)
-        return [s.request for s in scheduled if s.samples]
-
-    def _in_flight_step(self) -> SampledStep | None:
-        return self._in_flight[0] if self._in_flight is not None else None
-
-    def _update(self, sampled: Sampled) -> list[RequestOutput]:
-        """Append a step's sampled tokens to their requests: stop checks, finishes, outputs."""
-        rows = sampled_rows(sampled)
-        if self.speculator is not None:  # a request's proposals come as rows of their own: kept or not
-            kept = self.speculator.verify(rows, self.sampler)
-        else:
-            kept = [(request, [token_id], [logprobs]) for request, token_id, logprobs in rows]
-        return self.requests.append(kept)
-
-    # -- adapters ---------------------------------------------------------------------------------
-
-    def register_adapter(self, name: str, path: str) -> PeftAdapter:
-        """Bind a name to a local PEFT folder (validated now). Registering a name again swaps it: new
-        requests get the new weights; queued and running ones finish on the old, which is then dropped."""
-        if self.lora.source is not self.adapters:
-            raise RuntimeError(
-                "register_adapter binds local folders, but this engine's adapters come from "
-                f"{type(self.lora.source).__name__}; add the adapter there instead"
-            )
-        self._check_open()
-        previous = self.adapters.current(name)
-        adapter = self.adapters.register(name, path)
-        if previous is not None:
-            self.lora.retire(previous)
-        return adapter
-
-    def forget_adapter(self, adapter_id: str) -> None:
-        """An adapter was deleted: new requests for it fail as unknown, queued ones that never started
-        fail now (reported at the next step), running ones finish, and its slot frees after the last."""
-        self.lora.forget(adapter_id)
-        reason = f"adapter {adapter_id!r} was deleted before this request started"
-        self.requests.fail_waiting(adapter_id, reason, include_preempted=False)
-
-    def preload_adapters(self, adapters: Iterable[str], level: str = "cpu", pin: bool = False) -> None:
-        """Load adapters before any request asks for them: into the CPU tier (a server's `--lora-modules`),
-        or with `level="gpu"` into a GPU slot, behind every waiting request's adapter, and with `pin` kept
-        there until `unpin_adapters` (an operator's placement; engine/lora/placements.py).
-
-        So the first requests on a replica do not wait for the disk or the store. Best effort and
-        non-blocking: an adapter that cannot be resolved is logged and skipped, one that fails to load
-        fails the requests that later ask for it, as it would without the preload. No lookup is counted
-        (the hit and miss counters count requests)."""
-        self._check_open()
-        if level not in PRELOAD_LEVELS:
-            raise ValueError(f"level must be one of {', '.join(PRELOAD_LEVELS)} (got {level!r})")
-        if pin and level != "gpu":
-            raise ValueError("only an adapter preloaded into a GPU slot (level='gpu') can be pinned")
-        for adapter in adapters:
-            try:
-                adapter_id = checks.resolve_adapter(self.lora, adapter)
-            except (AdapterError, RequestError) as exc:
-                logger.warning("adapter %r not preloaded: %s", adapter, exc)
-                continue
-            if adapter_id is None:
-                continue
-            if level == "gpu":
-                self.lora.place(adapter_id, pin)
-            else:
-                self.lora.load_to_cpu(adapter_id)
-
-    def unpin_adapters(self, adapters: Iterable[str], unload: bool = False) -> None:
-        """Undo `preload_adapters(..., pin=True)`: the adapters stay resident but evictable; with `unload`
-        their GPU slots and CPU-tier rows are freed too, unless a request holds them. Unknown or unpinned
-        adapters are ignored."""
-        self._check_open()
-        for adapter in adapters:
-            try:
-                adapter_id = self.lora.resolve(adapter)
-            except AdapterError:
-                continue
-            self.lora.unplace(adapter_id, unload)
-
-    def advance_adapters(self) -> None:
-        """What an idle engine does each poll: collect finished loads, give placed adapters their GPU
-        slots and copies (the steps do it otherwise), so preloads land with no request running; and
-        publish the KV events of anything done between steps (aborts free blocks)."""
-        self._check_open()
-        self.poll_adapters()
-        if not self.has_unfinished_requests():
-            self.lora.stage(())
-            self.lora.start_copies()
-        self.publish_kv_events()
-
-    # -- the prefix cache ---------------------------------------------------------------------------
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (vLLM's reset_prefix_cache); False, changing nothing, while any
-        request holds blocks. Published as AllBlocksCleared when KV events are on."""
-        self._check_open()
-        reset = self.kv_cache.reset_prefix_cache()
-        self.publish_kv_events()
-        return reset
-
-    def publish_kv_events(self) -> None:
-        """Send the prefix cache's changes since the last call as one KV event batch (if any)."""
-        if self.kv_events is not None:
-            recorder, publisher = self.kv_events
-            events = recorder.take()
-            if events:
-                publisher.publish(events)
-
-    def _open_kv_events(self, config: EngineConfig) -> tuple[KVEventRecorder, ZmqEventPublisher] | None:
-        settings = config.kv_events_config
-        if settings is None or not settings.publishes:
-            return None
-        if not config.enable_prefix_caching:
-            logger.warning("KV events need prefix caching, which is off: no block will ever be reported")
-        recorder = KVEventRecorder(config.block_size, settings.event_encoding)
-        self.kv_cache.record_events(recorder)
-        return recorder, ZmqEventPublisher(settings)
-
-    def poll_adapters(self) -> None:
-        """Collect finished background loads; a failed one fails the requests waiting for it (reported at
-        the next step). Each step does it first; an idle core too, so preloads reach the CPU tier."""
-        for adapter_id, reason in self.lora.poll().items():
-            self.requests.fail_waiting(adapter_id, reason, include_preempted=True)
-
-    def shutdown(self) -> None:
-        """Stop the adapter loaders (threads and processes) and the tensor-parallel workers, and free the
-        model, the KV cache and the adapter tiers now, even while the caller keeps this object; a new
-        engine may then start in this process. Idempotent; the engine serves nothing after it."""
-        if getattr(self, "closed", True):
-            return
-        self.closed = True
-        try:
-            self.lora.shutdown()
-            self.structured.shutdown()
-        finally:
-            self.runner.shutdown()
-            if self.kv_events is not None:
-                self.kv_events[1].close()
-                self.kv_events = None
-            # What still holds device or pinned memory: dropped so it frees now, not when this object goes.
-            self._in_flight = None
-            self.requests = self.scheduler = self.lora = self.speculator = None
-            self.sampler = self.structured = None
-            gc.collect()  # what the engine's parts still hold in reference cycles
-            if self.config.torch_device.type == "cuda":
-                torch.cuda.empty_cache()
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError("the engine was shut down: start a new one")
-
-    def mark_ready(self) -> None:
-        """From now on every Triton compile is unexpected: counted in stats() and logged as a warning.
-        The engine marks itself ready once built (after its warm-up); a server that warms up more may
-        call this again."""
-        self.counters.mark_ready()
-
-    def stats(self) -> EngineStats:
-        """The engine's load right now (engine thread only; AsyncLLM publishes copies for others)."""
-        self._check_open()
-        return engine_stats(
-            scheduler=self.scheduler,
-            kv_cache=self.kv_cache,
-            lora=self.lora,
-            speculator=self.speculator,
-            counters=self.counters,
-            config=self.config,
-            cache_config=self._cache_config,
-            graph_replays=self.runner.num_graph_replays,
-            routing=getattr(self.runner.model, "routing", None),
-        )
+        outputs, ended = self._outputs.process(self.core_step())
+        self.abort_core_requests(ended)  # a stop string ended them here
+        return outputs

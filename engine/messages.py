@@ -44,6 +44,7 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     adapter: str | None = None  # an adapter id or name the core's adapter source resolves; None: base model
     # Tenant, weight, priority, cache salt: checked by its __post_init__ when decoded (LLMEngine.add_request)
     meta: RequestMeta = msgspec.field(default_factory=RequestMeta)
+    counts_prompt: bool = True  # False for an n > 1 request's later children: its prompt is counted once
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):

@@ -13,10 +13,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.lora.cold_starts import TierHistograms
-from engine.output_processor import RequestState
 from engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, Histogram, distinct_adapters
 
 if TYPE_CHECKING:
+    from engine.core.step_outputs import LiveRequest
     from engine.kv_cache import KVCacheManager
     from engine.lora.manager import AdapterManager
     from engine.scheduler import Scheduler
@@ -42,14 +42,14 @@ class EngineCounters:
     def num_compiles_after_ready(self) -> int:
         return self._compiles.num_compiles - self._compiles_at_ready
 
-    def count_token(self, state: RequestState) -> None:
-        """One sampled token; its request's prompt too if this is the first token of the user request,
-        and its TTFT if it has an adapter."""
+    def count_token(self, live: LiveRequest) -> None:
+        """One sampled token; its request's prompt too if this is the first token of the user request
+        (`counts_prompt`: its first completion), and its TTFT if it has an adapter."""
         self.num_generation_tokens += 1
-        request = state.request
+        request = live.request
         if request.num_output_tokens != 1:
             return
-        if state.index == 0:
+        if live.counts_prompt:
             self.num_prompt_tokens += request.num_prompt_tokens
         if request.adapter_id is not None and request.first_token_time is not None:
             cold = request.adapter_cold

@@ -1,11 +1,10 @@
-"""The engine's unfinished requests: where each one begins and every way it ends.
+"""The core's unfinished requests: where each one begins and every way it ends.
 
-A user request with `n` completions is queued as `n` child requests (ids `req#i` when n > 1), each with
-its output state (engine/output_processor.py). A request ends finished, aborted, failed or refused;
-each way releases what it holds everywhere at once: its scheduler entry and KV blocks, its adapter's
-pin and hold, its sampler generator, grammar matcher and speculative state. Outputs of requests that
-end between steps (aborted, refused, failed by an adapter or by their grammar) wait in `pending` for
-the next step.
+The core sees one sequence per request (a user request's `n` completions are `n` requests to it; the
+front end fans them out and in). A request ends finished, aborted, failed or refused; each way releases
+what it holds everywhere at once: its scheduler entry and KV blocks, its adapter's pin and hold, its
+sampler generator, grammar matcher and speculative state. The deltas of requests that end between steps
+(aborted, refused, failed by an adapter or by their grammar) wait in `pending` for the next step.
 """
 
 from __future__ import annotations
@@ -14,12 +13,10 @@ import logging
 from collections.abc import Iterable
 
 from engine.core.engine_metrics import EngineCounters
-from engine.core.request_checks import RequestError, child_params
-from engine.core.step_outputs import append_tokens, refused_output
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.request_checks import RequestError
+from engine.core.step_outputs import LiveRequest, append_tokens, refused_delta
 from engine.lora.manager import AdapterManager
-from engine.output_processor import ParentRequest, RequestState
-from engine.outputs import RequestOutput
+from engine.messages import RequestDelta
 from engine.request import NO_LORA, Request, RequestStatus
 from engine.request_meta import RequestMeta
 from engine.sampler import Sampler
@@ -42,8 +39,6 @@ class LiveRequests:
         eos_token_ids: list[int],
         max_model_len: int,
         counters: EngineCounters,
-        detokenizer_tokenizer,  # None: outputs carry token ids only
-        delta_outputs: bool,
     ) -> None:
         self.scheduler = scheduler
         self.lora = lora
@@ -53,50 +48,56 @@ class LiveRequests:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.counters = counters
-        self.detokenizer_tokenizer = detokenizer_tokenizer
-        self.delta_outputs = delta_outputs
-        self.states: dict[str, RequestState] = {}  # child request id -> state
-        self.parents: dict[str, list[str]] = {}  # user request id -> child ids
-        self.pending: list[RequestOutput] = []  # refused or aborted requests, reported at the next step
+        self.live: dict[str, LiveRequest] = {}  # request id -> its record
+        self.pending: list[RequestDelta] = []  # refused or aborted requests, sent with the next step
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.live
 
     def queue(
         self,
-        parent: ParentRequest,
+        request_id: str,
+        prompt_token_ids: list[int],
         params: SamplingParams,
         adapter_id: str | None,
         meta: RequestMeta,
+        counts_prompt: bool = True,
     ) -> None:
-        """Queue the children of a checked request; a ValueError (the scheduler refuses what can never
-        fit the KV cache) refuses the whole request."""
+        """Queue a checked request; a ValueError of the scheduler (what can never fit the KV cache)
+        refuses it."""
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            adapter_id=adapter_id,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            meta=meta,
+        )
+        self.structured.add(request)  # its grammar compiles off the loop; the scheduler waits for it
         try:
-            children = [self._new_child(parent, params, index, adapter_id, meta) for index in range(params.n)]
+            self.scheduler.add_request(request)
         except ValueError as exc:  # the scheduler's "can never fit" is this request's (lower max_tokens)
-            self.refuse(
-                parent.request_id,
-                parent.prompt,
-                parent.prompt_token_ids,
-                parent.adapter,
-                str(exc),
-                exc.code if isinstance(exc, RequestError) else "invalid_request",
-            )
+            self.structured.free(request_id)
+            code = exc.code if isinstance(exc, RequestError) else "invalid_request"
+            self.refuse(request_id, str(exc), code)
             return
-        self.parents[parent.request_id] = [child.request_id for child in children]
+        self.live[request_id] = LiveRequest(request, counts_prompt)
         if adapter_id is not None:
-            cold = self.lora.prefetch(adapter_id)
-            for child in children:
-                child.adapter_cold = cold
+            self.lora.hold(adapter_id)
+            request.adapter_cold = self.lora.prefetch(adapter_id)
 
-    def append(self, kept: Iterable[tuple[Request, list, list]]) -> list[RequestOutput]:
+    def append(self, kept: Iterable[tuple[Request, list, list]]) -> list[RequestDelta]:
         """Append a step's kept tokens, (request, token ids, their logprobs) per request, to the requests
-        still unfinished: stop checks, finishes, and each request's output."""
-        outputs = []
+        still unfinished: stop checks, finishes, and each request's delta."""
+        deltas = []
         for request, token_ids, token_logprobs in kept:
             request.num_in_flight = max(0, request.num_in_flight - 1)
-            state = self.states.get(request.request_id)
-            if state is None or state.request is not request or request.is_finished:
+            live = self.live.get(request.request_id)
+            if live is None or live.request is not request or request.is_finished:
                 continue  # finished (aborted, failed) while its token was in flight
-            status = append_tokens(
-                state,
+            num_before = request.num_output_tokens
+            status, logprobs = append_tokens(
+                live,
                 token_ids,
                 token_logprobs,
                 self.max_model_len,
@@ -105,41 +106,33 @@ class LiveRequests:
             )
             if status is not None:
                 self.finish(request, status)
-            outputs.append(state.publish())
+            deltas.append(live.delta(request.output_token_ids[num_before:], logprobs))
             if status is not None:
                 self.forget(request.request_id)
-        return outputs
+        return deltas
 
-    def refuse(
-        self, request_id, prompt_text, prompt_ids, adapter, message: str, error_code: str | None = None
-    ) -> None:
-        """A request refused before it was queued: its one output, failed with `message` (and
+    def refuse(self, request_id: str, message: str, error_code: str | None = None) -> None:
+        """A request refused before it was queued: its one delta, failed with `message` (and
         `error_code` when the request's own data is at fault)."""
         logger.warning("request %s refused: %s", request_id, message)
-        self.pending.append(refused_output(request_id, prompt_text, prompt_ids, adapter, message, error_code))
+        self.pending.append(refused_delta(request_id, message, error_code))
 
     def admit_compiled(self) -> None:
         """Requests whose grammar compiled become schedulable; those whose spec failed fail alone (their
-        outputs wait in `pending`)."""
+        deltas wait in `pending`)."""
         _, failed = self.structured.poll()
         for request, error in failed:
-            state = self.states.get(request.request_id)
-            if state is None or state.request is not request or request.is_finished:
+            live = self.live.get(request.request_id)
+            if live is None or live.request is not request or request.is_finished:
                 continue
             request.error, request.error_code = str(error), error.code
-            self.finish(request, RequestStatus.FINISHED_ERROR)
-            self.pending.append(state.publish())
-            self.forget(request.request_id)
+            self._end(live, RequestStatus.FINISHED_ERROR)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
-            for child_id in self.parents.get(request_id, []):
-                state = self.states.get(child_id)
-                if state is None or state.request.is_finished:
-                    continue
-                self.finish(state.request, RequestStatus.FINISHED_ABORTED)
-                self.pending.append(state.publish())
-                self.forget(child_id)
+            live = self.live.get(request_id)
+            if live is not None and not live.request.is_finished:
+                self._end(live, RequestStatus.FINISHED_ABORTED)
 
     def fail_waiting(self, adapter_id: str, reason: str, include_preempted: bool) -> None:
         """Fail the waiting requests of one adapter with `reason`, nothing else: those never admitted,
@@ -150,10 +143,7 @@ class LiveRequests:
             if r.adapter_id == adapter_id and (include_preempted or r.status is RequestStatus.WAITING)
         ]:
             request.error = reason
-            self.finish(request, RequestStatus.FINISHED_ERROR)
-            state = self.states[request.request_id]
-            self.pending.append(state.publish())
-            self.forget(request.request_id)
+            self._end(self.live[request.request_id], RequestStatus.FINISHED_ERROR)
 
     def pin(self, request: Request) -> None:
         """It starts running: its adapter's slot stays on the GPU until `unpin`."""
@@ -167,7 +157,7 @@ class LiveRequests:
         request.lora_slot = NO_LORA
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a request: release everything it holds but its output state (`forget` drops that)."""
+        """End a request: release everything it holds but its record (`forget` drops that)."""
         self.unpin(request)
         self.scheduler.finish_request(request.request_id, status)
         request.status = status
@@ -176,40 +166,13 @@ class LiveRequests:
         if self.speculator is not None:
             self.speculator.free(request.request_id)
 
-    def forget(self, child_id: str) -> None:
-        state = self.states.pop(child_id)
-        if state.request.adapter_id is not None:
-            self.lora.unhold(state.request.adapter_id)
-        parent_id = state.parent.request_id
-        if state.parent.finished:
-            self.parents.pop(parent_id, None)
+    def forget(self, request_id: str) -> None:
+        live = self.live.pop(request_id)
+        if live.request.adapter_id is not None:
+            self.lora.unhold(live.request.adapter_id)
 
-    def _new_child(
-        self,
-        parent: ParentRequest,
-        params: SamplingParams,
-        index: int,
-        adapter_id: str | None,
-        meta: RequestMeta,
-    ) -> Request:
-        child_id = parent.request_id if params.n == 1 else f"{parent.request_id}#{index}"
-        child = Request(
-            request_id=child_id,
-            prompt_token_ids=parent.prompt_token_ids,
-            sampling_params=child_params(params, index, self.eos_token_ids),
-            adapter_id=adapter_id,
-            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-            meta=meta,
-        )
-        self.structured.add(child)  # its grammar compiles off the loop; the scheduler waits for it
-        try:
-            self.scheduler.add_request(child)
-        except ValueError:
-            self.structured.free(child_id)
-            raise
-        if adapter_id is not None:
-            self.lora.hold(adapter_id)
-        tokenizer = self.detokenizer_tokenizer
-        detok = IncrementalDetokenizer(tokenizer, child) if tokenizer else None
-        self.states[child_id] = RequestState(child, parent, index, detok, delta=self.delta_outputs)
-        return child
+    def _end(self, live: LiveRequest, status: RequestStatus) -> None:
+        """End a request between steps: its final delta waits in `pending`."""
+        self.finish(live.request, status)
+        self.pending.append(live.delta([], []))
+        self.forget(live.request.request_id)

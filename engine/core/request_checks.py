@@ -15,8 +15,6 @@ from adapter_format.errors import AdapterError
 from engine.config import EngineConfig
 from engine.sampling_params import WHOLE_VOCABULARY, SamplingParams
 
-Prompt = str | list[int]
-
 
 class RequestError(ValueError):
     """A request the engine refuses (the message names the problem); the request's own data is at fault,
@@ -39,15 +37,6 @@ def check_priority(priority: int, policy_uses_priority: bool, policy: str) -> No
             f"priority {priority} needs the 'priority' scheduling policy (--scheduling-policy priority); "
             f"this engine schedules by {policy!r}: leave priority at 0"
         )
-
-
-def tokenize(tokenizer, prompt: str) -> list[int]:
-    if tokenizer is None:
-        raise RequestError("this engine has no tokenizer: pass prompts as token ids")
-    ids = tokenizer(prompt).input_ids
-    if not ids:
-        raise RequestError("the prompt is empty")
-    return ids
 
 
 def resolve_adapter(lora, adapter: str | None) -> str | None:
@@ -129,8 +118,8 @@ def capped_logprobs(params: SamplingParams, vocab_size: int, config: EngineConfi
 def child_params(params: SamplingParams, index: int, eos_token_ids: list[int]) -> SamplingParams:
     """The params of child `index` of a request: each child of an n > 1 request samples independently
     (seed + index, as vLLM does), and only the first computes prompt logprobs; extra end-of-sequence ids
-    of the checkpoint stop generation like eos itself. Applying it again to a child (index 0) changes
-    nothing."""
+    of the checkpoint stop generation like eos itself. The front end applies it (the core takes the
+    children as they come); applying it again to a child (index 0) changes nothing."""
     changes: dict = {"n": 1}
     if index > 0:  # the children share the prompt: the first one computes its logprobs
         changes["prompt_logprobs"] = None

@@ -1,24 +1,28 @@
-"""Output assembly: a step's sampled tokens become request outputs, one per request per step.
+"""A step's sampled tokens become token deltas (engine.messages.RequestDelta), one per request record.
 
 Sampling is launched on the device and read back later (with async scheduling, a step later); a batch
 whose sampling raises is sampled row by row, so one request's bad data fails that request alone. Each
-row's tokens go through the request's stop checks and structured-output matcher; the outputs of a step
-are then reduced to one per user request (the latest, or with delta outputs the step's deltas joined).
+row's tokens go through the request's token-level stop checks and structured-output matcher, and the
+tokens kept become the request's delta, read straight from its record (`LiveRequest.delta`). Text, stop
+strings, the `n > 1` fan-in and the sums over a request's tokens are the front end's
+(engine/frontend/output_processor.py): the core sees one sequence per request and never a stop string.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from engine.core.request_checks import RequestError
 from engine.logits_processors import uses_processors
-from engine.output_processor import RequestState
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.messages import RequestDelta
+from engine.outputs import RequestTimes
 from engine.request import Request, RequestStatus
 from engine.sampler import SampledStep, Sampler, on_device
+from engine.stop_checker import check_stop
 from engine.structured_output.matchers import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -56,18 +60,55 @@ def sampled_rows(sampled: Sampled) -> list[tuple[Request, int | None, object]]:
     return list(zip(step.requests, result.token_ids, result.logprobs))
 
 
+@dataclass(eq=False)
+class LiveRequest:
+    """A request record in the core and what was sent of it: its deltas are read from it."""
+
+    request: Request
+    counts_prompt: bool = True  # its prompt is counted with its first token (AddRequest.counts_prompt)
+    stop_reason: int | None = None  # the stop token id that ended it
+    timed: bool = False  # its times went out with its first token
+    prompt_logprobs_sent: bool = False
+
+    def delta(self, new_token_ids: list[int], new_logprobs: list | None) -> RequestDelta:
+        """What the request gained since its last delta (its tokens and their logprobs as given), its
+        finish, its prompt logprobs once complete (once), its times with its first token and at the end."""
+        request = self.request
+        finished = request.status.finished
+        times = request_times(request) if finished or not self.timed else None
+        self.timed = self.timed or request.first_token_time is not None
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and not request.needs_prompt_logprobs:
+            if not self.prompt_logprobs_sent:  # copied once: they never change after
+                prompt_logprobs, self.prompt_logprobs_sent = list(request.prompt_logprobs), True
+        stopped_by_token = request.status is RequestStatus.FINISHED_STOPPED
+        return RequestDelta(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            logprobs=new_logprobs if request.sampling_params.logprobs is not None else None,
+            finish_reason=request.status.finish_reason,
+            stop_reason=self.stop_reason if stopped_by_token else None,
+            error=request.error,
+            num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+            times=times,
+            error_code=request.error_code,
+        )
+
+
 def append_tokens(
-    state: RequestState,
+    live: LiveRequest,
     token_ids: list[int | None],
     token_logprobs: list,
     max_model_len: int,
     structured: StructuredOutputs,
     count_token,
-) -> RequestStatus | None:
-    """Append a step's kept tokens to one request; returns its finished status, or None if it goes on.
-    A token id of None means its sampling raised (the logprobs hold the error): the request fails alone.
-    `count_token(state)` is called for each token appended (the engine's counters)."""
-    request = state.request
+) -> tuple[RequestStatus | None, list]:
+    """Append a step's kept tokens to one request: (its finished status or None if it goes on, the
+    logprobs of the tokens appended). A token id of None means its sampling raised (the logprobs hold
+    the error): the request fails alone. `count_token(live)` is called for each token appended."""
+    request = live.request
+    kept_logprobs = []
     try:
         status = None
         for token_id, logprobs in zip(token_ids, token_logprobs):
@@ -76,8 +117,12 @@ def append_tokens(
             request.append_output_token(token_id)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            count_token(state)
-            status = state.append(token_id, logprobs, max_model_len)
+            count_token(live)
+            if logprobs is not None:
+                kept_logprobs.append(logprobs)
+            result = check_stop(request, None, [token_id], max_model_len)
+            if result is not None:
+                status, live.stop_reason = result.status, result.stop_reason
             if structured.accept(request, token_id) and status is None:
                 status = RequestStatus.FINISHED_STOPPED  # the structure is complete
             if status is not None:
@@ -90,7 +135,7 @@ def append_tokens(
         request.error = f"the request failed while generating: {exc}"
         request.error_code = exc.code if isinstance(exc, RequestError) else None
         status = RequestStatus.FINISHED_ERROR
-    return status
+    return status, kept_logprobs
 
 
 def needs_last_token(request: Request) -> bool:
@@ -100,38 +145,19 @@ def needs_last_token(request: Request) -> bool:
     return bool(request.num_in_flight) and (params.structured_outputs is not None or uses_processors(params))
 
 
-def refused_output(
-    request_id: str,
-    prompt_text: str | None,
-    prompt_ids: list[int],
-    adapter: str | None,
-    message: str,
-    error_code: str | None = None,
-) -> RequestOutput:
-    """The one output of a request refused before it was queued: finished, with the reason."""
-    completion = CompletionOutput(0, "", [], None, None, RequestStatus.FINISHED_ERROR.finish_reason, None)
-    return RequestOutput(
-        request_id, prompt_text, prompt_ids, [completion], True, adapter, message, error_code=error_code
+def refused_delta(request_id: str, message: str, error_code: str | None = None) -> RequestDelta:
+    """The one delta of a request refused before it was queued: finished, with the reason."""
+    return RequestDelta(request_id, [], finish_reason="error", error=message, error_code=error_code)
+
+
+def request_times(request: Request) -> RequestTimes | None:
+    """A request's queue, prefill, decode and inference seconds so far; None before its first token."""
+    if request.scheduled_time is None or request.first_token_time is None:
+        return None
+    end = time.monotonic()
+    return RequestTimes(
+        queue=request.scheduled_time - request.arrival_time,
+        prefill=request.first_token_time - request.scheduled_time,
+        decode=end - request.first_token_time,
+        inference=end - request.scheduled_time,
     )
-
-
-def latest_per_request(outputs: list[RequestOutput]) -> list[RequestOutput]:
-    """One output per user request per step (children of an n > 1 request each publish)."""
-    latest: dict[str, RequestOutput] = {}
-    for output in outputs:
-        latest[output.request_id] = output
-    return list(latest.values())
-
-
-def merge_deltas(outputs: list[RequestOutput]) -> list[RequestOutput]:
-    """One output per request per step, a request's deltas of the step joined in order."""
-    merged: dict[str, RequestOutput] = {}
-    for output in outputs:
-        earlier = merged.get(output.request_id)
-        if earlier is not None and earlier.outputs and output.outputs:
-            before, now = earlier.outputs[0], output.outputs[0]
-            now.token_ids = before.token_ids + now.token_ids
-            if before.logprobs is not None and now.logprobs is not None:
-                now.logprobs = before.logprobs + now.logprobs
-        merged[output.request_id] = output
-    return list(merged.values())

@@ -1,6 +1,6 @@
 """Streaming API for servers: submit a request, iterate its deltas, abort it; the engine runs in its own process.
 
-`AsyncLLM.from_config(config, ...)` starts the engine core process (engine.core) and talks to it only
+`AsyncLLM.from_config(config, ...)` starts the engine core process (engine.core_process) and talks to it only
 through engine.messages; `AsyncLLM.connect(addresses, client_id, ...)` joins a core another process
 started, as one of several front-end processes (`loraserve serve --api-server-count N`). Tokenization of text prompts, detokenization, stop strings, logprobs and the
 `n > 1` fan-in happen here, in the caller's process, on the event loop of the coroutine that iterates
@@ -25,11 +25,11 @@ import msgspec
 
 from adapter_format.events import Observer, emit
 from engine.config import EngineConfig
-from engine.core.handle import CoreAddresses, CoreHandle, CoreWatch
 from engine.core.request_checks import RequestError
 from engine.core.steady import CpuPlan
+from engine.core_process.handle import CoreAddresses, CoreHandle, CoreWatch
 from engine.frontend.core_client import DEFAULT_STARTUP_TIMEOUT_S, CoreClient, EngineDeadError
-from engine.frontend.output_processor import RequestProcessor
+from engine.frontend.output_processor import Prompt, new_request
 from engine.messages import (
     AbortRequests,
     ForgetAdapter,
@@ -48,8 +48,6 @@ from engine.stats import EngineStats
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int]
 
 
 @dataclass(eq=False)
@@ -180,16 +178,12 @@ class AsyncLLM:
             raise EngineDeadError(str(self.dead_error))
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = params or SamplingParams()
         meta = with_priority(meta, priority)
-        text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-        if ids is None and self.tokenizer is not None:
-            ids = self.tokenizer(text).input_ids
-        request = RequestProcessor(
-            request_id, text, ids or [], params, adapter, self.tokenizer, self.eos_token_ids
+        request, failed = new_request(
+            request_id, prompt, params or SamplingParams(), adapter, self.tokenizer, self.eos_token_ids
         )
-        if ids is None:
-            yield request.fail("this engine has no tokenizer: give the prompt as token ids")
+        if failed is not None:
+            yield failed
             return
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.child_ids)
         self._streams[request_id] = stream
@@ -243,8 +237,8 @@ class AsyncLLM:
         self._client.send(UnpinAdapters(list(adapter_ids), unload))
 
     def stats(self) -> EngineStats:
-        """The latest snapshot the core published (at most a step, or engine.core.clients.STATS_INTERVAL_S,
-        old)."""
+        """The latest snapshot the core published (at most a step, or
+        engine.core_process.clients.STATS_INTERVAL_S, old)."""
         raw = self._stats_raw
         cached_raw, stats = self._stats_decoded
         if raw is not cached_raw:

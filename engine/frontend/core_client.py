@@ -2,11 +2,11 @@
 the core's process.
 
 `CoreClient.connect(addresses, client_id, watch)` opens two DEALER sockets with the routing id
-`client_id` (engine.core.clients): requests go out on one, and the other says ClientHello and then
+`client_id` (engine.core_process.clients): requests go out on one, and the other says ClientHello and then
 receives this client's outputs. `wait_ready` waits, boundedly, for the core's CoreReady. From then on
-one receiver thread reads StepOutputs and watches the core's process (engine.core.handle.CoreWatch):
+one receiver thread reads StepOutputs and watches the core's process (engine.core_process.handle.CoreWatch):
 the moment the core dies, `on_dead` is called once with an EngineDeadError naming why. The client never
-stops the core: whoever started it does (engine.core.handle.CoreHandle).
+stops the core: whoever started it does (engine.core_process.handle.CoreHandle).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import zmq
 
-from engine.core.handle import CoreAddresses, CoreWatch
+from engine.core_process.handle import CoreAddresses, CoreWatch
 from engine.messages import ClientHello, CoreFailed, CoreInput, CoreReady, StepOutputs, decode_output, encode
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import pytest
 from processes import kill_quietly, wait_gone
 
 from engine import AsyncLLM, EngineConfig, EngineDeadError, SamplingParams
-from engine.core.handle import CoreHandle
+from engine.core_process.handle import CoreHandle
 from engine.messages import ClientGone
 
 ENGINE_ARGS = dict(max_loras=2, max_lora_rank=8, max_model_len=96, block_size=4, max_num_seqs=8)

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.core.loop import EngineCoreLoop
+from engine.core_process.loop import EngineCoreLoop
 from engine.lora.residency import AdapterStatus
 from engine.messages import (
     AbortRequests,

@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 from engine import AsyncLLM, EngineConfig
-from engine.core.handle import CoreAddresses
+from engine.core_process.handle import CoreAddresses
 from engine.model.loader import resolve_model_path
 from engine.tokenizer import load_tokenizer
 from loraserve.config_store.base import ConfigStore

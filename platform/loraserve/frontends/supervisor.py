@@ -3,8 +3,8 @@
 At start it does, once, what must happen once: converts the demo model if needed, checks and sweeps
 the adapter store, binds the listening sockets (API and metrics), makes the shared runtime folder
 (frontends.runtime), starts the config-event hub (frontends.peer_events) and the engine core
-(engine.core.handle), spawns N front-end processes (frontends.worker) on the shared sockets, and puts
-`--lora-modules` into the store and the core's CPU tier. Then it watches:
+(engine.core_process.handle), spawns N front-end processes (frontends.worker) on the shared sockets, and
+puts `--lora-modules` into the store and the core's CPU tier. Then it watches:
 
 | what happens | what it does |
 |---|---|
@@ -34,8 +34,8 @@ from adapters_store import DiskCache, open_store
 from adapters_store.engine_source import StoreAdapterSource
 from adapters_store.merged_source import MergedAdapterSource
 from engine import model_shape
-from engine.core.handle import JOIN_S, CoreHandle
 from engine.core.steady import pin_process
+from engine.core_process.handle import JOIN_S, CoreHandle
 from engine.messages import ClientGone, PreloadAdapters
 from engine.model.loader import load_config, resolve_model_path
 from loraserve.bootstrap import (

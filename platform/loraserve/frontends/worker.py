@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from engine.core.handle import CoreAddresses
+from engine.core_process.handle import CoreAddresses
 from loraserve.frontends.runtime import Runtime
 from loraserve.settings import ServerSettings
 

@@ -1,7 +1,7 @@
 """Starting and stopping an engine core process, and noticing its exit from any process.
 
 `CoreHandle.start` makes a private folder for the core's two ipc:// addresses, spawns the core
-(engine.core.process) and returns at once; front ends then connect to `handle.addresses`
+(engine.core_process.process) and returns at once; front ends then connect to `handle.addresses`
 (engine.frontend.core_client). The handle keeps a send-only control connection for messages that come
 from whoever started the core rather than from a front end: PreloadAdapters at start, ClientGone when a
 front-end process died, ShutdownCore at the end. `shutdown` always reaps the process: ShutdownCore, then
@@ -28,8 +28,8 @@ from pathlib import Path
 import zmq
 
 from engine.config import EngineConfig
-from engine.core.process import CoreProcessOptions, run_engine_core
 from engine.core.steady import CpuPlan
+from engine.core_process.process import CoreProcessOptions, run_engine_core
 from engine.messages import CoreInput, ShutdownCore, encode
 
 logger = logging.getLogger(__name__)

@@ -1,11 +1,12 @@
-"""The engine core's busy loop: take inputs, schedule -> execute -> update (LLMEngine.step), send outputs.
+"""The engine core's busy loop: take inputs, schedule -> execute -> update (EngineCore.core_step), send
+its token deltas as they are.
 
 The loop blocks on its sockets only while it has nothing to run; while requests run it only drains what
-has arrived and steps again. It serves one or several front ends ("clients"; engine.core.clients): each
-request belongs to the client that added it, and each step sends every client one StepOutputs holding
+has arrived and steps again. It serves one or several front ends ("clients";
+engine.core_process.clients): each request belongs to the client that added it, and each step sends every client one StepOutputs holding
 its own requests' deltas, the step's stats snapshot (encoded once for all), and, for one client only,
 the adapter events. One request's bad data fails that request alone (AddRequest errors become a failed
-RequestDelta); an exception out of `LLMEngine.step` is an engine bug and ends the loop (the process
+RequestDelta); an exception out of `EngineCore.core_step` is an engine bug and ends the loop (the process
 reports it and exits).
 """
 
@@ -16,9 +17,10 @@ import logging
 import msgspec
 import zmq
 
-from engine.core.clients import Clients
 from engine.core.request_checks import RequestError
-from engine.llm_engine import LLMEngine
+from engine.core.step_outputs import refused_delta
+from engine.core_process.clients import Clients
+from engine.engine_core import EngineCore
 from engine.messages import (
     AbortRequests,
     AdapterEvent,
@@ -34,8 +36,6 @@ from engine.messages import (
     decode_input,
     encode,
 )
-from engine.outputs import RequestOutput
-from engine.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +44,11 @@ IDLE_POLL_MS = 50
 
 
 class EngineCoreLoop:
-    """Runs one LLMEngine (built without a tokenizer) behind an input and an output ROUTER socket."""
+    """Runs one EngineCore behind an input and an output ROUTER socket."""
 
     def __init__(
-        self, engine: LLMEngine, inputs: zmq.Socket, outputs: zmq.Socket, adapter_events: list[AdapterEvent]
+        self, engine: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, adapter_events: list[AdapterEvent]
     ):
-        if engine.output_kind != "delta":
-            raise ValueError(
-                "the engine core loop sends each step's new tokens: build the engine with output_kind='delta'"
-            )
         self.engine = engine
         self._inputs = inputs
         self._outputs = outputs
@@ -75,11 +71,11 @@ class EngineCoreLoop:
             if self._stopping:
                 return
             if self.engine.has_unfinished_requests():
-                step = self.engine.step()
+                deltas = self.engine.core_step()
             else:
                 self.engine.advance_adapters()  # preloads land while idle
-                step = []
-            self._send([self._delta(output) for output in step])
+                deltas = []
+            self._send(deltas)
 
     # -- inputs -----------------------------------------------------------------------------------
 
@@ -125,7 +121,7 @@ class EngineCoreLoop:
         if isinstance(message, AddRequest):
             self._add(client, message)
         elif isinstance(message, AbortRequests):
-            self.engine.abort_request(self.clients.owned_by(client, message.request_ids))
+            self.engine.abort_core_requests(self.clients.owned_by(client, message.request_ids))
         elif isinstance(message, ForgetAdapter):
             self.engine.forget_adapter(message.adapter_id)
         elif isinstance(message, PreloadAdapters):
@@ -142,13 +138,7 @@ class EngineCoreLoop:
             self._refuse(client, message.request_id, f"request id {message.request_id!r} is already in use")
             return
         try:
-            self.engine.add_request(
-                message.request_id,
-                message.prompt_token_ids,
-                message.params,
-                message.adapter,
-                meta=message.meta,
-            )
+            self.engine.add_core_request(message)
         except ValueError as exc:  # this request's data (params, a duplicate id): fail it, keep serving
             self._refuse(
                 client, message.request_id, str(exc), exc.code if isinstance(exc, RequestError) else None
@@ -171,34 +161,14 @@ class EngineCoreLoop:
 
     def _refuse(self, client: bytes, request_id: str, reason: str, error_code: str | None = None) -> None:
         logger.warning("request %s refused: %s", request_id, reason)
-        self._failed.append(
-            (client, RequestDelta(request_id, [], finish_reason="error", error=reason, error_code=error_code))
-        )
+        self._failed.append((client, refused_delta(request_id, reason, error_code)))
 
     def _client_gone(self, request_ids: list[str]) -> None:
         """A client's process is gone: nobody reads its requests any more; free them."""
         if request_ids:
-            self.engine.abort_request(request_ids)
+            self.engine.abort_core_requests(request_ids)
 
     # -- outputs ----------------------------------------------------------------------------------
-
-    def _delta(self, output: RequestOutput) -> RequestDelta:
-        """`output` as a message (one sequence: the core never sees n > 1; the engine's outputs are deltas)."""
-        completion = output.outputs[0]
-        finish_reason = completion.finish_reason
-        stopped_by_token = finish_reason == RequestStatus.FINISHED_STOPPED.finish_reason
-        return RequestDelta(
-            request_id=output.request_id,
-            new_token_ids=completion.token_ids,
-            logprobs=completion.logprobs,
-            finish_reason=finish_reason,
-            stop_reason=completion.stop_reason if stopped_by_token else None,
-            error=output.error,
-            num_cached_tokens=output.num_cached_tokens,
-            prompt_logprobs=output.prompt_logprobs,  # a delta output carries them once
-            times=completion.times,
-            error_code=output.error_code,
-        )
 
     def _send(self, deltas: list[RequestDelta]) -> None:
         refused, self._failed = self._failed, []

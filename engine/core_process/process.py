@@ -1,8 +1,8 @@
 """The engine core process: its entry point (a `spawn` target), start-up handshake and exit rules.
 
-Whoever starts the core (engine.core.handle.CoreHandle) picks two ipc:// addresses in a private folder;
-the core binds a ROUTER socket on each before it loads anything, so front ends ("clients",
-engine.core.clients) may connect at once: one (AsyncLLM.from_config) or several (`loraserve serve
+Whoever starts the core (engine.core_process.handle.CoreHandle) picks two ipc:// addresses in a private
+folder; the core binds a ROUTER socket on each before it loads anything, so front ends ("clients",
+engine.core_process.clients) may connect at once: one (AsyncLLM.from_config) or several (`loraserve serve
 --api-server-count N`). It then builds the engine (model, KV cache, adapter manager; no tokenizer) and
 answers each client's ClientHello with CoreReady, or with CoreFailed naming why it could not start. Its
 CPUs, threads and garbage collector are set for a steady loop (engine.core.steady). Exit rules, so that
@@ -81,7 +81,7 @@ def run_engine_core(options: CoreProcessOptions) -> None:
         adapter_events: list = []
         engine = _build_engine(options, adapter_events)
         logger.info("engine core ready in %.1f s (pid %d)", time.perf_counter() - started, os.getpid())
-        from engine.core.loop import EngineCoreLoop
+        from engine.core_process.loop import EngineCoreLoop
 
         loop = EngineCoreLoop(engine, inputs, outputs, adapter_events)
         steady.enter_loop(options.cpu_plan, cuda=options.config.torch_device.type == "cuda")
@@ -125,13 +125,11 @@ def _hellos(outputs: zmq.Socket, wait_s: float) -> list[bytes]:
 
 
 def _build_engine(options: CoreProcessOptions, adapter_events: list):
-    from engine.llm_engine import LLMEngine  # after the environment is set: torch and Triton read it
+    from engine.engine_core import EngineCore  # after the environment is set: torch and Triton read it
 
-    engine = LLMEngine(
+    engine = EngineCore(  # token deltas only: text is the front end's job
         options.config,
         skip_tokenizer_init=options.skip_tokenizer_init,
-        detokenize=False,  # text is the front end's job
-        output_kind="delta",  # each step's new tokens only: the messages carry nothing twice
         adapter_source=options.adapter_source,
         adapter_observer=lambda event, tier, seconds=0.0: adapter_events.append((event, tier, seconds)),
     )

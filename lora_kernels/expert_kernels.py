@@ -25,8 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lora_kernels.tiles import interpreting
-
 TILE_ELEMENTS = 4096  # weights one program loads per step of K (A) or N (B): 8 KB of bf16
 
 
@@ -140,10 +138,3 @@ def expert_lora_delta(
         num_warps=4,
     )  # fmt: skip
     return out
-
-
-def use_kernel(x: torch.Tensor) -> bool:
-    """The one place the expert-LoRA path is chosen: the kernel on CUDA tensors and under
-    TRITON_INTERPRET=1 (the CPU tests, which then run what a GPU step runs), the torch gathers
-    (engine/lora/expert_lora.py) elsewhere."""
-    return x.is_cuda or interpreting()

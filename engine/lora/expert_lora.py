@@ -9,12 +9,13 @@ For pair p (token t, expert e, slot s):
     h_p     = scale_s * A_s,e x_t        [R]   (ranks past the adapter's zeroed: its page-table row
     delta_p = B_s,e h_p                  [out]  holds stale ids there)
 
-Two paths, chosen in one place (lora_kernels.expert_kernels.use_kernel):
-- on CUDA and under TRITON_INTERPRET=1, one Triton kernel per projection (lora_kernels/expert_kernels.py):
-  a program per pair walks the slot's page-table row and reads A and B straight from the pool, h stays in
-  registers (fp32), delta is rounded once; nothing per pair is materialized, and the grid is fixed by
-  the number of pairs (CUDA graphs);
-- elsewhere (CPU without the interpreter), two batched GEMMs over the pairs with A and B gathered by
+Two paths, following the MoE layer's (SparseMoE.runs_triton, the one place it is chosen):
+- on the Triton path (CUDA; on the CPU with attention_backend="triton" under TRITON_INTERPRET=1), one
+  Triton kernel per projection (lora_kernels/expert_kernels.py): a program per pair walks the slot's
+  page-table row and reads A and B straight from the pool, h stays in registers (fp32), delta is
+  rounded once; nothing per pair is materialized, and the grid is fixed by the number of pairs (CUDA
+  graphs);
+- on the torch path (the CPU by default), two batched GEMMs over the pairs with A and B gathered by
   (page, expert), in chunks of CHUNK pairs so a long prefill never copies more than CHUNK pairs' weights.
 Both: no Python loop over experts or adapters, pairs of base-model tokens and of another rank's experts
 give 0.
@@ -24,20 +25,27 @@ from __future__ import annotations
 
 import torch
 
-from lora_kernels.expert_kernels import expert_lora_delta, use_kernel
+from lora_kernels.expert_kernels import expert_lora_delta
 
 CHUNK = 1024
 
 
 class ExpertLoRA:
     def __init__(
-        self, context, layer: int, x: torch.Tensor, local_ids: torch.Tensor, top_k: int, num_local: int
+        self,
+        context,
+        layer: int,
+        x: torch.Tensor,  # [T, H]
+        local_ids: torch.Tensor,  # [T * top_k] local expert ids, num_local: another rank's
+        top_k: int,
+        num_local: int,
+        kernel: bool,  # the Triton kernel (the MoE layer's choice, SparseMoE.runs_triton), else torch
     ):
         pool = context.slots
         self.slots = pool.layers[layer]
         self.page_table = pool.page_table  # [max_loras, max_pages]
         self.x = x
-        self.kernel = use_kernel(x)
+        self.kernel = kernel
         self.token_slots, self.local_ids = context.token_slots, local_ids  # [T], [P]
         self.top_k, self.num_local = top_k, num_local
         if self.kernel:

@@ -12,8 +12,10 @@ experts another rank holds (id >= num_local) read nothing and write zeros.
 Why per pair, not per (slot, expert) tile: at decode the pairs rarely share one. Batch 128 over 16
 adapters with top-8 of 128 experts is 1024 pairs over 2048 possible (adapter, expert) pairs, so a
 program reads each pair's own A and B once, which is what the step must read anyway; the weights it
-shares with a neighbour (a prefill's tokens of one adapter) come from L2. The grid is (num_pairs,)
-whatever the slots and experts hold (no host sync: CUDA-graph safe).
+shares with a neighbour come from L2. At prefill sizes many pairs share one (a prompt's tokens are
+of one adapter), so there the caller passes `pair_order` (pairs grouped by (slot, expert)): programs
+that run together then read the same A and B, from HBM about once. The grid is (num_pairs,) whatever the
+slots and experts hold (no host sync: CUDA-graph safe).
 
 Tiles: the rank block is the pool's page-table width in ranks (masked at the slot's rank, so a rank-8
 adapter in a rank-64 pool loads 8 rows), the K and N blocks hold about TILE_ELEMENTS weights per step.
@@ -37,6 +39,7 @@ def _expert_lora_kernel(
     page_table_ptr,  # [max_loras, max_pages] int32
     token_slots_ptr,  # [num_tokens] int: slot of token p // TOP_K, < 0 for the base model
     ids_ptr,  # [num_pairs] int: local expert, >= num_local for another rank's
+    order_ptr,  # [num_pairs] int: program i computes pair order[i] (HAS_ORDER), else pair i
     scales_ptr,  # [max_loras] float32
     ranks_ptr,  # [max_loras] int32
     in_features,
@@ -52,6 +55,7 @@ def _expert_lora_kernel(
     stride_b_out,
     stride_page_table,
     TOP_K: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
     X_ROW_DIV: tl.constexpr,
     PAGE_RANK: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -61,6 +65,8 @@ def _expert_lora_kernel(
     N_ITERS: tl.constexpr,
 ):
     pair = tl.program_id(0)
+    if HAS_ORDER:
+        pair = tl.load(order_ptr + pair).to(tl.int32)
     slot = tl.load(token_slots_ptr + pair // TOP_K).to(tl.int32)
     expert = tl.load(ids_ptr + pair).to(tl.int32)
     active = (slot >= 0) & (expert < num_local)
@@ -110,6 +116,7 @@ def expert_lora_delta(
     top_k: int,
     num_local: int,
     per_pair_input: bool,
+    order: torch.Tensor | None = None,  # [num_pairs] int: the pairs in the order programs take them
 ) -> torch.Tensor:  # [num_pairs, out] in x's dtype; zero rows for inactive pairs
     num_pairs = local_ids.numel()
     _, _, page_rank, in_features = lora_a.shape
@@ -128,13 +135,31 @@ def expert_lora_delta(
     block_k = min(max(16, TILE_ELEMENTS // block_r), triton.next_power_of_2(in_features))
     block_n = min(max(16, TILE_ELEMENTS // block_r), triton.next_power_of_2(out_features))
     _expert_lora_kernel[(num_pairs,)](
-        out, x, lora_a, lora_b, page_table, token_slots, local_ids, scales, ranks,
+        out, x, lora_a, lora_b, page_table, token_slots, local_ids, local_ids if order is None else order,
+        scales, ranks,
         in_features, out_features, num_local,
         out.stride(0), x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), page_table.stride(0),
-        TOP_K=top_k, X_ROW_DIV=1 if per_pair_input else top_k, PAGE_RANK=page_rank,
+        TOP_K=top_k, HAS_ORDER=order is not None, X_ROW_DIV=1 if per_pair_input else top_k, PAGE_RANK=page_rank,
         BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
         K_ITERS=triton.cdiv(in_features, block_k), N_ITERS=triton.cdiv(out_features, block_n),
         num_warps=4,
     )  # fmt: skip
     return out
+
+
+# Pairs from which grouping them by (slot, expert) pays: a prefill's. Decode steps (up to 256 tokens
+# x top-8) rarely share a pair and skip the sort. A shape test, so the same for every step of a shape.
+ORDER_MIN_PAIRS = 4096
+
+
+def pair_order(token_slots: torch.Tensor, local_ids: torch.Tensor, top_k: int, num_local: int):
+    """[num_pairs] int64 pair ids grouped by (slot, expert), base-model and other ranks' pairs last;
+    None below ORDER_MIN_PAIRS pairs."""
+    if local_ids.numel() < ORDER_MIN_PAIRS:
+        return None
+    slots = token_slots.long().repeat_interleave(top_k)  # [P]
+    ids = local_ids.long()
+    inactive = (slots < 0) | (ids >= num_local)
+    key = torch.where(inactive, torch.iinfo(torch.int64).max, slots * num_local + ids)
+    return torch.argsort(key, stable=True)

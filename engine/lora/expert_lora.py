@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from lora_kernels.expert_kernels import expert_lora_delta
+from lora_kernels.expert_kernels import expert_lora_delta, pair_order
 
 CHUNK = 1024
 
@@ -48,7 +48,8 @@ class ExpertLoRA:
         self.kernel = kernel
         self.token_slots, self.local_ids = context.token_slots, local_ids  # [T], [P]
         self.top_k, self.num_local = top_k, num_local
-        if self.kernel:
+        if self.kernel:  # one order for both projections: prefill's pairs grouped by (slot, expert)
+            self.order = pair_order(context.token_slots, local_ids, top_k, num_local)
             return
         token_slots = context.token_slots.long()
         pair_slots = token_slots.repeat_interleave(top_k)  # [P]
@@ -70,7 +71,7 @@ class ExpertLoRA:
         if self.kernel:
             return expert_lora_delta(
                 x, lora_a, lora_b, self.page_table, self.token_slots, self.local_ids, target.scales,
-                target.ranks, self.top_k, self.num_local, per_pair_input=per_pair,
+                target.ranks, self.top_k, self.num_local, per_pair_input=per_pair, order=self.order,
             )  # fmt: skip
         out_features = lora_b.shape[2]
         num_pairs = self.slot.numel()

@@ -53,3 +53,24 @@ def test_mismatched_inputs_are_refused():
     args[0] = problem.x[:, :-1]
     with pytest.raises(ValueError, match="input features"):
         expert_kernels.expert_lora_delta(*args)
+
+
+def test_pair_order_groups_pairs_by_slot_and_expert(monkeypatch):
+    """Programs taking the pairs in any order (prefill's: grouped by (slot, expert)) write the same rows."""
+    problem = make_case(12, 40, 24, 4, 2, [8, 5, 16], seed=8, per_pair_input=True)
+    assert expert_kernels.pair_order(problem.token_slots, problem.local_ids, 2, 4) is None  # below the size
+    monkeypatch.setattr(expert_kernels, "ORDER_MIN_PAIRS", 1)
+    order = expert_kernels.pair_order(problem.token_slots, problem.local_ids, 2, 4)
+    slots = problem.token_slots.long().repeat_interleave(2)[order]
+    ids = problem.local_ids[order]
+    active = (slots >= 0) & (ids < 4)
+    assert sorted(order.tolist()) == list(range(24))
+    num_active = int(active.sum())
+    assert 0 < num_active < 24 and active[:num_active].all()  # inactive pairs last
+    keys = (slots * 4 + ids)[active]
+    assert (keys[1:] >= keys[:-1]).all()
+    expected = problem.expected()
+    shuffled = torch.randperm(24, generator=torch.Generator().manual_seed(1))
+    for pairs in (order, shuffled):
+        got = expert_kernels.expert_lora_delta(*problem.args(), order=pairs)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)

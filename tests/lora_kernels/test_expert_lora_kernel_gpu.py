@@ -1,7 +1,8 @@
 """The expert-LoRA kernel (lora_kernels/expert_kernels.py) compiled on a GPU (skipped without CUDA):
 float32 and bfloat16 against float64 at the MoE benchmark's sizes (Qwen3-30B-A3B: hidden 2048, expert
-intermediate 768, 128 experts, top-8, batch 128 over 16 rank-8 adapters, so 1024 pairs per projection)
-and in a larger-rank pool, and inside a CUDA graph whose tokens change slots and experts between replays.
+intermediate 768, 128 experts, top-8, batch 128 over 16 rank-8 adapters, so 1024 pairs per projection),
+in a larger-rank pool and at a prefill's size (pairs grouped by (slot, expert)), and inside a CUDA graph
+whose tokens change slots and experts between replays.
 
     TRITON_INTERPRET=0 python -m pytest tests/lora_kernels/test_expert_lora_kernel_gpu.py -m gpu -q
 """
@@ -12,7 +13,7 @@ import pytest
 import torch
 from expert_lora_cases import make_case
 
-from lora_kernels.expert_kernels import expert_lora_delta
+from lora_kernels.expert_kernels import ORDER_MIN_PAIRS, expert_lora_delta, pair_order
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,6 +26,7 @@ CASES = {
     "gate_up": (2048, 1536, False, {}),
     "down": (768, 2048, True, {}),
     "mixed_ranks": (2048, 1536, False, dict(slot_ranks=[64, 8, 0, 17, 3, 32], max_rank=64)),
+    "prefill_down": (768, 2048, True, dict(num_tokens=1024)),  # 8192 pairs: grouped by (slot, expert)
 }
 
 
@@ -38,7 +40,9 @@ def test_expert_lora_matches_float64_on_the_gpu(name, dtype):
         kwargs.pop("slot_ranks"), seed=len(name) + out_features, per_pair_input=per_pair, **kwargs,
     )  # fmt: skip
     gpu = problem.to("cuda", dtype)
-    got = expert_lora_delta(*gpu.args())
+    order = pair_order(gpu.token_slots, gpu.local_ids, gpu.top_k, gpu.num_local)
+    assert (order is not None) == (gpu.local_ids.numel() >= ORDER_MIN_PAIRS)
+    got = expert_lora_delta(*gpu.args(), order=order)
     expected = gpu.to("cpu", torch.float64).expected()  # from the same (rounded) inputs
     scale = expected.abs().max()
     error = (got.double().cpu() - expected).abs().max() / scale

@@ -84,7 +84,9 @@ class LoRAContext:
         the model has no expert targets."""
         if moe.layer is None or "experts.gate_up_proj" not in self.slots.layers[moe.layer]:
             return None
-        return ExpertLoRA(self, moe.layer, x, local_ids, moe.spec.top_k, moe.experts.num_local)
+        return ExpertLoRA(
+            self, moe.layer, x, local_ids, moe.spec.top_k, moe.experts.num_local, moe.runs_triton(x)
+        )
 
     def _segments(self) -> LoRABatchMeta | None:
         """The tokens grouped by slot for the segmented kernels: the same in every layer, so built once a

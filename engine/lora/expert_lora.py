@@ -9,26 +9,48 @@ For pair p (token t, expert e, slot s):
     h_p     = scale_s * A_s,e x_t        [R]   (ranks past the adapter's zeroed: its page-table row
     delta_p = B_s,e h_p                  [out]  holds stale ids there)
 
-as two batched GEMMs over the pairs, gathered by (page, expert): no Python loop over experts or
-adapters, fixed shapes (CUDA graphs), pairs of base-model tokens and of another rank's experts weighted
-0. Pairs go in chunks, so a long prefill never gathers more than CHUNK pairs' weights at once.
+Two paths, following the MoE layer's (SparseMoE.runs_triton, the one place it is chosen):
+- on the Triton path (CUDA; on the CPU with attention_backend="triton" under TRITON_INTERPRET=1), one
+  Triton kernel per projection (lora_kernels/expert_kernels.py): a program per pair walks the slot's
+  page-table row and reads A and B straight from the pool, h stays in registers (fp32), delta is
+  rounded once; nothing per pair is materialized, and the grid is fixed by the number of pairs (CUDA
+  graphs);
+- on the torch path (the CPU by default), two batched GEMMs over the pairs with A and B gathered by
+  (page, expert), in chunks of CHUNK pairs so a long prefill never copies more than CHUNK pairs' weights.
+Both: no Python loop over experts or adapters, pairs of base-model tokens and of another rank's experts
+give 0.
 """
 
 from __future__ import annotations
 
 import torch
 
+from lora_kernels.expert_kernels import expert_lora_delta, pair_order
+
 CHUNK = 1024
 
 
 class ExpertLoRA:
     def __init__(
-        self, context, layer: int, x: torch.Tensor, local_ids: torch.Tensor, top_k: int, num_local: int
+        self,
+        context,
+        layer: int,
+        x: torch.Tensor,  # [T, H]
+        local_ids: torch.Tensor,  # [T * top_k] local expert ids, num_local: another rank's
+        top_k: int,
+        num_local: int,
+        kernel: bool,  # the Triton kernel (the MoE layer's choice, SparseMoE.runs_triton), else torch
     ):
         pool = context.slots
         self.slots = pool.layers[layer]
         self.page_table = pool.page_table  # [max_loras, max_pages]
         self.x = x
+        self.kernel = kernel
+        self.token_slots, self.local_ids = context.token_slots, local_ids  # [T], [P]
+        self.top_k, self.num_local = top_k, num_local
+        if self.kernel:  # one order for both projections: prefill's pairs grouped by (slot, expert)
+            self.order = pair_order(context.token_slots, local_ids, top_k, num_local)
+            return
         token_slots = context.token_slots.long()
         pair_slots = token_slots.repeat_interleave(top_k)  # [P]
         self.active = (pair_slots >= 0) & (local_ids < num_local)
@@ -37,14 +59,20 @@ class ExpertLoRA:
         self.token = torch.arange(local_ids.numel(), device=x.device) // top_k
 
     def gate_up(self) -> torch.Tensor:  # [P, 2 * I_local]
-        return self._delta("experts.gate_up_proj", self.x, self.token)
+        return self._delta("experts.gate_up_proj", self.x, per_pair=False)
 
     def down(self, inter: torch.Tensor) -> torch.Tensor:  # [P, I_local] -> [P, H]
-        return self._delta("experts.down_proj", inter, None)
+        return self._delta("experts.down_proj", inter, per_pair=True)
 
-    def _delta(self, module: str, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    def _delta(self, module: str, x: torch.Tensor, per_pair: bool) -> torch.Tensor:
+        """x: [T, in] (a row per token, per_pair False) or [P, in] (a row per pair) -> [P, out]."""
         target = self.slots[module]
         lora_a, lora_b = target.lora_a, target.lora_b  # [pages, E, P, in], [pages, E, out, P]
+        if self.kernel:
+            return expert_lora_delta(
+                x, lora_a, lora_b, self.page_table, self.token_slots, self.local_ids, target.scales,
+                target.ranks, self.top_k, self.num_local, per_pair_input=per_pair, order=self.order,
+            )  # fmt: skip
         out_features = lora_b.shape[2]
         num_pairs = self.slot.numel()
         delta = torch.empty(num_pairs, out_features, dtype=x.dtype, device=x.device)
@@ -53,7 +81,7 @@ class ExpertLoRA:
             slot, expert = self.slot[start:end], self.expert[start:end]
             pages = self.page_table[slot].long()  # [c, max_pages]
             a = lora_a[pages, expert[:, None]].flatten(1, 2)  # [c, R, in]
-            inputs = x[start:end] if rows is None else x[rows[start:end]]
+            inputs = x[start:end] if per_pair else x[self.token[start:end]]
             h = torch.bmm(a, inputs[:, :, None]).squeeze(-1)  # [c, R]
             ranks = torch.arange(h.shape[1], device=h.device)
             scale = target.scales[slot] * self.active[start:end]  # [c] float32, 0 for inactive pairs

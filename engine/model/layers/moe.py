@@ -165,6 +165,11 @@ class SparseMoE(nn.Module):
         self.routed_tokens: torch.Tensor | None = None
         self.count_mask: torch.Tensor | None = None
 
+    def runs_triton(self, x: torch.Tensor) -> bool:
+        """Whether a forward over x runs the Triton kernels, fused MoE and expert LoRA
+        (lora_kernels/expert_kernels.py) alike: the one place the path is chosen."""
+        return self.backend == "triton" and (x.is_cuda or interpreting())
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, K] float32, expert ids [T, K]) of each token's top-k experts."""
         logits = F.linear(x, self.gate.weight)
@@ -187,7 +192,7 @@ class SparseMoE(nn.Module):
         flat_weights = weights.reshape(-1)  # float32
         expert_lora = None if lora is None else lora.experts(self, x, local)
         gate_up_delta = None if expert_lora is None else expert_lora.gate_up()
-        if self.backend == "triton" and (x.is_cuda or interpreting()):
+        if self.runs_triton(x):
             block_m = moe_kernels.block_rows(local.numel(), experts.num_local)
             rows, block_expert = moe_kernels.align_by_expert(local, experts.num_local, block_m)
             inter = moe_kernels.gate_up_act(x, experts.gate_up_proj, rows, block_expert, top_k, gate_up_delta)

@@ -14,7 +14,7 @@ touches (attention's per adapter, experts' per adapter and expert hit).
     python3 benchmarks/moe.py --tensor-parallel-size 2 --enable-expert-parallel   # all 48 layers, EP 2
     python3 benchmarks/moe.py --smoke                          # tiny shape on the CPU (checks it runs)
 
-Expert LoRA is large: rank r on every expert of every layer is E r (3H + 3I) elements per layer (rank 8
+Expert LoRA is large: rank r on every expert of every layer is E r (2H + 3I) elements per layer (gate and up share one A; rank 8
 at this shape: 0.63 GB per adapter in bf16), so the pool holds --max-loras of them; the adapter files are
 --distinct-adapters random ones registered under N names. The 48 layers' weights alone take 61 GB.
 """

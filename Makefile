@@ -59,7 +59,7 @@ browser:
 		$(STEP) sh -c '$(APT_INSTALL) chromium chromium-driver'; }
 
 # The quick tier: every test but those marked slow (servers in their own processes, the demo model,
-# CPU smokes of the GPU benchmarks, multi-process parity runs); about seven minutes on two cores.
+# CPU smokes of the GPU benchmarks, multi-process parity runs); about eight minutes on two cores.
 test: install redis browser
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

@@ -28,12 +28,12 @@ from factories import (  # noqa: E402
     engine_greedy,
     first_tokens_agreement,
     greedy_divergences,
+    load_reference_base,
     make_adapter,
     make_model,
 )
 from formats_fixtures import make_dora_adapter, make_vocab_adapter  # noqa: E402
 from peft import PeftModel  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 NUM_TOKENS = 32
 TOP_K = 5
@@ -83,7 +83,7 @@ def greedy_with_logprobs(model_dir, paths, prompts, assigned, dtype, device):
     """Greedy tokens and each step's log-softmax (float32, [steps, vocab]) of each row, one model per adapter."""
     tokens, logprobs = [None] * len(prompts), [None] * len(prompts)
     for adapter in {*assigned}:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = load_reference_base(model_dir)
         if adapter is not None:
             model = PeftModel.from_pretrained(model, paths[adapter]).eval()
         model = model.to(device, dtype)

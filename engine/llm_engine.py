@@ -75,8 +75,6 @@ class LLMEngine(EngineCore):
         self._check_open()
         meta = with_priority(meta, priority)
         self.check_meta(meta)
-        if request_id in self._outputs:
-            raise ValueError(f"request id {request_id!r} is already in use")
         request, failed = new_request(
             request_id,
             prompt,

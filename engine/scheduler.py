@@ -196,7 +196,8 @@ class Scheduler:
         reserves for the waiting heads (at least one token for itself), and if that capped it goes into
         `capped`, to get what admission leaves of it.
         """
-        heads = self._queues.heads() if self.config.enable_chunked_prefill else []
+        reserves = self.policy.reserves_budget and self.config.enable_chunked_prefill
+        heads = self._queues.heads() if reserves else []
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]

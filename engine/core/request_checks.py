@@ -63,10 +63,10 @@ def check_prompt(prompt_ids: list[int], max_model_len: int | None, vocab_size: i
             code="context_length_exceeded",
             param="prompt",
         )
-    bad = [t for t in prompt_ids if vocab_size is not None and not 0 <= t < vocab_size]
-    if bad:
+    bad = None if vocab_size is None else next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
         raise RequestError(
-            f"Token id {bad[0]} is out of vocabulary: prompt token ids must lie in [0, {vocab_size})",
+            f"Token id {bad} is out of vocabulary: prompt token ids must lie in [0, {vocab_size})",
             param="prompt",
         )
 

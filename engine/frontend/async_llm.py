@@ -182,6 +182,8 @@ class AsyncLLM:
         request, failed = new_request(
             request_id, prompt, params or SamplingParams(), adapter, self.tokenizer, self.eos_token_ids
         )
+        if any(child_id in self._children for child_id in request.child_ids):  # `x#0` beside `x`, n > 1
+            raise ValueError(f"request id {request_id!r} is already in use")
         if failed is not None:
             yield failed
             return

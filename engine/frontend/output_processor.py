@@ -49,6 +49,7 @@ class _Child:
     cumulative: bool = False  # each output holds everything so far, not only what is new
     published: bool = False  # appeared in a delta: from then on it is part of the request's outputs
     done: bool = False  # its final completion went out: later deltas leave it out
+    last: CompletionOutput | None = None  # what take() gave last
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -105,12 +106,15 @@ class _Child:
         finished = self.finish_reason is not None
         delta = not self.cumulative
         text = self.detokenizer.get_next_output_text(finished, delta=delta) if self.detokenizer else ""
+        # a delta hands its lists over (fresh ones follow); cumulative outputs each get a copy
+        token_ids = self.token_ids if delta else list(self.token_ids)
+        token_logprobs = self.token_logprobs if delta else list(self.token_logprobs)
         completion = CompletionOutput(
             index=self.index,
             text=text,
-            token_ids=list(self.token_ids),
+            token_ids=token_ids,
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=list(self.token_logprobs) if self.logprobs else None,
+            logprobs=token_logprobs if self.logprobs else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             times=self.times if finished else None,
@@ -118,6 +122,7 @@ class _Child:
         if delta:  # what went out is not kept: a stream's state stays small at any length
             self.token_ids, self.token_logprobs = [], []
         self.done = finished
+        self.last = completion
         return completion
 
 
@@ -188,7 +193,7 @@ class RequestProcessor:
     def process(self, deltas: list[RequestDelta]) -> tuple[RequestOutput | None, list[str]]:
         """(the merged output, or None if nothing was new; the child ids a stop string ended, to abort)."""
         to_abort = []
-        applied = False
+        applied: set[int] = set()  # the indices of the children this call changed
         for delta in deltas:
             child = self._children.get(delta.request_id)
             if child is None or child.finish_reason is not None:
@@ -199,7 +204,7 @@ class RequestProcessor:
                 self.num_cached_tokens = delta.num_cached_tokens
                 if delta.prompt_logprobs is not None:
                     self._prompt_logprobs = delta.prompt_logprobs
-            applied = True
+            applied.add(child.index)
             if child.apply(delta):
                 to_abort.append(delta.request_id)
         if self.cumulative:
@@ -210,7 +215,12 @@ class RequestProcessor:
             published = [child for child in self._children.values() if child.published and not child.done]
         if not published:
             return None, to_abort
-        return self._output([child.take() for child in published]), to_abort
+        # cumulative: a child this call did not change gives its last completion again, not a new copy
+        completions = [
+            child.last if self.cumulative and child.index not in applied and child.last else child.take()
+            for child in published
+        ]
+        return self._output(completions), to_abort
 
     def fail(self, message: str, error_code: str | None = None) -> RequestOutput:
         """The final output of a request refused before it reached the core."""
@@ -287,7 +297,11 @@ class OutputProcessor:
         return bool(self._failed)
 
     def add(self, request: RequestProcessor, failed: RequestOutput | None = None) -> None:
-        """Track a request sent to the core, or keep the final output of one that never reaches it."""
+        """Track a request sent to the core, or keep the final output of one that never reaches it.
+        ValueError for an id in use, also as another request's child id (`x#0` beside `x` with n > 1)."""
+        in_use = request.request_id in self._requests or any(c in self._by_child for c in request.child_ids)
+        if in_use:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         if failed is not None:
             self._failed.append(failed)
             return

@@ -38,6 +38,8 @@ class SchedulingPolicy:
     preempts_for_admission = False
     # Whether requests may carry a non-zero `priority` (others are refused, as vLLM refuses them).
     uses_priority = False
+    # Whether a running prefill leaves part of the step's budget to the waiting heads (reserved_budget).
+    reserves_budget = False
 
     def __init__(self, config: EngineConfig, counters: VirtualTokenCounters) -> None:
         self.config = config

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 class FairPolicy(SchedulingPolicy):
     preempts_for_admission = True
+    reserves_budget = True
 
     def __init__(self, config: EngineConfig, counters: VirtualTokenCounters) -> None:
         super().__init__(config, counters)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from factories import generate_greedy
+from factories import generate_greedy, load_reference_base
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -37,7 +37,7 @@ def peft_greedy(
     """transformers + PEFT greedy tokens of each prompt under one adapter (None: the base model); with
     top_k, `Greedy` rows (tokens and top logprobs, factories.generate_greedy). One adapter per model:
     PEFT refuses mixed-adapter batches (`adapter_names`) with DoRA and with target_parameters."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_reference_base(model_dir)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter).eval()
     model = model.to(device, dtype)

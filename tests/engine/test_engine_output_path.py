@@ -81,3 +81,20 @@ def test_an_n_request_counts_its_prompt_once(engines):
     after = engine.stats()
     assert after.num_prompt_tokens - before.num_prompt_tokens == 3
     assert after.num_generation_tokens - before.num_generation_tokens == 6
+
+
+def test_an_id_that_is_another_requests_child_id_is_refused(engines):
+    """`x#0` in flight, then `x` with n=2 (whose first child is `x#0`): refused, and `x#0` still ends."""
+    cumulative, _ = engines
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    cumulative.add_request("x#0", PROMPT, params)
+    with pytest.raises(ValueError, match="already in use"):
+        cumulative.add_request(
+            "x", PROMPT, SamplingParams(temperature=0.0, max_tokens=4, n=2, ignore_eos=True)
+        )
+    finished = []
+    for _ in range(50):
+        if not cumulative.has_unfinished_requests():
+            break
+        finished += [o.request_id for o in cumulative.step() if o.finished]
+    assert finished == ["x#0"] and not cumulative.has_unfinished_requests()

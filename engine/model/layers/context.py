@@ -8,8 +8,6 @@ import torch
 
 from engine.model.layers.sharding import SINGLE, TensorParallel
 
-# vLLM's names: "auto" reads the checkpoint; "dummy" fills random weights and reads nothing.
-
 
 @dataclass(frozen=True)
 class Fp8Settings:

@@ -24,7 +24,7 @@ from engine.outputs import RequestTimes
 from engine.request_meta import RequestMeta
 from loraserve.errors import BadRequest, ServiceUnavailable
 from loraserve.services import Services
-from loraserve.tenancy import Lease, Principal, TokenReservation
+from loraserve.tenancy import Lease, TokenReservation
 
 _DONE = object()
 
@@ -57,7 +57,6 @@ class Generation:
         params: SamplingParams,
         adapter: str | None,
         lease: Lease,
-        principal: Principal | None = None,
         tokens: TokenReservation | None = None,
         meta: RequestMeta | None = None,
     ) -> None:
@@ -67,7 +66,6 @@ class Generation:
         self.params = params
         self.adapter = adapter
         self.lease = lease
-        self.principal = principal
         self.tokens = tokens
         self.meta = meta if meta is not None else RequestMeta()
         self.ids = [f"{request_id}-{i}" for i in range(len(prompts))]

@@ -225,7 +225,6 @@ async def _generate(
         params,
         resolved.engine_adapter_id,
         lease,
-        principal,
         tokens,
         meta=RequestMeta(
             tenant=principal.tenant,

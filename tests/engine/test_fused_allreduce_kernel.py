@@ -1,0 +1,175 @@
+"""The fused all-reduce + residual add + RMSNorm kernel on the CPU (TRITON_INTERPRET=1, tests/conftest.py),
+with every rank's buffers made up in this one process: each rank's kernel runs in turn, the other ranks'
+staged rows and signals written beforehand as their kernels would have (engine/parallel/
+allreduce_norm_kernel.py, "The protocol"). Checked against a float64 reference and, bitwise, against the
+unfused ops it replaces; the epochs, parities and signals it leaves are checked too."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine.model import fused_ops
+from engine.parallel.allreduce_norm_kernel import (
+    EPOCH_MODULUS,
+    PeerBuffers,
+    allreduce_add_rms_norm,
+    flag_count,
+)
+
+CAPACITY = 1 << 14  # bytes per half of a rank's data
+
+
+def make_ranks(world: int, programs: int) -> list[PeerBuffers]:
+    # Poisoned staging (0xFF bytes: NaN in every float dtype), so a row read before it was staged shows.
+    data = [torch.full((2 * CAPACITY,), 255, dtype=torch.uint8) for _ in range(world)]
+    flags = [torch.zeros(flag_count(programs, world), dtype=torch.int32) for _ in range(world)]
+    data_ptrs = torch.tensor([d.data_ptr() for d in data], dtype=torch.int64)
+    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+    return [
+        PeerBuffers(
+            rank,
+            world,
+            data_ptrs,
+            flag_ptrs,
+            torch.zeros(programs, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32),
+            CAPACITY,
+            programs,
+            keepalive=(data, flags),
+        )
+        for rank in range(world)
+    ]
+
+
+def data_of(peers: PeerBuffers, rank: int) -> torch.Tensor:
+    return peers.keepalive[0][rank]
+
+
+def flags_of(peers: PeerBuffers, rank: int) -> torch.Tensor:  # [2, programs, world]
+    return peers.keepalive[1][rank].view(2, peers.programs, peers.world_size)
+
+
+def stage_and_signal(ranks: list[PeerBuffers], rank: int, partial: torch.Tensor, epoch: int) -> None:
+    """What rank `rank`'s kernel does before it waits: its rows into its data[parity], its epoch into
+    every peer's flags[parity, :, rank]."""
+    peers, parity = ranks[rank], epoch % 2
+    half = data_of(peers, rank)[parity * CAPACITY : (parity + 1) * CAPACITY].view(partial.dtype)
+    half[: partial.numel()] = partial.reshape(-1)
+    for other in range(peers.world_size):
+        if other != rank:
+            flags_of(peers, other)[parity, :, rank] = epoch
+
+
+def reference64(partials, residual, weight, eps, offset, bias):
+    x = sum(p.double() for p in partials) + residual.double()
+    if bias is not None:
+        x = x + bias.double()
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return normed * ((1.0 + weight.double()) if offset else weight.double()), x
+
+
+def unfused(partials, residual, weight, eps, offset, bias):
+    """The ops the kernel replaces (sum rounded once, as a float32-accumulating all-reduce gives it)."""
+    x = sum(p.float() for p in partials).to(partials[0].dtype)
+    if bias is not None:
+        x = x + bias
+    residual = residual.clone()
+    return fused_ops.rms_norm(x, weight, 1e-6, residual, offset), residual
+
+
+def run_call(ranks, partials, residual, weight, bias, offset, epoch):
+    """One call on every rank (same inputs, same order): outputs and residuals per rank."""
+    for rank in range(1, len(ranks)):
+        stage_and_signal(ranks, rank, partials[rank], epoch)
+    results = []
+    for rank, peers in enumerate(ranks):
+        mine = residual.clone()
+        out = allreduce_add_rms_norm(partials[rank], mine, weight, 1e-6, offset, bias, peers)
+        results.append((out, mine))
+    return results
+
+
+@pytest.mark.parametrize(
+    "world, programs, tokens, hidden, dtype, offset, with_bias",
+    [
+        (2, 4, 3, 64, torch.float32, False, False),  # fewer rows than programs: idle programs
+        (2, 4, 9, 48, torch.float32, True, True),  # rows over programs; hidden not a power of 2
+        (4, 3, 7, 32, torch.float32, False, True),
+        (4, 2, 5, 64, torch.bfloat16, False, False),
+        (3, 2, 4, 40, torch.float16, True, False),
+    ],
+)
+def test_every_rank_gets_the_reference_twice_back_to_back(
+    world, programs, tokens, hidden, dtype, offset, with_bias
+):
+    torch.manual_seed(world * 100 + tokens)
+    ranks = make_ranks(world, programs)
+    weight = (torch.rand(hidden) * 0.5 + 0.75).to(dtype)
+    bias = torch.randn(hidden).to(dtype) if with_bias else None
+    for epoch in (1, 2):  # parity 1, then 0: both halves and both flag sets
+        partials = [torch.randn(tokens, hidden).to(dtype) for _ in range(world)]
+        residual = torch.randn(tokens, hidden).to(dtype)
+        want, want_residual = reference64(partials, residual, weight, 1e-6, offset, bias)
+        exact, exact_residual = unfused(partials, residual, weight, 1e-6, offset, bias)
+        tol = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 8e-2}[dtype]
+        for out, mine in run_call(ranks, partials, residual, weight, bias, offset, epoch):
+            torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+            torch.testing.assert_close(mine.double(), want_residual, rtol=tol, atol=tol)
+            if dtype != torch.bfloat16:  # the interpreter truncates float32 -> bfloat16 (the GPU rounds)
+                assert torch.equal(out, exact) and torch.equal(mine, exact_residual)  # the unfused ops
+        for peers in ranks:
+            assert peers.epochs.tolist() == [epoch] * programs  # every program counted the call
+            for sender in range(world):  # every rank signalled every other, in this epoch's parity
+                got = flags_of(peers, peers.rank)[epoch % 2, :, sender]
+                assert got.tolist() == [0 if sender == peers.rank else epoch] * programs
+
+
+def test_epochs_wrap_and_keep_alternating_parity():
+    ranks = make_ranks(2, 2)
+    for peers in ranks:
+        peers.epochs.fill_(EPOCH_MODULUS - 1)  # the next call is epoch 2**30 (even), then epoch 1 (odd)
+    weight = torch.ones(16)
+    for epoch in (EPOCH_MODULUS, 1):
+        partials = [torch.randn(2, 16) for _ in range(2)]
+        residual = torch.randn(2, 16)
+        exact, _ = unfused(partials, residual, weight, 1e-6, False, None)
+        for out, _ in run_call(ranks, partials, residual, weight, None, False, epoch):
+            assert torch.equal(out, exact)
+        assert ranks[0].epochs.tolist() == [epoch % EPOCH_MODULUS] * 2
+
+
+def test_a_stale_signal_is_not_taken_for_this_call():
+    """Rank 1 signalled call 1 only: rank 0's call 3 (same parity) must wait, until the host's abort."""
+    ranks = make_ranks(2, 1)
+    weight = torch.ones(8)
+    run_call(ranks, [torch.randn(1, 8) for _ in range(2)], torch.randn(1, 8), weight, None, False, 1)
+    ranks[0].epochs.fill_(2)  # rank 0 at call 3; rank 1's last signal in parity 1 says epoch 1
+    done = threading.Event()
+
+    def call():
+        allreduce_add_rms_norm(torch.randn(1, 8), torch.randn(1, 8), weight, 1e-6, False, None, ranks[0])
+        done.set()
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    assert not done.wait(1.0)  # still waiting for rank 1's epoch 3
+    ranks[0].abort.fill_(1)  # what FusedAllReduceNorm.release does when a peer died
+    assert done.wait(30.0)
+    assert flags_of(ranks[0], 1)[1, 0, 0].item() == 3  # it had signalled its own epoch to rank 1
+
+
+def test_inputs_it_cannot_take_are_refused():
+    ranks = make_ranks(2, 1)
+    weight = torch.ones(8)
+    too_big = torch.zeros(CAPACITY // 4 + 1, 1)  # float32: one element over a half
+    with pytest.raises(ValueError, match="do not fit"):
+        allreduce_add_rms_norm(too_big, too_big.clone(), weight[:1], 1e-6, False, None, ranks[0])
+    with pytest.raises(ValueError, match="do not fit"):
+        x = torch.zeros(2, 8, dtype=torch.float64)
+        allreduce_add_rms_norm(x, x.clone(), weight, 1e-6, False, None, ranks[0])
+    empty = torch.zeros(0, 8)
+    assert allreduce_add_rms_norm(empty, empty.clone(), weight, 1e-6, False, None, ranks[0]).shape == (0, 8)
+    assert ranks[0].epochs.tolist() == [0]  # nothing launched, nothing counted

@@ -166,6 +166,7 @@ def allreduce_add_rms_norm(
     offset: bool,  # Gemma's (1 + weight)
     bias: torch.Tensor | None,  # [hidden]: the projection's bias, added after the sum
     peers: PeerBuffers,
+    out: torch.Tensor | None = None,  # [tokens, hidden] contiguous, to write into (else a new tensor)
 ) -> torch.Tensor:  # [tokens, hidden]: RMSNorm(residual + sum (+ bias))
     """What `all_reduce(partial)` (+ bias), then `fused_ops.rms_norm(x, weight, eps, residual, offset)`
     compute, in one launch. Every rank must call it with the same shapes in the same order."""
@@ -176,7 +177,10 @@ def allreduce_add_rms_norm(
             f"{tuple(residual.shape)}) do not fit its buffers of {peers.capacity_bytes} bytes"
         )
     dtype = partial.dtype if offset else torch.result_type(weight, partial)
-    out = torch.empty((tokens, hidden), dtype=dtype, device=partial.device)
+    if out is None:
+        out = torch.empty((tokens, hidden), dtype=dtype, device=partial.device)
+    elif out.shape != partial.shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"fused all-reduce: `out` must be contiguous {tuple(partial.shape)} {dtype}")
     if not tokens:
         return out  # every rank skips it alike: no program counts this call
     block = triton.next_power_of_2(hidden)

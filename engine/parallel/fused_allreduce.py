@@ -140,9 +140,13 @@ class FusedAllReduceNorm:
         """Whether partial sums `x` ([tokens, hidden]) take the fused path (else NCCL, then the norm)."""
         return not self._released and x.is_cuda and fits(x, self.max_bytes)
 
-    def __call__(self, partial, residual, weight, eps: float, offset: bool, bias) -> torch.Tensor:
+    def __call__(self, partial, residual, weight, eps: float, offset: bool, bias, out=None) -> torch.Tensor:
         """RMSNorm(residual + sum over ranks of `partial` (+ bias)); `residual` updated in place."""
-        return allreduce_add_rms_norm(partial, residual, weight, eps, offset, bias, self.peers)
+        return allreduce_add_rms_norm(partial, residual, weight, eps, offset, bias, self.peers, out)
+
+    def calls(self) -> int:
+        """Calls this rank's kernel made so far (modulo 2**30; reads the GPU: for tests and benchmarks)."""
+        return int(self.peers.epochs[0].item())
 
     def release(self) -> None:
         """A peer died or hangs: end every wait of this rank's kernels now (from any thread), so the GPU is

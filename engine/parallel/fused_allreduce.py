@@ -85,7 +85,9 @@ class FusedAllReduceNorm:
                 logger.info("fused all-reduce + RMSNorm not used: %s", reason)
             return None
         device, world = group.device, group.world_size
-        programs = min(PROGRAMS, torch.cuda.get_device_properties(device).multi_processor_count)
+        # The same grid on every rank (the flags' layout depends on it), within the smallest GPU's SMs so
+        # that all programs are resident at once (each waits on the same program of every peer).
+        programs = group.min(min(PROGRAMS, torch.cuda.get_device_properties(device).multi_processor_count))
         flag_bytes = -(-flag_count(programs, world) * 4 // 256) * 256
         capacity = max_bytes(world)
         indices = group.gather_columns(torch.tensor([[device.index]], device=device))[0].tolist()

@@ -24,7 +24,9 @@ def add_rounded(x, residual):
 
 
 @triton.jit
-def rms_norm_row(x, weight_ptr, cols, mask, eps, HIDDEN: tl.constexpr, OFFSET: tl.constexpr, out_dtype):
+def rms_norm_row(
+    x, weight_ptr, cols, mask, eps, HIDDEN: tl.constexpr, OFFSET: tl.constexpr, out_dtype: tl.constexpr
+):
     """RMSNorm of one row `x` (in the model dtype, masked lanes 0) as transformers computes it: Llama's
     (normalised in float32, rounded, times weight) or Gemma's with OFFSET ((1 + weight), rounded once)."""
     x32 = x.to(tl.float32)

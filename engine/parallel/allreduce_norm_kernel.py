@@ -48,6 +48,7 @@ from engine.model.fused_ops import add_rounded, rms_norm_row
 
 # Epochs count calls modulo this (even: the parity alternates across the wrap; < 2**31: int32).
 EPOCH_MODULUS = 1 << 30
+_EPOCH_MODULUS = tl.constexpr(EPOCH_MODULUS)  # the kernel's copy (Triton reads only constexpr globals)
 # Hidden sizes one program normalises a row of (the whole row in registers, as the norm kernel does).
 MAX_HIDDEN = 16384
 
@@ -113,10 +114,11 @@ def _allreduce_add_norm_kernel(
     dtype = partial_ptr.dtype.element_ty
     # 1. This call's epoch and parity.
     epoch = tl.load(epochs_ptr + pid) + 1
-    tl.store(epochs_ptr + pid, epoch % EPOCH_MODULUS)
+    tl.store(epochs_ptr + pid, epoch % _EPOCH_MODULUS)
     parity = epoch % 2
     # 2. Stage this rank's rows.
-    own = tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype)) + parity * capacity
+    # (the halves start 256-byte aligned: the hint lets Triton load 16 bytes at a time)
+    own = tl.multiple_of(tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype)) + parity * capacity, 16)
     row = pid
     while row < num_rows:  # rows pid, pid + programs, ... (a while: the interpreter's range takes no tensors)
         x = tl.load(partial_ptr + row * stride_p + cols, mask=mask, other=0.0)
@@ -145,7 +147,7 @@ def _allreduce_add_norm_kernel(
     while row < num_rows:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for src in tl.static_range(WORLD):
-            data = tl.load(data_ptrs + src).to(tl.pointer_type(dtype)) + parity * capacity
+            data = tl.multiple_of(tl.load(data_ptrs + src).to(tl.pointer_type(dtype)) + parity * capacity, 16)
             acc += tl.load(data + row * HIDDEN + cols, mask=mask, other=0.0).to(tl.float32)
         x = acc.to(dtype)  # the all-reduce's output
         if HAS_BIAS:

@@ -126,3 +126,47 @@ def test_inputs_it_cannot_take_are_refused():
     empty = torch.zeros(0, 8)
     assert allreduce_add_rms_norm(empty, empty.clone(), weight, 1e-6, False, None, ranks[0]).shape == (0, 8)
     assert ranks[0].epochs.tolist() == [0]  # nothing launched, nothing counted
+
+
+COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine.parallel.allreduce_norm_kernel import _allreduce_add_norm_kernel
+
+pointers = ["partial_ptr", "residual_ptr", "weight_ptr", "bias_ptr", "out_ptr"]
+sig = {name: "*bf16" for name in pointers}
+sig.update(data_ptrs="*i64", flag_ptrs="*i64", epochs_ptr="*i32", abort_ptr="*i32")
+sig.update({n: "i32" for n in ("num_rows", "programs", "stride_p", "stride_r", "capacity")}, eps="fp32")
+constexprs = dict(RANK=1, WORLD=2, HIDDEN=8192, BLOCK=8192, HAS_BIAS=True, OFFSET=False)
+sig.update({name: "constexpr" for name in constexprs})
+kernel = triton.compile(
+    ASTSource(fn=_allreduce_add_norm_kernel, signature=sig, constexprs=constexprs),
+    target=GPUTarget("cuda", 90, 32),
+    options={"num_warps": 8},
+)
+print(kernel.asm["ptx"])
+"""
+
+
+@pytest.mark.slow
+def test_the_kernel_compiles_for_sm90_with_system_scope_signals():
+    """What the interpreter cannot check: Triton lowers the kernel for an H100 (ptxas included), the signal
+    is a release at system scope after a CTA barrier, the wait an acquire load at system scope, and peer
+    rows load 16 bytes at a time."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(repo)}
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ptx = result.stdout
+    assert "atom.global.sys.release.exch.b32" in ptx
+    assert "ld.global.sys.acquire.b32" in ptx
+    assert "ld.global.v4" in ptx

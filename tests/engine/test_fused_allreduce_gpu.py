@@ -291,3 +291,50 @@ def test_engine_tokens_with_the_fused_path_equal_without_it_and_one_gpu(c1_case)
     assert fused == c1_case["expected"]  # transformers + PEFT's, float32
     assert _c1_tokens(c1_case, 2, False)[0] == fused
     assert _c1_tokens(c1_case, 1, True)[0] == fused  # the setting does nothing on one GPU
+
+
+CYCLES = """
+import sys, time
+from engine import LLM, SamplingParams
+params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+first = None
+for cycle in range(int(sys.argv[2])):
+    started = time.monotonic()
+    with LLM(model=sys.argv[1], tensor_parallel_size=2, dtype="bfloat16", max_num_seqs=16,
+             skip_tokenizer_init=True, gpu_memory_utilization=0.3, fused_allreduce=True) as llm:
+        outputs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8 + i]} for i in range(8)], params)
+        tokens = [o.outputs[0].token_ids for o in outputs]
+        assert llm.engine.runner.parallel.group.fused_add_norm.calls() > 0, "the fused kernel never ran"
+    first = first or tokens
+    assert tokens == first, "another engine in the same process gave other tokens"
+    print(f"cycle {cycle} {time.monotonic() - started:.1f}", flush=True)
+"""
+
+
+def test_engines_with_it_come_and_go_in_one_process(c1_case, tmp_path):
+    """Symmetric memory set up again for each new engine's group (3 cycles in a child process, bounded)."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    log = tmp_path / "cycles.log"
+    with log.open("w") as out:
+        child = subprocess.Popen(
+            [sys.executable, "-c", CYCLES, str(c1_case["model_dir"]), "3"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            code = child.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait(10)
+            pytest.fail(f"3 cycles did not finish within 240 s:\n{log.read_text()[-3000:]}")
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert sum(line.startswith("cycle ") for line in text.splitlines()) == 3, text[-3000:]

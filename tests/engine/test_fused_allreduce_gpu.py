@@ -7,7 +7,8 @@
 - 64 calls back to back with new inputs each, NCCL all-reduces between some, checked after all ran;
 - two calls captured in a CUDA graph, replayed 20 times with new inputs;
 - the engine: C1 in float32 at tp 2 with the fused path on gives transformers + PEFT's greedy tokens (as
-  tp 1 and tp 2 with it off do), decode graphs replayed and the kernel counted.
+  tp 1 and tp 2 with it off do), decode graphs replayed and the kernel counted; three engines with it
+  on, one after another in one process (symmetric memory set up anew for each group), bounded.
 
     NCCL_NVLS_ENABLE=0 TRITON_INTERPRET=0 python -m pytest tests/engine/test_fused_allreduce_gpu.py -m gpu -q
 """

@@ -156,19 +156,34 @@ def test_partial_sums_without_a_residual_are_reduced_then_normalised():
     assert group.reduced == [(2, 16)]
 
 
-def test_without_the_fused_all_reduce_no_layer_defers_its_reduction(tmp_path):
-    """The gloo path (and CUDA with the setting off) builds exactly today's model: every row-parallel layer
-    all-reduces by itself."""
+def test_a_sharded_model_forward_is_the_same_with_its_reductions_fused(tmp_path):
+    """Rank 0 of two (its twin holding the same partial sums) through a whole Llama forward on the Triton
+    path: without the fused all-reduce every row-parallel layer all-reduces by itself (today's model);
+    with it o_proj and down_proj hand their sums to the next norm (post_attention_layernorm, the next
+    input_layernorm, the final norm), one fused call each, and the hidden states are bitwise the same."""
     from factories import make_model
 
+    from engine.model.attention import AttentionMetadata
     from engine.model.loader import load_config, load_model
 
     model_dir = make_model(tmp_path / "m", arch="llama", seed=1)
-    for tp in (TensorParallel(0, 2, TwinGroup(None)), TensorParallel(0, 2, TwinGroup(InProcessFused(64)))):
-        model = load_model(
-            model_dir, load_config(model_dir), torch.float32, torch.device("cpu"), 64, "triton", tp=tp
+    config = load_config(model_dir)
+    fused = InProcessFused(max_bytes=1 << 14)
+    hidden = {}
+    for name, group in (("unfused", TwinGroup(None)), ("fused", TwinGroup(fused))):
+        tp = TensorParallel(0, 2, group)
+        model = load_model(model_dir, config, torch.float32, torch.device("cpu"), 64, "triton", tp=tp)
+        projections = [m for n, m in model.named_modules() if n.endswith(("o_proj", "down_proj"))]
+        assert projections and all(m.defer_reduce == (name == "fused") for m in projections)
+        shape = (4, 4, model.num_kv_heads, model.head_dim)  # 4 blocks of 4 tokens
+        caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_layers)]
+        meta = AttentionMetadata(
+            positions=torch.arange(5),
+            slot_mapping=torch.arange(5),
+            block_tables=torch.tensor([[0, 1]]),
+            query_start_loc=[0, 5],
+            seq_lens=[5],
         )
-        deferred = [
-            m.defer_reduce for name, m in model.named_modules() if name.endswith(("o_proj", "down_proj"))
-        ]
-        assert deferred and all(d == tp.fuses_add_norm for d in deferred)
+        hidden[name] = model.forward(torch.tensor([3, 17, 42, 7, 99]), meta, caches, None)
+    assert fused.calls == 2 * config.num_hidden_layers  # after every o_proj and every down_proj
+    assert torch.equal(hidden["fused"], hidden["unfused"])

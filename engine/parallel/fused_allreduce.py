@@ -72,8 +72,9 @@ class FusedAllReduceNorm:
         self.max_bytes = peers.capacity_bytes
         self._keep = keep  # the symmetric buffer and its handle: the peers' mappings live as long
         self._released = False
-        self._one = torch.ones(1, dtype=torch.int32, pin_memory=True)
-        self._side = torch.cuda.Stream(device)
+        cuda = device.type == "cuda"
+        self._one = torch.ones(1, dtype=torch.int32, pin_memory=cuda)  # copied to `abort` by release
+        self._side = torch.cuda.Stream(device) if cuda else None
 
     @classmethod
     def connect(cls, group, enabled: bool) -> FusedAllReduceNorm | None:
@@ -106,16 +107,22 @@ class FusedAllReduceNorm:
                 "fused all-reduce + RMSNorm not used: %s", error or "another rank could not set it up"
             )
             return None
-        import torch.distributed._symmetric_memory as symm_mem
-
-        handle = symm_mem.rendezvous(buffer, group.group.group_name)
-        # The handle's base addresses (each rank's view of each rank's allocation), plus where our tensor
-        # starts in its allocation, which is the same on every rank (checked: voted on below).
-        delta = buffer.data_ptr() - handle.buffer_ptrs[group.rank]
+        try:
+            handle = _rendezvous(buffer, group.group.group_name)
+            # The handle's base addresses (each rank's view of each rank's allocation), plus where our
+            # tensor starts in its allocation, which must be the same on every rank (voted on below).
+            delta = buffer.data_ptr() - handle.buffer_ptrs[group.rank]
+        except Exception as exc:  # a rank that fails here still votes, so none is left waiting
+            handle, delta, error = (
+                None,
+                -1,
+                f"symmetric memory rendezvous failed: {type(exc).__name__}: {exc}",
+            )
         deltas = group.gather_columns(torch.tensor([[delta]], device=device))[0].tolist()
-        if group.min(int(len(set(deltas)) == 1)) == 0:
+        if group.min(int(handle is not None and len(set(deltas)) == 1)) == 0:
             logger.warning(
-                "fused all-reduce + RMSNorm not used: symmetric buffers at unequal offsets %s", deltas
+                "fused all-reduce + RMSNorm not used: %s",
+                error or f"another rank's rendezvous failed, or buffers at unequal offsets {deltas}",
             )
             return None
         bases = [ptr + delta for ptr in handle.buffer_ptrs]
@@ -157,11 +164,20 @@ class FusedAllReduceNorm:
         if self._released:
             return
         self._released = True
+        if self._side is None:
+            self.peers.abort.copy_(self._one)
+            return
         try:
             with torch.cuda.stream(self._side):
                 self.peers.abort.copy_(self._one, non_blocking=True)
         except Exception as exc:  # a broken CUDA context: nothing of it will run again anyway
             logger.warning("could not release the fused all-reduce's waits: %s", exc)
+
+
+def _rendezvous(buffer: torch.Tensor, group_name: str):
+    import torch.distributed._symmetric_memory as symm_mem
+
+    return symm_mem.rendezvous(buffer, group_name)
 
 
 def _symmetric_empty(nbytes: int, device: torch.device, group_name: str) -> torch.Tensor:

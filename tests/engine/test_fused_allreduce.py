@@ -6,6 +6,7 @@ settings and the GPUs, the size bound, the fallback doing exactly the unfused op
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -187,3 +188,84 @@ def test_a_sharded_model_forward_is_the_same_with_its_reductions_fused(tmp_path)
         hidden[name] = model.forward(torch.tensor([3, 17, 42, 7, 99]), meta, caches, None)
     assert fused.calls == 2 * config.num_hidden_layers  # after every o_proj and every down_proj
     assert torch.equal(hidden["fused"], hidden["unfused"])
+
+
+class VotingGroup:
+    """Rank 0 of two on a stand-in device: its collectives answer as if the other rank agreed (or not)."""
+
+    def __init__(self, other_votes: int = 1, other_delta: int | None = None):
+        self.rank, self.world_size, self.device = 0, 2, torch.device("cpu", 0)
+        self.group = SimpleNamespace(group_name="0")
+        self.other_votes, self.other_delta, self.votes, self.gathers = other_votes, other_delta, [], 0
+
+    def gather_columns(self, x):  # [[mine]] -> [[mine, other's]]: the GPU indices, then the offsets
+        self.gathers += 1
+        if self.gathers == 1:
+            return torch.cat([x, x + 1], dim=1)  # the other rank is on the next GPU
+        other = x if self.other_delta is None else torch.full_like(x, self.other_delta)
+        return torch.cat([x, other], dim=1)
+
+    def min(self, value: int) -> int:
+        self.votes.append(value)
+        return min(value, self.other_votes) if len(self.votes) > 1 else value
+
+
+@pytest.fixture
+def stand_in_gpus(monkeypatch):
+    """CUDA's part of FusedAllReduceNorm.connect stood in for: 132 SMs, peer access, a byte buffer and a
+    rendezvous whose handle's base addresses are the buffers' minus an offset of 512."""
+    from engine.parallel import fused_allreduce
+
+    state = SimpleNamespace(reach=True, rendezvous_error=None, buffers=[])
+    monkeypatch.setattr(fused_allreduce, "unavailable_reason", lambda *args: None)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132)
+    )
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: state.reach)
+
+    def empty(nbytes, device, group_name):
+        state.buffers.append(torch.full((nbytes,), 7, dtype=torch.uint8))
+        return state.buffers[-1]
+
+    def rendezvous(buffer, group_name):
+        if state.rendezvous_error:
+            raise RuntimeError(state.rendezvous_error)
+        return SimpleNamespace(buffer_ptrs=[buffer.data_ptr() - 512, 1 << 40])
+
+    monkeypatch.setattr(fused_allreduce, "_symmetric_empty", empty)
+    monkeypatch.setattr(fused_allreduce, "_rendezvous", rendezvous)
+    return state
+
+
+def test_connect_sets_up_every_rank_s_addresses_when_all_agree(stand_in_gpus):
+    group = VotingGroup()
+    fused = FusedAllReduceNorm.connect(group, enabled=True)
+    assert fused is not None and group.votes == [64, 1, 1, 1]  # grid, buffer, rendezvous, ready
+    peers = fused.peers
+    assert peers.programs == 64 and peers.capacity_bytes == max_bytes(2)
+    buffer = stand_in_gpus.buffers[0]
+    assert int(buffer.max()) == 0  # zeroed (no epoch yet) before any peer may signal
+    flag_bytes = peers.data_ptrs[0].item() - peers.flag_ptrs[0].item()
+    assert flag_bytes >= 2 * 64 * 2 * 4 and flag_bytes % 256 == 0
+    assert peers.flag_ptrs.tolist() == [buffer.data_ptr(), (1 << 40) + 512]  # each base plus the offset
+    assert buffer.numel() == flag_bytes + 2 * peers.capacity_bytes
+    assert fused.fits(torch.zeros(4, 64)) is False  # not a CUDA tensor
+    fused.release()
+    assert peers.abort.item() == 1
+
+
+@pytest.mark.parametrize(
+    "why, setup",
+    [
+        ("no peer access", dict(reach=False)),
+        ("another rank without a buffer", dict(other_votes=0)),
+        ("a failed rendezvous", dict(rendezvous_error="no driver support")),
+        ("unequal offsets", dict(other_delta=4096)),
+    ],
+)
+def test_connect_falls_back_to_nccl_on_every_rank_together(stand_in_gpus, why, setup):
+    stand_in_gpus.reach = setup.get("reach", True)
+    stand_in_gpus.rendezvous_error = setup.get("rendezvous_error")
+    group = VotingGroup(setup.get("other_votes", 1), setup.get("other_delta"))
+    assert FusedAllReduceNorm.connect(group, enabled=True) is None, why
+    assert 0 in group.votes or setup.get("other_votes") == 0  # this rank said no, or heard another's no

@@ -1,7 +1,8 @@
 #!/bin/bash
 # Every GPU test file (any test marked gpu), each under its own time limit, spread over the GPUs
 # present: one lane per GPU for the single-GPU files, each lane with its own cores so lanes do not slow
-# each other's hosts; then the tensor-parallel file with every GPU visible (its tp 4 cases need four).
+# each other's hosts; then the multi-GPU files (tensor parallelism, the fused all-reduce) with every GPU
+# visible (their 4-rank cases need four).
 # Prints one line per file and keeps each file's log.
 #
 #   BUDGET_S=540 bash benchmarks/gpu_checks.sh [single|tp|all] [LOG_DIR]   # default: all, ./gpu-logs or $OUT
@@ -22,9 +23,10 @@ CORES=$(nproc)
 BUDGET_S=${BUDGET_S:-3600}
 [ "$GPUS" -ge 1 ] || { echo "no CUDA GPU"; exit 1; }
 
-# every file with a test marked gpu; the tensor-parallel one runs last, over several GPUs
-TP_FILE=tests/engine/test_tensor_parallel_gpu.py
-mapfile -t SINGLE < <(grep -rl "mark.gpu" tests --include='test_*.py' | grep -v "$TP_FILE" | sort)
+# every file with a test marked gpu; the multi-GPU ones run last, over every GPU, with their limits
+TP_FILES=(tests/engine/test_fused_allreduce_gpu.py tests/engine/test_tensor_parallel_gpu.py)
+TP_LIMITS=(420 580)
+mapfile -t SINGLE < <(grep -rl "mark.gpu" tests --include='test_*.py' | grep -v -F -e "${TP_FILES[0]}" -e "${TP_FILES[1]}" | sort)
 limit_of() { case $1 in *test_models_gpu.py) echo 480 ;; *) echo 300 ;; esac; }
 
 run_file() { # GPU-list core-range file [limit]
@@ -57,7 +59,9 @@ if [ "$MODE" != tp ]; then
 fi
 if [ "$MODE" != single ]; then
   if [ "$GPUS" -ge 2 ]; then
-    run_file "$(seq -s, 0 $((GPUS - 1)))" "0-$((CORES - 1))" "$TP_FILE" 580
+    for i in "${!TP_FILES[@]}"; do
+      run_file "$(seq -s, 0 $((GPUS - 1)))" "0-$((CORES - 1))" "${TP_FILES[$i]}" "${TP_LIMITS[$i]}"
+    done
   else
     echo "tensor-parallel files skipped: one GPU"
   fi

@@ -15,6 +15,7 @@ from engine.sampling_params import SamplingParams
 
 # Kernel name fragments per kind, checked in order (the first match wins).
 KINDS = [
+    ("fused all-reduce + norm", ("_allreduce_add_norm_kernel",)),  # engine/parallel/fused_allreduce.py
     ("attention", ("paged_attention", "combine_splits", "index_copy", "flash", "attention")),
     ("LoRA", ("shrink", "expand")),
     ("GEMMs", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "matmul")),

@@ -4,6 +4,7 @@ process of its own (a hang or crash costs that size's rows, never the run), comp
     python3 benchmarks/tensor_parallel.py --shape L --tp 1 2 4          # W1-L, no LoRA and N=64, tp 1, 2, 4
     python3 benchmarks/tensor_parallel.py --shape 70B --tp 4            # a Llama-3.1-70B shape at tp 4
     python3 benchmarks/tensor_parallel.py --shape L --tp 1 2 4 --concurrent   # tp 1 and 2 side by side
+    python3 benchmarks/tensor_parallel.py --shape 70B --tp 4 --fused-allreduce both   # NCCL, then fused
     python3 benchmarks/tensor_parallel.py --smoke                       # tiny, on the CPU (gloo), tp 1 and 2
 
 Weights are random and made by the engine on each rank's GPU (`load_format="dummy"`): no checkpoint is
@@ -26,6 +27,10 @@ Sizes run one after another on GPUs 0.. by default. With `--concurrent`, sizes w
 run at the same time on disjoint GPUs of the host (tp 1 on GPU 0 beside tp 2 on GPUs 1-2, then tp 4 on
 0-3): each GPU still serves one engine alone, but the ranks share the host's CPUs and PCIe, which the
 table's heading then says.
+
+`--fused-allreduce on|both` runs each size above 1 with the all-reduce fused with the residual add and
+RMSNorm (EngineArgs.fused_allreduce; `both`: without it, then with it, each in a process of its own;
+the rows say "fused"), and the collectives column then gives the fused kernel's time per step too.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import w1_setup as w1  # noqa: E402
 
-NCCL_KINDS = ("NCCL all-reduce", "NCCL all-gather", "NCCL broadcast")
+NCCL_KINDS = ("NCCL all-reduce", "NCCL all-gather", "NCCL broadcast", "fused all-reduce + norm")
 
 
 def parse_args(argv=None):
@@ -67,6 +72,12 @@ def parse_args(argv=None):
         "--timeout", type=float, default=900.0, help="seconds one size may take, start-up included"
     )
     p.add_argument("--no-profile", action="store_true", help="skip the collective-time profile")
+    p.add_argument(
+        "--fused-allreduce",
+        choices=["off", "on", "both"],
+        default="off",
+        help="sizes above 1 with the fused all-reduce + RMSNorm: off, on, or both (one run each)",
+    )
     p.add_argument(
         "--concurrent", action="store_true", help="run sizes that fit side by side on disjoint GPUs at once"
     )
@@ -88,29 +99,44 @@ def parse_args(argv=None):
 # -- one tensor-parallel size, in a process of its own ---------------------------------------------------
 
 
-def placements(sizes: list[int], num_gpus: int, concurrent: bool) -> list[list[tuple[int, int]]]:
+def placements(sizes: list[int], num_gpus: int, concurrent: bool, keys: list | None = None) -> list[list]:
     """Waves of (tp, first GPU): a wave's sizes run at once on disjoint GPUs, the waves one after another.
-    Without `concurrent` each size is a wave of its own, on GPUs 0..tp-1."""
+    Without `concurrent` each size is a wave of its own, on GPUs 0..tp-1. With `keys` (one per size), the
+    waves hold (key, first GPU) instead."""
+    keys = sizes if keys is None else keys
     if not concurrent:
-        return [[(tp, 0)] for tp in sizes]
+        return [[(key, 0)] for key in keys]
     waves: list[list[tuple[int, int]]] = []
-    for tp in sizes:
+    for tp, key in zip(sizes, keys):
         for wave in waves:
-            used = sum(size for size, _ in wave)
+            used = sum(size for size, _, _ in wave)
             if used + tp <= num_gpus:
-                wave.append((tp, used))
+                wave.append((tp, key, used))
                 break
         else:
-            waves.append([(tp, 0)])
-    return waves
+            waves.append([(tp, key, 0)])
+    return [[(key, first) for _, key, first in wave] for wave in waves]
 
 
-def start_size(args, tp: int, first_gpu: int, model_dir: Path, adapters: list[Path], prompts: w1.Prompts):
-    """Every condition at size `tp`, on GPUs first_gpu.., in a spawned process. Not a daemon: the engine
-    starts worker (and adapter loader) processes of its own, which exit by themselves once it is gone."""
+def variants(sizes: list[int], fused: str) -> list[tuple[int, bool]]:
+    """(tp, fused all-reduce) per run: `fused` "off", "on" or "both" for the sizes above 1."""
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[fused]
+    return [(tp, mode) for tp in sizes for mode in (modes if tp > 1 else (False,))]
+
+
+def label(key: tuple[int, bool]) -> str:
+    tp, fused = key
+    return f"{tp} fused" if fused else str(tp)
+
+
+def start_size(args, key, first_gpu: int, model_dir: Path, adapters: list[Path], prompts: w1.Prompts):
+    """Every condition at size `tp` (key: tp, fused all-reduce), on GPUs first_gpu.., in a spawned process.
+    Not a daemon: the engine starts worker (and adapter loader) processes of its own, which exit by
+    themselves once it is gone."""
+    tp, fused = key
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    values = dict(vars(args), first_gpu=first_gpu)
+    values = dict(vars(args), first_gpu=first_gpu, fused_allreduce=fused)
     process = context.Process(
         target=_size_into, args=(results, values, tp, model_dir, adapters, prompts), name=f"tp{tp}"
     )
@@ -185,11 +211,17 @@ def _size(args, tp: int, model_dir: Path, adapters: list[Path], prompts: w1.Prom
                     row["profiled_step"] = wall
                 rows.append(row)
                 print(
-                    f"tp={tp} {row['condition']} {run}: {row['tok_s']:.0f} output tok/s",
+                    f"tp={label((tp, args.fused_allreduce))} {row['condition']} {run}: {row['tok_s']:.0f} output tok/s",
                     file=sys.stderr,
                     flush=True,
                 )
         compiles = engine.stats().num_kernel_compiles_after_ready
+        parallel = engine.runner.parallel
+        fused = None if parallel is None else parallel.group.fused_add_norm
+        if args.fused_allreduce and fused is None:
+            raise RuntimeError(
+                "--fused-allreduce: the engine did not set the fused all-reduce up (see its log)"
+            )
     finally:
         shutdown_started = time.perf_counter()
         engine.shutdown()
@@ -210,7 +242,7 @@ def percentile(values: list[float], q: float) -> float:
 # -- report -----------------------------------------------------------------------------------------
 
 
-def report(args, results: dict[int, dict]) -> str:
+def report(args, results: dict[tuple[int, bool], dict]) -> str:
     measured = [r for result in results.values() for r in result.get("rows", [])]
     bandwidth_note = (
         f"{measured[0]['device']}, copy bandwidth {measured[0]['bandwidth'] / 1e9:.0f} GB/s"
@@ -224,12 +256,14 @@ def report(args, results: dict[int, dict]) -> str:
         + (", sizes side by side on disjoint GPUs where they fit (--concurrent)" if args.concurrent else ""),
         "",
         "| tp | condition | run | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | decode step (ms) "
-        "@ batch | per-GPU floor (ms) | step / floor | all-reduce / all-gather / broadcast (ms/step) | note |",
+        "@ batch | per-GPU floor (ms) | step / floor | all-reduce / all-gather / broadcast / fused all-reduce "
+        "+ norm (ms/step) | note |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    steps: dict[tuple[int, str], float] = {}
-    tok_s: dict[tuple[int, str], float] = {}
-    for tp, result in results.items():
+    steps: dict[tuple, float] = {}
+    tok_s: dict[tuple, float] = {}
+    for key, result in results.items():
+        tp = label(key)
         if "error" in result:
             why = (result["error"].strip().splitlines() or ["?"])[-1][:160].replace("|", "/")
             lines.append(f"| {tp} | - | - | failed | | | | | | | {why} |")
@@ -239,12 +273,12 @@ def report(args, results: dict[int, dict]) -> str:
             if "step" in r:
                 step_cells = f"{1e3 * r['step']:.2f} @ {r['batch']} | {1e3 * r['floor']:.2f} | {r['step'] / r['floor']:.2f}"
                 if r["run"] == "warm":
-                    steps[(tp, r["condition"])] = r["step"]
+                    steps[(key, r["condition"])] = r["step"]
             if r["run"] == "warm":
-                tok_s[(tp, r["condition"])] = r["tok_s"]
+                tok_s[(key, r["condition"])] = r["tok_s"]
             collectives = "-"
             if "collectives" in r:
-                collectives = " / ".join(f"{1e3 * r['collectives'][k]:.3f}" for k in NCCL_KINDS)
+                collectives = " / ".join(f"{1e3 * r['collectives'].get(k, 0.0):.3f}" for k in NCCL_KINDS)
             note = (
                 f"start-up {r['startup']:.0f} s, shutdown {r['shutdown']:.1f} s, {r['graph_replays']} graph "
                 f"replays, {r['compiles']} compiles after ready"
@@ -255,21 +289,25 @@ def report(args, results: dict[int, dict]) -> str:
                 f"| {collectives} | {note} |"
             )
     lines.append("")
-    base_tp = min(results)
-    for (tp, condition), step in sorted(steps.items()):
-        if tp != base_tp and (base_tp, condition) in steps:
-            lines.append(
-                f"- {condition}, tp={tp} / tp={base_tp}: decode step {step / steps[(base_tp, condition)]:.2f}x, "
-                f"output tok/s {tok_s[(tp, condition)] / tok_s[(base_tp, condition)]:.2f}x"
-            )
+    base = min(results)
+    for (key, condition), step in sorted(steps.items()):
+        # each size against the smallest one, and a fused run against the same size without it
+        for other in {base, (key[0], False)} - {key}:
+            if (other, condition) in steps:
+                lines.append(
+                    f"- {condition}, tp={label(key)} / tp={label(other)}: decode step "
+                    f"{step / steps[(other, condition)]:.2f}x, output tok/s "
+                    f"{tok_s[(key, condition)] / tok_s[(other, condition)]:.2f}x"
+                )
     lora = f"N={args.adapters}"
-    for tp in results:
-        if (tp, lora) in tok_s and (tp, "no LoRA") in tok_s:
+    for key in results:
+        if (key, lora) in tok_s and (key, "no LoRA") in tok_s:
             line = (
-                f"- tp={tp}: {lora} / no LoRA output tok/s {tok_s[(tp, lora)] / tok_s[(tp, 'no LoRA')]:.2f}x"
+                f"- tp={label(key)}: {lora} / no LoRA output tok/s "
+                f"{tok_s[(key, lora)] / tok_s[(key, 'no LoRA')]:.2f}x"
             )
-            if (tp, lora) in steps and (tp, "no LoRA") in steps:
-                line += f", decode step {steps[(tp, lora)] / steps[(tp, 'no LoRA')]:.2f}x"
+            if (key, lora) in steps and (key, "no LoRA") in steps:
+                line += f", decode step {steps[(key, lora)] / steps[(key, 'no LoRA')]:.2f}x"
             lines.append(line)
     return "\n".join(lines)
 
@@ -288,18 +326,19 @@ def main(argv=None) -> None:
             root, model_dir, config, args.adapters, args.rank, dtype, distinct=args.distinct_adapters
         )
         num_gpus = torch.cuda.device_count() if args.device == "cuda" else max(args.tp)
-        waves = placements(args.tp, num_gpus, args.concurrent)
+        runs = variants(args.tp, args.fused_allreduce)
+        waves = placements([tp for tp, _ in runs], num_gpus, args.concurrent, keys=runs)
         for number, wave in enumerate(waves, 1):
             started = time.perf_counter()
-            running = {tp: start_size(args, tp, first, model_dir, adapters, prompts) for tp, first in wave}
+            running = {key: start_size(args, key, first, model_dir, adapters, prompts) for key, first in wave}
             deadline = time.monotonic() + args.timeout
-            for tp, handle in running.items():
-                results[tp] = collect_size(handle, deadline)
-                outcome = "failed" if "error" in results[tp] else "done"
+            for key, handle in running.items():
+                results[key] = collect_size(handle, deadline)
+                outcome = "failed" if "error" in results[key] else "done"
                 took = time.perf_counter() - started
-                print(f"tp={tp} {outcome} after {took:.0f} s", file=sys.stderr, flush=True)
-                if "error" in results[tp]:
-                    print(results[tp]["error"], file=sys.stderr, flush=True)
+                print(f"tp={label(key)} {outcome} after {took:.0f} s", file=sys.stderr, flush=True)
+                if "error" in results[key]:
+                    print(results[key]["error"], file=sys.stderr, flush=True)
             if number < len(waves):  # what is measured so far, should a later size outlast the caller
                 print(
                     f"(partial, after {number} of {len(waves)} waves)\n{report(args, results)}\n",

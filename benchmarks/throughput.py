@@ -99,6 +99,7 @@ ENGINE_DEFAULTS = {
     "tensor_parallel_size": 1,
     "load_format": "auto",
     "max_vocab_loras": 0,
+    "fused_allreduce": False,
 }
 
 
@@ -134,6 +135,7 @@ def make_engine(
         tensor_parallel_size=args.tensor_parallel_size,
         load_format=args.load_format,
         max_vocab_loras=min(args.max_vocab_loras, max(1, len(adapters))),
+        fused_allreduce=args.fused_allreduce,
     )
     engine = LLMEngine(config, skip_tokenizer_init=True)
     for i, path in enumerate(adapters):

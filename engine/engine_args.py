@@ -129,6 +129,18 @@ class EngineArgs:
             "beyond the first); 1: one GPU"
         ),
     )
+    # Under tensor parallelism on CUDA: each row-parallel all-reduce of a decode-sized step (o_proj,
+    # down_proj, a MoE block) fused with the residual add and RMSNorm after it, one kernel over the GPUs'
+    # peer-to-peer memory instead of NCCL's all-reduce and the norm's kernel (engine/parallel/
+    # fused_allreduce.py; larger inputs keep NCCL). vLLM's custom all-reduce (disable_custom_all_reduce).
+    # Off until validated on GPUs; no effect at tensor_parallel_size 1 or on the CPU.
+    fused_allreduce: bool = setting(
+        False,
+        flag=Flag(
+            "tensor parallelism on CUDA: fuse each decode-sized all-reduce with the residual add and "
+            "RMSNorm after it (one peer-to-peer kernel instead of NCCL + the norm); larger inputs keep NCCL"
+        ),
+    )
     # vLLM's load_format: "auto" reads the checkpoint's safetensors; "dummy" fills the weights with random
     # values on the device and reads none (benchmarks of a model's shape; config.json is all it needs).
     load_format: str = setting(

@@ -18,6 +18,29 @@ import triton.language as tl
 
 
 @triton.jit
+def add_rounded(x, residual):
+    """residual + x in float32, rounded to the residual's dtype (torch's residual add)."""
+    return (x.to(tl.float32) + residual.to(tl.float32)).to(residual.dtype)
+
+
+@triton.jit
+def rms_norm_row(
+    x, weight_ptr, cols, mask, eps, HIDDEN: tl.constexpr, OFFSET: tl.constexpr, out_dtype: tl.constexpr
+):
+    """RMSNorm of one row `x` (in the model dtype, masked lanes 0) as transformers computes it: Llama's
+    (normalised in float32, rounded, times weight) or Gemma's with OFFSET ((1 + weight), rounded once)."""
+    x32 = x.to(tl.float32)
+    variance = tl.sum(x32 * x32, axis=0) / HIDDEN
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:
+        out = (x32 * tl.math.rsqrt(variance + eps) * (1.0 + weight)).to(out_dtype)
+    else:
+        normed = (x32 * tl.math.rsqrt(variance + eps)).to(x.dtype)
+        out = (weight * normed.to(tl.float32)).to(out_dtype)
+    return out
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [tokens, hidden], row stride stride_x
     residual_ptr,  # [tokens, hidden], row stride stride_r; updated in place to residual + x (if HAS_RESIDUAL)
@@ -37,16 +60,9 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # the residual add, rounded as torch's
+        x = add_rounded(x, r)
         tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
-    x32 = x.to(tl.float32)
-    variance = tl.sum(x32 * x32, axis=0) / HIDDEN
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if OFFSET:
-        out = (x32 * tl.math.rsqrt(variance + eps) * (1.0 + weight)).to(out_ptr.dtype.element_ty)
-    else:
-        normed = (x32 * tl.math.rsqrt(variance + eps)).to(x.dtype)
-        out = (weight * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    out = rms_norm_row(x, weight_ptr, cols, mask, eps, HIDDEN, OFFSET, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * HIDDEN + cols, out, mask=mask)
 
 

@@ -77,6 +77,9 @@ class ParallelGroup:
     joined: bool = True
     # Set when a teardown did not return in time: the process cannot form another group.
     stuck: bool = False
+    # The all-reduce fused with the residual add and RMSNorm (engine/parallel/fused_allreduce.py), when
+    # `use_fused_add_norm` set it up; the layers ask it per call (TensorParallel.reduce_add_norm).
+    fused_add_norm: object | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
@@ -96,6 +99,13 @@ class ParallelGroup:
             device_id=device if device.type == "cuda" else None,  # NCCL's communicator made now, eagerly
         )
         return cls(rank, world_size, device, dist.group.WORLD)
+
+    def use_fused_add_norm(self, enabled: bool) -> None:
+        """Set up the fused all-reduce + RMSNorm if `enabled` and the GPUs allow (every rank calls this at
+        the same point, before building its model; all ranks get it or none does)."""
+        from engine.parallel.fused_allreduce import FusedAllReduceNorm
+
+        self.fused_add_norm = FusedAllReduceNorm.connect(self, enabled)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place (the partial outputs of a row-parallel projection)."""
@@ -138,7 +148,10 @@ class ParallelGroup:
     def abort(self) -> None:
         """NCCL: abort the communicator now (from any thread): kernels waiting on a dead or hung peer
         return, and later collectives fail. Call it once the other ranks are dead or stopping; a no-op on
-        gloo (its collectives fail by themselves when a peer's socket closes) and once left."""
+        gloo (its collectives fail by themselves when a peer's socket closes) and once left. The fused
+        all-reduce's waits end too (its kernels do not listen to NCCL)."""
+        if self.fused_add_norm is not None:
+            self.fused_add_norm.release()
         if self.device.type == "cuda":
             self._teardown(lambda: dist.distributed_c10d._abort_process_group(self.group), "NCCL abort")
 

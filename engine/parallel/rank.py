@@ -136,6 +136,7 @@ class TensorParallelRank:
         device = self.group.device
         tp = TensorParallel(self.rank, self.plan.world_size, self.group)
         try:
+            self.group.use_fused_add_norm(config.fused_allreduce)  # before the layers ask for it
             model = load_model(
                 model_path,
                 hf_config,

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,3 +30,50 @@ def test_concurrent_sizes_take_disjoint_gpus():
     assert placements([1, 2, 4], 4, concurrent=True) == [[(1, 0), (2, 1)], [(4, 0)]]
     assert placements([1, 2, 4], 4, concurrent=False) == [[(1, 0)], [(2, 0)], [(4, 0)]]
     assert placements([2, 2, 1], 4, concurrent=True) == [[(2, 0), (2, 2)], [(1, 0)]]
+
+
+def test_fused_allreduce_runs_each_size_above_one_with_and_without_it():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.tensor_parallel import placements, report, variants
+
+    assert variants([1, 2, 4], "off") == [(1, False), (2, False), (4, False)]
+    assert variants([1, 2], "on") == [(1, False), (2, True)]
+    runs = variants([1, 2], "both")
+    assert runs == [(1, False), (2, False), (2, True)]
+    assert placements([1, 2, 2], 4, True, keys=runs) == [[((1, False), 0), ((2, False), 1)], [((2, True), 0)]]
+    row = dict(
+        condition="no LoRA",
+        run="warm",
+        tok_s=100.0,
+        ttft=[0.1, 0.2],
+        tpot=[0.01, 0.02],
+        graph_replays=5,
+        step=0.02,
+        batch=4,
+        floor=0.01,
+        startup=1.0,
+        shutdown=1.0,
+        compiles=0,
+        bandwidth=1e9,
+        device="GPU",
+    )
+    results = {
+        key: {"rows": [dict(row, step=0.02 / (1 + i), tok_s=100.0 * (1 + i))]} for i, key in enumerate(runs)
+    }
+    results[(2, True)]["rows"][0]["collectives"] = {"fused all-reduce + norm": 0.001}
+    text = report(
+        SimpleNamespace(
+            shape="L",
+            dtype="bfloat16",
+            num_requests=4,
+            min_prompt=1,
+            max_prompt=2,
+            output_tokens=3,
+            adapters=0,
+            rank=16,
+            concurrent=False,
+        ),
+        results,
+    )
+    assert "| 2 fused | no LoRA | warm |" in text and "0.000 / 0.000 / 0.000 / 1.000" in text
+    assert "- no LoRA, tp=2 fused / tp=2: decode step 0.67x, output tok/s 1.50x" in text

@@ -300,3 +300,10 @@ def test_max_vocab_loras_reaches_the_engine_and_the_store():
         engine_config(flags, "some/model").max_vocab_loras == 2 and store_config(flags).vocab_modules_served
     )
     assert settings([], {"LORASERVE_MAX_VOCAB_LORAS": "3"}).max_vocab_loras == 3
+
+
+def test_fused_allreduce_flag_reaches_the_engine():
+    assert engine_config(settings([]), "some/model").fused_allreduce is False
+    flags = settings(["--tensor-parallel-size", "2", "--fused-allreduce"])
+    assert engine_config(flags, "some/model").fused_allreduce is True
+    assert settings([], {"LORASERVE_FUSED_ALLREDUCE": "true"}).fused_allreduce is True

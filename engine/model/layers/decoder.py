@@ -15,6 +15,10 @@ qkv_proj) and hand it to that parameter's own weight loader, which reads this ra
                x, residual = pre_mlp_norm(a, residual)
                hidden = mlp(x)                             [sandwich: hidden = post_feedforward_norm(hidden)]
     hidden, _ = norm(hidden, residual); logits = lm_head(hidden)
+
+Under tensor parallelism with the fused all-reduce (engine/parallel/fused_allreduce.py), `attention`
+and `mlp` return their partial sums and the norm after each all-reduces them, fused with its residual
+add (DecoderLayer.defer_reductions).
 """
 
 from __future__ import annotations
@@ -59,7 +63,20 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(hidden_size, eps, ctx, offset)
             self.post_feedforward_layernorm = RMSNorm(hidden_size, eps, ctx, offset)
 
+    def defer_reductions(self) -> None:
+        """Under tensor parallelism with the fused all-reduce: the attention's o_proj and the MLP hand
+        their partial sums to the norm after them (post_attention_layernorm; the next layer's
+        input_layernorm or the final norm), which all-reduces them with its residual add. Not with
+        sandwich norms, whose post-norms normalise the layer's output alone."""
+        if self.sandwich:
+            return
+        self.self_attn.o_proj.defer_reduce = True
+        mlp = getattr(self.mlp, "down_proj", self.mlp)  # GatedMLP's last projection, or a MoE block
+        if hasattr(mlp, "defer_reduce"):
+            mlp.defer_reduce = True
+
     def forward(self, hidden, residual, meta, kv_cache, lora) -> tuple[torch.Tensor, torch.Tensor]:
+        # hidden: [tokens, hidden], or the previous layer's MLP partial sums (PartialSums)
         if residual is None:
             residual = hidden
             x = self.input_layernorm(hidden)
@@ -179,6 +196,9 @@ class DecoderModel(nn.Module):
             config.vocab_size, config.hidden_size, ctx, self.embedding_scale(config)
         )
         self.model.layers = nn.ModuleList(layers)
+        if ctx.fused and ctx.tp.fuses_add_norm:  # the fused kernel rounds as the Triton norm does
+            for layer in layers:
+                layer.defer_reductions()
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx, self.norm_offset)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(

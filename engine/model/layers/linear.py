@@ -26,7 +26,7 @@ from engine.model.fp8_checkpoint import grouped_scale, resolve_gemm
 from engine.model.fp8_linear import BLOCK, Fp8Linear, linear, quantize_with, weight_scales
 from engine.model.kv_quant import FP8_DTYPE
 from engine.model.layers.context import BuildContext
-from engine.model.layers.sharding import Split
+from engine.model.layers.sharding import PartialSums, Split
 
 
 def new_param(
@@ -236,15 +236,22 @@ class RowParallelLinear(ParallelLinear):
             raise ValueError(block_cut_message("a row-parallel projection", inputs.size, tp.world_size))
         in_local = self.in_end - self.in_start
         super().__init__(out_features, in_local, ctx, out_features if bias else None, (None,))
+        # Set by the model where an RMSNorm with the residual add comes next: forward returns PartialSums
+        # and that norm all-reduces them (fused, engine/parallel/fused_allreduce.py).
+        self.defer_reduce = False
         if ctx.fp8 is not None:  # the checkpoint's groups: 128 columns of the whole input, or all of it
             self.file_group_size = BLOCK if ctx.fp8.blocked and inputs.size > BLOCK else inputs.size
 
-    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:  # [tokens, in_local] -> [tokens, out]
+    def forward(
+        self, x: torch.Tensor, lora=None
+    ) -> torch.Tensor | PartialSums:  # [tokens, in_local] -> [tokens, out]
         if self.tp.world_size == 1:
             return self.with_lora(x, lora)
         # Partial sums, LoRA's too (its A holds this rank's input columns): one all-reduce completes both.
         y = linear(x, self.kernel)
         self.lora_delta(y, x, lora)
+        if self.defer_reduce:
+            return PartialSums(y, self.bias, self.tp)
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 

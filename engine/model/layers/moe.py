@@ -30,7 +30,7 @@ from torch import nn
 from engine.model import moe_kernels
 from engine.model.layers.context import BuildContext
 from engine.model.layers.linear import check_shape, new_param
-from engine.model.layers.sharding import Split
+from engine.model.layers.sharding import PartialSums, Split
 from lora_kernels.tiles import interpreting
 
 # The parts of one expert's gated MLP in a per-expert checkpoint, by its name for them.
@@ -157,6 +157,7 @@ class SparseMoE(nn.Module):
         self.gate = Router(spec.num_experts, hidden_size, ctx)
         self.experts = Experts(spec, hidden_size, ctx, ctx.expert_parallel)
         self.layer: int | None = None  # set by the model: the LoRA pool's layer index
+        self.defer_reduce = False  # set by the model: forward returns PartialSums (RowParallelLinear's)
         # The Triton kernels on CUDA and on the Triton path (interpreted on the CPU); the torch path elsewhere.
         triton_path = ctx.device.type == "cuda" or ctx.attention_backend == "triton"
         self.backend = backend or ("triton" if triton_path else "torch")
@@ -205,4 +206,6 @@ class SparseMoE(nn.Module):
             down_delta = None if expert_lora is None else expert_lora.down(inter)
             out = moe_kernels.down_weighted_torch(inter, experts.down_proj, flat_weights, local, down_delta)
         y = out.view(num_tokens, top_k, -1).sum(dim=1)
+        if self.defer_reduce:  # the next norm all-reduces (RowParallelLinear.defer_reduce)
+            return PartialSums(y, None, self.tp)
         return self.tp.all_reduce(y)

@@ -10,6 +10,7 @@ from torch import nn
 from engine.model import fused_ops
 from engine.model.layers.context import BuildContext
 from engine.model.layers.linear import check_shape, new_param, refuse_float8
+from engine.model.layers.sharding import PartialSums
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
@@ -27,10 +28,16 @@ class RMSNorm(nn.Module):
         self.weight = new_param((size,), ctx.dtype, ctx.device, self._load)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); or with `residual`: (norm(residual + x), residual + x), the sum stored into `residual`
-        in place on the fused path (vLLM's fused add)."""
+        in place on the fused path (vLLM's fused add). `x` may be a row-parallel layer's partial sums: the
+        all-reduce then happens here, fused with the add and the norm where it can be."""
+        if isinstance(x, PartialSums):
+            if residual is None:
+                x = x.reduce()
+            else:
+                return x.tp.reduce_add_norm(x, residual, self)
         if self.fused and x.dim() == 2:
             out = fused_ops.rms_norm(x, self.weight, self.eps, residual, self.offset)
             return out if residual is None else (out, residual)

@@ -49,10 +49,28 @@ class Collectives(Protocol):
     """What the layers need of a process group (engine.parallel.group.ParallelGroup)."""
 
     group: object
+    # The all-reduce fused with the residual add and RMSNorm, or None (engine/parallel/fused_allreduce.py).
+    fused_add_norm: object | None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class PartialSums:
+    """A row-parallel layer's output before its all-reduce (o_proj, down_proj, a MoE block), when the
+    RMSNorm that follows completes it: one fused call (TensorParallel.reduce_add_norm) instead of NCCL's
+    all-reduce, the bias add and the norm's own kernel. Only the model's norms take it."""
+
+    values: torch.Tensor  # [tokens, hidden]: this rank's partial sums
+    bias: torch.Tensor | None  # [hidden]: added once, after the sum
+    tp: TensorParallel
+
+    def reduce(self) -> torch.Tensor:  # [tokens, hidden]
+        """The sum over the ranks (+ bias), as the layer would have returned it."""
+        x = self.tp.all_reduce(self.values)
+        return x if self.bias is None else x + self.bias
 
 
 @dataclass(frozen=True)
@@ -69,6 +87,22 @@ class TensorParallel:
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:  # [n, cols] -> [n, world_size * cols]
         return x if self.group is None else self.group.gather_columns(x)
+
+    @property
+    def fuses_add_norm(self) -> bool:
+        """Whether row-parallel layers hand their partial sums to the next norm (PartialSums)."""
+        return self.group is not None and getattr(self.group, "fused_add_norm", None) is not None
+
+    def reduce_add_norm(
+        self, sums: PartialSums, residual: torch.Tensor, norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + sum + bias), residual + sum + bias), the sum stored into `residual`: the fused
+        kernel where it takes this input (FusedAllReduceNorm.fits decides), else NCCL's all-reduce, the
+        bias add and `norm(x, residual)`, exactly the ops of an unfused layer."""
+        fused = self.group.fused_add_norm
+        if fused.fits(sums.values):
+            return fused(sums.values, residual, norm.weight, norm.eps, norm.offset, sums.bias), residual
+        return norm(sums.reduce(), residual)
 
     def all_max_(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise maximum over the ranks, in place (used while loading, never in a step)."""

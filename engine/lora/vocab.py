@@ -23,9 +23,9 @@ where its slot owns an embedding, that slot's row instead (one gather and a `whe
 tokens); the logits rows of own-head slots are recomputed from their heads by one kernel launch
 (lora_kernels/own_heads.py) whose programs of heads no row uses exit at once, so a step reads only the
 heads its rows use. Nothing reads the device back to the host. Eager steps with adapters run the same
-code (so the warm-up's LoRA steps compile the kernel before ready); only speculative verification steps
-holding such tokens run eagerly instead of in their graphs (`step_uses`). With max_vocab_loras 0 there is
-no VocabSlots and none of this runs.
+code (so the warm-up's LoRA steps compile the kernel before ready), and so do the speculative
+verification graphs (engine/spec_decode/verify_graphs.py: every lane row, ghosts without an adapter).
+With max_vocab_loras 0 there is no VocabSlots and none of this runs.
 """
 
 from __future__ import annotations
@@ -153,8 +153,8 @@ class VocabSlots:
         return head.weight if head.weight is not None else self._base[0]
 
     def step_uses(self, slots: np.ndarray) -> bool:
-        """Whether any of `slots` ([requests] int32, -1 for none) owns a matrix (the verification graphs
-        do not hold this path: such steps verify eagerly)."""
+        """Whether any of `slots` ([requests] int32, -1 for none) owns a matrix (what the tests count
+        graph replays of)."""
         return bool(self.owns_host[slots[slots >= 0]].any())
 
     def embed(self, token_slots: torch.Tensor, input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

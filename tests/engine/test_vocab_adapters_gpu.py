@@ -10,6 +10,8 @@ their decode steps replay the graphs too (engine/lora/vocab.py: static shapes, c
   differ, each side's token is among the other's top 5 (factories.check_greedy_close; the first-32-token
   agreement is printed, not held: on this tiny model PEFT in bf16 agrees with itself in float32 at ~0.4,
   benchmarks/bf16_sensitivity.py).
+- speculative decoding (n-gram, float32): verification steps holding such adapters' tokens replay the
+  verification graphs, with PEFT's greedy tokens.
 
     TRITON_INTERPRET=0 python -m pytest tests/engine/test_vocab_adapters_gpu.py -m gpu -q -s
 """
@@ -22,7 +24,13 @@ import random
 import pytest
 import torch
 from factories import TOP_LOGPROBS, check_greedy_close, engine_greedy, make_adapter, make_model
-from formats_fixtures import VocabReplays, greedy_by_adapter, make_vocab_adapter
+from formats_fixtures import (
+    SPEC_NGRAM,
+    VocabReplays,
+    greedy_by_adapter,
+    make_vocab_adapter,
+    make_vocab_spec_case,
+)
 
 from engine import LLM, SamplingParams, kernel_compiles
 
@@ -143,3 +151,34 @@ def test_bfloat16_agrees_with_peft_with_graphs_and_eagerly(case):
         *check_greedy_close(rows[False], rows[True], "vocab adapters bf16, graphs vs eager", NUM_TOKENS),
     ]
     assert not failures, "; ".join(failures)
+
+
+def test_float32_speculative_verification_of_vocab_adapters_replays_graphs(tmp_path):
+    case = make_vocab_spec_case(tmp_path, 24)
+    llm = LLM(
+        str(case["model"]),
+        lora_modules={k: str(v) for k, v in case["adapters"].items()},
+        speculative_config=SPEC_NGRAM,
+        skip_tokenizer_init=True,
+        max_loras=3,
+        max_vocab_loras=2,
+        max_lora_rank=8,
+        max_num_seqs=4,
+        max_model_len=64,
+        dtype="float32",
+    )
+    try:
+        replays = VocabReplays(llm.engine.runner)
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        outputs = llm.generate(case["prompts"], params, case["assigned"])
+        assert [o.outputs[0].token_ids for o in outputs] == case["expected"]
+        spec = llm.engine.stats().spec_decode
+        print(
+            f"vocab adapters, speculation: {replays.verify_vocab} of {replays.verify_total} verification "
+            f"graph steps held their tokens; {spec.num_accepted_tokens} of {spec.num_draft_tokens} accepted"
+        )
+        assert replays.verify_vocab > 0 and spec.num_accepted_tokens > 0
+        compiled = llm.engine.stats().num_kernel_compiles_after_ready
+        assert compiled == 0, f"{compiled} compiles after ready: {list(kernel_compiles.install().recent)}"
+    finally:
+        close(llm)

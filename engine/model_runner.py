@@ -87,13 +87,13 @@ class ModelRunner:
                 config.max_vocab_loras,
             )
             self.lora_slots.dora_base = DoraBase(self.model, self.lora_slots.layout)
-            if config.max_vocab_loras:
-                self.lora_slots.vocab = VocabSlots(
-                    self.model, config.max_vocab_loras, config.max_loras, self.dtype, self.device
-                )
         else:
             self.model, self.lora_slots = parallel.build(
                 config, model_path, hf_config, self.dtype, max_model_len, self.attention_backend
+            )
+        if config.max_vocab_loras:  # this rank's vocabulary rows of them (the whole vocabulary at tp 1)
+            self.lora_slots.vocab = VocabSlots(
+                self.model, config.max_vocab_loras, config.max_loras, self.dtype, self.device
             )
         self.num_kv_blocks = config.num_kv_blocks or self._profile_num_kv_blocks()
         if parallel is not None:  # every rank's cache holds the same blocks (its own heads of them)

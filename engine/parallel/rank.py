@@ -36,6 +36,7 @@ import torch.distributed as dist
 from engine.lora.dora import DoraBase
 from engine.lora.pool import LoRAPool
 from engine.lora.slots import SlotImage
+from engine.lora.vocab import TABLE_COLUMNS, parts_from_flat
 from engine.model.attention import AttentionMetadata
 from engine.model.layers.sharding import TensorParallel
 from engine.model.loader import load_model
@@ -152,14 +153,14 @@ class TensorParallelRank:
         except BaseException:
             self.shutdown()  # rank 0: no worker outlives a start-up that failed, and the group is left
             raise
-        budget = config.lora_pool_rank_budget
+        budget, vocab = config.lora_pool_rank_budget, config.max_vocab_loras
         if self.rank == 0:
             slots = RankZeroLoRASlots(
-                self.plan, config.max_loras, config.max_lora_rank, dtype, device, budget
+                self.plan, config.max_loras, config.max_lora_rank, dtype, device, budget, vocab
             )
         else:
             shape = self.plan.local_shape
-            slots = LoRAPool(shape, config.max_loras, config.max_lora_rank, dtype, device, budget)
+            slots = LoRAPool(shape, config.max_loras, config.max_lora_rank, dtype, device, budget, vocab)
         local = slots.local_layout if self.rank == 0 else slots.layout
         slots.dora_base = DoraBase(model, local, self.group, ROW_PARALLEL)
         self.lora_slots = slots
@@ -244,8 +245,15 @@ class TensorParallelRank:
         pending = self.lora_slots.take_pending()
         return [
             [
-                SlotLoad(slot, pages, tensor_bytes(shards[r].weights), tensor_bytes(shards[r].table))
-                for slot, pages, shards in pending
+                SlotLoad(
+                    p.slot,
+                    p.pages,
+                    tensor_bytes(p.shards[r].weights),
+                    tensor_bytes(p.shards[r].table),
+                    p.vocab_table,
+                    p.vocab[r] if p.vocab else [],
+                )
+                for p in pending
             ]
             for r in range(self.plan.world_size - 1)
         ]
@@ -263,6 +271,11 @@ class TensorParallelRank:
             weights = bytes_tensor(load.weights, slots.dtype)
             table = bytes_tensor(load.table, torch.int32).view(slots.table.shape[:2])
             slots.load(load.slot, SlotImage(slots.layout, weights, table), load.pages)
+            if load.vocab_table:  # its own embedding / head: this rank's vocabulary rows
+                vocab_table = bytes_tensor(load.vocab_table, torch.int32).view(2, TABLE_COLUMNS)
+                flat = [bytes_tensor(data, slots.dtype) for data in load.vocab]
+                parts = parts_from_flat(vocab_table, flat, slots.vocab.matrices[0].shape[2])
+                slots.vocab.load(load.slot, parts, vocab_table)
         slots.finish_dora()  # with rank 0 and the other workers (engine/lora/dora.py)
 
     def receive_eager(self, step: EagerStep):

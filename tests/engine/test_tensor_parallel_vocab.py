@@ -121,11 +121,9 @@ def test_vocab_graph_steps_over_two_ranks_match_peft(tmp_path, monkeypatch):
         max_num_batched_tokens=64,
     )
     prompts = [p["prompt_token_ids"] for p in spec_case["prompts"]]
-    for spec in (None, SPEC_NGRAM):
-        with engine(spec_case["model"], speculative_config=spec, **args) as llm:
-            got = greedy(llm, prompts, spec_case["assigned"], 10, ignore_eos=True)
-            stats = llm.engine.stats()
-        assert got == spec_case["expected"], f"speculative_config {spec}"
-        assert stats.num_decode_graph_replays > 0 or spec is not None
-        if spec is not None:
-            assert stats.num_verify_graph_replays > 0
+    with engine(spec_case["model"], speculative_config=SPEC_NGRAM, **args) as llm:
+        got = greedy(llm, prompts, spec_case["assigned"], 10, ignore_eos=True)
+        stats = llm.engine.stats()
+    assert got == spec_case["expected"]
+    # steps where no request proposes replay the decode graphs, the others the verification graphs
+    assert stats.num_decode_graph_replays > 0 and stats.num_verify_graph_replays > 0

@@ -8,7 +8,6 @@
   engine/model/layers/linear.py).
 - DoRA's magnitudes follow the output rows, as B does; each rank scales its own partial sums by the
   whole row's scale, which the all-reduce then sums (engine/lora/dora.py makes the scales).
-
 - An adapter's own embedding and LM head (engine/lora/vocab.py: modules_to_save, or LoRA on them merged
   whole or kept as factors) follow the vocabulary split of the base's (engine/model/layers/embedding.py):
   each rank holds rows [start, end) of its `plan.vocab_range`, whole matrices cut by rows, LoRA factors

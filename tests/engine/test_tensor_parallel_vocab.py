@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import random
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
+import torch
 from factories import make_adapter, make_model
 from formats_fixtures import SPEC_NGRAM, greedy_by_adapter, make_vocab_adapter, make_vocab_spec_case
 
 from engine import LLM, SamplingParams
 from engine.cuda_graphs import UNCAPTURED_GRAPHS_ENV
+from engine.lora.vocab import EMBED, FACTORS, HEAD, OWN, TABLE_COLUMNS, VocabSlots, parts_from_flat
+from engine.parallel.lora_shards import vocab_shard
+from engine.parallel.messages import bytes_tensor
 
 NUM_TOKENS = 6
 VOCAB = 511  # odd: the second rank's shard has a padding row
@@ -127,3 +132,54 @@ def test_vocab_graph_steps_over_two_ranks_match_peft(tmp_path, monkeypatch):
     assert got == spec_case["expected"]
     # steps where no request proposes replay the decode graphs, the others the verification graphs
     assert stats.num_decode_graph_replays > 0 and stats.num_verify_graph_replays > 0
+
+
+def _fake_shard(vocab: int, hidden: int, rank: int, world: int, weights: tuple[torch.Tensor, torch.Tensor]):
+    """What VocabSlots reads of a model: rank `rank`'s embedding and head rows of `weights` (padded)."""
+    per_rank = -(-vocab // world)
+    start = rank * per_rank
+    cut = [torch.zeros(per_rank, hidden) for _ in weights]
+    for c, w in zip(cut, weights):
+        c[: max(0, min(vocab, start + per_rank) - start)] = w[start : start + per_rank]
+    embedding = SimpleNamespace(
+        weight=cut[0], vocab_start=start, vocab_per_rank=per_rank, vocab_size=vocab, hidden_size=hidden
+    )
+    return SimpleNamespace(
+        model=SimpleNamespace(embed_tokens=embedding), lm_head=SimpleNamespace(weight=cut[1])
+    )
+
+
+def test_vocab_rows_cut_over_ranks_equal_one_ranks():
+    """An own embedding (whole) and a head as LoRA factors (merged on each rank with its base rows): the
+    ranks' rows, sent as rank 0 sends them, side by side equal one rank's matrices."""
+    vocab, hidden, rank, world = 37, 8, 3, 2
+    torch.manual_seed(0)
+    base = (torch.randn(vocab, hidden), torch.randn(vocab, hidden))
+    room = torch.zeros(2, vocab, hidden)
+    table = torch.zeros(2, TABLE_COLUMNS, dtype=torch.int32)
+    room[EMBED] = torch.randn(vocab, hidden)
+    table[EMBED, 0] = OWN
+    left, right = torch.randn(vocab, rank), torch.randn(rank, hidden)
+    flat = room[HEAD].view(-1)
+    flat[: vocab * rank] = left.flatten()
+    flat[vocab * rank : vocab * rank + rank * hidden] = right.flatten()
+    table[HEAD, 0], table[HEAD, 1] = FACTORS, rank
+    table[HEAD, 2:3].view(torch.float32)[0] = 0.5
+    whole = VocabSlots(_fake_shard(vocab, hidden, 0, 1, base), 1, 2, torch.float32, torch.device("cpu"))
+    whole.load_image(0, room, table)
+    assert torch.allclose(whole.matrices[HEAD][0], base[1] + 0.5 * left @ right, atol=1e-5)
+    plan = SimpleNamespace(vocab_range=lambda r: (r * 19, min(r * 19 + 19, vocab)))
+    image = SimpleNamespace(vocab=room, vocab_table=table)
+    for r in range(world):
+        shard = VocabSlots(
+            _fake_shard(vocab, hidden, r, world, base), 1, 2, torch.float32, torch.device("cpu")
+        )
+        tensors = [bytes_tensor(data, torch.float32) for data in vocab_shard(image, plan, r)]
+        shard.load(0, parts_from_flat(table, tensors, hidden), table)
+        start, end = plan.vocab_range(r)
+        for index in (EMBED, HEAD):
+            got = shard.matrices[index][0]
+            # (the merge's products per row, in other row blocks: equal up to the BLAS's blocking)
+            torch.testing.assert_close(got[: end - start], whole.matrices[index][0][start:end])
+            assert not got[end - start :].any()  # the last shard's padding row
+        assert shard.owner[:, 0].tolist() == [0, 0]

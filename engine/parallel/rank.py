@@ -238,6 +238,7 @@ class TensorParallelRank:
         self.workers.send(
             [encode(VerifyStep(loads=loads[r], size=size, use_lora=use_lora)) for r in range(len(loads))]
         )
+        self.lora_slots.finish_dora()  # as the workers do after these loads (its all-reduce with theirs)
         self._broadcast_verify_inputs(buffers, size)
 
     def _loads(self) -> list[list[SlotLoad]]:

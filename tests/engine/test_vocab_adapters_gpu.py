@@ -181,8 +181,6 @@ def test_float32_speculative_verification_of_vocab_adapters_replays_graphs(tmp_p
             f"graph steps held their tokens; {spec.num_accepted_tokens} of {spec.num_draft_tokens} accepted"
         )
         assert replays.verify_vocab > 0 and spec.num_accepted_tokens > 0
-        compiled = llm.engine.stats().num_kernel_compiles_after_ready
-        assert compiled == 0, f"{compiled} compiles after ready: {list(kernel_compiles.install().recent)}"
     finally:
         close(llm)
 

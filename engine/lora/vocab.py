@@ -116,19 +116,19 @@ def rank_parts(matrices: torch.Tensor, table: torch.Tensor, start: int, end: int
     return parts
 
 
-def parts_from_flat(table: torch.Tensor, flat: list[torch.Tensor], hidden: int) -> list[tuple]:
-    """`rank_parts` again from its tensors in order, each flattened (how rank 0 sends a worker its rows)."""
-    parts, tensors = [], iter(flat)
+def part_shapes(table: torch.Tensor, rows: int, hidden: int) -> list[list[tuple[int, int]]]:
+    """The shapes of `rank_parts`'s tensors for `rows` vocabulary rows, per matrix (what a worker receives)."""
+    shapes = []
     for index in (EMBED, HEAD):
         mode = int(table[index, 0])
         if mode == OWN:
-            parts.append((next(tensors).view(-1, hidden),))
+            shapes.append([(rows, hidden)])
         elif mode == FACTORS:
             rank = int(table[index, 1])
-            parts.append((next(tensors).view(-1, rank), next(tensors).view(rank, hidden)))
+            shapes.append([(rows, rank), (rank, hidden)])
         else:
-            parts.append(())
-    return parts
+            shapes.append([])
+    return shapes
 
 
 class VocabSlots:

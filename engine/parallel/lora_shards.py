@@ -13,6 +13,8 @@
   each rank holds rows [start, end) of its `plan.vocab_range`, whole matrices cut by rows, LoRA factors
   by the rows of `left` with `right` whole (each rank merges them with its own shard of the base). The
   embedding's masked all-reduce and the head's logits all-gather then assemble exactly tp 1's rows.
+  Being vocabulary-sized, the workers' rows do not ride in the step's header: rank 0 broadcasts them
+  over the process group right after it, in chunks staged on its device (engine/parallel/rank.py).
 
 The CPU tier keeps whole adapters (validated against the whole model); a slot on a rank holds its shard.
 """
@@ -70,11 +72,11 @@ def shard_image(image: SlotImage, local: SlotLayout, plan: ShardPlan, rank: int)
     return shard
 
 
-def vocab_shard(image: SlotImage, plan: ShardPlan, rank: int) -> list[bytes]:
-    """Rank `rank`'s vocabulary rows of an adapter's own embedding and head (vocab.rank_parts), each
-    tensor raw, in order (vocab.parts_from_flat reads them back with the image's vocab table)."""
+def vocab_shard(image: SlotImage, plan: ShardPlan, rank: int) -> list[tuple[torch.Tensor, ...]]:
+    """Rank `rank`'s vocabulary rows of an adapter's own embedding and head (vocab.rank_parts), copied
+    out of the image (its CPU-tier row may be refilled before the next step sends them)."""
     parts = rank_parts(image.vocab, image.vocab_table, *plan.vocab_range(rank))
-    return [tensor_bytes(t) for part in parts for t in part]
+    return [tuple(t.clone() for t in part) for part in parts]
 
 
 class PendingLoad(NamedTuple):
@@ -84,7 +86,7 @@ class PendingLoad(NamedTuple):
     pages: list[int]
     shards: list[SlotImage]
     vocab_table: bytes  # the image's vocab table raw (b"": the adapter owns no embedding or head)
-    vocab: list[list[bytes]]  # per worker, vocab_shard
+    vocab: list[list[tuple[torch.Tensor, ...]]]  # per worker, vocab_shard (sent by broadcast)
 
 
 class RankZeroLoRASlots(LoRAPool):

@@ -18,9 +18,8 @@ from formats_fixtures import SPEC_NGRAM, greedy_by_adapter, make_vocab_adapter, 
 
 from engine import LLM, SamplingParams
 from engine.cuda_graphs import UNCAPTURED_GRAPHS_ENV
-from engine.lora.vocab import EMBED, FACTORS, HEAD, OWN, TABLE_COLUMNS, VocabSlots, parts_from_flat
+from engine.lora.vocab import EMBED, FACTORS, HEAD, OWN, TABLE_COLUMNS, VocabSlots, part_shapes
 from engine.parallel.lora_shards import vocab_shard
-from engine.parallel.messages import bytes_tensor
 
 NUM_TOKENS = 6
 VOCAB = 511  # odd: the second rank's shard has a padding row
@@ -151,7 +150,7 @@ def _fake_shard(vocab: int, hidden: int, rank: int, world: int, weights: tuple[t
 
 def test_vocab_rows_cut_over_ranks_equal_one_ranks():
     """An own embedding (whole) and a head as LoRA factors (merged on each rank with its base rows): the
-    ranks' rows, sent as rank 0 sends them, side by side equal one rank's matrices."""
+    ranks' rows, in the shapes a worker receives them, side by side equal one rank's matrices."""
     vocab, hidden, rank, world = 37, 8, 3, 2
     torch.manual_seed(0)
     base = (torch.randn(vocab, hidden), torch.randn(vocab, hidden))
@@ -174,9 +173,10 @@ def test_vocab_rows_cut_over_ranks_equal_one_ranks():
         shard = VocabSlots(
             _fake_shard(vocab, hidden, r, world, base), 1, 2, torch.float32, torch.device("cpu")
         )
-        tensors = [bytes_tensor(data, torch.float32) for data in vocab_shard(image, plan, r)]
-        shard.load(0, parts_from_flat(table, tensors, hidden), table)
+        parts = vocab_shard(image, plan, r)
         start, end = plan.vocab_range(r)
+        assert [[t.shape for t in part] for part in parts] == part_shapes(table, end - start, hidden)
+        shard.load(0, parts, table)
         for index in (EMBED, HEAD):
             got = shard.matrices[index][0]
             # (the merge's products per row, in other row blocks: equal up to the BLAS's blocking)

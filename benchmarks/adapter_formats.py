@@ -8,6 +8,7 @@ step over the plain run's (the issue's target: within 1.25x).
     python3 benchmarks/adapter_formats.py --lm-head-fraction 0   # DoRA only
     python3 benchmarks/adapter_formats.py --dora-fraction 0      # saved lm_heads only
     python3 benchmarks/adapter_formats.py --smoke                # tiny model on the CPU (checks that it runs)
+    python3 benchmarks/adapter_formats.py --tensor-parallel-size 2   # both runs over 2 GPUs (vocab rows split)
 
 The DoRA adapters are the plain ones plus use_dora and magnitude vectors (random, near the base rows'
 norms); the lm_head ones are the plain ones plus a random [vocab, hidden] head under modules_to_save:
@@ -80,6 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs of both runs (default 1)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few requests")
     args = p.parse_args(argv)
     args.device, args.dtype = "cuda", "bfloat16"
@@ -136,7 +138,10 @@ def main(argv=None) -> None:
                 args, name, model_dir, adapters, prompts.measured, max_len, None, prompts.warm_up
             )
             runs.append(result)
-    print(f"W1 shape {args.shape}, {args.dtype}, N={args.adapters} rank {args.rank}, {device}")
+    print(
+        f"W1 shape {args.shape}, {args.dtype}, N={args.adapters} rank {args.rank}, {device}, "
+        f"tensor_parallel_size {args.tensor_parallel_size}"
+    )
     print(f"{'run':<22} {'output tok/s':>12} {'decode step ms':>15}  note")
     for r in runs:
         print(f"{r.name:<22} {r.tokens_per_second:>12.0f} {steady_step_ms(r):>15.2f}  {r.note}")

@@ -215,7 +215,8 @@ class EngineArgs:
     )
     # GPU slots (and as many CPU-tier rows) with room for an adapter's own embedding and LM head
     # (modules_to_save, LoRA on embed_tokens / lm_head): 2 x vocab x hidden each, on the GPU (counted in
-    # gpu_memory_utilization, before the KV cache) and in host memory. 0: such adapters are refused.
+    # gpu_memory_utilization, before the KV cache; split by vocabulary over tensor-parallel ranks) and in
+    # host memory. 0: such adapters are refused.
     max_vocab_loras: int = setting(
         0,
         flag=Flag(
@@ -388,11 +389,6 @@ def check_engine_args(args: EngineArgs) -> None:
     if not 0 <= vocab <= args.max_loras:
         raise ValueError(
             f"{label('max_vocab_loras')} ({vocab}) must be from 0 to {label('max_loras')} ({args.max_loras})"
-        )
-    if vocab and args.tensor_parallel_size > 1:
-        raise ValueError(
-            f"{label('max_vocab_loras')} (adapters with their own embedding or LM head) is not supported with "
-            f"{label('tensor_parallel_size')} > 1 yet: the vocabulary-sharded copies are not built"
         )
     if args.max_model_len is not None:
         _positive(label("max_model_len"), args.max_model_len)

@@ -87,13 +87,13 @@ class ModelRunner:
                 config.max_vocab_loras,
             )
             self.lora_slots.dora_base = DoraBase(self.model, self.lora_slots.layout)
-            if config.max_vocab_loras:
-                self.lora_slots.vocab = VocabSlots(
-                    self.model, config.max_vocab_loras, config.max_loras, self.dtype, self.device
-                )
         else:
             self.model, self.lora_slots = parallel.build(
                 config, model_path, hf_config, self.dtype, max_model_len, self.attention_backend
+            )
+        if config.max_vocab_loras:  # this rank's vocabulary rows of them (the whole vocabulary at tp 1)
+            self.lora_slots.vocab = VocabSlots(
+                self.model, config.max_vocab_loras, config.max_loras, self.dtype, self.device
             )
         self.num_kv_blocks = config.num_kv_blocks or self._profile_num_kv_blocks()
         if parallel is not None:  # every rank's cache holds the same blocks (its own heads of them)
@@ -186,8 +186,8 @@ class ModelRunner:
         self.prompt_logprobs = {}
         # needs every row's hidden state: eager
         wants_prompt = wants_prompt_logprobs(scheduled)
-        # Adapters that own an embedding or LM head (engine/lora/vocab.py): their path has static shapes
-        # and the decode graphs capture it; the verification graphs do not, so such steps verify eagerly.
+        # Adapters that own an embedding or LM head (engine/lora/vocab.py): their path has static shapes,
+        # so the decode and verification graphs capture it with the LoRA kernels.
         vocab = self.lora_slots.vocab
         if (
             self.graphs is not None
@@ -204,13 +204,7 @@ class ModelRunner:
                 return logits
             rows = [i for i, s in enumerate(scheduled) if s.samples]
             return logits[torch.tensor(rows, device=logits.device)]
-        vocab_step = vocab is not None and vocab.step_uses(self.inputs.lora_slots[: len(scheduled)])
-        if (
-            self.verify_graphs is not None
-            and not wants_prompt
-            and not vocab_step
-            and self.verify_graphs.fits(scheduled)
-        ):
+        if self.verify_graphs is not None and not wants_prompt and self.verify_graphs.fits(scheduled):
             return self.verify_graphs.execute(self.inputs, scheduled, in_flight, self.parallel)
         input_ids, meta, token_slots, logits_rows = self.inputs.prepare_eager(scheduled, in_flight)
         if self.parallel is not None:

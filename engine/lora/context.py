@@ -24,8 +24,8 @@ class LoRAContext:
     # kernel rank, as under tensor parallelism.
     rank_buckets: tuple[int, ...] | None = None
     # Whether the step runs the path of adapters' own embeddings and LM heads (engine/lora/vocab.py): the
-    # runner's steps and decode graphs do whenever the pool has vocab slots (static shapes; rows of
-    # other adapters keep the base's), the verification graphs never (vocab steps verify eagerly).
+    # runner's steps, decode and verification graphs do whenever the pool has vocab slots (static
+    # shapes; rows of other adapters keep the base's).
     vocab: bool = False
     _meta: LoRABatchMeta | None = field(default=None, init=False)
     # The checked plan of each launch group this step (lora_kernels.ops.plan_paged), by its modules.

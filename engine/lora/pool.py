@@ -172,7 +172,7 @@ class LoRAPool:
         self.table[:, :, slot].copy_(image.table, non_blocking=True)
         self.slot_buckets[slot] = self.bucket_mask(image)
         if self.vocab is not None:  # its own embedding / head, or none: the slot's old ones are dropped
-            self.vocab.load(slot, image.vocab, image.vocab_table)
+            self.vocab.load_image(slot, image.vocab, image.vocab_table)
         elif image.owns_vocab:
             raise ValueError("this adapter pool holds no adapter's own embedding or LM head")
         if image.use_dora:

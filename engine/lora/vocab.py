@@ -23,9 +23,16 @@ where its slot owns an embedding, that slot's row instead (one gather and a `whe
 tokens); the logits rows of own-head slots are recomputed from their heads by one kernel launch
 (lora_kernels/own_heads.py) whose programs of heads no row uses exit at once, so a step reads only the
 heads its rows use. Nothing reads the device back to the host. Eager steps with adapters run the same
-code (so the warm-up's LoRA steps compile the kernel before ready); only speculative verification steps
-holding such tokens run eagerly instead of in their graphs (`step_uses`). With max_vocab_loras 0 there is
-no VocabSlots and none of this runs.
+code (so the warm-up's LoRA steps compile the kernel before ready), and so do the speculative
+verification graphs (engine/spec_decode/verify_graphs.py: every lane row, ghosts without an adapter).
+With max_vocab_loras 0 there is no VocabSlots and none of this runs.
+
+Under tensor parallelism every rank holds its vocabulary rows of each slot's matrices, as of the base's
+(engine/model/layers/embedding.py): `rank_parts` cuts an image's room by rows (LoRA factors by the rows
+of `left`, `right` whole, merged with the rank's own base rows), rank 0 takes its rows from the CPU tier
+and cuts the workers' for the next step's message (engine/parallel/lora_shards.py). The gather reads
+the local ids before the embedding's mask and all-reduce, the head kernel writes this rank's logits
+columns before the all-gather, so the assembled rows are those of one rank.
 """
 
 from __future__ import annotations
@@ -88,16 +95,56 @@ def _write_one(room: torch.Tensor, row: torch.Tensor, module: VocabModule) -> No
     row[2:3].view(torch.float32)[0] = module.scale
 
 
+def rank_parts(matrices: torch.Tensor, table: torch.Tensor, start: int, end: int) -> list[tuple]:
+    """One rank's vocabulary rows [start, end) of an image's room (`matrices` [2, vocab, hidden], `table`
+    [2, TABLE_COLUMNS]), per matrix: () for BASE, (rows [n, hidden],) for OWN, (left [n, r], right
+    [r, hidden]) for FACTORS; views of the room, n = end - start (tensor parallelism: plan.vocab_range)."""
+    vocab, hidden = matrices.shape[1:]
+    parts = []
+    for index in (EMBED, HEAD):
+        mode = int(table[index, 0])
+        if mode == OWN:
+            parts.append((matrices[index][start:end],))
+        elif mode == FACTORS:
+            rank = int(table[index, 1])
+            flat = matrices[index].reshape(-1)
+            left = flat[: vocab * rank].view(vocab, rank)[start:end]
+            right = flat[vocab * rank : vocab * rank + rank * hidden].view(rank, hidden)
+            parts.append((left, right))
+        else:
+            parts.append(())
+    return parts
+
+
+def part_shapes(table: torch.Tensor, rows: int, hidden: int) -> list[list[tuple[int, int]]]:
+    """The shapes of `rank_parts`'s tensors for `rows` vocabulary rows, per matrix (what a worker receives)."""
+    shapes = []
+    for index in (EMBED, HEAD):
+        mode = int(table[index, 0])
+        if mode == OWN:
+            shapes.append([(rows, hidden)])
+        elif mode == FACTORS:
+            rank = int(table[index, 1])
+            shapes.append([(rows, rank), (rank, hidden)])
+        else:
+            shapes.append([])
+    return shapes
+
+
 class VocabSlots:
     """The GPU side: `matrices`, the embeddings and the heads [max_vocab_loras, vocab, hidden] (this
-    rank's vocabulary rows); per slot of the pool, the index of its own embedding and head in them
-    (`owner` [2, max_loras] int32, -1: the base's; static, read by the captured graphs), and `owns_host`,
-    a host copy of which matrices each slot owns (bit EMBED, bit HEAD)."""
+    rank's vocabulary rows: [vocab_start, vocab_start + vocab_per_rank) under tensor parallelism, the
+    last shard's padding rows zero, as the base's); per slot of the pool, the index of its own embedding
+    and head in them (`owner` [2, max_loras] int32, -1: the base's; static, read by the captured
+    graphs), and `owns_host`, a host copy of which matrices each slot owns (bit EMBED, bit HEAD)."""
 
     def __init__(self, model, num_slots: int, max_loras: int, dtype: torch.dtype, device: torch.device):
         embedding = model.model.embed_tokens
         self.num_slots = num_slots
         self._base = (embedding.weight, model.lm_head)  # the head's weight is read at use (tied or not)
+        # this rank's rows of the whole vocabulary (all of it at tensor_parallel_size 1)
+        self.vocab_start = embedding.vocab_start
+        self.vocab_end = min(embedding.vocab_start + embedding.vocab_per_rank, embedding.vocab_size)
         shape = (num_slots, embedding.vocab_per_rank, embedding.hidden_size)
         self.matrices = (
             torch.zeros(shape, dtype=dtype, device=device),
@@ -110,10 +157,17 @@ class VocabSlots:
     def num_bytes(self) -> int:
         return sum(m.numel() * m.element_size() for m in self.matrices)
 
-    def load(self, slot: int, matrices: torch.Tensor | None, table: torch.Tensor | None) -> None:
-        """Fill `slot`'s matrices from an image's room (None: a plain adapter, which owns none)."""
+    def load_image(self, slot: int, matrices: torch.Tensor | None, table: torch.Tensor | None) -> None:
+        """Fill `slot`'s matrices from an image's room (the whole vocabulary; this rank's rows are taken),
+        None: a plain adapter, which owns none."""
+        parts = None if matrices is None else rank_parts(matrices, table, self.vocab_start, self.vocab_end)
+        self.load(slot, parts, table)
+
+    def load(self, slot: int, parts: list[tuple] | None, table: torch.Tensor | None) -> None:
+        """Fill `slot`'s matrices from this rank's parts of an adapter's (`rank_parts`; a worker gets its
+        own from rank 0), `table` the image's vocab table; None: a plain adapter, which owns none."""
         owns = 0
-        if matrices is not None:
+        if parts is not None:
             for index in (EMBED, HEAD):
                 mode = int(table[index, 0])
                 if mode == BASE:
@@ -122,9 +176,11 @@ class VocabSlots:
                     raise ValueError(f"slot {slot} has no room for an adapter's own embedding or head")
                 target = self.matrices[index][slot]
                 if mode == OWN:
-                    target.copy_(matrices[index], non_blocking=True)
+                    (rows,) = parts[index]
+                    target[: rows.shape[0]].copy_(rows, non_blocking=True)
+                    target[rows.shape[0] :].zero_()  # the last shard's padding rows
                 else:
-                    self._merge(target, matrices[index], table[index], index)
+                    self._merge(target, *parts[index], table[index], index)
                 owns |= 1 << index
         # in place: the captured graphs read this tensor
         self.owner[:, slot] = torch.tensor(
@@ -132,29 +188,29 @@ class VocabSlots:
         )
         self.owns_host[slot] = owns
 
-    def _merge(self, target: torch.Tensor, room: torch.Tensor, row: torch.Tensor, index: int) -> None:
-        """target = base + scale * left @ right, from factors packed at the start of `room`."""
-        rank, scale = int(row[1]), float(row[2:3].view(torch.float32)[0])
-        vocab, hidden = target.shape
-        flat = room.reshape(-1)
-        left = flat[: vocab * rank].view(vocab, rank).to(target.device, torch.float32)
-        right = (
-            flat[vocab * rank : vocab * rank + rank * hidden]
-            .view(rank, hidden)
-            .to(target.device, torch.float32)
-        )
+    def _merge(
+        self, target: torch.Tensor, left: torch.Tensor, right: torch.Tensor, row: torch.Tensor, index: int
+    ) -> None:
+        """target = base + scale * left @ right over this rank's rows (left [n, r], right [r, hidden]);
+        rows past n (padding) keep the base's."""
+        scale = float(row[2:3].view(torch.float32)[0])
+        vocab = target.shape[0]
+        left = left.to(target.device, torch.float32)
+        right = right.to(target.device, torch.float32)
         base = self._base[0] if index == EMBED else self._head_weight()
-        for start in range(0, vocab, MERGE_ROWS):  # bounded float32 scratch
-            end = min(start + MERGE_ROWS, vocab)
+        n = left.shape[0]
+        for start in range(0, n, MERGE_ROWS):  # bounded float32 scratch
+            end = min(start + MERGE_ROWS, n)
             target[start:end] = (base[start:end].float() + scale * (left[start:end] @ right)).to(target.dtype)
+        target[n:vocab] = base[n:vocab]
 
     def _head_weight(self) -> torch.Tensor:
         head = self._base[1]
         return head.weight if head.weight is not None else self._base[0]
 
     def step_uses(self, slots: np.ndarray) -> bool:
-        """Whether any of `slots` ([requests] int32, -1 for none) owns a matrix (the verification graphs
-        do not hold this path: such steps verify eagerly)."""
+        """Whether any of `slots` ([requests] int32, -1 for none) owns a matrix (what the tests count
+        graph replays of)."""
         return bool(self.owns_host[slots[slots >= 0]].any())
 
     def embed(self, token_slots: torch.Tensor, input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

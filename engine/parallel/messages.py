@@ -19,6 +19,9 @@ class SlotLoad(msgspec.Struct, frozen=True, array_like=True):
     pages: list[int]  # the pool pages it occupies, as on rank 0
     weights: bytes  # the shard's SlotImage.weights, raw
     table: bytes  # SlotImage.table (scales and ranks, the same on every rank), raw
+    # An adapter's own embedding / head (engine/lora/vocab.py): its vocab table raw (b"": none); every
+    # worker's vocabulary rows of them follow the headers as broadcasts (TensorParallelRank._loaded)
+    vocab_table: bytes = b""
 
 
 class EagerStep(msgspec.Struct, frozen=True, tag="eager"):

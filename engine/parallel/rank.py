@@ -6,7 +6,9 @@ broadcasts the step's tensors; each worker builds the same inputs and runs the s
 shard, in lock-step with rank 0 through the collectives inside the model. Adapter slots follow rank 0:
 when rank 0 fills a slot (its `RankZeroLoRASlots.load`, called by the adapter manager), each worker's
 shard of the adapter rides with the next step's header and is copied into the same slot before that
-step runs, so a slot holds the same adapter on every rank whenever a step reads it.
+step runs, so a slot holds the same adapter on every rank whenever a step reads it. The vocabulary rows
+of an adapter's own embedding and head (engine/lora/vocab.py) are too large for the pipe: the header
+names the load, and rank 0 broadcasts every worker's rows over the group right after the headers.
 
 Three kinds of step go down: eager (any batch; its tensors broadcast, then the same forward), decode
 graph and verification graph (rank 0's static graph buffers broadcast into the worker's, then every rank
@@ -36,6 +38,7 @@ import torch.distributed as dist
 from engine.lora.dora import DoraBase
 from engine.lora.pool import LoRAPool
 from engine.lora.slots import SlotImage
+from engine.lora.vocab import TABLE_COLUMNS, part_shapes
 from engine.model.attention import AttentionMetadata
 from engine.model.layers.sharding import TensorParallel
 from engine.model.loader import load_model
@@ -67,6 +70,11 @@ def _leave(held: list, workers: Workers, group: ParallelGroup, threads: int) -> 
     torch.set_num_threads(threads)
 
 
+# Rows of an adapter's vocabulary matrix rank 0 stages on its device per broadcast (32 MiB at hidden 4096
+# in bf16): how the workers' rows of adapters' own embeddings and heads travel (`_loaded`).
+VOCAB_CHUNK_ROWS = 4096
+
+
 def cpu_threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
@@ -80,6 +88,8 @@ class TensorParallelRank:
         self.lora_slots: LoRAPool | None = None  # set by `build`
         # Rank 0: what must go before the group is left (the runner's CUDA graphs; see `hold`).
         self._held: list = []
+        # Rank 0: the workers' vocabulary rows of the loads in the headers being sent (`_loaded`).
+        self._vocab_rows: list = []
         # Rank 0: also when the runner is dropped without shutdown() (its start-up failed, say).
         self._leave = (
             weakref.finalize(self, _leave, self._held, workers, group, threads)
@@ -153,14 +163,14 @@ class TensorParallelRank:
         except BaseException:
             self.shutdown()  # rank 0: no worker outlives a start-up that failed, and the group is left
             raise
-        budget = config.lora_pool_rank_budget
+        budget, vocab = config.lora_pool_rank_budget, config.max_vocab_loras
         if self.rank == 0:
             slots = RankZeroLoRASlots(
-                self.plan, config.max_loras, config.max_lora_rank, dtype, device, budget
+                self.plan, config.max_loras, config.max_lora_rank, dtype, device, budget, vocab
             )
         else:
             shape = self.plan.local_shape
-            slots = LoRAPool(shape, config.max_loras, config.max_lora_rank, dtype, device, budget)
+            slots = LoRAPool(shape, config.max_loras, config.max_lora_rank, dtype, device, budget, vocab)
         local = slots.local_layout if self.rank == 0 else slots.layout
         slots.dora_base = DoraBase(model, local, self.group, ROW_PARALLEL)
         self.lora_slots = slots
@@ -213,7 +223,7 @@ class TensorParallelRank:
                 for r in range(len(loads))
             ]
         )
-        self.lora_slots.finish_dora()  # with the workers, once they applied these loads
+        self._loaded()
         parts = [input_ids, meta.positions, meta.slot_mapping, meta.block_tables.reshape(-1), logits_rows]
         if token_slots is not None:
             parts.append(token_slots.long())
@@ -229,7 +239,7 @@ class TensorParallelRank:
                 for r in range(len(loads))
             ]
         )
-        self.lora_slots.finish_dora()
+        self._loaded()
         self._broadcast_graph_inputs(buffers, size)
 
     def send_verify(self, buffers, size: int, use_lora: bool) -> None:
@@ -238,18 +248,39 @@ class TensorParallelRank:
         self.workers.send(
             [encode(VerifyStep(loads=loads[r], size=size, use_lora=use_lora)) for r in range(len(loads))]
         )
+        self._loaded()
         self._broadcast_verify_inputs(buffers, size)
 
     def _loads(self) -> list[list[SlotLoad]]:
-        """Per worker, the adapter shards rank 0 put into slots since the last step."""
+        """Per worker, the adapter shards rank 0 put into slots since the last step (vocabulary rows of
+        adapters' own embeddings and heads wait for `_loaded`)."""
         pending = self.lora_slots.take_pending()
+        self._vocab_rows = [p.vocab for p in pending if p.vocab]
         return [
             [
-                SlotLoad(slot, pages, tensor_bytes(shards[r].weights), tensor_bytes(shards[r].table))
-                for slot, pages, shards in pending
+                SlotLoad(
+                    p.slot,
+                    p.pages,
+                    tensor_bytes(p.shards[r].weights),
+                    tensor_bytes(p.shards[r].table),
+                    p.vocab_table,
+                )
+                for p in pending
             ]
             for r in range(self.plan.world_size - 1)
         ]
+
+    def _loaded(self) -> None:
+        """After a step's headers, as each worker runs `apply_loads`: the workers' vocabulary rows of the
+        adapters just loaded (load by load, worker by worker, tensor by tensor), then the DoRA scales."""
+        for per_worker in self._vocab_rows:
+            for parts in per_worker:
+                for tensor in (t for part in parts for t in part):
+                    for start in range(0, tensor.shape[0], VOCAB_CHUNK_ROWS):  # bounded device staging
+                        chunk = tensor[start : start + VOCAB_CHUNK_ROWS]
+                        self.group.broadcast(chunk.to(self.group.device))
+        self._vocab_rows = []
+        self.lora_slots.finish_dora()  # with the workers, once they applied these loads
 
     def shutdown(self) -> None:
         """Rank 0: the shutdown sequence (module docstring), so another engine may form a group here."""
@@ -264,7 +295,34 @@ class TensorParallelRank:
             weights = bytes_tensor(load.weights, slots.dtype)
             table = bytes_tensor(load.table, torch.int32).view(slots.table.shape[:2])
             slots.load(load.slot, SlotImage(slots.layout, weights, table), load.pages)
+            if load.vocab_table:  # its own embedding / head: this rank's vocabulary rows
+                vocab_table = bytes_tensor(load.vocab_table, torch.int32).view(2, TABLE_COLUMNS)
+                slots.vocab.load(load.slot, self._receive_vocab(vocab_table), vocab_table)
         slots.finish_dora()  # with rank 0 and the other workers (engine/lora/dora.py)
+
+    def _receive_vocab(self, table: torch.Tensor) -> list[tuple]:
+        """This rank's vocabulary rows of an adapter's own embedding and head (vocab.rank_parts), out of
+        rank 0's broadcasts of every worker's (`_loaded`; their shapes follow from the table): its own
+        land on the device, the others' pass through one chunk at a time."""
+        device, dtype = self.group.device, self.lora_slots.dtype
+        hidden = self.lora_slots.vocab.matrices[0].shape[2]
+        mine: list[tuple] = []
+        for rank in range(1, self.plan.world_size):
+            start, end = self.plan.vocab_range(rank)
+            for shapes in part_shapes(table, end - start, hidden):
+                part = []
+                for shape in shapes:
+                    keep = torch.empty(shape, dtype=dtype, device=device) if rank == self.rank else None
+                    for first in range(0, shape[0], VOCAB_CHUNK_ROWS):
+                        rows = min(VOCAB_CHUNK_ROWS, shape[0] - first)
+                        chunk = keep[first : first + rows] if keep is not None else None
+                        if chunk is None:
+                            chunk = torch.empty((rows, *shape[1:]), dtype=dtype, device=device)
+                        self.group.broadcast(chunk)
+                    part.append(keep)
+                if rank == self.rank:
+                    mine.append(tuple(part))
+        return mine
 
     def receive_eager(self, step: EagerStep):
         """(input_ids, meta, token slots or None, logits rows, prompt rows or None), as rank 0's

@@ -112,9 +112,16 @@ def run_step(runner, step: EagerStep | GraphStep | VerifyStep) -> None:
         runner.verify_graphs.replay(step.size, step.use_lora)
         return
     input_ids, meta, token_slots, logits_rows, prompt_rows = parallel.receive_eager(step)
-    lora = LoRAContext(runner.lora_slots, token_slots) if token_slots is not None else None
+    lora = None
+    if token_slots is not None:  # as rank 0's: adapters' own embeddings and heads whenever there are slots
+        lora = LoRAContext(runner.lora_slots, token_slots, vocab=runner.lora_slots.vocab is not None)
     hidden = runner.model.forward(input_ids, meta, runner.kv_caches, lora)
+
+    def compute_logits(rows) -> None:  # this rank's columns (its own heads' rows too) join the gather
+        own = lora.own_heads(rows) if lora is not None and lora.vocab else None
+        runner.model.compute_logits(hidden[rows], own)
+
     if prompt_rows is not None:  # rank 0's prompt logprob gathers, in its chunks (engine/prompt_logprobs.py)
         for chunk in logit_chunks(prompt_rows.numel(), step.prompt_chunk_rows):
-            runner.model.compute_logits(hidden[prompt_rows[chunk]])
-    runner.model.compute_logits(hidden[logits_rows])
+            compute_logits(prompt_rows[chunk])
+    compute_logits(logits_rows)

@@ -23,7 +23,11 @@ past the request's blocks are set to it), so nothing reads outside the cache. Pa
 the batch) are all ghosts with a sequence length of w in the scratch block.
 
 Real rows compute exactly what an eager step computes for them (the same kernels, the attention's
-multi-token variant), so greedy tokens stay those of decoding without speculation.
+multi-token variant), so greedy tokens stay those of decoding without speculation. When the pool has
+slots for adapters with their own embedding or LM head (max_vocab_loras > 0), the LoRA graphs hold that
+path too, as the decode graphs do (engine/lora/vocab.py: a per-token gather and one head kernel over
+every lane row, static shapes; ghost rows use no adapter and keep the base's rows), so verification
+steps of such adapters replay as well.
 """
 
 from __future__ import annotations
@@ -168,9 +172,13 @@ class VerifyCudaGraphs:
             seq_lens_tensor=inputs.seq_lens.device[:size],
             query_start_loc_tensor=inputs.query_start_loc[: size + 1],
         )
-        lora = LoRAContext(self.lora_slots, inputs.token_slots.device[:rows]) if use_lora else None
+        lora = None
+        if use_lora:  # with vocab slots, adapters' own embeddings and heads too (as the decode graphs)
+            vocab = self.lora_slots.vocab is not None
+            lora = LoRAContext(self.lora_slots, inputs.token_slots.device[:rows], vocab=vocab)
         hidden = self.model.forward(inputs.longs.device[0, :rows], meta, self.kv_caches, lora)
-        return self.model.compute_logits(hidden)
+        own = lora.own_heads() if lora is not None and lora.vocab else None  # ghost rows: NO_LORA, base
+        return self.model.compute_logits(hidden, own)
 
     # -- one step ---------------------------------------------------------------------------------------
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from factories import generate_greedy, load_reference_base
+from factories import generate_greedy, load_reference_base, make_adapter, make_model
 from peft import LoraConfig, PeftModel, get_peft_model
+from spec_decode_fixtures import EOS, VOCAB, echo_prompts
 from transformers import AutoModelForCausalLM
 
 
@@ -77,11 +78,12 @@ def make_vocab_adapter(
 
 
 class VocabReplays:
-    """Counts the decode-graph replays of steps holding a token of an adapter with its own embedding or
-    LM head (wraps the runner's graphs; a return of such steps to eager mode leaves `vocab` at 0)."""
+    """Counts the decode-graph replays (`total`, `vocab`) and the verification-graph steps (`verify_total`,
+    `verify_vocab`) of steps holding a token of an adapter with its own embedding or LM head (wraps the
+    runner's graphs; a return of such steps to eager mode leaves the vocab counts at 0)."""
 
     def __init__(self, runner) -> None:
-        self.total = self.vocab = 0
+        self.total = self.vocab = self.verify_total = self.verify_vocab = 0
         graphs, inputs, slots = runner.graphs, runner.inputs, runner.lora_slots.vocab
         replay = graphs.replay
 
@@ -91,3 +93,56 @@ class VocabReplays:
             return replay(num_seqs, *args, **kwargs)
 
         graphs.replay = counting
+        verify = runner.verify_graphs
+        if verify is not None:
+            execute = verify.execute
+
+            def counting_verify(batch, scheduled, *args, **kwargs):
+                self.verify_total += 1
+                self.verify_vocab += slots.step_uses(inputs.lora_slots[: len(scheduled)])
+                return execute(batch, scheduled, *args, **kwargs)
+
+            verify.execute = counting_verify
+
+
+# Speculative decoding with vocab adapters: n-gram proposals, and adapters owning a head, an embedding
+# and a head by LoRA, and neither, beside the base model.
+SPEC_NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+    "fallback_acceptance_rate": 0.0,
+}
+SPEC_ADAPTERS = {
+    "mts_head": (make_vocab_adapter, dict(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])),
+    "lora_embed_head": (
+        make_vocab_adapter,
+        dict(r=4, lora_alpha=8, target_modules=["v_proj", "embed_tokens", "lm_head"]),
+    ),
+    "plain": (make_adapter, dict(r=8, lora_alpha=8, target_modules=["q_proj", "down_proj"])),
+}
+
+
+def make_vocab_spec_case(root: Path, num_tokens: int) -> dict:
+    """The echo model (8 tokens: n-gram lookup finds proposals, spec_decode_fixtures), one layer, the
+    SPEC_ADAPTERS and the base model, one prompt each, and transformers + PEFT's greedy tokens of each
+    without an end of sequence (run the engine with ignore_eos)."""
+    model = make_model(
+        root / "model", seed=1, vocab_size=VOCAB, eos_token_id=EOS, bos_token_id=1, num_hidden_layers=1
+    )
+    adapters = {
+        name: make(model, root / name, seed=20 + i, **kwargs)
+        for i, (name, (make, kwargs)) in enumerate(SPEC_ADAPTERS.items())
+    }
+    prompts = echo_prompts(len(adapters) + 1)
+    assigned = [*adapters, None]
+    expected = []
+    with torch.inference_mode():
+        for adapter, prompt in zip(assigned, prompts):
+            reference = load_reference_base(model)
+            if adapter is not None:
+                reference = PeftModel.from_pretrained(reference, adapters[adapter]).eval()
+            reference.generation_config.eos_token_id = None
+            expected.append(generate_greedy(reference, prompt["prompt_token_ids"], num_tokens))
+    return dict(model=model, adapters=adapters, prompts=prompts, assigned=assigned, expected=expected)

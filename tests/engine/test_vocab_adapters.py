@@ -151,8 +151,7 @@ def test_prompt_logprobs_read_the_adapters_own_head(vocab_case):
         assert entry.logprob == pytest.approx(expected, abs=1e-4)
 
 
-def test_tensor_parallel_refuses_vocab_slots():
-    with pytest.raises(ValueError, match="max_vocab_loras .* not supported with tensor_parallel_size > 1"):
-        EngineConfig(model="m", max_vocab_loras=1, tensor_parallel_size=2)
+def test_vocab_slots_are_bounded_by_max_loras():
+    EngineConfig(model="m", max_vocab_loras=1, tensor_parallel_size=2)  # split by vocabulary over ranks
     with pytest.raises(ValueError, match=r"max_vocab_loras \(5\) must be from 0 to max_loras \(4\)"):
         EngineConfig(model="m", max_vocab_loras=5, max_loras=4)

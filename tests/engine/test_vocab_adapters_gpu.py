@@ -10,8 +10,13 @@ their decode steps replay the graphs too (engine/lora/vocab.py: static shapes, c
   differ, each side's token is among the other's top 5 (factories.check_greedy_close; the first-32-token
   agreement is printed, not held: on this tiny model PEFT in bf16 agrees with itself in float32 at ~0.4,
   benchmarks/bf16_sensitivity.py).
+- speculative decoding (n-gram, float32): verification steps holding such adapters' tokens replay the
+  verification graphs, with PEFT's greedy tokens.
+- tensor parallelism over 2 GPUs (skipped with fewer; float32): each rank holds its vocabulary rows of
+  the adapters' matrices, the decode (and, with speculation, verification) graphs replayed on both
+  ranks with NCCL inside, PEFT's greedy tokens.
 
-    TRITON_INTERPRET=0 python -m pytest tests/engine/test_vocab_adapters_gpu.py -m gpu -q -s
+    NCCL_NVLS_ENABLE=0 TRITON_INTERPRET=0 python -m pytest tests/engine/test_vocab_adapters_gpu.py -m gpu -q -s
 """
 
 from __future__ import annotations
@@ -22,7 +27,13 @@ import random
 import pytest
 import torch
 from factories import TOP_LOGPROBS, check_greedy_close, engine_greedy, make_adapter, make_model
-from formats_fixtures import VocabReplays, greedy_by_adapter, make_vocab_adapter
+from formats_fixtures import (
+    SPEC_NGRAM,
+    VocabReplays,
+    greedy_by_adapter,
+    make_vocab_adapter,
+    make_vocab_spec_case,
+)
 
 from engine import LLM, SamplingParams, kernel_compiles
 
@@ -143,3 +154,75 @@ def test_bfloat16_agrees_with_peft_with_graphs_and_eagerly(case):
         *check_greedy_close(rows[False], rows[True], "vocab adapters bf16, graphs vs eager", NUM_TOKENS),
     ]
     assert not failures, "; ".join(failures)
+
+
+def test_float32_speculative_verification_of_vocab_adapters_replays_graphs(tmp_path):
+    case = make_vocab_spec_case(tmp_path, 24)
+    llm = LLM(
+        str(case["model"]),
+        lora_modules={k: str(v) for k, v in case["adapters"].items()},
+        speculative_config=SPEC_NGRAM,
+        skip_tokenizer_init=True,
+        max_loras=3,
+        max_vocab_loras=2,
+        max_lora_rank=8,
+        max_num_seqs=4,
+        max_model_len=64,
+        dtype="float32",
+    )
+    try:
+        replays = VocabReplays(llm.engine.runner)
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        outputs = llm.generate(case["prompts"], params, case["assigned"])
+        assert [o.outputs[0].token_ids for o in outputs] == case["expected"]
+        spec = llm.engine.stats().spec_decode
+        print(
+            f"vocab adapters, speculation: {replays.verify_vocab} of {replays.verify_total} verification "
+            f"graph steps held their tokens; {spec.num_accepted_tokens} of {spec.num_draft_tokens} accepted"
+        )
+        assert replays.verify_vocab > 0 and spec.num_accepted_tokens > 0
+    finally:
+        close(llm)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_float32_over_two_gpus_matches_peft_with_graphs(case, tmp_path, monkeypatch):
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # the workers inherit it (NVLink multicast off)
+    expected = greedy_by_adapter(case["model_dir"], case["adapters"], case["prompts"], case["assigned"], 16)
+    llm = LLM(
+        model=str(case["model_dir"]),
+        lora_modules={k: str(v) for k, v in case["adapters"].items()},
+        dtype="float32",
+        tensor_parallel_size=2,
+        **ARGS,
+    )
+    try:
+        replays = VocabReplays(llm.engine.runner)
+        assert generate(llm, case["prompts"], case["assigned"], 16) == expected
+        print(f"vocab adapters, tp 2: {replays.vocab} of {replays.total} decode replays held their tokens")
+        assert replays.vocab >= 8
+    finally:
+        close(llm)
+    spec_case = make_vocab_spec_case(tmp_path, 24)
+    llm = LLM(
+        str(spec_case["model"]),
+        lora_modules={k: str(v) for k, v in spec_case["adapters"].items()},
+        speculative_config=SPEC_NGRAM,
+        skip_tokenizer_init=True,
+        tensor_parallel_size=2,
+        max_loras=3,
+        max_vocab_loras=2,
+        max_lora_rank=8,
+        max_num_seqs=4,
+        max_model_len=64,
+        dtype="float32",
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        outputs = llm.generate(spec_case["prompts"], params, spec_case["assigned"])
+        assert [o.outputs[0].token_ids for o in outputs] == spec_case["expected"]
+        stats = llm.engine.stats()
+        print(f"vocab adapters, tp 2 with speculation: {stats.num_verify_graph_replays} verification replays")
+        assert stats.num_verify_graph_replays > 0
+    finally:
+        close(llm)

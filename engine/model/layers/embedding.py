@@ -30,7 +30,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor, own=None) -> torch.Tensor:  # [tokens] -> [tokens, hidden]
         """`own`: a function (input_ids, rows) -> rows that puts adapters' own embedding rows in place of
         the base's (LoRAContext.own_embedding), before the scale, as PEFT's copy of a scaled embedding
-        scales its rows (engine/lora/vocab.py). Tensor parallelism serves no such adapters."""
+        scales its rows (engine/lora/vocab.py). Under tensor parallelism it reads this rank's shard of
+        the adapters' rows with the local ids, before the mask and the all-reduce, as the base rows."""
         if self.tp.world_size == 1:
             rows = F.embedding(input_ids, self.weight)
             if own is not None:
@@ -38,7 +39,10 @@ class VocabParallelEmbedding(nn.Module):
         else:
             local = input_ids - self.vocab_start
             outside = (local < 0) | (local >= self.vocab_per_rank)
-            rows = F.embedding(local.clamp(0, self.vocab_per_rank - 1), self.weight)
+            local = local.clamp(0, self.vocab_per_rank - 1)
+            rows = F.embedding(local, self.weight)
+            if own is not None:
+                rows = own(local, rows)
             rows = self.tp.all_reduce(rows.masked_fill(outside[:, None], 0))
         return rows if self.scale is None else rows * self.scale
 
@@ -78,7 +82,8 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, own=None) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         """`own`: a function (logits, hidden) that recomputes in place the rows of adapters with their own
-        head (LoRAContext.own_heads), before the soft cap, which applies to them as to every row."""
+        head (LoRAContext.own_heads) in this rank's columns, before the all-gather and the soft cap, which
+        applies to them as to every row."""
         weight = self._embedding[0].weight if self.weight is None else self.weight
         logits = F.linear(hidden, weight)  # [n, vocab_per_rank]
         if own is not None:  # one launch, static shapes (engine/lora/vocab.py)

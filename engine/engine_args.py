@@ -174,6 +174,16 @@ class EngineArgs:
         ),
     )
     enable_prefix_caching: bool = setting(True, flag=Flag())
+    # Adapters that lose their GPU slot keep a copy in idle KV-cache blocks, brought back by a copy on the
+    # device; a request's allocation takes those blocks at once (engine/lora/kv_tier.py). Off under tensor
+    # parallelism. One staging buffer of a max-rank adapter is its only fixed cost.
+    enable_adapter_kv_cache: bool = setting(
+        True,
+        flag=Flag(
+            "keep adapters evicted from GPU slots in idle KV-cache blocks, so they come back by a copy on "
+            "the GPU; requests take the blocks back at once (off under tensor parallelism)"
+        ),
+    )
     # True: every step runs eagerly; False: decode-only steps replay CUDA graphs captured at start-up
     # (CUDA with the Triton attention backend only; the CPU always runs eagerly).
     enforce_eager: bool = setting(False, flag=Flag("run every step eagerly: no CUDA graphs for decode steps"))

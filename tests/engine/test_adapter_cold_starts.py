@@ -136,4 +136,4 @@ def test_tier_histograms_keep_labels_bounded():
     with pytest.raises(ValueError, match="unknown source tier"):
         histograms.observe("acme/support@3", 1.0)  # never an adapter name
     assert ColdStart().tier == "cpu" and ColdStart("store").tier == "store"
-    assert set(SOURCE_TIERS) == {"gpu", "cpu", "disk", "store"}
+    assert set(SOURCE_TIERS) == {"gpu", "kv", "cpu", "disk", "store"}

@@ -101,7 +101,9 @@ def test_concurrent_requests_for_one_cold_adapter_share_one_load(folders):
 
 
 def test_ttft_and_cold_start_by_source_tier(folders):
-    engine, registry = make_engine(folders)  # max_loras 1: a second adapter evicts the first from the GPU
+    # max_loras 1: a second adapter evicts the first from the GPU; without the KV tier, which would keep
+    # it in KV blocks ("kv": tests/engine/test_adapter_kv_tier.py)
+    engine, registry = make_engine(folders, enable_adapter_kv_cache=False)
     try:
         engine.add_request("cold", PROMPT, SHORT, adapter="one")  # local folder: "disk"
         run_all(engine)

@@ -75,7 +75,7 @@ class AdapterKVTier:
         self.block_pool = block_pool
         self.pool = pool
         # [2 * num_layers, num_blocks + 1, c] words of the KV cache; the pool's pages as words
-        self._blocks = kv_storage.view(word).view(kv_storage.shape[0], kv_storage.shape[1], -1)
+        self._blocks = kv_storage.view(kv_storage.shape[0], kv_storage.shape[1], -1).view(word)
         self._pages = pool.weights.view(word)  # [num_pages, page_words]
         self._staging = staging  # [staging_words] of `word`
         self._page_words = self._pages.shape[1]

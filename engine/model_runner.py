@@ -102,6 +102,8 @@ class ModelRunner:
         if config.enable_adapter_kv_cache and parallel is None:
             word, words = staging_words(self.lora_slots, self._allocate_kv_storage(1))
             self.kv_tier_staging = torch.empty(words, dtype=word, device=self.device)
+        elif config.enable_adapter_kv_cache and parallel.rank == 0:
+            logger.info("the adapter KV tier is off under tensor parallelism (each rank would keep a shard)")
         self.num_kv_blocks = config.num_kv_blocks or self._profile_num_kv_blocks()
         if parallel is not None:  # every rank's cache holds the same blocks (its own heads of them)
             self.num_kv_blocks = parallel.group.min(self.num_kv_blocks)

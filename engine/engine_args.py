@@ -184,6 +184,18 @@ class EngineArgs:
             "the GPU; requests take the blocks back at once (off under tensor parallelism)"
         ),
     )
+    # CUDA: the KV cache takes the whole gpu_memory_utilization budget, past what max_num_seqs sequences of
+    # max_model_len tokens can use (the default stops there); the extra blocks hold adapters (the KV tier)
+    # and keep prefixes longer. Off by default: a second engine in the same process or on the same GPU
+    # finds no room left.
+    kv_cache_whole_budget: bool = setting(
+        False,
+        flag=Flag(
+            "CUDA: give the KV cache the whole --gpu-memory-utilization budget, not only what --max-num-seqs "
+            "sequences of --max-model-len tokens can use; the extra blocks hold evicted adapters (the KV "
+            "tier) and cached prefixes"
+        ),
+    )
     # True: every step runs eagerly; False: decode-only steps replay CUDA graphs captured at start-up
     # (CUDA with the Triton attention backend only; the CPU always runs eagerly).
     enforce_eager: bool = setting(False, flag=Flag("run every step eagerly: no CUDA graphs for decode steps"))

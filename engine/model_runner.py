@@ -301,8 +301,9 @@ class ModelRunner:
     def _profile_num_kv_blocks(self) -> int:
         """Blocks that fit the memory budget: on CUDA what gpu_memory_utilization leaves after the weights
         and a dummy step of max_num_batched_tokens; on the CPU cpu_kv_cache_bytes. Never more than
-        max_num_seqs full-length sequences need, except on CUDA with the adapter KV tier (and no draft
-        model, whose cache mirrors every block): there the blocks no request can use hold adapters."""
+        max_num_seqs full-length sequences need, unless kv_cache_whole_budget (on CUDA, with no draft
+        model, whose cache mirrors every block): then the blocks no request can use hold adapters (the
+        KV tier) and prefixes."""
         useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
         if self.device.type != "cuda":
             return max(2, min(useful, self.config.cpu_kv_cache_bytes // self.kv_block_bytes))
@@ -321,7 +322,7 @@ class ModelRunner:
                 f"tokens use {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; raise gpu_memory_utilization "
                 "or lower max_num_batched_tokens"
             )
-        if self.kv_tier_staging is not None and self.config.speculative_config is None:
+        if self.config.kv_cache_whole_budget and self.config.speculative_config is None:
             return blocks
         return min(useful, blocks)
 

@@ -128,3 +128,19 @@ def test_a_restore_on_the_copy_stream_is_bit_identical(case):
         assert torch.equal(before.table, after.table)
     finally:
         engine.shutdown()
+
+
+def test_the_whole_budget_gives_the_kv_cache_the_blocks_no_request_can_use(case):
+    model_dir, _ = case
+    common = dict(max_num_seqs=4, max_model_len=64, block_size=16, gpu_memory_utilization=0.3, device="cuda")
+    capped = LLMEngine(EngineConfig(model=str(model_dir), **common), skip_tokenizer_init=True)
+    num_capped = capped.runner.num_kv_blocks
+    capped.shutdown()
+    whole = LLMEngine(
+        EngineConfig(model=str(model_dir), kv_cache_whole_budget=True, **common), skip_tokenizer_init=True
+    )
+    try:
+        assert num_capped == 4 * 64 // 16  # what 4 sequences of 64 tokens can use
+        assert whole.runner.num_kv_blocks > 100 * num_capped
+    finally:
+        whole.shutdown()

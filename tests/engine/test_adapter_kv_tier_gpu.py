@@ -132,7 +132,7 @@ def test_a_restore_on_the_copy_stream_is_bit_identical(case):
 
 def test_the_whole_budget_gives_the_kv_cache_the_blocks_no_request_can_use(case):
     model_dir, _ = case
-    common = dict(max_num_seqs=4, max_model_len=64, block_size=16, gpu_memory_utilization=0.3, device="cuda")
+    common = dict(max_num_seqs=4, max_model_len=64, block_size=16, gpu_memory_utilization=0.05, device="cuda")
     capped = LLMEngine(EngineConfig(model=str(model_dir), **common), skip_tokenizer_init=True)
     num_capped = capped.runner.num_kv_blocks
     capped.shutdown()

@@ -392,6 +392,8 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
         record = self._records.get(adapter_id)
         if record is not None and record.status is AdapterStatus.KV:
             record.move(AdapterStatus.CPU if record.row is not None else AdapterStatus.STORED)
+            if isinstance(record.cold, ColdStart):  # a waiting cold start now comes from elsewhere
+                record.cold.origin = "cpu" if record.row is not None else None
             self._forget_if_idle(record)
 
     def _end_cold_start(self, record: ResidencyRecord) -> None:

@@ -240,3 +240,26 @@ def test_off_when_the_setting_says_so(folders):
         assert engine.stats().num_kv_adapter_blocks == 0
     finally:
         engine.shutdown()
+
+
+def test_a_cold_start_whose_kv_copy_is_reclaimed_counts_where_it_came_from(folders, reference):
+    """A request for an adapter in KV blocks waits (the one slot is busy) while requests take the
+    blocks: the adapter comes from its CPU-tier row instead, and its cold start is counted there."""
+    engine, registry, events = make_engine(folders, num_kv_blocks=24, max_cpu_loras=2)
+    lora = engine.lora
+    try:
+        run(engine, {"a": (PROMPT, "one")})
+        run(engine, {"b": (PROMPT, "two")})  # "one" to KV blocks, its CPU-tier row kept
+        assert lora.status("one") is AdapterStatus.KV and lora.cpu_ids() == ("one", "two")
+        engine.add_request(
+            "busy", PROMPT, SamplingParams(temperature=0.0, max_tokens=40, min_tokens=40), "two"
+        )
+        long = [list(range(3 + i, 103 + i)) for i in range(2)]
+        got = run(engine, {"again": (PROMPT, "one"), **{f"long{i}": (p, None) for i, p in enumerate(long)}})
+        assert count(events, "hit", "kv") == 1 and count(events, "evict", "kv") == 1
+        assert count(events, "load", "kv") == 0 and registry.loads["one"] == 1
+        assert got["again"] == reference_greedy(reference, PROMPT, "one", NUM_TOKENS)
+        cold = {tier: sum(h.counts) for tier, h in engine.stats().adapter_cold_start}
+        assert cold == {"disk": 2, "cpu": 1}  # the last from its row, not from KV blocks
+    finally:
+        engine.shutdown()

@@ -22,8 +22,9 @@ workloads, each round on prompts of its own (nothing of an earlier round in the 
 Each request is a streaming /v1/completions with a random token-id prompt of U[128, 512] tokens and
 exactly 128 output tokens (`ignore_eos`); 128 streams are kept in flight (a new request starts as one
 ends). Reported per workload: the round of median throughput (output tok/s, TTFT p50/p99/max, TPOT
-p50/p99, and from the server's /metrics scraped around it: GPU-slot, CPU-tier and disk-cache hit rates,
-loads per second into the CPU tier and into GPU slots) with every round's tok/s beside it; then Zipf
+p50/p99, and from the server's /metrics scraped around it: GPU-slot, KV-tier, CPU-tier and disk-cache
+hit rates, loads per second into the CPU tier and into GPU slots (those from KV blocks apart), the KV
+tier's copies lost to requests and blocks held at the end) with every round's tok/s beside it; then Zipf
 over uniform: the medians' tok/s and TTFT p99.
 
 Targets (issue 35, H100, shape S): Zipf >= 0.95x the uniform tok/s and TTFT p99 <= 1.3x; mixed
@@ -184,8 +185,9 @@ def report(args, variant: str, rows: dict[str, list[dict]]) -> str:
         f"{' '.join(args.server_arg)}, medians of {args.runs} rounds, {device}".replace("  ", " "),
         "",
         "| workload | output tok/s (median; every round) | TTFT p50 / p99 / max (ms) | TPOT p50 / p99 (ms) | "
-        "GPU-slot hits | CPU-tier hits | disk hits | CPU-tier loads/s | GPU-slot loads/s | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "GPU-slot hits | KV-tier hits | CPU-tier hits | disk hits | CPU-tier loads/s | GPU-slot loads/s "
+        "(from KV) | KV copies lost / blocks held | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     medians = {name: median_row(runs) for name, runs in rows.items()}
     for name, row in medians.items():
@@ -194,8 +196,9 @@ def report(args, variant: str, rows: dict[str, list[dict]]) -> str:
         lines.append(
             f"| {name} | {row['tok_s']:.0f} ({every}) | {ms(row['ttft'], 50):.0f} / {ms(row['ttft'], 99):.0f} / "
             f"{ms(row['ttft'], 100):.0f} | {ms(row['tpot'], 50):.1f} / {ms(row['tpot'], 99):.1f} | "
-            f"{hit_rate(row['gpu_hit'])} | {hit_rate(row['cpu_hit'])} | {hit_rate(row['disk_hit'])} | "
-            f"{row['cpu_loads_s']:.1f} | {row['gpu_loads_s']:.1f} | {failed} |"
+            f"{hit_rate(row['gpu_hit'])} | {hit_rate(row['kv_hit'])} | {hit_rate(row['cpu_hit'])} | "
+            f"{hit_rate(row['disk_hit'])} | {row['cpu_loads_s']:.1f} | {row['gpu_loads_s']:.1f} "
+            f"({row['kv_loads_s']:.1f}) | {row['kv_evictions']:.0f} / {row['kv_blocks']:.0f} | {failed} |"
         )
     uniform, zipf = medians.values()
     if uniform["tok_s"] and uniform["ttft"]:  # else every uniform request failed: no ratio to give
@@ -295,7 +298,8 @@ def main(argv=None) -> dict:
         print(report(args, variant, rows))
     print()
     summary = {
-        variant: {name: {"tok_s": round(median_row(runs)["tok_s"], 1), "failed": sum(len(r["errors"]) for r in runs)}
+        variant: {name: {"tok_s": round(median_row(runs)["tok_s"], 1), "failed": sum(len(r["errors"]) for r in runs),
+                         **{tier: _rate(median_row(runs)[tier]) for tier in ("gpu_hit", "kv_hit", "cpu_hit")}}
                   for name, runs in rows.items()}
         for variant, rows in results.items()
     }  # fmt: skip
@@ -306,6 +310,11 @@ def main(argv=None) -> dict:
     if failures:
         raise SystemExit(f"{len(failures)} requests failed, e.g. {failures[0]}")
     return results
+
+
+def _rate(value: float) -> float | None:
+    """A hit rate for the JSON summary: None where no lookup reached the tier."""
+    return None if value != value else round(value, 3)
 
 
 if __name__ == "__main__":

@@ -114,7 +114,13 @@ def scrape(metrics_url: str) -> dict[tuple[str, str], float]:
             tier = sample.labels.get("tier", sample.labels.get("source_tier"))
             if tier is not None and not sample.name.endswith(("_bucket", "_created")):
                 values[sample.name, tier] = sample.value
+            elif sample.name in KV_TIER_GAUGES:  # no tier label: what the KV tier holds now
+                values[sample.name, "kv"] = sample.value
     return values
+
+
+KV_BLOCKS = "loraserve_adapter_kv_cache_blocks"
+KV_TIER_GAUGES = (KV_BLOCKS, "loraserve_adapter_kv_cache_adapters")
 
 
 def residency(before: dict, after: dict, seconds: float) -> dict:
@@ -128,13 +134,19 @@ def residency(before: dict, after: dict, seconds: float) -> dict:
         total = hits + delta("loraserve_adapter_cache_misses_total", tier)
         return hits / total if total else float("nan")
 
+    loads = "loraserve_adapter_load_seconds_count"
     return {
         "gpu_hit": rate("gpu"),
+        "kv_hit": rate("kv"),  # NaN with the KV tier off (no lookups)
         "cpu_hit": rate("cpu"),
         "disk_hit": rate("disk"),
-        "cpu_loads_s": delta("loraserve_adapter_load_seconds_count", "source") / seconds,
-        "gpu_loads_s": delta("loraserve_adapter_load_seconds_count", "cpu") / seconds,
+        "cpu_loads_s": delta(loads, "source") / seconds,
+        # copies into GPU slots, from the CPU tier or from KV blocks
+        "gpu_loads_s": (delta(loads, "cpu") + delta(loads, "kv")) / seconds,
+        "kv_loads_s": delta(loads, "kv") / seconds,
         "gpu_evictions": delta("loraserve_adapter_evictions_total", "gpu"),
+        "kv_evictions": delta("loraserve_adapter_evictions_total", "kv"),  # copies requests took back
+        "kv_blocks": after.get((KV_BLOCKS, "kv"), 0.0),  # held at the end of the run
     }
 
 

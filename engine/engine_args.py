@@ -186,6 +186,28 @@ class EngineArgs:
         ),
     )
     enable_prefix_caching: bool = setting(True, flag=Flag())
+    # Adapters that lose their GPU slot keep a copy in idle KV-cache blocks, brought back by a copy on the
+    # device; a request's allocation takes those blocks at once (engine/lora/kv_tier.py). Off under tensor
+    # parallelism. One staging buffer of a max-rank adapter is its only fixed cost.
+    enable_adapter_kv_cache: bool = setting(
+        True,
+        flag=Flag(
+            "keep adapters evicted from GPU slots in idle KV-cache blocks, so they come back by a copy on "
+            "the GPU; requests take the blocks back at once (off under tensor parallelism)"
+        ),
+    )
+    # CUDA: the KV cache takes the whole gpu_memory_utilization budget, past what max_num_seqs sequences of
+    # max_model_len tokens can use (the default stops there); the extra blocks hold adapters (the KV tier)
+    # and keep prefixes longer. Off by default: a second engine in the same process or on the same GPU
+    # finds no room left.
+    kv_cache_whole_budget: bool = setting(
+        False,
+        flag=Flag(
+            "CUDA: give the KV cache the whole --gpu-memory-utilization budget, not only what --max-num-seqs "
+            "sequences of --max-model-len tokens can use; the extra blocks hold evicted adapters (the KV "
+            "tier) and cached prefixes"
+        ),
+    )
     # True: every step runs eagerly; False: decode-only steps replay CUDA graphs captured at start-up
     # (CUDA with the Triton attention backend only; the CPU always runs eagerly).
     enforce_eager: bool = setting(False, flag=Flag("run every step eagerly: no CUDA graphs for decode steps"))

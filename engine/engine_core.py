@@ -101,12 +101,16 @@ class EngineCore:
             )
             if adapter_source_factory is not None:
                 adapter_source = adapter_source_factory(self.runner.shape, config.max_lora_rank)
+            staging = self.runner.kv_tier_staging  # None: no KV tier (turned off, or tensor parallelism)
             self.lora = AdapterManager(
                 adapter_source or self.adapters,
                 self.runner.lora_slots,
                 config.num_cpu_loras,
                 observer=adapter_observer,
                 in_processes=config.loads_in_processes,
+                kv_cache=None
+                if staging is None
+                else (self.kv_cache.block_pool, self.runner.kv_storage, staging),
             )
             self.scheduler = Scheduler(
                 config, self.kv_cache, self.max_model_len, adapter_ready=self.lora.is_ready

@@ -15,6 +15,7 @@ from engine.cuda_graphs import DecodeCudaGraphs, graphs_wanted
 from engine.input_batch import InputBatch
 from engine.lora.context import LoRAContext
 from engine.lora.dora import DoraBase
+from engine.lora.kv_tier import staging_words
 from engine.lora.pool import LoRAPool
 from engine.lora.slots import PAGE_RANK
 from engine.lora.vocab import VocabSlots
@@ -95,12 +96,21 @@ class ModelRunner:
             self.lora_slots.vocab = VocabSlots(
                 self.model, config.max_vocab_loras, config.max_loras, self.dtype, self.device
             )
+        # The KV tier's staging buffer (engine/lora/kv_tier.py): one max-rank adapter, allocated before the
+        # KV cache is sized, so it counts in gpu_memory_utilization.
+        self.kv_tier_staging: torch.Tensor | None = None
+        if config.enable_adapter_kv_cache and parallel is None:
+            word, words = staging_words(self.lora_slots, self._allocate_kv_storage(1))
+            self.kv_tier_staging = torch.empty(words, dtype=word, device=self.device)
+        elif config.enable_adapter_kv_cache and parallel.rank == 0:
+            logger.info("the adapter KV tier is off under tensor parallelism (each rank would keep a shard)")
         self.num_kv_blocks = config.num_kv_blocks or self._profile_num_kv_blocks()
         if parallel is not None:  # every rank's cache holds the same blocks (its own heads of them)
             self.num_kv_blocks = parallel.group.min(self.num_kv_blocks)
         # One block more than the scheduler knows of: CUDA-graph padding rows write their K/V there.
         self.pad_block = self.num_kv_blocks
-        self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks + 1)
+        self.kv_storage = self._allocate_kv_storage(self.num_kv_blocks + 1)
+        self.kv_caches = _layer_views(self.kv_storage)
         self.inputs = InputBatch(
             config.max_num_seqs,
             config.max_num_batched_tokens,
@@ -264,7 +274,7 @@ class ModelRunner:
         if self.parallel is None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # (under tensor parallelism: bounded, in the sequence)
         self.graphs = self.verify_graphs = None
-        self.model = self.kv_caches = self.inputs = None
+        self.model = self.kv_caches = self.kv_storage = self.kv_tier_staging = self.inputs = None
         self.lora_slots = None
         if self.parallel is not None:
             self.parallel.shutdown()  # drops what it held, stops the workers, leaves the group
@@ -275,21 +285,19 @@ class ModelRunner:
         """Drop the input rows of earlier steps (the warm-up's synthetic requests)."""
         self.inputs.reset()
 
-    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_kv_storage(self, num_blocks: int) -> torch.Tensor:
+        """[2 * num_layers, num_blocks, block_size, kv_heads, head_dim]: every layer's K and V in one tensor,
+        so the KV tier (engine/lora/kv_tier.py) moves a block of all of them in one copy."""
         m = self.model
-        shape = (num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        return [
-            (
-                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-            )
-            for _ in range(m.num_layers)
-        ]
+        shape = (2 * m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
     def _profile_num_kv_blocks(self) -> int:
         """Blocks that fit the memory budget: on CUDA what gpu_memory_utilization leaves after the weights
         and a dummy step of max_num_batched_tokens; on the CPU cpu_kv_cache_bytes. Never more than
-        max_num_seqs full-length sequences need."""
+        max_num_seqs full-length sequences need, unless kv_cache_whole_budget (on CUDA, with no draft
+        model, whose cache mirrors every block): then the blocks no request can use hold adapters (the
+        KV tier) and prefixes."""
         useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
         if self.device.type != "cuda":
             return max(2, min(useful, self.config.cpu_kv_cache_bytes // self.kv_block_bytes))
@@ -308,13 +316,15 @@ class ModelRunner:
                 f"tokens use {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; raise gpu_memory_utilization "
                 "or lower max_num_batched_tokens"
             )
+        if self.config.kv_cache_whole_budget and self.config.speculative_config is None:
+            return blocks
         return min(useful, blocks)
 
     def _dummy_step(self) -> None:
         """One forward of the largest batch the scheduler may send, to measure activation memory."""
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         num_blocks = -(-num_tokens // self.block_size)
-        caches = self._allocate_kv_caches(num_blocks)
+        caches = _layer_views(self._allocate_kv_storage(num_blocks))
         meta = AttentionMetadata(
             positions=torch.arange(num_tokens, device=self.device),
             slot_mapping=torch.arange(num_tokens, device=self.device),
@@ -333,6 +343,11 @@ class ModelRunner:
             )
         del caches, hidden
         torch.cuda.synchronize(self.device)
+
+
+def _layer_views(storage: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V) caches [num_blocks, block_size, kv_heads, head_dim]: contiguous views."""
+    return [(storage[2 * i], storage[2 * i + 1]) for i in range(storage.shape[0] // 2)]
 
 
 def _check_fp8_triton_support(device: torch.device) -> None:

@@ -63,6 +63,10 @@ class EngineStats:
     # The same by tier, sorted: holding a GPU slot, and in the pinned CPU tier (an adapter may be in both).
     gpu_adapters: tuple[str, ...] = ()
     cpu_adapters: tuple[str, ...] = ()
+    # The KV tier (engine/lora/kv_tier.py): adapters with a copy in idle KV blocks, and the blocks they
+    # hold (free blocks: kv_cache_usage does not count them); 0 with the tier off.
+    num_kv_adapters: int = 0
+    num_kv_adapter_blocks: int = 0
     tenants: tuple[TenantStats, ...] = ()  # by tenant name; see TenantStats
     # Triton kernel variants compiled since the engine was marked ready (LLMEngine.mark_ready); should stay
     # 0: loraserve_kernel_compiles_after_ready_total.

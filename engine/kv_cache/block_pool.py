@@ -1,9 +1,17 @@
-"""The pool of KV blocks: ref counts, the free queue in eviction order, and the prefix-cache map."""
+"""The pool of KV blocks: ref counts, the free queue in eviction order, and the prefix-cache map.
+
+Free blocks may also be lent to the adapter KV tier (engine/lora/kv_tier.py): they stay in the free queue,
+counted as free, tagged with their owner (a cached adapter) instead of a prefix hash. Whoever pops one
+(a request's allocation, or another lend) takes it at once, and the owner loses its whole copy
+(`on_reclaim`); so the tier never makes a request wait for blocks, and the free queue stays one LRU
+over idle memory: prefix-cached blocks and cached adapters age together, the least recently used goes
+first (docs/ARCHITECTURE.md, "Idle KV blocks as an adapter tier").
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,6 +31,9 @@ class KVBlock:
     # Set while the block is full and registered in the prefix cache; a free block keeps it until
     # the block is handed out again, which is what lets a finished request's prefix be hit later.
     block_hash: bytes | None = None
+    # Set while the block is free and lent to a cached adapter (engine/lora/kv_tier.py): its bytes hold
+    # part of that adapter. Never set together with block_hash.
+    owner: object = None
 
 
 class BlockPool:
@@ -47,6 +58,9 @@ class BlockPool:
         self._cached: dict[bytes, KVBlock] = {}
         # Set by KVCacheManager.record_events: hashes leaving the map and resets become KV events.
         self.events: KVEventRecorder | None = None
+        # owner -> its lent blocks; on_reclaim(owner, by_request) when one of them is taken from it
+        self._lent: dict[object, list[KVBlock]] = {}
+        self.on_reclaim: Callable[[object, bool], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -74,9 +88,63 @@ class BlockPool:
         for _ in range(num_blocks):
             _, block = self._free_queue.popitem(last=False)
             self._evict(block)
+            self._reclaim(block, by_request=True)
             block.ref_cnt = 1
             new_blocks.append(block)
         return new_blocks
+
+    # -- blocks lent to cached adapters ------------------------------------------------------------
+
+    @property
+    def num_lent_blocks(self) -> int:
+        """Free blocks that hold a cached adapter's bytes (still free: any allocation may take them)."""
+        return sum(len(blocks) for blocks in self._lent.values())
+
+    def lend(self, num_blocks: int, owner: object) -> list[KVBlock]:
+        """Tag the `num_blocks` least recently used free blocks with `owner` and move them to the tail of
+        the queue (the most recently used idle memory), as if a request had used and freed them: their
+        prefix hashes and earlier owners are evicted. They stay free. The caller checks there are enough."""
+        if num_blocks > self.num_free_blocks or owner in self._lent:
+            raise ValueError(f"cannot lend {num_blocks} of {self.num_free_blocks} free blocks to {owner!r}")
+        blocks = []
+        for _ in range(num_blocks):
+            _, block = self._free_queue.popitem(last=False)
+            self._evict(block)
+            self._reclaim(block, by_request=False)
+            block.owner = owner
+            self._free_queue[block.block_id] = block
+            blocks.append(block)
+        self._lent[owner] = blocks
+        return blocks
+
+    def touch_lent(self, owner: object) -> None:
+        """A cached adapter was used: its blocks become the most recently used idle memory."""
+        for block in self._lent.get(owner, ()):
+            self._free_queue.move_to_end(block.block_id)
+
+    def hold_lent(self, owner: object) -> None:
+        """Take the owner's blocks out of the free queue for a moment (while its copy is read back and
+        other adapters are saved), so no `lend` in between takes them; `touch_lent` puts them back."""
+        for block in self._lent.get(owner, ()):
+            del self._free_queue[block.block_id]
+
+    def release_lent(self, owner: object) -> None:
+        """Undo `hold_lent`: the blocks rejoin the free queue as its most recently used."""
+        for block in self._lent.get(owner, ()):
+            self._free_queue[block.block_id] = block
+
+    def give_back(self, owner: object) -> None:
+        """The owner drops its copy: its blocks stay free, untagged, where they are in the queue."""
+        for block in self._lent.pop(owner, ()):
+            block.owner = None
+
+    def _reclaim(self, block: KVBlock, by_request: bool) -> None:
+        owner = block.owner
+        if owner is None:
+            return
+        self.give_back(owner)
+        if self.on_reclaim is not None:
+            self.on_reclaim(owner, by_request)
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on prefix-cache hits; a hit on a free block takes it out of the queue."""

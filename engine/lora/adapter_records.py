@@ -120,8 +120,13 @@ class AdapterRecords:
         """Drop an operator's placement of it (engine/lora/placements.py); nothing to drop here."""
 
     def resident_ids(self) -> frozenset[str]:
-        """Adapters in the CPU tier or a GPU slot (a slot's adapter may have left the CPU tier's LRU)."""
-        return frozenset(r.adapter_id for r in self._records.values() if r.in_cpu_tier or r.on_gpu)
+        """Adapters in the CPU tier, a GPU slot or KV blocks (a slot's adapter may have left the CPU tier's
+        LRU)."""
+        return frozenset(
+            r.adapter_id
+            for r in self._records.values()
+            if r.in_cpu_tier or r.on_gpu or r.status is AdapterStatus.KV
+        )
 
     # -- records ------------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ there, and each request's time to first token, by the tier its adapter came from
 The tier is a label of bounded cardinality (never an adapter name): `SOURCE_TIERS`.
 
     gpu    warm: already in a GPU slot when the request arrived (TTFT only)
+    kv     kept in idle KV-cache blocks after it lost its slot: one copy on the device (engine/lora/kv_tier.py)
     cpu    in the CPU tier: one host-to-device copy
     disk   in the local disk cache (or a registered local folder): read, validated, laid out, copied
     store  fetched from the adapter store (S3 or a store folder) first
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 from engine.stats import Histogram, HistogramCounts
 
-SOURCE_TIERS = ("gpu", "cpu", "disk", "store")
+SOURCE_TIERS = ("gpu", "kv", "cpu", "disk", "store")
 # Seconds: from a millisecond (a slot copy) to a minute (a large adapter over a slow store).
 ADAPTER_LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -34,7 +35,7 @@ ADAPTER_LATENCY_BUCKETS = (
 class ColdStart:
     """One adapter's way to the GPU, from the first request that missed it there."""
 
-    origin: str | None = None  # "cpu", "disk" or "store" once known
+    origin: str | None = None  # "kv", "cpu", "disk" or "store" once known
     started: float = field(default_factory=time.monotonic)
 
     @property

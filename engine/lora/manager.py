@@ -28,11 +28,12 @@ Every method runs on the engine thread; `AdapterSource.load` runs in the backgro
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -42,11 +43,15 @@ from engine.lora.adapter_records import AdapterRecords, PendingCopy
 from engine.lora.background_loads import make_loads
 from engine.lora.cold_starts import ColdStart, TierHistograms
 from engine.lora.host_tier import HostTier
+from engine.lora.kv_tier import AdapterKVTier
 from engine.lora.placements import OperatorPlacements
 from engine.lora.pool import LoRAPool
 from engine.lora.residency import AdapterStatus, ResidencyRecord
 from engine.lora.slot_allocator import SlotAllocator
 from engine.lora.slots import NEEDS_VOCAB_ROW
+
+if TYPE_CHECKING:
+    from engine.kv_cache.block_pool import BlockPool
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +91,10 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
         max_cpu_loras: int,
         observer: Observer | None = None,
         in_processes: bool = False,
+        kv_cache: tuple[BlockPool, torch.Tensor, torch.Tensor] | None = None,
     ):
+        """`kv_cache`: (the KV block pool, the KV cache tensor, a staging buffer) to keep adapters that
+        lose their slots in idle KV blocks (engine/lora/kv_tier.py); None: no such tier."""
         if max_cpu_loras < 1:
             raise ValueError(f"max_cpu_loras must be positive (got {max_cpu_loras})")
         allocator = SlotAllocator(slots.max_loras, slots.num_pages, slots.vocab_slots)
@@ -114,6 +122,11 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
         self._copy_stream = torch.cuda.Stream(slots.device) if self._cuda else None
         self._to_copy: list[tuple[ResidencyRecord, int, int, PendingCopy]] = []  # (record, slot, row, ticket)
         self.cold_start_seconds = TierHistograms()  # first GPU miss -> usable on the GPU, by source tier
+        self._waited = False  # the copy stream waited for the compute stream in this `stage`
+        self.kv: AdapterKVTier | None = None
+        if kv_cache is not None:
+            self.kv = AdapterKVTier(*kv_cache, slots, self._emit)
+            self.kv.on_lost = self._kv_lost
         self._init_placements()
 
     # -- called when a request arrives ------------------------------------------------------------
@@ -135,9 +148,13 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
             self._emit("hit", "gpu")
             return record.cold  # None, or the cold start whose copy is still under way
         self._emit("miss", "gpu")
-        self._emit("hit" if record.in_cpu_tier else "miss", "cpu")
+        in_kv = record.status is AdapterStatus.KV
+        if self.kv is not None:  # then the KV tier, the CPU tier only if that missed
+            self._emit("hit" if in_kv else "miss", "kv")
+        if not in_kv:
+            self._emit("hit" if record.in_cpu_tier else "miss", "cpu")
         if record.cold is None:
-            record.cold = ColdStart("cpu" if record.in_cpu_tier else None)
+            record.cold = ColdStart("kv" if in_kv else "cpu" if record.in_cpu_tier else None)
         cold = record.cold
         self._start_load(record)
         self._forget_if_idle(record)
@@ -201,7 +218,7 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
         An adapter already on the GPU is protected from eviction by the ones that come after it. An
         operator's placements (engine/lora/placements.py) come after every waiting request's adapter."""
         protected: set[str] = set()
-        waited = self._copy_stream is None
+        self._waited = False
         slots_left = True
         for adapter_id in dict.fromkeys([*wanted, *self.placements()]):
             if self.error(adapter_id) is not None:
@@ -214,32 +231,36 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
                 self._start_load(record)  # never loaded, or dropped by the CPU tier's LRU while it waited
                 self._forget_if_idle(record)
                 continue
-            if record.status is not AdapterStatus.CPU or not slots_left:
+            from_kv = record.status is AdapterStatus.KV
+            if not (from_kv or record.status is AdapterStatus.CPU) or not slots_left:
                 continue  # failed or deleted; or no slot is left this step, but loads further back still start
-            num_pages = self.tier.image(record.row).num_pages  # what its rank takes in the GPU pool
-            vocab = record.needs_vocab
+            if from_kv:
+                num_pages, vocab = self.kv.num_pages(adapter_id), False
+            else:  # what its rank takes in the GPU pool
+                num_pages, vocab = self.tier.image(record.row).num_pages, record.needs_vocab
             if not self.allocator.can_acquire(adapter_id, frozenset(protected), num_pages, vocab):
                 slots_left = False  # every slot or page is in use; later adapters wait their turn too
                 continue
-            self._touch(record)
-            before = set(self.allocator.resident)
-            slot, _ = self.allocator.acquire(adapter_id, frozenset(protected), num_pages, vocab)
-            self.allocator.release(adapter_id)  # resident but unpinned until a request runs with it
-            for victim_id in before - set(self.allocator.resident):
-                self._lose_slot(self._records[victim_id])
-                self._emit("evict", "gpu")
-            if not waited:
-                # The slot may have served an earlier step whose kernels are still in flight; this step's
-                # own kernels never read it (no request for it or for its old adapter is admitted).
-                self._copy_stream.wait_stream(torch.cuda.current_stream(self.slots.device))
-                waited = True
-            ticket = PendingCopy()
-            self._to_copy.append((record, slot, record.row, ticket))
-            record.copy, self._row_reads[record.row] = ticket, ticket
-            record.move(AdapterStatus.COPYING)
+            if record.row is not None:
+                self._touch(record)
+            if from_kv:
+                self.kv.hold(adapter_id)  # its blocks are not lent to the victims saved below
+            slot = self._take_slot(adapter_id, frozenset(protected), num_pages, vocab)
+            if from_kv:
+                self.kv.release(adapter_id)
+                self._restore_from_kv(record, slot)
+            else:
+                ticket = PendingCopy()
+                self._to_copy.append((record, slot, record.row, ticket))
+                record.copy, self._row_reads[record.row] = ticket, ticket
+                record.plain = not (record.needs_vocab or self.tier.image(record.row).use_dora)
+                record.copy_tier = "cpu"
+                record.move(AdapterStatus.COPYING)
             protected.add(adapter_id)
         if self._copy_stream is None:
             self.start_copies()  # on the CPU a copy is synchronous: nothing to overlap it with
+        elif self._to_copy and not self._waited:
+            self._copy_stream_after_compute()
 
     def start_copies(self) -> None:
         """Issue the slot copies that `stage` decided on. On CUDA the engine calls this right after
@@ -267,7 +288,7 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
                 start, end = record.copy
                 if not end.query():
                     return False
-                self._emit("load", "cpu", start.elapsed_time(end) / 1000.0)
+                self._emit("load", record.copy_tier, start.elapsed_time(end) / 1000.0)
             record.copy = None
             record.move(AdapterStatus.RESIDENT)
             self._end_cold_start(record)
@@ -303,6 +324,77 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
         self.loads.close()
 
     # -- internals ----------------------------------------------------------------------------------
+
+    def _take_slot(self, adapter_id: str, protected: frozenset[str], num_pages: int, vocab: bool) -> int:
+        """Give the adapter a slot and pages, unpinned until a request runs with it; the adapters evicted
+        for them keep a copy in idle KV blocks where the KV tier can take one, before anything is copied
+        into their pages."""
+        before = {a: (self.allocator.lookup(a), self.allocator.pages_of(a)) for a in self.allocator.resident}
+        slot, _ = self.allocator.acquire(adapter_id, protected, num_pages, vocab)
+        self.allocator.release(adapter_id)
+        for victim_id in before.keys() - set(self.allocator.resident):
+            victim = self._records[victim_id]
+            if self.kv is not None and victim.plain:
+                if not self.kv.has(victim_id) and victim.status is not AdapterStatus.COPYING:
+                    with self._on_copy_stream():
+                        self.kv.save(victim_id, *before[victim_id])
+                if self.kv.has(victim_id):
+                    victim.copy = None
+                    victim.move(AdapterStatus.KV)
+                    self._emit("evict", "gpu")
+                    continue
+            self._lose_slot(victim)
+            self._emit("evict", "gpu")
+        return slot
+
+    def _restore_from_kv(self, record: ResidencyRecord, slot: int) -> None:
+        """Copy the adapter back from its KV blocks into `slot` (on the copy stream; synchronous on the CPU)."""
+        pages = self.allocator.slot_pages(slot)
+        record.copy_tier = "kv"
+        record.move(AdapterStatus.COPYING)
+        if self._copy_stream is None:
+            started = time.perf_counter()
+            self.kv.restore(record.adapter_id, slot, pages)
+            self._emit("load", "kv", time.perf_counter() - started)
+            record.copy = None
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with self._on_copy_stream():
+            start.record(self._copy_stream)
+            self.kv.restore(record.adapter_id, slot, pages)
+            end.record(self._copy_stream)
+        record.copy = (start, end)
+
+    def _on_copy_stream(self):
+        """The copy stream as the current one (after it waited for the compute stream once this `stage`);
+        nothing on the CPU, where copies are synchronous."""
+        if self._copy_stream is None:
+            return contextlib.nullcontext()
+        if not self._waited:
+            self._copy_stream_after_compute()
+        return torch.cuda.stream(self._copy_stream)
+
+    def _copy_stream_after_compute(self) -> None:
+        # A slot may have served an earlier step whose kernels are still in flight, and a free KV block may
+        # still be written by one; this step's own kernels never read a slot being filled (no request for
+        # it or for its old adapter is admitted).
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.slots.device))
+        self._waited = True
+
+    def _drop(self, record: ResidencyRecord) -> None:
+        """Retired or deleted, no request left: its copy in KV blocks goes with the others."""
+        if self.kv is not None:
+            self.kv.drop(record.adapter_id)
+        super()._drop(record)
+
+    def _kv_lost(self, adapter_id: str) -> None:
+        """The KV tier's copy of the adapter was reclaimed for requests' K/V (or for another adapter)."""
+        record = self._records.get(adapter_id)
+        if record is not None and record.status is AdapterStatus.KV:
+            record.move(AdapterStatus.CPU if record.row is not None else AdapterStatus.STORED)
+            if isinstance(record.cold, ColdStart):  # a waiting cold start now comes from elsewhere
+                record.cold.origin = "cpu" if record.row is not None else None
+            self._forget_if_idle(record)
 
     def _end_cold_start(self, record: ResidencyRecord) -> None:
         """Usable on the GPU: its cold start (if a request waited for one) is over."""

@@ -180,6 +180,17 @@ class LoRAPool:
                 raise ValueError("this adapter pool serves no DoRA adapters (no base weights attached)")
             self.dora_base.fill_scales(self, slot, image)
 
+    def point(self, slot: int, pages: list[int], table: torch.Tensor, buckets: int) -> None:
+        """Point `slot` at `pages` that already hold a plain adapter's weights (the KV tier copied them
+        there: engine/lora/kv_tier.py), with its table column [num_layers, table_columns] (on the device)
+        and rank buckets; the slot's old own embedding or head, if any, is dropped."""
+        for start, first, count in runs(list(pages)):
+            self.page_table[slot, start : start + count].copy_(self._page_ids[first : first + count])
+        self.table[:, :, slot].copy_(table)
+        self.slot_buckets[slot] = buckets
+        if self.vocab is not None:
+            self.vocab.load(slot, None, None)
+
     def finish_dora(self) -> None:
         """Tensor parallelism: make the DoRA scales of the slots loaded since the last call (every rank
         calls it at the same point of a step: engine/lora/dora.py)."""

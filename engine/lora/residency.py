@@ -7,6 +7,10 @@ The way in, one step at a time (TRANSITIONS below lists every move, evictions, f
 
     STORED --load--> LOADING --loaded--> CPU --given a slot--> COPYING --copied--> RESIDENT <--> PINNED
 
+and, with the KV tier (engine/lora/kv_tier.py), the way back to the GPU from idle KV blocks:
+
+    RESIDENT --slot evicted, a copy kept in KV blocks--> KV --given a slot--> COPYING --> RESIDENT
+
 An adapter's CPU-tier row may outlive the move to the GPU (`row` stays set while the row is not reused),
 so `status` is the closest tier and `row` says whether the CPU tier also holds it. DELETED is final: a
 deleted id is never served again (ids are never reused).
@@ -22,6 +26,7 @@ class AdapterStatus(enum.Enum):
     STORED = "stored"  # known; its weights are only at the source (store, disk cache, local folder)
     LOADING = "loading"  # a background load is writing its CPU-tier row
     CPU = "cpu"  # in a CPU-tier row, not on the GPU
+    KV = "kv"  # a copy in idle KV-cache blocks on the GPU, not in a slot (may also keep a CPU-tier row)
     COPYING = "copying"  # given a GPU slot; the copy from its row is pending or in flight
     RESIDENT = "resident"  # in a GPU slot, copied, no running request: evictable (LRU)
     PINNED = "pinned"  # in a GPU slot, used by running requests: never evicted
@@ -39,10 +44,13 @@ TRANSITIONS: dict[AdapterStatus, frozenset[AdapterStatus]] = {
     S.LOADING: frozenset({S.CPU, S.FAILED, S.STORED, S.DELETED}),
     # STORED: its row was reused by the CPU tier's LRU, or it was dropped
     S.CPU: frozenset({S.COPYING, S.STORED, S.DELETED}),
-    # CPU: its slot went to another adapter before the copy completed
-    S.COPYING: frozenset({S.RESIDENT, S.CPU, S.STORED, S.DELETED}),
-    # CPU or STORED: its slot was evicted, with or without a row left in the CPU tier
-    S.RESIDENT: frozenset({S.PINNED, S.CPU, S.STORED, S.DELETED}),
+    # COPYING: given a slot, copied back from its blocks; CPU or STORED: the blocks were reclaimed for
+    # requests' K/V (with or without a row left in the CPU tier), or it was dropped
+    S.KV: frozenset({S.COPYING, S.CPU, S.STORED, S.DELETED}),
+    # CPU or KV: its slot went to another adapter before the copy completed (KV: its blocks still hold it)
+    S.COPYING: frozenset({S.RESIDENT, S.KV, S.CPU, S.STORED, S.DELETED}),
+    # CPU, KV or STORED: its slot was evicted, with a copy left in KV blocks or the CPU tier, or none
+    S.RESIDENT: frozenset({S.PINNED, S.KV, S.CPU, S.STORED, S.DELETED}),
     S.PINNED: frozenset({S.RESIDENT}),
     # STORED: the failure expired (the next request retries) or the adapter was dropped
     S.FAILED: frozenset({S.STORED, S.DELETED}),
@@ -75,6 +83,10 @@ class ResidencyRecord:
     needs_vocab: bool = False
     # From the first request that missed the GPU until the adapter is usable there (cold_starts.py).
     cold: object = None
+    # A plain adapter (no DoRA, no own embedding or head): the KV tier may keep a copy of its slot.
+    plain: bool = False
+    # Where the copy into its slot comes from while COPYING: "cpu" (its row) or "kv" (its KV blocks).
+    copy_tier: str = "cpu"
 
     def move(self, status: AdapterStatus) -> None:
         """Change status, refusing any move the transition table does not list."""
@@ -95,8 +107,9 @@ class ResidencyRecord:
 
     @property
     def waits_in_cpu_tier(self) -> bool:
-        """Requests wait for it and the CPU tier is its only copy: its row must not be reused."""
-        return self.status is AdapterStatus.CPU and self.holds > 0
+        """Requests wait for it off the GPU's slots: its row must not be reused (a copy in KV blocks may be
+        reclaimed any step, so the row is kept as well)."""
+        return self.status in (AdapterStatus.CPU, AdapterStatus.KV) and self.holds > 0
 
     @property
     def idle(self) -> bool:

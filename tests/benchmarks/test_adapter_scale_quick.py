@@ -94,12 +94,17 @@ def test_residency_rates_come_from_the_difference_of_two_scrapes():
         (hits, "cpu"): 5,
         (misses, "cpu"): 10,
         (loads, "source"): 13,
-        (loads, "cpu"): 20,
+        (loads, "cpu"): 15,
+        (hits, "kv"): 5,
+        (misses, "kv"): 15,
+        (loads, "kv"): 5,
+        ("loraserve_adapter_kv_cache_blocks", "kv"): 88,
     }
     row = _adapter_scale().residency(before, after, seconds=5.0)  # re-exported from adapter_scale_setup
     assert row["gpu_hit"] == pytest.approx(0.75)  # 30 hits, 10 misses during the run
-    assert row["cpu_hit"] == 0.0
+    assert row["cpu_hit"] == 0.0 and row["kv_hit"] == pytest.approx(0.25)
     assert row["cpu_loads_s"] == pytest.approx(2.0) and row["gpu_loads_s"] == pytest.approx(4.0)
+    assert row["kv_loads_s"] == pytest.approx(1.0) and row["kv_blocks"] == 88
     assert row["disk_hit"] != row["disk_hit"]  # no lookups: NaN, not a made-up rate
 
 

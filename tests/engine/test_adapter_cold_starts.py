@@ -101,7 +101,9 @@ def test_concurrent_requests_for_one_cold_adapter_share_one_load(folders):
 
 
 def test_ttft_and_cold_start_by_source_tier(folders):
-    engine, registry = make_engine(folders)  # max_loras 1: a second adapter evicts the first from the GPU
+    # max_loras 1: a second adapter evicts the first from the GPU; without the KV tier, which would keep
+    # it in KV blocks ("kv": tests/engine/test_adapter_kv_tier.py)
+    engine, registry = make_engine(folders, enable_adapter_kv_cache=False)
     try:
         engine.add_request("cold", PROMPT, SHORT, adapter="one")  # local folder: "disk"
         run_all(engine)
@@ -136,4 +138,4 @@ def test_tier_histograms_keep_labels_bounded():
     with pytest.raises(ValueError, match="unknown source tier"):
         histograms.observe("acme/support@3", 1.0)  # never an adapter name
     assert ColdStart().tier == "cpu" and ColdStart("store").tier == "store"
-    assert set(SOURCE_TIERS) == {"gpu", "cpu", "disk", "store"}
+    assert set(SOURCE_TIERS) == {"gpu", "kv", "cpu", "disk", "store"}

@@ -112,6 +112,10 @@ def test_operator_pins_leave_a_slot_for_requests(case):
     """max_loras 2: one pin at most; a second one stays resident but unpinned, so other adapters still run."""
     engine = make_engine(case, max_loras=2)
     try:
+        # both in the CPU tier first: placements pin in their order only among adapters whose loads
+        # finished, and the two loads race on the loader threads
+        engine.preload_adapters(["ad0", "ad1"], level="cpu")
+        until(engine, lambda: {"ad0", "ad1"} <= set(engine.lora.cpu_ids()))
         engine.preload_adapters(["ad0", "ad1"], level="gpu", pin=True)
         until(engine, lambda: not engine.lora.placements())
         assert [r.adapter_id for r in residency(engine).values() if r.placed] == ["ad0"]

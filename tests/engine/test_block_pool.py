@@ -139,3 +139,43 @@ def test_reset_prefix_cache_only_when_nothing_is_in_use(in_use, reset):
     pool.free_blocks([first] + ([] if in_use else [second]))
     assert pool.reset_prefix_cache() is reset
     assert (pool.get_cached_block(b"h") is None) is reset
+
+
+def test_lent_blocks_stay_free_and_join_one_lru_with_cached_prefixes():
+    """Blocks lent to a cached adapter (engine/lora/kv_tier.py) count as free, sit where a freed request's
+    blocks would, and go to the first allocation that reaches them, which takes the owner's whole copy."""
+    pool = BlockPool(6, enable_caching=True)
+    lost = []
+    pool.on_reclaim = lambda owner, by_request: lost.append((owner, by_request))
+    prefix = pool.get_new_blocks(2)  # blocks 0, 1: a request's, registered, then freed
+    pool.cache_block(prefix[0], b"h0")
+    pool.free_blocks(prefix)
+    lent = pool.lend(2, "a")  # the LRU head: 2, 3 (never used) -> the tail, tagged
+    assert ids(lent) == [2, 3] and pool.num_free_blocks == 6 and pool.num_lent_blocks == 2
+    assert pool.get_cached_block(b"h0") is prefix[0]
+    pool.lend(2, "b")  # 4, 5
+    pool.touch_lent("a")  # "a" used again: the most recent idle memory
+    # the queue is now 0 (h0), 1, 4, 5 (b), 2, 3 (a): an allocation of 3 evicts h0 and takes b's block 4
+    assert ids(pool.get_new_blocks(3)) == [0, 1, 4]
+    assert pool.get_cached_block(b"h0") is None
+    assert lost == [("b", True)] and pool.num_lent_blocks == 2  # b's other block is plain free now
+    assert pool.blocks[5].owner is None and pool.blocks[2].owner == "a"
+    pool.give_back("a")
+    assert pool.num_lent_blocks == 0 and pool.num_free_blocks == 3 and lost == [("b", True)]
+
+
+def test_a_lend_evicts_prefix_hashes_and_other_owners_like_an_allocation():
+    pool = BlockPool(3, enable_caching=True)
+    lost = []
+    pool.on_reclaim = lambda owner, by_request: lost.append((owner, by_request))
+    pool.lend(2, "a")
+    held = pool.get_new_blocks(1)  # block 2
+    pool.cache_block(held[0], b"h")
+    pool.free_blocks(held)  # queue: 0, 1 (a), 2 (h)
+    pool.hold_lent("a")  # out of the queue for a moment: no lend may take them
+    with pytest.raises(ValueError):
+        pool.lend(2, "b")
+    pool.release_lent("a")  # queue: 2 (h), 0, 1 (a)
+    pool.lend(2, "b")  # takes 2 (evicting h) and 0 (a's): a loses its copy, not by a request
+    assert lost == [("a", False)] and pool.get_cached_block(b"h") is None
+    assert sorted(b.block_id for b in pool.blocks if b.owner == "b") == [0, 2]

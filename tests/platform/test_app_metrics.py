@@ -235,6 +235,29 @@ def test_adapter_latency_histograms_carry_the_source_tier_and_no_names():
     assert labels == {"model_name", "source_tier", "le"}  # bounded: never an adapter or tenant name
 
 
+def test_the_kv_tier_is_a_tier_label_and_its_blocks_a_gauge():
+    stats = replace(
+        engine_stats((), ()),
+        num_kv_adapters=3,
+        num_kv_adapter_blocks=24,
+        adapter_cold_start=(("kv", HistogramCounts((0.1, 1.0), (2, 0, 0), 0.002)),),
+    )
+    metrics = Metrics("tiny", engine_stats=lambda: stats)
+    metrics.adapter_event("miss", "gpu")
+    metrics.adapter_event("hit", "kv")
+    metrics.adapter_event("load", "kv", 0.0001)
+    metrics.adapter_event("evict", "kv")
+    found = samples(metrics.render().decode())
+    assert value(found, "loraserve_adapter_kv_cache_blocks", model_name="tiny") == 24
+    assert value(found, "loraserve_adapter_kv_cache_adapters", model_name="tiny") == 3
+    assert value(found, "loraserve_adapter_cache_hits_total", tier="kv") == 1
+    assert value(found, "loraserve_adapter_load_seconds_count", tier="kv") == 1
+    assert value(found, "loraserve_adapter_evictions_total", tier="kv") == 1
+    assert (
+        value(found, "loraserve_adapter_cold_start_seconds_count", model_name="tiny", source_tier="kv") == 2
+    )
+
+
 def test_moe_routing_is_exported_per_expert():
     stats = replace(engine_stats((), ()), moe_expert_tokens=(5, 0, 7), moe_load_imbalance=1.75)
     found = samples(Metrics("tiny", engine_stats=lambda: stats).render().decode())

@@ -346,6 +346,19 @@ class _StateCollector(Collector):
         )
         slots.add_metric([], stats.num_lora_slots_in_use)
         yield slots
+        yield _gauge(
+            "loraserve_adapter_kv_cache_blocks",
+            "Free KV blocks holding copies of adapters evicted from GPU slots (the KV tier; requests take "
+            "them back at once).",
+            stats.num_kv_adapter_blocks,
+            model,
+        )
+        yield _gauge(
+            "loraserve_adapter_kv_cache_adapters",
+            "Adapters with a copy in free KV blocks (the KV tier).",
+            stats.num_kv_adapters,
+            model,
+        )
         yield _counter(
             "loraserve_kernel_compiles_after_ready",
             "Triton kernels compiled after the engine was ready (stays 0: every variant is warmed up at start).",
@@ -527,13 +540,13 @@ _ADAPTER_LATENCIES = (
     (
         "loraserve_adapter_ttft_seconds",
         "Engine-side time to first token of adapter requests, by the tier their adapter was in when they "
-        "arrived (gpu: warm; cpu, disk, store: a cold start).",
+        "arrived (gpu: warm; kv, cpu, disk, store: a cold start).",
         "adapter_ttft",
     ),
     (
         "loraserve_adapter_cold_start_seconds",
         "Seconds from the first request that missed the GPU to the adapter usable there, by the tier it "
-        "came from (cpu, disk, store).",
+        "came from (kv, cpu, disk, store).",
         "adapter_cold_start",
     ),
 )

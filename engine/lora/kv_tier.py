@@ -1,0 +1,188 @@
+"""Idle KV-cache blocks as an adapter tier: copies of adapters evicted from their GPU slots (Chameleon's idea).
+
+The KV cache is mostly idle memory when the batch is small; an adapter that loses its slot keeps a copy of
+its pool pages in free KV blocks, and a later request brings it back with a device-to-device copy instead of
+the host-to-device copy out of the CPU tier (or a disk or store load once the CPU tier dropped it). The
+blocks stay free: the block pool (engine/kv_cache/block_pool.py) counts them as free and hands them to the
+first allocation that reaches them in its LRU order, and the adapter loses its copy at that moment
+(`_reclaimed`). So the tier grows into the KV memory that requests leave idle and shrinks as they need it,
+and no request ever waits or is refused for a block because of it.
+
+Bytes, not tensors: the KV cache is one tensor [2 * num_layers, num_blocks + 1, block_size, kv_heads,
+head_dim] (the model runner hands each layer views of it), seen here as words [2 * num_layers,
+num_blocks + 1, c]. An adapter of P pages is P * page_bytes bytes laid out tensor-major over k blocks
+(k = ceil(bytes / (2 * num_layers * c))): its words [t * k * c, (t + 1) * k * c) go to the blocks' rows in
+tensor t. One staging buffer of the largest adapter (allocated with the pool, before the KV cache is
+sized) turns a save or a restore into three copies on the device whatever the layer count: pool pages ->
+staging -> blocks (one scatter) and back (one gather).
+
+Streams (CUDA): every copy runs on the adapter manager's copy stream, after it waited for the compute
+stream, so it follows whatever earlier steps wrote into the blocks and pages, and precedes the slot's later
+host-to-device copies in the same stream. A block whose copy is still in flight may be taken by a
+request's allocation (it is free): then the compute stream waits for that copy's event before the step that
+writes the block (`_reclaimed`, no host sync). Not used with tensor parallelism (each rank would have to
+keep its own shard; the engine turns the tier off there).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache.block_pool import BlockPool
+from engine.lora.pages import runs
+from engine.lora.pool import LoRAPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class KVEntry:
+    """One adapter's copy in KV blocks: the block pool's owner tag for them."""
+
+    adapter_id: str
+    block_ids: torch.Tensor  # [k] int64 on the device: the blocks, in the order the bytes fill them
+    num_pages: int
+    table: torch.Tensor  # [num_layers, table_columns] int32 on the device: its slot's scales and ranks
+    buckets: int  # its kernel rank buckets (LoRAPool.slot_buckets)
+    busy: object = None  # CUDA: the event after the last copy into or out of the blocks
+
+
+def staging_words(pool: LoRAPool, kv_storage: torch.Tensor) -> tuple[torch.dtype, int]:
+    """The word dtype the copies move and the staging buffer's length in words: the largest adapter's
+    bytes rounded up to whole blocks (so a restore's gather fills whole blocks)."""
+    page_bytes = pool.layout.page_numel * pool.weights.element_size()
+    row_bytes = kv_storage[0, 0].numel() * kv_storage.element_size()  # one block of one K or V tensor
+    word = torch.int64 if page_bytes % 8 == 0 and row_bytes % 8 == 0 else torch.uint8
+    unit = kv_storage.shape[0] * row_bytes  # one block over every layer's K and V
+    blocks = -(-pool.layout.max_pages * page_bytes // unit)
+    return word, blocks * unit // torch.empty((), dtype=word).element_size()
+
+
+class AdapterKVTier:
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        kv_storage: torch.Tensor,
+        staging: torch.Tensor,
+        pool: LoRAPool,
+        emit: Callable[[str, str], None],
+    ):
+        word = staging.dtype
+        self.block_pool = block_pool
+        self.pool = pool
+        # [2 * num_layers, num_blocks + 1, c] words of the KV cache; the pool's pages as words
+        self._blocks = kv_storage.view(kv_storage.shape[0], kv_storage.shape[1], -1).view(word)
+        self._pages = pool.weights.view(word)  # [num_pages, page_words]
+        self._staging = staging  # [staging_words] of `word`
+        self._page_words = self._pages.shape[1]
+        self._block_words = self._blocks.shape[0] * self._blocks.shape[2]
+        self._cuda = kv_storage.device.type == "cuda"
+        self._emit = emit
+        self.entries: dict[str, KVEntry] = {}
+        self.on_lost: Callable[[str], None] = lambda adapter_id: None  # the manager's record update
+        block_pool.on_reclaim = self._reclaimed
+
+    # -- what the manager asks -----------------------------------------------------------------------
+
+    def has(self, adapter_id: str) -> bool:
+        return adapter_id in self.entries
+
+    def num_pages(self, adapter_id: str) -> int:
+        return self.entries[adapter_id].num_pages
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks that hold cached adapters now (free blocks: any allocation may take them)."""
+        return self.block_pool.num_lent_blocks
+
+    def blocks_for(self, num_pages: int) -> int:
+        return -(-num_pages * self._page_words // self._block_words)
+
+    def save(self, adapter_id: str, slot: int, pages: list[int]) -> bool:
+        """Copy the adapter in `slot` (its pool `pages`, in rank order) into free KV blocks; False (nothing
+        done) when it would take more than half of the free blocks: under that much pressure its copy
+        would be reclaimed before it is used. Call on the copy stream, before the pages are reused."""
+        k = self.blocks_for(len(pages))
+        if not pages or k > self.block_pool.num_free_blocks // 2 or adapter_id in self.entries:
+            return False
+        table = self.pool.table[:, :, slot].clone()
+        entry = KVEntry(adapter_id, torch.empty(0), len(pages), table, int(self.pool.slot_buckets[slot]))
+        blocks = self.block_pool.lend(k, entry)
+        entry.block_ids = self._index([b.block_id for b in blocks])
+        staged = self._staged(k)
+        flat = staged.view(-1)
+        for start, first, count in runs(pages):
+            w = self._page_words
+            flat[start * w : (start + count) * w].copy_(self._pages[first : first + count].view(-1))
+        self._blocks[:, entry.block_ids] = staged  # the tail past the adapter's bytes is don't-care
+        self.entries[adapter_id] = entry
+        self._mark_busy(entry)
+        return True
+
+    def restore(self, adapter_id: str, slot: int, pages: list[int]) -> None:
+        """Copy the adapter back into `pages` (at least its pages' count, from the allocator) and point
+        `slot` at them: bit for bit what was saved. Call on the copy stream."""
+        entry = self.entries[adapter_id]
+        k = entry.block_ids.numel()
+        staged = self._staged(k)
+        torch.index_select(self._blocks, 1, entry.block_ids, out=staged)
+        flat = staged.view(-1)
+        for start, first, count in runs(list(pages[: entry.num_pages])):
+            w = self._page_words
+            self._pages[first : first + count].view(-1).copy_(flat[start * w : (start + count) * w])
+        self.pool.point(slot, pages[: entry.num_pages], entry.table, entry.buckets)
+        self._mark_busy(entry)
+
+    def hold(self, adapter_id: str) -> None:
+        """Keep the adapter's blocks from any `save` until `release` (while it is given a slot, whose
+        victims are saved first, and copied back)."""
+        self.block_pool.hold_lent(self.entries[adapter_id])
+
+    def release(self, adapter_id: str) -> None:
+        """Undo `hold`: the blocks are free again, the most recently used idle memory."""
+        self.block_pool.release_lent(self.entries[adapter_id])
+
+    def drop(self, adapter_id: str) -> None:
+        """Forget the adapter's copy (retired, deleted): its blocks stay free, untagged."""
+        entry = self.entries.pop(adapter_id, None)
+        if entry is not None:
+            self._wait_for(entry)  # the blocks are anyone's from now on
+            self.block_pool.give_back(entry)
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _staged(self, k: int) -> torch.Tensor:
+        """The staging buffer's first k blocks' words as [2 * num_layers, k, c]."""
+        rows, _, c = self._blocks.shape
+        return self._staging[: k * self._block_words].view(rows, k, c)
+
+    def _index(self, block_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        if not self._cuda:
+            return ids
+        # from page-locked memory, so the copy is queued on the stream instead of syncing it
+        return ids.pin_memory().to(self._blocks.device, non_blocking=True)
+
+    def _mark_busy(self, entry: KVEntry) -> None:
+        if self._cuda:
+            entry.busy = torch.cuda.Event()
+            entry.busy.record(torch.cuda.current_stream(self._blocks.device))
+
+    def _wait_for(self, entry: KVEntry) -> None:
+        """The compute stream waits for the entry's copies before anything it runs next writes the blocks."""
+        if entry.busy is not None and not entry.busy.query():
+            torch.cuda.current_stream(self._blocks.device).wait_event(entry.busy)
+
+    def _reclaimed(self, entry: KVEntry, by_request: bool) -> None:
+        """The block pool took one of the entry's blocks: the whole copy is gone."""
+        if self.entries.get(entry.adapter_id) is not entry:
+            return
+        del self.entries[entry.adapter_id]
+        if by_request:  # a request's K/V goes there next, on the compute stream
+            self._wait_for(entry)
+        self._emit("evict", "kv")
+        self.on_lost(entry.adapter_id)

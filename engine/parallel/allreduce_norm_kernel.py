@@ -22,8 +22,9 @@ The protocol (per program p of the fixed grid of `programs`, the same on every r
    then a CTA barrier; the peers' rows staged in step 2 are now visible.
 5. Reduce: for the same rows, sum data[parity] of ranks 0..world-1 in float32 in rank order (every rank
    adds the same numbers in the same order, so the residual stays bitwise equal on all ranks), round to
-   the model dtype as the all-reduce's output would be, add the bias and the residual as torch does,
-   store the residual, normalise.
+   the model dtype as the all-reduce's output would be (exactly so at two ranks; at more, NCCL's ring
+   rounds partial sums at each hop where this sums in float32 once), add the bias and the residual as
+   torch does, store the residual, normalise.
 Why one barrier suffices back to back: a rank is at most one call ahead of any peer for each program.
 Rank A starts call j + 2 only after its call j + 1 ended, which needed every peer's signal of j + 1 in
 every program; a peer signals j + 1 only from inside its call j + 1 kernel, so its call j kernel (the

@@ -147,7 +147,9 @@ class FusedAllReduceNorm:
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether partial sums `x` ([tokens, hidden]) take the fused path (else NCCL, then the norm)."""
-        return not self._released and x.is_cuda and fits(x, self.max_bytes)
+        # Shapes only, never this rank's state, so every rank takes the same path (a released kernel
+        # returns at once through the abort flag).
+        return x.is_cuda and fits(x, self.max_bytes)
 
     def __call__(self, partial, residual, weight, eps: float, offset: bool, bias, out=None) -> torch.Tensor:
         """RMSNorm(residual + sum over ranks of `partial` (+ bias)); `residual` updated in place."""

@@ -168,6 +168,8 @@ def warm_up(runner, sampler) -> None:  # sampler: the engine's, for its type onl
         runner.verify_graphs = verify_graphs
         runner.warm_up_rank_buckets = None
     runner.reset_inputs()
+    if runner.pieces is not None:  # steps the pieces held count from here (their capture compiled them)
+        runner.pieces.num_replays = 0
     warm_up_sampler(type(sampler)(), logits)  # a sampler of its own: the engine's random state stays put
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)

@@ -93,6 +93,7 @@ def percentile(values: list[float], q: float) -> float:
 # make_engine's options that the other benchmarks do not vary, at throughput.py's own defaults.
 ENGINE_DEFAULTS = {
     "enforce_eager": False,
+    "piecewise_cuda_graphs": True,
     "kv_cache_dtype": "auto",
     "fp8_gemm": "auto",
     "async_scheduling": True,
@@ -127,6 +128,7 @@ def make_engine(
         max_loras=max(1, len(adapters)),
         max_lora_rank=args.rank,
         enforce_eager=args.enforce_eager,
+        piecewise_cuda_graphs=args.piecewise_cuda_graphs,
         kv_cache_dtype=args.kv_cache_dtype,
         async_scheduling=args.async_scheduling,
         quantization=quantization,

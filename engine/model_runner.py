@@ -244,11 +244,12 @@ class ModelRunner:
                 prompt_rows = torch.tensor(prompt_logprob_rows(scheduled), device=self.device)
             self.parallel.send_eager(input_ids, meta, token_slots, logits_rows, prompt_rows)
         lora = None
-        if token_slots is not None:
+        # the pieces hold the LoRA path: a context here serves only adapters' own heads, if any
+        if token_slots is not None and (size is None or vocab is not None):
             buckets = self.rank_buckets(len(scheduled))
             # the vocab path whenever the pool has vocab slots: the code the decode graphs capture
             lora = LoRAContext(self.lora_slots, token_slots, buckets, vocab=vocab is not None)
-        if size is not None:  # everything but attention replayed (the context serves own heads only)
+        if size is not None:  # everything but attention replayed
             hidden = self.pieces.run(num_tokens, size, meta, token_slots is not None)
         else:
             hidden = self.model.forward(input_ids, meta, self.kv_caches, lora)

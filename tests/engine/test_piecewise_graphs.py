@@ -157,6 +157,22 @@ def test_pieces_give_eager_tokens_and_padding_is_harmless(base_case):
     llm.shutdown()
 
 
+def test_prompt_logprobs_through_the_pieces(base_case):
+    """Prompt logprobs need every row's hidden state: the last piece keeps them, as eager does."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in base_case["prompts"][:3]]
+    results = {}
+    for piecewise in (False, True):
+        llm = _llm(base_case["model_dir"])
+        pieces = _install_pieces(llm) if piecewise else None
+        outputs = llm.generate(prompts, params)
+        results[piecewise] = [(o.prompt_logprobs, o.outputs[0].token_ids) for o in outputs]
+        if pieces is not None:
+            assert pieces.num_replays > 0
+        llm.shutdown()
+    assert results[True] == results[False]
+
+
 def _case(tmp_path_factory, arch: str, adapter_kwargs: dict):
     root = tmp_path_factory.mktemp(f"pieces-{arch}")
     model_dir = make_model(root / "model", arch=arch, seed=2)

@@ -29,7 +29,7 @@ def case(tmp_path_factory):
     names = [*adapters, None]
     shared = [rng.randrange(3, 512) for _ in range(33)]  # a cached prefix of two blocks and more
     prompts = [shared + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 20))] for _ in range(3)]
-    prompts += [[rng.randrange(3, 512) for _ in range(rng.randrange(3, 100))] for _ in range(9)]
+    prompts += [[rng.randrange(3, 512) for _ in range(rng.randrange(3, 200))] for _ in range(9)]
     assigned = [names[i % len(names)] for i in range(len(prompts))]
     return dict(model_dir=model_dir, adapters=adapters, prompts=prompts, assigned=assigned)
 
@@ -44,12 +44,14 @@ def generate(case, piecewise: bool, enforce_eager: bool = False, **overrides):
                 max_loras=4,
                 max_lora_rank=16,
                 max_num_seqs=8,
-                max_num_batched_tokens=64,  # prompts of up to 100 tokens: chunked beside decodes
+                # steps of up to 256 tokens: chunked prefill beside decodes, and buckets over 128 tokens
+                # (the LoRA kernels' segmented path) as well as under
+                max_num_batched_tokens=256,
                 block_size=16,
-                max_model_len=160,
+                max_model_len=256,
                 dtype="float32",
                 device="cuda",
-                num_kv_blocks=128,
+                num_kv_blocks=256,
                 enforce_eager=enforce_eager,
                 piecewise_cuda_graphs=piecewise,
             ),
@@ -71,7 +73,7 @@ def generate(case, piecewise: bool, enforce_eager: bool = False, **overrides):
 
 def test_pieces_replay_with_eager_and_peft_tokens(case):
     got, replays, hits, buckets = generate(case, piecewise=True)
-    assert buckets == [16, 24, 32, 48, 64]
+    assert buckets == [16, 24, 32, 48, 64, 96, 128, 192, 256]
     assert replays[2] > 0, f"steps with prefill tokens should replay the pieces: {replays}"
     assert hits > 0, "the shared prefix should hit the cache"
     eager, eager_replays, _, _ = generate(case, piecewise=False)

@@ -47,8 +47,10 @@ buffers, padding included, so CPU tests exercise the buckets and the padding.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+from unittest import mock
 
 import torch
 
@@ -142,12 +144,21 @@ class PiecewiseCudaGraphs:
         if self.device.type != "cuda":
             return
         self.pool = pool
+        gc.collect()
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
-        with torch.inference_mode():
+        # Hundreds of captures: each would empty the allocator's cache (and, on some torch releases,
+        # collect garbage) on entering torch.cuda.graph; once, above, is enough (vLLM does the same).
+        with (
+            torch.inference_mode(),
+            mock.patch("gc.collect", lambda *args: 0),
+            mock.patch("torch.cuda.empty_cache", lambda: None),
+        ):
             for size in reversed(self.buckets):
                 for lora in (self.variant, ()):
                     self._capture_bucket(size, lora)
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # what the warm-up runs left cached: the graphs hold their own pool
         logger.info(
             "captured %d piecewise CUDA graphs for mixed steps (%d pieces x token buckets %s x %d LoRA "
             "uses) in %.1f s, %.0f MiB",

@@ -179,8 +179,19 @@ class ModelRunner:
             self.pad_block * self.block_size,
             self.device,
         )
-        pieces.capture(self.graphs.pool)
-        return pieces
+        try:
+            pieces.capture(self.graphs.pool)
+            return pieces
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # serve, eagerly, rather than not start
+            error = str(exc)
+        logger.warning(
+            "piecewise CUDA graphs could not be captured (%s); mixed prefill/decode steps run eagerly", error
+        )
+        del pieces  # (after the except block: its traceback held the half-captured graphs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        return None
 
     @property
     def kv_block_bytes(self) -> int:

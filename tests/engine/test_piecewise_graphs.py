@@ -220,6 +220,21 @@ def test_pieces_match_eager_and_peft_with_adapters(arch, tmp_path_factory, monke
     assert runs[True] == expected
 
 
+def test_a_failed_capture_leaves_mixed_steps_eager(base_case, monkeypatch, caplog):
+    """A capture that fails (a GPU out of memory, a kernel that syncs) leaves the engine serving, with
+    mixed steps eager and a warning saying why."""
+    monkeypatch.setenv(UNCAPTURED_GRAPHS_ENV, "1")
+
+    def fail(self, pool=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(PiecewiseCudaGraphs, "capture", fail)
+    llm = _llm(base_case["model_dir"], attention_backend="triton", max_num_batched_tokens=16)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.pieces is None
+    assert "piecewise CUDA graphs could not be captured (operation not permitted" in caplog.text
+    llm.shutdown()
+
+
 def test_moe_models_keep_the_eager_path(tmp_path, monkeypatch):
     """Mixture-of-experts models: no pieces (their routing counts would include padding rows)."""
     monkeypatch.setenv(UNCAPTURED_GRAPHS_ENV, "1")

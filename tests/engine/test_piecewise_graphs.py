@@ -118,8 +118,9 @@ def base_case(tmp_path_factory):
     return dict(model_dir=model_dir, prompts=prompts)
 
 
-def _generate(llm: LLM, prompts, adapters=None) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
+def _generate(llm: LLM, prompts, adapters=None, num_tokens: int = NUM_NEW_TOKENS) -> list[list[int]]:
+    # ignore_eos, not min_tokens: requests under min_tokens propose nothing (speculative test below)
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapters=adapters)
     assert all(o.error is None for o in outputs)
     return [o.outputs[0].token_ids for o in outputs]
@@ -218,6 +219,23 @@ def test_pieces_match_eager_and_peft_with_adapters(arch, tmp_path_factory, monke
     reference = load_peft_reference(model_dir, adapters)
     expected = [reference_greedy(reference, p, a, NUM_NEW_TOKENS) for p, a in zip(prompts, assigned)]
     assert runs[True] == expected
+
+
+def test_speculative_steps_through_the_pieces(base_case):
+    """n-gram proposals verified in steps the pieces hold (no verification graphs here): the sampled
+    rows include the proposals' and the greedy tokens are those of decoding without speculation."""
+    # 60 distinct tokens each: a sampled token often occurred before, so n-gram lookup finds proposals
+    prompts = [list(range(3 + 60 * i, 63 + 60 * i)) for i in range(4)]
+    plain_llm = _llm(base_case["model_dir"])
+    expected = _generate(plain_llm, prompts, num_tokens=16)
+    plain_llm.shutdown()
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = _llm(base_case["model_dir"], speculative_config=spec)
+    pieces = _install_pieces(llm)
+    assert _generate(llm, prompts, num_tokens=16) == expected
+    assert llm.engine.speculator.stats().num_draft_tokens > 0
+    assert pieces.num_replays > 0
+    llm.shutdown()
 
 
 def test_a_failed_capture_leaves_mixed_steps_eager(base_case, monkeypatch, caplog):

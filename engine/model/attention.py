@@ -8,6 +8,7 @@ reference) or to the Triton kernels (paged_attention_triton.py, the CUDA path). 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,7 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
-    @property
+    @cached_property  # read by every layer's attention: once a step
     def max_query_len(self) -> int:
         starts = self.query_start_loc
         return max((b - a for a, b in zip(starts, starts[1:])), default=0)

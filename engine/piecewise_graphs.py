@@ -239,7 +239,7 @@ class PiecewiseCudaGraphs:
             return
         if res.data_ptr() != residual.data_ptr():  # the fused norms add into the residual in place
             residual.copy_(res)
-        self.queries[:size].copy_(q.reshape(size, -1))
+        self.queries[:size].view(q.shape).copy_(q)  # q: a strided view into the q/k/v projection
 
     def _fill_padding(self, start: int, end: int) -> None:
         """Rows [start, end) become padding: token 0 at position 0 in the scratch block, no adapter."""

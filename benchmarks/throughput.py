@@ -416,6 +416,12 @@ def parse_args(argv=None):
     p.add_argument("--hf-batch", type=int, default=32)
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="the engine without CUDA graphs")
+    p.add_argument(
+        "--no-piecewise-cuda-graphs",
+        dest="piecewise_cuda_graphs",
+        action="store_false",
+        help="mixed prefill/decode steps eager (the decode graphs stay)",
+    )
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the engine's KV cache")
     p.add_argument(
         "--quantization",

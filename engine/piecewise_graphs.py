@@ -37,9 +37,11 @@ memory are logged).
 
 Which steps and models use them is decided in one place, `piecewise_unsupported`: off for tensor
 parallelism (the workers replay only what rank 0 broadcasts) and mixture-of-experts models (their
-routing counts would include padding rows); those keep the eager path. DoRA, adapters' own embeddings
-(inside piece 0, the decode graphs' static path) and speculative verification steps that no verification
-graph holds go through the pieces.
+routing counts would include padding rows); those keep the eager path, as does an engine whose capture
+failed (model_runner logs why). DoRA, adapters' own embeddings (inside piece 0, the decode graphs' static
+path), prompt logprobs and speculative verification steps that no verification graph holds go through
+the pieces. Piece 0 also builds the LoRA kernels' per-step token groups (LoRABatchMeta) inside its graph;
+the later pieces read them.
 
 Off CUDA nothing is captured: with UNCAPTURED_GRAPHS_ENV set, the pieces run uncaptured on the same
 buffers, padding included, so CPU tests exercise the buckets and the padding.

@@ -179,7 +179,7 @@ class EngineArgs:
     enforce_eager: bool = setting(False, flag=Flag("run every step eagerly: no CUDA graphs for decode steps"))
     # With CUDA graphs on (not enforce_eager): steps holding prefill tokens, up to 2048 tokens, replay
     # piecewise graphs, everything but attention captured per token-count bucket (engine/piecewise_graphs.py);
-    # False: such steps run eagerly. Tensor parallelism and MoE models always run them eagerly.
+    # False: such steps run eagerly. Tensor parallelism always runs them eagerly.
     piecewise_cuda_graphs: bool = setting(
         True,
         flag=Flag(

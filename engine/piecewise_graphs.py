@@ -36,9 +36,10 @@ holds about one forward of the largest bucket (the KV cache was sized before cap
 memory are logged).
 
 Which steps and models use them is decided in one place, `piecewise_unsupported`: off for tensor
-parallelism (the workers replay only what rank 0 broadcasts) and mixture-of-experts models (their
-routing counts would include padding rows); those keep the eager path, as does an engine whose capture
-failed (model_runner logs why). DoRA, adapters' own embeddings (inside piece 0, the decode graphs' static
+parallelism (the workers replay only what rank 0 broadcasts), which keeps the eager path, as does an
+engine whose capture failed (model_runner logs why). Mixture-of-experts models go through the pieces:
+piece 0 marks the real rows (slot mapping outside the scratch block) and the MoE layers' routing counts
+leave the padding rows out. DoRA, adapters' own embeddings (inside piece 0, the decode graphs' static
 path), prompt logprobs and speculative verification steps that no verification graph holds go through
 the pieces. Piece 0 also builds the LoRA kernels' per-step token groups (LoRABatchMeta) inside its graph;
 the later pieces read them.
@@ -58,7 +59,6 @@ import torch
 
 from engine.lora.context import LoRAContext
 from engine.model.attention import AttentionMetadata
-from engine.model.layers.moe_model import MoEDecoderModel
 from engine.request import NO_LORA
 from engine.step_buffers import EagerTwins
 
@@ -89,8 +89,6 @@ def piecewise_unsupported(config, model, parallel) -> str | None:
         return "piecewise_cuda_graphs is off"
     if parallel is not None:
         return "tensor parallelism"
-    if isinstance(model, MoEDecoderModel):
-        return "mixture-of-experts model"
     return None
 
 
@@ -116,6 +114,8 @@ class PiecewiseCudaGraphs:
         self.device = device
         self.variant = lora_slots.bucket_variants()[-1]  # every rank bucket: holds any step's adapters
         self.num_pieces = model.num_layers + 1
+        self.moe_layers = getattr(model, "moe_layers", [])  # (MoEDecoderModel) their routing counts
+        self._real_rows: torch.Tensor | None = None  # [size] bool: piece 0's, for the MoE layers' counts
         rows, attn = self.buckets[-1], model.num_heads * model.head_dim
         dtype = model.model.embed_tokens.weight.dtype
         self.queries = torch.zeros(rows, attn, dtype=dtype, device=device)  # [rows, heads * head_dim]
@@ -123,9 +123,12 @@ class PiecewiseCudaGraphs:
         hidden = model.config.hidden_size
         self.residual = torch.zeros(rows, hidden, dtype=dtype, device=device)
         self.hidden = torch.zeros(rows, hidden, dtype=dtype, device=device)  # the last piece's output
-        # (bucket, rank buckets or () without LoRA) -> its pieces' graphs, and the LoRA context whose
-        # plans and token groups they captured (kept alive: later pieces read what piece 0 built)
-        self.graphs: dict[tuple[int, tuple[int, ...]], tuple[list[torch.cuda.CUDAGraph], LoRAContext | None]]
+        # (bucket, rank buckets or () without LoRA) -> its pieces' graphs, then what piece 0 built that
+        # later pieces read (kept alive): the LoRA context (its plans and token groups), the real-row mask
+        self.graphs: dict[
+            tuple[int, tuple[int, ...]],
+            tuple[list[torch.cuda.CUDAGraph], LoRAContext | None, torch.Tensor | None],
+        ]
         self.graphs = {}
         self.pool = None
         self.num_replays = 0  # steps served by the pieces (tests and the benchmark read it)
@@ -188,7 +191,7 @@ class PiecewiseCudaGraphs:
             if self.pool is None:
                 self.pool = graph.pool()
             graphs.append(graph)
-        self.graphs[(size, lora)] = (graphs, context)
+        self.graphs[(size, lora)] = (graphs, context, self._real_rows)
 
     def run(
         self, num_tokens: int, size: int, meta: AttentionMetadata, use_lora: bool
@@ -201,7 +204,7 @@ class PiecewiseCudaGraphs:
         lora = self.variant if use_lora else ()
         captured = self.device.type == "cuda"
         if captured:
-            graphs, _ = self.graphs[(size, lora)]
+            graphs = self.graphs[(size, lora)][0]
         else:  # uncaptured (tests): the same pieces on the same buffers, a context per step as eager
             context = self._context(size, lora)
         heads, head_dim = self.model.num_heads, self.model.head_dim
@@ -233,6 +236,10 @@ class PiecewiseCudaGraphs:
         )  # fmt: skip
         model, residual = self.model, self.residual[:size]
         if index == 0:
+            if self.moe_layers:  # routing counts leave the padding rows out (computed in the graph)
+                self._real_rows = longs[2, :size] != self.pad_slot
+                for moe in self.moe_layers:
+                    moe.count_mask = self._real_rows
             q, res = model.first_piece(longs[0, :size], meta, self.kv_caches, context)
         else:
             q, res = model.piece(index, self.attn_out[:size], residual, meta, self.kv_caches, context)

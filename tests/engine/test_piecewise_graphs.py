@@ -11,17 +11,19 @@ import pytest
 import torch
 from factories import (
     C1_ADAPTERS,
+    MOE_ADAPTERS,
     family_adapters,
+    generate_greedy,
     load_peft_reference,
     make_adapter,
     make_model,
+    per_adapter_reference,
     reference_greedy,
 )
 
 from engine import LLM, SamplingParams
 from engine.cuda_graphs import UNCAPTURED_GRAPHS_ENV
 from engine.input_batch import InputBatch
-from engine.model.layers.moe_model import MoEDecoderModel
 from engine.piecewise_graphs import PiecewiseCudaGraphs, piecewise_unsupported, token_buckets
 from engine.request import NO_LORA, Request
 from engine.scheduler_output import ScheduledRequest
@@ -44,11 +46,10 @@ def test_one_place_decides_which_engines_use_pieces():
         types.SimpleNamespace(piecewise_cuda_graphs=True),
         types.SimpleNamespace(piecewise_cuda_graphs=False),
     )
-    dense, moe = object(), MoEDecoderModel.__new__(MoEDecoderModel)
-    assert piecewise_unsupported(on, dense, None) is None
-    assert piecewise_unsupported(off, dense, None) == "piecewise_cuda_graphs is off"
-    assert piecewise_unsupported(on, dense, object()) == "tensor parallelism"
-    assert piecewise_unsupported(on, moe, None) == "mixture-of-experts model"
+    model = object()
+    assert piecewise_unsupported(on, model, None) is None
+    assert piecewise_unsupported(off, model, None) == "piecewise_cuda_graphs is off"
+    assert piecewise_unsupported(on, model, object()) == "tensor parallelism"
 
 
 def _scheduled(prompt_len: int, start: int, num_new: int, blocks: list[int], slot: int) -> ScheduledRequest:
@@ -118,9 +119,13 @@ def base_case(tmp_path_factory):
     return dict(model_dir=model_dir, prompts=prompts)
 
 
-def _generate(llm: LLM, prompts, adapters=None, num_tokens: int = NUM_NEW_TOKENS) -> list[list[int]]:
-    # ignore_eos, not min_tokens: requests under min_tokens propose nothing (speculative test below)
-    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+def _generate(
+    llm: LLM, prompts, adapters=None, num_tokens: int = NUM_NEW_TOKENS, speculates: bool = False
+) -> list[list[int]]:
+    # min_tokens as the references' min_new_tokens; but requests under min_tokens propose nothing
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, min_tokens=num_tokens)
+    if speculates:
+        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapters=adapters)
     assert all(o.error is None for o in outputs)
     return [o.outputs[0].token_ids for o in outputs]
@@ -227,12 +232,12 @@ def test_speculative_steps_through_the_pieces(base_case):
     # 60 distinct tokens each: a sampled token often occurred before, so n-gram lookup finds proposals
     prompts = [list(range(3 + 60 * i, 63 + 60 * i)) for i in range(4)]
     plain_llm = _llm(base_case["model_dir"])
-    expected = _generate(plain_llm, prompts, num_tokens=16)
+    expected = _generate(plain_llm, prompts, num_tokens=16, speculates=True)
     plain_llm.shutdown()
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     llm = _llm(base_case["model_dir"], speculative_config=spec)
     pieces = _install_pieces(llm)
-    assert _generate(llm, prompts, num_tokens=16) == expected
+    assert _generate(llm, prompts, num_tokens=16, speculates=True) == expected
     assert llm.engine.speculator.stats().num_draft_tokens > 0
     assert pieces.num_replays > 0
     llm.shutdown()
@@ -253,10 +258,27 @@ def test_a_failed_capture_leaves_mixed_steps_eager(base_case, monkeypatch, caplo
     llm.shutdown()
 
 
-def test_moe_models_keep_the_eager_path(tmp_path, monkeypatch):
-    """Mixture-of-experts models: no pieces (their routing counts would include padding rows)."""
-    monkeypatch.setenv(UNCAPTURED_GRAPHS_ENV, "1")
+def test_moe_models_through_the_pieces(tmp_path):
+    """A mixture of experts with adapters on its attention and experts: the pieces give PEFT's tokens and
+    the eager engine's routing counts (padding rows are not counted as routed)."""
     model_dir = make_model(tmp_path / "moe", arch="qwen3_moe", seed=1)
-    llm = _llm(model_dir, attention_backend="triton", max_num_batched_tokens=16)
-    assert llm.engine.runner.graphs is not None and llm.engine.runner.pieces is None
-    llm.shutdown()
+    adapters = {
+        name: make_adapter(model_dir, tmp_path / name, seed=20 + i, **kwargs)
+        for i, (name, kwargs) in enumerate(MOE_ADAPTERS.items())
+    }
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(5, 20))] for _ in range(4)]
+    assigned = [*adapters, None]
+    runs = {}
+    for piecewise in (False, True):
+        llm = _llm(model_dir, lora_modules={k: str(v) for k, v in adapters.items()}, max_lora_rank=16)
+        pieces = _install_pieces(llm) if piecewise else None
+        tokens = _generate(llm, prompts, assigned)
+        runs[piecewise] = (tokens, llm.engine.stats().moe_expert_tokens)
+        if pieces is not None:
+            assert pieces.num_replays > 0
+        llm.shutdown()
+    assert runs[True] == runs[False]
+    references = per_adapter_reference(model_dir, adapters)
+    expected = [generate_greedy(references[a], p, NUM_NEW_TOKENS) for p, a in zip(prompts, assigned)]
+    assert runs[True][0] == expected

@@ -8,7 +8,14 @@ import random
 
 import pytest
 import torch
-from factories import C1_ADAPTERS, load_peft_reference, make_adapter, make_model, reference_greedy
+from factories import (
+    C1_ADAPTERS,
+    MOE_ADAPTERS,
+    load_peft_reference,
+    make_adapter,
+    make_model,
+    reference_greedy,
+)
 
 from engine import LLM, SamplingParams
 
@@ -28,8 +35,9 @@ def case(tmp_path_factory):
     rng = random.Random(9)
     names = [*adapters, None]
     shared = [rng.randrange(3, 512) for _ in range(33)]  # a cached prefix of two blocks and more
-    prompts = [shared + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 20))] for _ in range(3)]
-    prompts += [[rng.randrange(3, 512) for _ in range(rng.randrange(3, 200))] for _ in range(9)]
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(3, 200))] for _ in range(12)]
+    for i in (0, 5, 10):  # the same adapter (the cache is per adapter); 10 is admitted after 0 ran
+        prompts[i] = shared + prompts[i][:20]
     assigned = [names[i % len(names)] for i in range(len(prompts))]
     return dict(model_dir=model_dir, adapters=adapters, prompts=prompts, assigned=assigned)
 
@@ -65,6 +73,7 @@ def generate(case, piecewise: bool, enforce_eager: bool = False, **overrides):
     assert all(o.error is None for o in outputs)
     replays = llm.engine.runner.num_graph_replays
     hits = llm.engine.kv_cache.num_hit_tokens
+    case["routing"] = llm.engine.stats().moe_expert_tokens
     pieces = llm.engine.runner.pieces
     buckets = None if pieces is None else list(pieces.buckets)
     llm.shutdown()
@@ -92,3 +101,29 @@ def test_pieces_with_several_rank_buckets(case):
     assert replays[2] > 0
     eager, _, _, _ = generate(case, piecewise=False, enforce_eager=True, **overrides)
     assert got == eager
+
+
+def test_moe_pieces_keep_tokens_and_routing_counts(tmp_path_factory):
+    """Qwen3-MoE with adapters on attention and experts: the fused-MoE kernels inside the pieces give the
+    eager engine's tokens, and the routing counts leave the padding rows out."""
+    root = tmp_path_factory.mktemp("pieces-moe-gpu")
+    model_dir = make_model(root / "model", arch="qwen3_moe", seed=1)
+    adapters = {
+        name: make_adapter(model_dir, root / name, seed=20 + i, **kwargs)
+        for i, (name, kwargs) in enumerate(MOE_ADAPTERS.items())
+    }
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(3, 200))] for _ in range(8)]
+    names = [*adapters, None]
+    case = dict(
+        model_dir=model_dir,
+        adapters=adapters,
+        prompts=prompts,
+        assigned=[names[i % len(names)] for i in range(len(prompts))],
+    )
+    got, replays, _, _ = generate(case, piecewise=True)
+    routing = case["routing"]
+    assert replays[2] > 0
+    eager, _, _, _ = generate(case, piecewise=False)
+    assert got == eager
+    assert routing == case["routing"] and sum(routing) > 0

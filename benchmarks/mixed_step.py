@@ -1,17 +1,22 @@
-"""Mixed prefill/decode steps, fused element-wise ops against the torch ops (issue 17's "before and after").
+"""Mixed prefill/decode steps: fused element-wise ops against the torch ops (issue 17's "before and after"),
+or piecewise CUDA graphs against eager mixed steps (`--compare piecewise`).
 
     TRITON_INTERPRET=0 python3 benchmarks/mixed_step.py      # H100: shape S, N=64, 127 decoding requests
+    TRITON_INTERPRET=0 python3 benchmarks/mixed_step.py --compare piecewise --chunks 512
     python3 benchmarks/mixed_step.py --smoke                 # tiny model on the CPU (checks that it runs)
 
-Decode steps replay CUDA graphs; a step that also carries a prefill chunk runs eagerly, one launch per op
-per layer. This measures such steps through the engine itself (scheduler, runner, sampler): `--decoding`
+Decode steps replay CUDA graphs; a step that also carries a prefill chunk replays piecewise graphs
+(engine/piecewise_graphs.py: everything but attention, the attention kernels eager between the pieces)
+or, with piecewise_cuda_graphs off, runs eagerly, one launch per op per layer. This measures such steps through the engine itself (scheduler, runner, sampler): `--decoding`
 requests with adapters decode steadily, then, `--repeats` times per chunk size, one new request with a
 prompt of that many tokens (and one output token) joins them, so the next step is a mixed step of the
 decode rows and the whole chunk; the decode-only step after it is timed too. Scheduling is synchronous
 here (each `step()` ends when its tokens are on the host), so a step's wall time is what it costs end to
 end. The engine is built twice in one invocation, with the fused Triton element-wise ops
 (engine/model/fused_ops.py: RMSNorm with the residual add, RoPE in place, SiLU-and-mul) and with the
-torch ops, and the CUDA kernels of one mixed step are counted with the torch profiler.
+torch ops (`--compare ops`), or with and without piecewise graphs (`--compare piecewise`, fused ops
+both), and the CUDA kernels of one mixed step are counted and timed with the torch profiler: their sum is
+the step's GPU time, and "wall / GPU" how far the host keeps the GPU waiting (1.0: never).
 """
 
 from __future__ import annotations
@@ -49,6 +54,12 @@ def parse_args(argv=None):
         "--cprofile", action="store_true", help="the costliest Python functions of the mixed steps"
     )
     p.add_argument("--top", type=int, default=25, help="functions listed from the cProfile")
+    p.add_argument(
+        "--compare",
+        choices=["ops", "piecewise"],
+        default="ops",
+        help="ops: fused Triton element-wise ops vs torch ops; piecewise: piecewise CUDA graphs vs eager",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     args = p.parse_args(argv)
     # make_engine reads these
@@ -65,7 +76,7 @@ def parse_args(argv=None):
     return args
 
 
-def measure(args, model_dir: Path, adapters: list[Path], vocab_size: int) -> dict:
+def measure(args, model_dir: Path, adapters: list[Path], vocab_size: int, label: str) -> dict:
     """{chunk size: (mixed step ms, decode step ms)} and the CUDA kernels of one mixed step per size."""
     rng = random.Random(0)
     steps_needed = 8 + 2 * args.repeats * len(args.chunks)
@@ -101,16 +112,21 @@ def measure(args, model_dir: Path, adapters: list[Path], vocab_size: int) -> dic
                 kernels[chunk] = kernel_times(profiler)
         timings[chunk] = (statistics.median(mixed) * 1e3, statistics.median(decode) * 1e3)
     fused = engine.runner.model.fused
+    piecewise_replays = engine.runner.num_graph_replays[2]
     engine.shutdown()
     del engine
     w1.free_memory(torch.device(args.device))
     if args.cprofile:
         out = io.StringIO()
         pstats.Stats(python_profile, stream=out).sort_stats("tottime").print_stats(args.top)
-        print(
-            f"mixed steps, {'fused' if fused else 'torch'} ops (cProfile on: timings inflated):{out.getvalue()}"
-        )
-    return {"fused": fused, "timings": timings, "kernels": kernels}
+        print(f"mixed steps, {label} (cProfile on: timings inflated):{out.getvalue()}")
+    return {
+        "label": label,
+        "fused": fused,
+        "timings": timings,
+        "kernels": kernels,
+        "piecewise_replays": piecewise_replays,
+    }
 
 
 def _kernel_counter(args):
@@ -145,35 +161,39 @@ def _timed_step(engine, args, profiler) -> float:
 
 def report(args, runs: list[dict]) -> str:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    first = "element-wise ops" if args.compare == "ops" else "mixed steps"
     lines = [
         f"Mixed steps, shape {args.shape}, {args.dtype}, N={args.adapters}, {args.decoding} decoding requests "
         f"+ one prefill chunk, synchronous scheduling, median of {args.repeats}, {device}",
         "",
-        "| element-wise ops | chunk (tokens) | mixed step (ms) | decode step after it (ms) | CUDA kernels per "
-        "mixed step |",
-        "|---|---|---|---|---|",
+        f"| {first} | chunk (tokens) | mixed step (ms) | decode step after it (ms) | CUDA kernels per "
+        "mixed step | their GPU time (ms) | wall / GPU | piecewise replays |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
-        ops = "fused (Triton)" if run["fused"] else "torch"
         for chunk, (mixed, decode) in run["timings"].items():
             kernels = run["kernels"].get(chunk)
-            count = sum(n for n, _ in kernels.values()) if kernels else "-"
-            lines.append(f"| {ops} | {chunk} | {mixed:.2f} | {decode:.2f} | {count} |")
+            count, gpu, ratio = "-", "-", "-"
+            if kernels:
+                count = sum(n for n, _ in kernels.values())
+                gpu_ms = sum(ms for _, ms in kernels.values())
+                gpu, ratio = f"{gpu_ms:.2f}", f"{mixed / gpu_ms:.2f}"
+            lines.append(
+                f"| {run['label']} | {chunk} | {mixed:.2f} | {decode:.2f} | {count} | {gpu} | {ratio} | "
+                f"{run['piecewise_replays']} |"
+            )
     for run in runs:
         for chunk, kernels in run["kernels"].items():
             total = sum(ms for _, ms in kernels.values())
-            lines += [
-                "",
-                f"{'fused' if run['fused'] else 'torch'} ops, chunk {chunk}: {total:.2f} ms of kernels",
-            ]
+            lines += ["", f"{run['label']}, chunk {chunk}: {total:.2f} ms of kernels"]
             lines += ["", "| kernel | launches | ms |", "|---|---|---|"]
             top = sorted(kernels.items(), key=lambda item: -item[1][1])[:8]
             lines += [f"| {name[:90]} | {n} | {ms:.3f} |" for name, (n, ms) in top]
     if len(runs) == 2:
         lines.append("")
         for chunk in args.chunks:
-            fused, torch_ops = runs[0]["timings"][chunk][0], runs[1]["timings"][chunk][0]
-            lines.append(f"- chunk {chunk}: fused / torch mixed step {fused / torch_ops:.2f}x")
+            a, b = runs[0]["timings"][chunk][0], runs[1]["timings"][chunk][0]
+            lines.append(f"- chunk {chunk}: {runs[0]['label']} / {runs[1]['label']} mixed step {a / b:.2f}x")
     return "\n".join(lines)
 
 
@@ -185,9 +205,15 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = w1.make_model(Path(tmp) / "model", args.shape, dtype, device)
         adapters = w1.make_adapters(Path(tmp), model_dir, config, args.adapters, args.rank, dtype)
-        runs.append(measure(args, model_dir, adapters, config.vocab_size))
-        fused_ops.supports_fused_rope = lambda head_dim: False  # LlamaModel then keeps the torch ops
-        runs.append(measure(args, model_dir, adapters, config.vocab_size))
+        if args.compare == "piecewise":  # fused ops both times
+            for piecewise, label in ((True, "piecewise"), (False, "eager")):
+                args.piecewise_cuda_graphs = piecewise
+                runs.append(measure(args, model_dir, adapters, config.vocab_size, label))
+        else:  # eager mixed steps, as issue 17 compared them
+            args.piecewise_cuda_graphs = False
+            runs.append(measure(args, model_dir, adapters, config.vocab_size, "fused"))
+            fused_ops.supports_fused_rope = lambda head_dim: False  # LlamaModel then keeps the torch ops
+            runs.append(measure(args, model_dir, adapters, config.vocab_size, "torch"))
     print(report(args, runs))
 
 

@@ -93,6 +93,7 @@ def percentile(values: list[float], q: float) -> float:
 # make_engine's options that the other benchmarks do not vary, at throughput.py's own defaults.
 ENGINE_DEFAULTS = {
     "enforce_eager": False,
+    "piecewise_cuda_graphs": True,
     "kv_cache_dtype": "auto",
     "fp8_gemm": "auto",
     "async_scheduling": True,
@@ -128,6 +129,7 @@ def make_engine(
         max_loras=max(1, len(adapters)),
         max_lora_rank=args.rank,
         enforce_eager=args.enforce_eager,
+        piecewise_cuda_graphs=args.piecewise_cuda_graphs,
         kv_cache_dtype=args.kv_cache_dtype,
         async_scheduling=args.async_scheduling,
         quantization=quantization,
@@ -416,6 +418,12 @@ def parse_args(argv=None):
     p.add_argument("--hf-batch", type=int, default=32)
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="the engine without CUDA graphs")
+    p.add_argument(
+        "--no-piecewise-cuda-graphs",
+        dest="piecewise_cuda_graphs",
+        action="store_false",
+        help="mixed prefill/decode steps eager (the decode graphs stay)",
+    )
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the engine's KV cache")
     p.add_argument(
         "--quantization",

@@ -6,7 +6,8 @@ each of the pool's rank variants (engine/lora/pool.LoRAPool.bucket_variants: eac
 all of them), so a step of rank-16 adapters in a pool for rank 64 replays kernels sized for 16. Every
 input lives in a static buffer the graphs read: a step copies its inputs in with padding rows up to the
 bucket (InputBatch.prepare_decode, one copy per buffer), replays, and reads the logits rows it needs.
-Mixed prefill/decode steps stay eager. When the pool has slots for adapters with their own embedding or
+Steps with prefill tokens replay the piecewise graphs instead (engine/piecewise_graphs.py: everything but
+attention, per token-count bucket, up to 2048 tokens; larger ones run eagerly). When the pool has slots for adapters with their own embedding or
 LM head (max_vocab_loras > 0), the LoRA graphs also hold that path (engine/lora/vocab.py: a per-token
 gather and one head kernel, static shapes), so steps of such adapters replay too; without them the
 graphs are as before.

@@ -212,6 +212,16 @@ class EngineArgs:
     # True: every step runs eagerly; False: decode-only steps replay CUDA graphs captured at start-up
     # (CUDA with the Triton attention backend only; the CPU always runs eagerly).
     enforce_eager: bool = setting(False, flag=Flag("run every step eagerly: no CUDA graphs for decode steps"))
+    # With CUDA graphs on (not enforce_eager): steps holding prefill tokens, up to 2048 tokens, replay
+    # piecewise graphs, everything but attention captured per token-count bucket (engine/piecewise_graphs.py);
+    # False: such steps run eagerly. Tensor parallelism always runs them eagerly.
+    piecewise_cuda_graphs: bool = setting(
+        True,
+        flag=Flag(
+            "replay mixed prefill/decode steps as piecewise CUDA graphs, attention eager between the "
+            "pieces (--no-piecewise-cuda-graphs: such steps run eagerly)"
+        ),
+    )
     # True: schedule and launch each step before reading the previous step's sampled tokens (they reach
     # the next step's inputs on the device), so host bookkeeping overlaps the GPU; step() then returns
     # one step late. A request that ends on a stop token costs one wasted row in the next step. On by
@@ -438,7 +448,7 @@ def check_engine_args(args: EngineArgs) -> None:
         raise ValueError(
             f"{label('fairness_max_bypass_steps')} must be a non-negative integer (got {bypass!r})"
         )
-    for name in ("enforce_eager", "async_scheduling"):
+    for name in ("enforce_eager", "piecewise_cuda_graphs", "async_scheduling"):
         if not isinstance(getattr(args, name), bool):
             raise ValueError(f"{label(name)} must be a bool (got {getattr(args, name)!r})")
     if not isinstance(args.enable_expert_parallel, bool):

@@ -134,10 +134,17 @@ class InputBatch:
         _read_in_flight(twins.input_ids, waiting, in_flight)
         return bool((self.lora_slots[:n] != NO_LORA).any())
 
-    def prepare_eager(self, scheduled: list[ScheduledRequest], in_flight: SampledStep | None = None):
+    def prepare_eager(
+        self,
+        scheduled: list[ScheduledRequest],
+        in_flight: SampledStep | None = None,
+        pad_to: int | None = None,
+    ):
         """Any step: (input_ids [num_tokens], AttentionMetadata, token slots [num_tokens] int32 or None when
         no token uses an adapter, logits rows [num_sampling_rows] of the rows that sample). Input tokens
-        still in flight are read from `in_flight` on the device."""
+        still in flight are read from `in_flight` on the device. `pad_to` (piecewise graphs): the device
+        buffers also get padding rows [num_tokens, pad_to): token 0 at position 0 in the scratch block,
+        no adapter."""
         n, bs = len(scheduled), self.block_size
         self._wait_for_copies()
         twins = self.eager
@@ -160,6 +167,16 @@ class InputBatch:
         use_lora = bool((self.lora_slots[:n] != NO_LORA).any())
         if use_lora:
             twins.token_slots.host_np[:num_tokens] = self.lora_slots[rows]
+        rows_sent = num_tokens
+        if pad_to is not None:
+            if pad_to < num_tokens or pad_to > self.max_num_tokens:
+                raise ValueError(
+                    f"cannot pad {num_tokens} tokens to {pad_to} (at most {self.max_num_tokens})"
+                )
+            longs[:2, num_tokens:pad_to] = 0
+            longs[2, num_tokens:pad_to] = self.pad_block * bs
+            twins.token_slots.host_np[num_tokens:pad_to] = NO_LORA
+            rows_sent = pad_to
         sampling_rows = _logits_rows(scheduled, query_start_loc[1:])
         twins.logits_rows.host_np[: len(sampling_rows)] = sampling_rows
         width = max(1, int(self.num_blocks[:n].max()))
@@ -173,7 +190,7 @@ class InputBatch:
             seq_lens_tensor=twins.ints.device[0, :n],
             query_start_loc_tensor=twins.ints.device[1, : n + 1],
         )
-        twins.send(num_tokens, n * width, len(sampling_rows), use_lora)
+        twins.send(rows_sent, n * width, len(sampling_rows), use_lora)
         self._record_copies()
         _read_in_flight(twins.longs.device[0], waiting, in_flight)
         token_slots = twins.token_slots.device[:num_tokens] if use_lora else None

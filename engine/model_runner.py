@@ -24,6 +24,7 @@ from engine.model.kv_quant import FP8_DTYPE
 from engine.model.loader import checkpoint_dtype, load_model
 from engine.model.paged_attention_triton import interpreting
 from engine.model.registry import model_shape
+from engine.piecewise_graphs import PiecewiseCudaGraphs, piecewise_unsupported
 from engine.prompt_logprobs import (
     PromptTokenLogprobs,
     compute_prompt_logprobs,
@@ -137,6 +138,7 @@ class ModelRunner:
             )
             self.graphs.capture()
         self.verify_graphs = self._capture_verify_graphs()
+        self.pieces = self._capture_pieces(parallel)
         if parallel is not None:  # the shutdown sequence drops them before the communicator they captured
             parallel.hold(self.graphs, self.verify_graphs)
         self.closed = False
@@ -168,6 +170,38 @@ class ModelRunner:
             return None
         graphs.capture(self.graphs.pool)
         return graphs
+
+    def _capture_pieces(self, parallel) -> PiecewiseCudaGraphs | None:
+        """Piecewise graphs for steps holding prefill tokens, where the decode graphs are on and
+        piecewise_unsupported allows (engine/piecewise_graphs.py)."""
+        if self.graphs is None:
+            return None
+        reason = piecewise_unsupported(self.config, self.model, parallel)
+        if reason is not None:
+            logger.info("mixed prefill/decode steps run eagerly: %s", reason)
+            return None
+        pieces = PiecewiseCudaGraphs(
+            self.model,
+            self.kv_caches,
+            self.lora_slots,
+            self.inputs.eager,
+            self.config.max_num_batched_tokens,
+            self.pad_block * self.block_size,
+            self.device,
+        )
+        try:
+            pieces.capture(self.graphs.pool)
+            return pieces
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # serve, eagerly, rather than not start
+            error = str(exc)
+        logger.warning(
+            "piecewise CUDA graphs could not be captured (%s); mixed prefill/decode steps run eagerly", error
+        )
+        del pieces  # (after the except block: its traceback held the half-captured graphs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        return None
 
     @property
     def kv_block_bytes(self) -> int:
@@ -216,18 +250,24 @@ class ModelRunner:
             return logits[torch.tensor(rows, device=logits.device)]
         if self.verify_graphs is not None and not wants_prompt and self.verify_graphs.fits(scheduled):
             return self.verify_graphs.execute(self.inputs, scheduled, in_flight, self.parallel)
-        input_ids, meta, token_slots, logits_rows = self.inputs.prepare_eager(scheduled, in_flight)
+        num_tokens = sum(s.num_new_tokens for s in scheduled)
+        size = self.pieces.bucket(num_tokens) if self.pieces is not None else None
+        input_ids, meta, token_slots, logits_rows = self.inputs.prepare_eager(scheduled, in_flight, size)
         if self.parallel is not None:
             prompt_rows = None
             if wants_prompt:
                 prompt_rows = torch.tensor(prompt_logprob_rows(scheduled), device=self.device)
             self.parallel.send_eager(input_ids, meta, token_slots, logits_rows, prompt_rows)
         lora = None
-        if token_slots is not None:
+        # the pieces hold the LoRA path: a context here serves only adapters' own heads, if any
+        if token_slots is not None and (size is None or vocab is not None):
             buckets = self.rank_buckets(len(scheduled))
             # the vocab path whenever the pool has vocab slots: the code the decode graphs capture
             lora = LoRAContext(self.lora_slots, token_slots, buckets, vocab=vocab is not None)
-        hidden = self.model.forward(input_ids, meta, self.kv_caches, lora)
+        if size is not None:  # everything but attention replayed
+            hidden = self.pieces.run(num_tokens, size, meta, token_slots is not None)
+        else:
+            hidden = self.model.forward(input_ids, meta, self.kv_caches, lora)
 
         def compute_logits(rows) -> torch.Tensor:  # hidden rows -> logits, adapters' own heads included
             rows = torch.as_tensor(rows, device=hidden.device)
@@ -247,11 +287,13 @@ class ModelRunner:
         return self.parallel.step_guard() if self.parallel is not None else nullcontext()
 
     @property
-    def num_graph_replays(self) -> tuple[int, int]:
-        """(decode, verification) steps served by CUDA-graph replays since start-up (warm-up excluded)."""
+    def num_graph_replays(self) -> tuple[int, int, int]:
+        """(decode, verification, piecewise) steps served by CUDA-graph replays since start-up (warm-up
+        excluded); piecewise: steps with prefill tokens (engine/piecewise_graphs.py)."""
         decode = self.graphs.num_replays if self.graphs is not None else 0
         verify = self.verify_graphs.num_replays if self.verify_graphs is not None else 0
-        return decode, verify
+        pieces = self.pieces.num_replays if self.pieces is not None else 0
+        return decode, verify, pieces
 
     def rank_buckets(self, num_rows: int) -> tuple[int, ...] | None:
         """The kernel ranks this step's LoRA kernels are sized to: the rank buckets of the adapters its
@@ -273,7 +315,7 @@ class ModelRunner:
         self.closed = True
         if self.parallel is None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # (under tensor parallelism: bounded, in the sequence)
-        self.graphs = self.verify_graphs = None
+        self.graphs = self.verify_graphs = self.pieces = None
         self.model = self.kv_caches = self.kv_storage = self.kv_tier_staging = self.inputs = None
         self.lora_slots = None
         if self.parallel is not None:

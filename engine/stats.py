@@ -81,9 +81,11 @@ class EngineStats:
     # vllm:spec_decode_* counters; None when the engine does not speculate
     spec_decode: SpecDecodeStats | None = None
     # Steps served by CUDA-graph replays since start-up: decode steps, and speculative verification
-    # steps (loraserve_cuda_graph_replays_total{kind="decode"|"verify"}); the rest ran eagerly.
+    # steps, and steps with prefill tokens through piecewise graphs
+    # (loraserve_cuda_graph_replays_total{kind="decode"|"verify"|"piecewise"}); the rest ran eagerly.
     num_decode_graph_replays: int = 0
     num_verify_graph_replays: int = 0
+    num_piecewise_graph_replays: int = 0
     # (source tier, histogram) of adapter requests' engine-side TTFT, and of adapter cold starts (first
     # GPU miss -> usable on the GPU); tiers in engine/lora/cold_starts.SOURCE_TIERS, observed ones only.
     adapter_ttft: tuple[tuple[str, HistogramCounts], ...] = ()

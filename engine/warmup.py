@@ -1,9 +1,10 @@
 """Start-up warm-up: every Triton kernel variant a step can launch is compiled before the engine serves.
 
 CUDA-graph capture already compiles what decode steps run (one batch per bucket, with and without LoRA),
-and so does the capture of speculative verification graphs (spec_decode/verify_graphs.py).
-This covers the rest: prefill and mixed prefill/decode steps, which run eagerly, and, without graphs,
-decode steps. Per step, what Triton compiles depends on
+and so do the captures of speculative verification graphs (spec_decode/verify_graphs.py) and of the
+piecewise graphs of steps with prefill tokens (engine/piecewise_graphs.py). This covers the rest: prefill
+and mixed prefill/decode steps run eagerly (too large for the pieces, or on engines without them; the
+pieces' eager attention kernels too), and, without graphs, decode steps. Per step, what Triton compiles depends on
 - the LoRA kernels' launch configs (gathered or segmented path, tile height, split-K), which
   `lora_kernels.tiles.launch_configs` derives from the step's token count, and the kernel ranks the step
   is sized to (one of the pool's rank-bucket variants, engine/lora/pool.py);
@@ -153,9 +154,10 @@ def warm_up(runner, sampler) -> None:  # sampler: the engine's, for its type onl
         steps.append(batches.decode(1, use_lora=False))
         if moe_key is not None:
             steps += [batches.decode(n, use_lora=False) for n in sizes]
-    # Eager variants only: steps a verification graph could serve (a few tokens per request) must run
-    # eagerly here too, since steps too large for its buckets run them so later (capture compiled its own).
+    # Eager variants only: steps a verification graph or the piecewise graphs could serve must run
+    # eagerly here too, since steps too large for their buckets run them so later (capture compiled theirs).
     verify_graphs, runner.verify_graphs = runner.verify_graphs, None
+    pieces, runner.pieces = runner.pieces, None
     try:
         for variant in variants:
             runner.warm_up_rank_buckets = variant
@@ -166,6 +168,7 @@ def warm_up(runner, sampler) -> None:  # sampler: the engine's, for its type onl
             logits = runner.execute(scheduled)
     finally:
         runner.verify_graphs = verify_graphs
+        runner.pieces = pieces
         runner.warm_up_rank_buckets = None
     runner.reset_inputs()
     warm_up_sampler(type(sampler)(), logits)  # a sampler of its own: the engine's random state stays put

@@ -78,7 +78,7 @@ def engine_stats(
     counters: EngineCounters,
     config: EngineConfig,
     cache_config: tuple[tuple[str, str], ...],
-    graph_replays: tuple[int, int] = (0, 0),
+    graph_replays: tuple[int, int, int] = (0, 0, 0),
     routing=None,  # the model's RoutingCounts (a mixture of experts), else None
 ) -> EngineStats:
     """The engine's load right now, read from its scheduler, KV cache, adapter manager and counters."""
@@ -110,6 +110,7 @@ def engine_stats(
         spec_decode=speculator.stats() if speculator is not None else None,
         num_decode_graph_replays=graph_replays[0],
         num_verify_graph_replays=graph_replays[1],
+        num_piecewise_graph_replays=graph_replays[2],
         lora_residency=lora.residency(),
         **_routing(routing),
     )

@@ -50,12 +50,7 @@ class LoRAContext:
         layer: int,
         modules: tuple[str, ...],  # the projections fused into y, in column order
     ) -> None:
-        targets = [self.slots.layers[layer][m] for m in modules]
-        pool_as = [t.lora_a for t in targets]
-        pool_bs = [t.lora_b for t in targets]
-        scales = [t.scales for t in targets]
-        slot_ranks = self.slots.slot_ranks(layer, modules)
-        dora_scales, dora_slots = self.slots.dora_view(layer, modules), self.slots.dora_slots[layer]
+        a = self.slots.launch_args(layer, modules)  # the pool's static views, built once
         plan = self._plans.get(modules)
         if plan is None:
             # Checked once a step per launch group: every layer's pools of these projections have the
@@ -63,20 +58,29 @@ class LoRAContext:
             plan = self._plans[modules] = ops.plan_paged(
                 y,
                 x,
-                pool_as,
-                pool_bs,
+                a.pool_as,
+                a.pool_bs,
                 self.slots.page_table,
                 self.token_slots,
-                scales,
-                [t.lora_b.shape[1] for t in targets],
-                slot_ranks,
+                a.scales,
+                a.output_slices,
+                a.slot_ranks,
                 rank_buckets=self.rank_buckets,
-                dora_scales=dora_scales,
-                dora_slots=dora_slots,
+                dora_scales=a.dora_scales,
+                dora_slots=a.dora_slots,
                 meta=self._segments(),
             )
         ops.run_paged(
-            plan, y, x, pool_as, pool_bs, self.slots.page_table, scales, slot_ranks, dora_scales, dora_slots
+            plan,
+            y,
+            x,
+            a.pool_as,
+            a.pool_bs,
+            self.slots.page_table,
+            a.scales,
+            a.slot_ranks,
+            a.dora_scales,
+            a.dora_slots,
         )
 
     def experts(self, moe, x: torch.Tensor, local_ids: torch.Tensor):

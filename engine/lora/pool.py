@@ -48,6 +48,19 @@ def kernel_rank_buckets(kernel_rank: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
+@dataclass(frozen=True)
+class LaunchArgs:
+    """One launch group's pool tensors in one layer, as lora_kernels.ops.plan_paged / run_paged take them."""
+
+    pool_as: list[torch.Tensor]  # per projection: [num_pages, PAGE_RANK, in]
+    pool_bs: list[torch.Tensor]  # per projection: [num_pages, out, PAGE_RANK]
+    scales: list[torch.Tensor]  # per projection: [max_loras] float32
+    output_slices: list[int]  # per projection: its output width
+    slot_ranks: torch.Tensor  # [max_loras] int32: the group's largest rank per slot
+    dora_scales: torch.Tensor  # [max_loras, sum of outputs] float32
+    dora_slots: torch.Tensor  # [max_loras] int32
+
+
 @dataclass
 class ModuleSlots:
     """One projection of one layer (views into `LoRAPool`'s tensors)."""
@@ -100,6 +113,7 @@ class LoRAPool:
         self.dora_slots = self.table[:, layout.dora_column]  # [num_layers, max_loras] int32
         self.dora_base = None  # engine.lora.dora.DoraBase, attached by the model runner
         self._dora_views: dict[tuple[int, tuple[str, ...]], torch.Tensor] = {}
+        self._launch_args: dict[tuple[int, tuple[str, ...]], LaunchArgs] = {}
         self._output_columns = layout.output_columns  # this pool's own (a rank's shard's) widths
         self._page_ids = torch.arange(
             self.num_pages, dtype=torch.int32, device=device
@@ -129,6 +143,23 @@ class LoRAPool:
         # fall in, so a step's kernels are sized to the ranks of the slots it uses (`step_buckets`).
         self.rank_buckets = kernel_rank_buckets(self.kernel_rank)
         self.slot_buckets = np.zeros(max_loras, np.int64)  # host side, set by `load`
+
+    def launch_args(self, layer: int, modules: tuple[str, ...]) -> LaunchArgs:
+        """The pool's side of one launch group's kernel call in `layer` (static views: built once, then
+        looked up, so an eager step's 4 x layers calls build no lists)."""
+        args = self._launch_args.get((layer, modules))
+        if args is None:
+            targets = [self.layers[layer][m] for m in modules]
+            args = self._launch_args[layer, modules] = LaunchArgs(
+                pool_as=[t.lora_a for t in targets],
+                pool_bs=[t.lora_b for t in targets],
+                scales=[t.scales for t in targets],
+                output_slices=[t.lora_b.shape[1] for t in targets],
+                slot_ranks=self.slot_ranks(layer, modules),
+                dora_scales=self.dora_view(layer, modules),
+                dora_slots=self.dora_slots[layer],
+            )
+        return args
 
     def dora_view(self, layer: int, modules: tuple[str, ...]) -> torch.Tensor:
         """[max_loras, sum of the modules' outputs]: the DoRA scales of one launch group (its columns are

@@ -8,6 +8,7 @@ reference) or to the Triton kernels (paged_attention_triton.py, the CUDA path). 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,7 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
-    @property
+    @cached_property  # read by every layer's attention: once a step
     def max_query_len(self) -> int:
         starts = self.query_start_loc
         return max((b - a for a, b in zip(starts, starts[1:])), default=0)
@@ -166,11 +167,13 @@ def attention(
     k_scale: torch.Tensor | None = None,  # [1] float32; fp8 caches only
     v_scale: torch.Tensor | None = None,  # [1] float32
     softcap: float | None = None,  # attention logit soft-capping (Gemma 2)
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]: the result goes here if given
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     if backend == "torch":
-        return paged_attention(
+        result = paged_attention(
             q, key_cache, value_cache, meta, scale, sliding_window, k_scale, v_scale, softcap
         )
+        return result if out is None else out.copy_(result)
     if backend != "triton":
         raise ValueError(f"attention backend must be 'torch' or 'triton', got {backend!r}")
     seq_lens, query_start_loc = meta.device_tensors()
@@ -184,6 +187,7 @@ def attention(
         meta.max_query_len,
         scale,
         sliding_window,
+        out=out,
         k_scale=k_scale,
         v_scale=v_scale,
         softcap=softcap,

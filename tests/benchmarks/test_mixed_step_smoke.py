@@ -7,14 +7,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_mixed_step_benchmark_runs_on_the_cpu():
+@pytest.mark.parametrize(
+    "compare, labels", [("ops", ("fused", "torch")), ("piecewise", ("piecewise", "eager"))]
+)
+def test_the_mixed_step_benchmark_runs_on_the_cpu(compare, labels):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")])}
-    command = [sys.executable, "benchmarks/mixed_step.py", "--smoke"]
+    command = [sys.executable, "benchmarks/mixed_step.py", "--smoke", "--compare", compare]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| torch |")]
-    assert len(rows) == 4, result.stdout  # two builds x two chunk sizes
-    assert "- chunk 32: fused / torch mixed step" in result.stdout
+    for label in labels:  # two builds x two chunk sizes
+        rows = [line for line in result.stdout.splitlines() if line.startswith(f"| {label} |")]
+        assert len(rows) == 2, result.stdout
+    assert f"- chunk 32: {labels[0]} / {labels[1]} mixed step" in result.stdout

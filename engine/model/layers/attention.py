@@ -83,6 +83,18 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         lora,
     ) -> torch.Tensor:  # [tokens, hidden]
+        q = self.project(x, meta, kv_cache, lora)
+        return self.o_proj(self.attend(q, meta, kv_cache).reshape(-1, self.q_size), lora)
+
+    def project(
+        self,
+        x: torch.Tensor,  # [tokens, hidden]
+        meta: AttentionMetadata,  # only its token-level tensors are read: positions, slot_mapping
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        lora,
+    ) -> torch.Tensor:  # [tokens, num_heads, head_dim] queries, RoPE applied
+        """Everything before the attention kernel: q/k/v projection, q/k norms, RoPE, and the K/V write
+        into the cache. Token by token (no per-sequence metadata), so piecewise CUDA graphs capture it."""
         spec, rope = self.spec, self.spec.rope
         qkv = self.qkv_proj(x, lora)
         if self.fused:
@@ -113,7 +125,19 @@ class Attention(nn.Module):
             q, k = rope(meta.positions, q, k)
         key_cache, value_cache = kv_cache
         write_kv(key_cache, value_cache, k, v, meta.slot_mapping, self.k_scale, self.v_scale)
-        out = attention(
+        return q
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [tokens, num_heads, head_dim]
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        out: torch.Tensor | None = None,  # [tokens, num_heads, head_dim]: written in place when given
+    ) -> torch.Tensor:  # [tokens, num_heads, head_dim]
+        """The attention kernel over the paged cache (K/V already written by `project`)."""
+        spec = self.spec
+        key_cache, value_cache = kv_cache
+        return attention(
             q,
             key_cache,
             value_cache,
@@ -124,8 +148,8 @@ class Attention(nn.Module):
             self.k_scale,
             self.v_scale,
             spec.softcap,
+            out,
         )
-        return self.o_proj(out.reshape(-1, self.q_size), lora)
 
     def _load_kv_scale(self, param, tensor, shard) -> None:
         """One positive number per layer (per-tensor), the same on every rank."""

@@ -76,13 +76,25 @@ class DecoderLayer(nn.Module):
             mlp.defer_reduce = True
 
     def forward(self, hidden, residual, meta, kv_cache, lora) -> tuple[torch.Tensor, torch.Tensor]:
-        # hidden: [tokens, hidden], or the previous layer's MLP partial sums (PartialSums)
+        q, residual = self.attention_input(hidden, residual, meta, kv_cache, lora)
+        out = self.self_attn.attend(q, meta, kv_cache)
+        return self.attention_output(out.reshape(-1, self.self_attn.q_size), residual, lora)
+
+    def attention_input(self, hidden, residual, meta, kv_cache, lora) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries [tokens, heads, head_dim], residual): the input norm and the attention's `project`
+        (its K/V written to the cache). `hidden`: [tokens, hidden], or under the fused all-reduce the previous
+        layer's MLP partial sums (PartialSums). `residual` None: the layer's input is the residual stream."""
         if residual is None:
             residual = hidden
             x = self.input_layernorm(hidden)
         else:
             x, residual = self.input_layernorm(hidden, residual)
-        out = self.self_attn(x, meta, kv_cache, lora)
+        return self.self_attn.project(x, meta, kv_cache, lora), residual
+
+    def attention_output(self, attn, residual, lora) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) from the attention kernel's output `attn` [tokens, num_heads * head_dim]:
+        o_proj, the norms and the MLP."""
+        out = self.self_attn.o_proj(attn, lora)
         if self.sandwich:
             out = self.post_attention_layernorm(out)
             x, residual = self.pre_feedforward_layernorm(out, residual)
@@ -249,13 +261,33 @@ class DecoderModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: key, value caches
         lora,  # LoRAContext | None
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        q, residual = self.first_piece(input_ids, meta, kv_caches, lora)
+        for i in range(1, self.num_layers + 1):
+            out = self.attend(i - 1, q, meta, kv_caches)
+            q, residual = self.piece(i, out.reshape(out.shape[0], -1), residual, meta, kv_caches, lora)
+        return q
+
+    # -- the pieces (engine/piecewise_graphs.py captures them; `forward` is their composition) ---------
+
+    def first_piece(self, input_ids, meta, kv_caches, lora) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedding .. layer 0's queries (K/V written): (queries [tokens, heads, head_dim], residual)."""
         own = lora.own_embedding if lora is not None and lora.vocab else None
         hidden = self.model.embed_tokens(input_ids, own)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, meta, kv_cache, lora)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
+        return self.model.layers[0].attention_input(hidden, None, meta, kv_caches[0], lora)
+
+    def attend(self, layer: int, q, meta, kv_caches, out=None) -> torch.Tensor:
+        """Layer `layer`'s attention kernel: [tokens, heads, head_dim] (into `out` when given)."""
+        return self.model.layers[layer].self_attn.attend(q, meta, kv_caches[layer], out)
+
+    def piece(self, index: int, attn, residual, meta, kv_caches, lora):
+        """Piece `index` (1 .. num_layers): layer index-1's attention output `attn` [tokens, heads *
+        head_dim] through its o_proj and MLP, then layer index's queries and (queries, residual); the last
+        piece ends at the final norm instead and returns (hidden [tokens, hidden], None)."""
+        hidden, residual = self.model.layers[index - 1].attention_output(attn, residual, lora)
+        if index == self.num_layers:
+            hidden, _ = self.model.norm(hidden, residual)
+            return hidden, None
+        return self.model.layers[index].attention_input(hidden, residual, meta, kv_caches[index], lora)
 
     def compute_logits(self, hidden: torch.Tensor, own_heads=None) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32; `own_heads`: adapters' own heads (LoRAContext.own_heads)."""

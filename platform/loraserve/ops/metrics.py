@@ -367,11 +367,13 @@ class _StateCollector(Collector):
         )
         replays = CounterMetricFamily(
             "loraserve_cuda_graph_replays",
-            "Engine steps served by CUDA-graph replays (decode; speculative verification).",
+            "Engine steps served by CUDA-graph replays (decode; speculative verification; piecewise: "
+            "steps with prefill tokens).",
             labels=["model_name", "kind"],
         )
         replays.add_metric([self._model, "decode"], stats.num_decode_graph_replays)
         replays.add_metric([self._model, "verify"], stats.num_verify_graph_replays)
+        replays.add_metric([self._model, "piecewise"], stats.num_piecewise_graph_replays)
         yield replays
         if stats.spec_decode is not None:
             yield from _spec_decode_families(stats, model)

@@ -160,8 +160,8 @@ def server_args(args, model_dir: Path, adapters: list[Path], state_dir: Path, ma
     ]  # fmt: skip
     if args.enforce_eager:
         values.append("--enforce-eager")
-    if not getattr(args, "piecewise_cuda_graphs", True):  # (served_spread.py's options lack it)
-        values.append("--no-piecewise-cuda-graphs")
+    if getattr(args, "piecewise_cuda_graphs", False):  # (served_spread.py's options lack it)
+        values.append("--piecewise-cuda-graphs")
     if args.device == "cpu":
         values += ["--cpu-kv-cache-space", "0.1"]
     if adapters:
@@ -339,10 +339,9 @@ def parse_args(argv=None):
     p.add_argument("--client-processes", type=int, default=8)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
-        "--no-piecewise-cuda-graphs",
-        dest="piecewise_cuda_graphs",
-        action="store_false",
-        help="mixed prefill/decode steps eager (the decode graphs stay)",
+        "--piecewise-cuda-graphs",
+        action="store_true",
+        help="mixed prefill/decode steps as piecewise CUDA graphs (the engine's default: eager)",
     )
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     p.add_argument(

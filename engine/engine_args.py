@@ -214,9 +214,10 @@ class EngineArgs:
     enforce_eager: bool = setting(False, flag=Flag("run every step eagerly: no CUDA graphs for decode steps"))
     # With CUDA graphs on (not enforce_eager): steps holding prefill tokens, up to 2048 tokens, replay
     # piecewise graphs, everything but attention captured per token-count bucket (engine/piecewise_graphs.py);
-    # False: such steps run eagerly. Tensor parallelism always runs them eagerly.
+    # False: such steps run eagerly. Tensor parallelism always runs them eagerly. Off by default until its
+    # GPU tests pass (CPU-checked through the uncaptured pieces; the first GPU run stopped at a capture bug).
     piecewise_cuda_graphs: bool = setting(
-        True,
+        False,
         flag=Flag(
             "replay mixed prefill/decode steps as piecewise CUDA graphs, attention eager between the "
             "pieces (--no-piecewise-cuda-graphs: such steps run eagerly)"

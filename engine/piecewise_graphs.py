@@ -167,7 +167,7 @@ class PiecewiseCudaGraphs:
         logger.info(
             "captured %d piecewise CUDA graphs for mixed steps (%d pieces x token buckets %s x %d LoRA "
             "uses) in %.1f s, %.0f MiB",
-            sum(len(g) for g, _ in self.graphs.values()),
+            sum(len(entry[0]) for entry in self.graphs.values()),
             self.num_pieces,
             self.buckets,
             2,

@@ -252,7 +252,12 @@ def test_a_failed_capture_leaves_mixed_steps_eager(base_case, monkeypatch, caplo
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(PiecewiseCudaGraphs, "capture", fail)
-    llm = _llm(base_case["model_dir"], attention_backend="triton", max_num_batched_tokens=16)
+    llm = _llm(
+        base_case["model_dir"],
+        attention_backend="triton",
+        max_num_batched_tokens=16,
+        piecewise_cuda_graphs=True,
+    )
     assert llm.engine.runner.graphs is not None and llm.engine.runner.pieces is None
     assert "piecewise CUDA graphs could not be captured (operation not permitted" in caplog.text
     llm.shutdown()

@@ -321,7 +321,12 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
             self.loads.wait(timeout)
 
     def shutdown(self) -> None:
-        self.loads.close()
+        """Stop the loaders; the KV tier lets go of the KV cache (its block pool's hooks reach the tier)."""
+        try:
+            self.loads.close()
+        finally:
+            if self.kv is not None:
+                self.kv.close()
 
     # -- internals ----------------------------------------------------------------------------------
 

@@ -7,7 +7,9 @@ version loses its copy; the lookups, loads and held blocks are counted."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -71,6 +73,7 @@ def make_engine(folders, **overrides):
 
     args = dict(model=str(model_dir), max_loras=1, max_cpu_loras=1, max_lora_rank=8, max_num_seqs=4)
     args.update(block_size=16, max_model_len=128, num_kv_blocks=48, dtype="float32", adapter_loader="thread")
+    args.update(enable_adapter_kv_cache=True)  # off by default
     engine = LLMEngine(
         EngineConfig(**{**args, **overrides}),
         skip_tokenizer_init=True,
@@ -206,6 +209,7 @@ def test_a_replaced_or_deleted_version_loses_its_cached_copy(folders, tmp_path):
             num_kv_blocks=48,
             dtype="float32",
             adapter_loader="thread",
+            enable_adapter_kv_cache=True,
         ),
         skip_tokenizer_init=True,
     )
@@ -263,3 +267,17 @@ def test_a_cold_start_whose_kv_copy_is_reclaimed_counts_where_it_came_from(folde
         assert cold == {"disk": 2, "cpu": 1}  # the last from its row, not from KV blocks
     finally:
         engine.shutdown()
+
+
+def test_shutdown_frees_the_kv_cache_the_tier_saw(folders):
+    """The block pool's hooks reach the tier, which holds a view of the KV cache and the staging buffer:
+    shutdown lets go of them, so they free at once although the caller keeps the engine."""
+    engine, _, _ = make_engine(folders)
+    run(engine, {"a": (PROMPT, "one")})
+    run(engine, {"b": (PROMPT, "two")})
+    assert engine.lora.kv.num_adapters == 1
+    freed = [weakref.ref(engine.runner.kv_storage), weakref.ref(engine.runner.kv_tier_staging)]
+    block_pool = weakref.ref(engine.kv_cache.block_pool)
+    engine.shutdown()
+    gc.collect()
+    assert [ref() for ref in freed] == [None, None] and block_pool() is None

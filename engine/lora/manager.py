@@ -245,11 +245,13 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
                 self._touch(record)
             if from_kv:
                 self.kv.hold(adapter_id)  # its blocks are not lent to the victims saved below
-            slot = self._take_slot(adapter_id, frozenset(protected), num_pages, vocab)
-            if from_kv:
-                self.kv.release(adapter_id)
+                try:
+                    slot = self._take_slot(adapter_id, frozenset(protected), num_pages, vocab)
+                finally:  # never left out of the free queue
+                    self.kv.release(adapter_id)
                 self._restore_from_kv(record, slot)
             else:
+                slot = self._take_slot(adapter_id, frozenset(protected), num_pages, vocab)
                 ticket = PendingCopy()
                 self._to_copy.append((record, slot, record.row, ticket))
                 record.copy, self._row_reads[record.row] = ticket, ticket

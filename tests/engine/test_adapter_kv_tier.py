@@ -281,3 +281,23 @@ def test_shutdown_frees_the_kv_cache_the_tier_saw(folders):
     engine.shutdown()
     gc.collect()
     assert [ref() for ref in freed] == [None, None] and block_pool() is None
+
+
+def test_a_failure_while_taking_a_slot_leaves_the_held_blocks_free(folders, monkeypatch):
+    engine, _, _ = make_engine(folders)
+    lora, blocks = engine.lora, engine.kv_cache.block_pool
+    try:
+        run(engine, {"a": (PROMPT, "one")})
+        run(engine, {"b": (PROMPT, "two")})
+        one = lora.resolve("one")
+        assert lora.kv.has(one) and blocks.num_free_blocks == 48
+
+        def broken(*args):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(lora, "_take_slot", broken)
+        with pytest.raises(RuntimeError, match="boom"):
+            lora.stage([one])  # holds one's blocks, then fails
+        assert blocks.num_free_blocks == 48 and blocks.num_lent_blocks == 8 and lora.kv.has(one)
+    finally:
+        engine.shutdown()

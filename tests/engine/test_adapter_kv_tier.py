@@ -233,7 +233,8 @@ def test_a_replaced_or_deleted_version_loses_its_cached_copy(folders, tmp_path):
         engine.shutdown()
 
 
-def test_off_when_the_setting_says_so(folders):
+def test_off_by_default_and_when_the_setting_says_so(folders):
+    assert EngineConfig(model=str(folders[0])).enable_adapter_kv_cache is False
     engine, registry, events = make_engine(folders, enable_adapter_kv_cache=False)
     try:
         for name in (*NAMES, "one"):

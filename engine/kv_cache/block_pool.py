@@ -129,14 +129,9 @@ class BlockPool:
         self._lent[owner] = blocks
         return blocks
 
-    def touch_lent(self, owner: object) -> None:
-        """A cached adapter was used: its blocks become the most recently used idle memory."""
-        for block in self._lent.get(owner, ()):
-            self._free_queue.move_to_end(block.block_id)
-
     def hold_lent(self, owner: object) -> None:
         """Take the owner's blocks out of the free queue for a moment (while its copy is read back and
-        other adapters are saved), so no `lend` in between takes them; `touch_lent` puts them back."""
+        other adapters are saved), so no `lend` in between takes them; `release_lent` puts them back."""
         for block in self._lent.get(owner, ()):
             del self._free_queue[block.block_id]
 

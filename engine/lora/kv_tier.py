@@ -54,13 +54,14 @@ class KVEntry:
     blocks: list[KVBlock] = field(default_factory=list)  # the block pool's blocks behind block_ids
 
 
-def staging_words(pool: LoRAPool, kv_storage: torch.Tensor) -> tuple[torch.dtype, int]:
+def staging_words(pool: LoRAPool, block_bytes: int, num_rows: int) -> tuple[torch.dtype, int]:
     """The word dtype the copies move and the staging buffer's length in words: the largest adapter's
-    bytes rounded up to whole blocks (so a restore's gather fills whole blocks)."""
+    bytes rounded up to whole blocks (so a restore's gather fills whole blocks). `block_bytes`: one KV
+    block over every layer's K and V; `num_rows`: 2 * num_layers (the KV cache tensor's first dimension)."""
     page_bytes = pool.layout.page_numel * pool.weights.element_size()
-    row_bytes = kv_storage[0, 0].numel() * kv_storage.element_size()  # one block of one K or V tensor
+    row_bytes = block_bytes // num_rows  # one block of one K or V tensor
     word = torch.int64 if page_bytes % 8 == 0 and row_bytes % 8 == 0 else torch.uint8
-    unit = kv_storage.shape[0] * row_bytes  # one block over every layer's K and V
+    unit = block_bytes
     blocks = -(-pool.layout.max_pages * page_bytes // unit)
     return word, blocks * unit // torch.empty((), dtype=word).element_size()
 

@@ -212,8 +212,10 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
 
     def stage(self, wanted: Iterable[str]) -> None:
         """Bring the adapters that waiting requests need (in queue order) towards the GPU: start the
-        CPU-tier loads of all of them as far as rows allow, and give those in the CPU tier GPU slots as
-        far as slots and pool pages allow; `start_copies` then copies them in, without waiting.
+        CPU-tier loads of all of them as far as rows allow, and give those in the CPU tier or the KV tier
+        GPU slots as far as slots and pool pages allow. Copies back from KV blocks are issued here (on the
+        copy stream, right after the victims' saves into KV blocks); `start_copies` then issues the copies
+        from CPU-tier rows, without waiting.
 
         An adapter already on the GPU is protected from eviction by the ones that come after it. An
         operator's placements (engine/lora/placements.py) come after every waiting request's adapter."""

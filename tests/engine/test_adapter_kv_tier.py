@@ -154,7 +154,7 @@ def test_copies_in_non_contiguous_pages_round_trip_bit_for_bit(folders):
     engine.shutdown()
     pool = LoRAPool(shape, max_loras=2, max_rank=32, dtype=torch.float32, device=torch.device("cpu"))
     storage = torch.zeros(4, 64, 16, 2, 16)  # [2 * layers, blocks, block_size, kv heads, head dim]
-    word, words = staging_words(pool, storage)
+    word, words = staging_words(pool, storage[:, 0].numel() * 4, storage.shape[0])
     tier = AdapterKVTier(BlockPool(63, True), storage, torch.empty(words, dtype=word), pool, lambda *a: None)
     pool.weights.copy_(torch.randn_like(pool.weights))
     pool.table[:, :, 0] = torch.randint(1, 9, pool.table[:, :, 0].shape, dtype=torch.int32)

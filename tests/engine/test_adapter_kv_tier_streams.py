@@ -45,7 +45,7 @@ def make_tier(num_blocks: int = 8):
     pool = LoRAPool(SHAPE, max_loras=2, max_rank=16, dtype=torch.float32, device=torch.device("cpu"))
     c = -(-pool.layout.page_numel // 4)  # two blocks of [2, c] float32 words hold one page, one does not
     storage = torch.zeros(2, num_blocks + 1, c)
-    word, words = staging_words(pool, storage)
+    word, words = staging_words(pool, storage[:, 0].numel() * 4, storage.shape[0])
     blocks = BlockPool(num_blocks, enable_caching=True)
     tier = AdapterKVTier(blocks, storage, torch.empty(words, dtype=word), pool, lambda *a: None)
     assert tier.blocks_for(1) == 2

@@ -145,7 +145,7 @@ def residency(before: dict, after: dict, seconds: float) -> dict:
         "gpu_loads_s": (delta(loads, "cpu") + delta(loads, "kv")) / seconds,
         "kv_loads_s": delta(loads, "kv") / seconds,
         "gpu_evictions": delta("loraserve_adapter_evictions_total", "gpu"),
-        "kv_evictions": delta("loraserve_adapter_evictions_total", "kv"),  # copies requests took back
+        "kv_evictions": delta("loraserve_adapter_evictions_total", "kv"),  # copies lost to requests or saves
         "kv_blocks": after.get((KV_BLOCKS, "kv"), 0.0),  # held at the end of the run
     }
 

@@ -189,12 +189,15 @@ class EngineArgs:
     enable_prefix_caching: bool = setting(True, flag=Flag())
     # Adapters that lose their GPU slot keep a copy in idle KV-cache blocks, brought back by a copy on the
     # device; a request's allocation takes those blocks at once (engine/lora/kv_tier.py). Off under tensor
-    # parallelism. One staging buffer of a max-rank adapter is its only fixed cost.
+    # parallelism. One staging buffer of a max-rank adapter is its only fixed cost. Off by default: its
+    # saves take the least recently used free blocks, prefix-cached ones included, before the same step's
+    # allocations, and its effect on prefix-cache hits and mixed workloads is not measured yet.
     enable_adapter_kv_cache: bool = setting(
-        True,
+        False,
         flag=Flag(
             "keep adapters evicted from GPU slots in idle KV-cache blocks, so they come back by a copy on "
-            "the GPU; requests take the blocks back at once (off under tensor parallelism)"
+            "the GPU; requests take the blocks back at once, but the copies push cached prefixes out "
+            "sooner (off by default; off under tensor parallelism)"
         ),
     )
     # CUDA: the KV cache takes the whole gpu_memory_utilization budget, past what max_num_seqs sequences of

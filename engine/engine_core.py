@@ -420,7 +420,7 @@ class EngineCore:
                 self.kv_events = None
             # What still holds device or pinned memory: dropped so it frees now, not when this object goes.
             self._in_flight = None
-            self.requests = self.scheduler = self.lora = self.speculator = None
+            self.requests = self.scheduler = self.lora = self.speculator = self.kv_cache = None
             self.sampler = self.structured = None
             gc.collect()  # what the engine's parts still hold in reference cycles
             if self.config.torch_device.type == "cuda":

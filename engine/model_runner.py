@@ -101,7 +101,7 @@ class ModelRunner:
         # KV cache is sized, so it counts in gpu_memory_utilization.
         self.kv_tier_staging: torch.Tensor | None = None
         if config.enable_adapter_kv_cache and parallel is None:
-            word, words = staging_words(self.lora_slots, self._allocate_kv_storage(1))
+            word, words = staging_words(self.lora_slots, self.kv_block_bytes, 2 * self.model.num_layers)
             self.kv_tier_staging = torch.empty(words, dtype=word, device=self.device)
         elif config.enable_adapter_kv_cache and parallel.rank == 0:
             logger.info("the adapter KV tier is off under tensor parallelism (each rank would keep a shard)")

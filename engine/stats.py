@@ -63,8 +63,9 @@ class EngineStats:
     # The same by tier, sorted: holding a GPU slot, and in the pinned CPU tier (an adapter may be in both).
     gpu_adapters: tuple[str, ...] = ()
     cpu_adapters: tuple[str, ...] = ()
-    # The KV tier (engine/lora/kv_tier.py): adapters with a copy in idle KV blocks, and the blocks they
-    # hold (free blocks: kv_cache_usage does not count them); 0 with the tier off.
+    # The KV tier (engine/lora/kv_tier.py): adapters with a copy in idle KV blocks (those back in a GPU
+    # slot included: they keep it), and the blocks they hold (free blocks: kv_cache_usage does not count
+    # them); 0 with the tier off.
     num_kv_adapters: int = 0
     num_kv_adapter_blocks: int = 0
     tenants: tuple[TenantStats, ...] = ()  # by tenant name; see TenantStats

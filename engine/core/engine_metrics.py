@@ -101,7 +101,7 @@ def engine_stats(
         cache_config=cache_config,
         gpu_adapters=lora.gpu_ids(),
         cpu_adapters=lora.cpu_ids(),
-        num_kv_adapters=len(lora.kv.entries) if lora.kv is not None else 0,
+        num_kv_adapters=lora.kv.num_adapters if lora.kv is not None else 0,
         num_kv_adapter_blocks=lora.kv.num_blocks if lora.kv is not None else 0,
         num_kernel_compiles_after_ready=counters.num_compiles_after_ready,
         iteration_tokens=counters.iteration_tokens.snapshot(),

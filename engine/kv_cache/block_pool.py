@@ -34,6 +34,10 @@ class KVBlock:
     # Set while the block is free and lent to a cached adapter (engine/lora/kv_tier.py): its bytes hold
     # part of that adapter. Never set together with block_hash.
     owner: object = None
+    # The event after the last adapter copy into or out of this block still queued on the copy stream
+    # (engine/lora/kv_tier.py); kept through reclaims and drops until a request's allocation takes the
+    # block, which first makes the compute stream wait for it (`BlockPool.wait_for_copy`).
+    pending_copy: object = None
 
 
 class BlockPool:
@@ -61,6 +65,8 @@ class BlockPool:
         # owner -> its lent blocks; on_reclaim(owner, by_request) when one of them is taken from it
         self._lent: dict[object, list[KVBlock]] = {}
         self.on_reclaim: Callable[[object, bool], None] | None = None
+        # wait_for_copy(event): the compute stream waits for a block's pending copy before a request writes it
+        self.wait_for_copy: Callable[[object], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -85,10 +91,15 @@ class BlockPool:
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks but only {self.num_free_blocks} are free")
         new_blocks = []
+        waited: set[int] = set()  # one wait per event: an adapter's blocks share one
         for _ in range(num_blocks):
             _, block = self._free_queue.popitem(last=False)
             self._evict(block)
             self._reclaim(block, by_request=True)
+            event, block.pending_copy = block.pending_copy, None
+            if event is not None and id(event) not in waited and self.wait_for_copy is not None:
+                waited.add(id(event))
+                self.wait_for_copy(event)
             block.ref_cnt = 1
             new_blocks.append(block)
         return new_blocks
@@ -103,7 +114,8 @@ class BlockPool:
     def lend(self, num_blocks: int, owner: object) -> list[KVBlock]:
         """Tag the `num_blocks` least recently used free blocks with `owner` and move them to the tail of
         the queue (the most recently used idle memory), as if a request had used and freed them: their
-        prefix hashes and earlier owners are evicted. They stay free. The caller checks there are enough."""
+        prefix hashes and earlier owners are evicted. They stay free. The caller checks there are enough.
+        A block's pending copy stays set: the lender's copy runs on the same copy stream, after it."""
         if num_blocks > self.num_free_blocks or owner in self._lent:
             raise ValueError(f"cannot lend {num_blocks} of {self.num_free_blocks} free blocks to {owner!r}")
         blocks = []
@@ -117,14 +129,9 @@ class BlockPool:
         self._lent[owner] = blocks
         return blocks
 
-    def touch_lent(self, owner: object) -> None:
-        """A cached adapter was used: its blocks become the most recently used idle memory."""
-        for block in self._lent.get(owner, ()):
-            self._free_queue.move_to_end(block.block_id)
-
     def hold_lent(self, owner: object) -> None:
         """Take the owner's blocks out of the free queue for a moment (while its copy is read back and
-        other adapters are saved), so no `lend` in between takes them; `touch_lent` puts them back."""
+        other adapters are saved), so no `lend` in between takes them; `release_lent` puts them back."""
         for block in self._lent.get(owner, ()):
             del self._free_queue[block.block_id]
 

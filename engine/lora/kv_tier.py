@@ -18,21 +18,24 @@ staging -> blocks (one scatter) and back (one gather).
 
 Streams (CUDA): every copy runs on the adapter manager's copy stream, after it waited for the compute
 stream, so it follows whatever earlier steps wrote into the blocks and pages, and precedes the slot's later
-host-to-device copies in the same stream. A block whose copy is still in flight may be taken by a
-request's allocation (it is free): then the compute stream waits for that copy's event before the step that
-writes the block (`_reclaimed`, no host sync). Not used with tensor parallelism (each rank would have to
-keep its own shard; the engine turns the tier off there).
+host-to-device copies in the same stream. Each block keeps the event of the last copy into or out of it
+(`KVBlock.pending_copy`) until a request's allocation takes it, whatever became of the copy meanwhile
+(dropped, or lost when another request or another adapter's save took one of its blocks): that allocation
+makes the compute stream, recorded when the tier is built, wait for the event before the step that writes
+the block (no host sync). Another save that takes the block runs on the same copy stream, after the copy.
+Not used with tensor parallelism (each rank would have to keep its own shard; the engine turns the tier
+off there).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.block_pool import BlockPool, KVBlock
 from engine.lora.pages import runs
 from engine.lora.pool import LoRAPool
 
@@ -48,16 +51,17 @@ class KVEntry:
     num_pages: int
     table: torch.Tensor  # [num_layers, table_columns] int32 on the device: its slot's scales and ranks
     buckets: int  # its kernel rank buckets (LoRAPool.slot_buckets)
-    busy: object = None  # CUDA: the event after the last copy into or out of the blocks
+    blocks: list[KVBlock] = field(default_factory=list)  # the block pool's blocks behind block_ids
 
 
-def staging_words(pool: LoRAPool, kv_storage: torch.Tensor) -> tuple[torch.dtype, int]:
+def staging_words(pool: LoRAPool, block_bytes: int, num_rows: int) -> tuple[torch.dtype, int]:
     """The word dtype the copies move and the staging buffer's length in words: the largest adapter's
-    bytes rounded up to whole blocks (so a restore's gather fills whole blocks)."""
+    bytes rounded up to whole blocks (so a restore's gather fills whole blocks). `block_bytes`: one KV
+    block over every layer's K and V; `num_rows`: 2 * num_layers (the KV cache tensor's first dimension)."""
     page_bytes = pool.layout.page_numel * pool.weights.element_size()
-    row_bytes = kv_storage[0, 0].numel() * kv_storage.element_size()  # one block of one K or V tensor
+    row_bytes = block_bytes // num_rows  # one block of one K or V tensor
     word = torch.int64 if page_bytes % 8 == 0 and row_bytes % 8 == 0 else torch.uint8
-    unit = kv_storage.shape[0] * row_bytes  # one block over every layer's K and V
+    unit = block_bytes
     blocks = -(-pool.layout.max_pages * page_bytes // unit)
     return word, blocks * unit // torch.empty((), dtype=word).element_size()
 
@@ -81,15 +85,37 @@ class AdapterKVTier:
         self._page_words = self._pages.shape[1]
         self._block_words = self._blocks.shape[0] * self._blocks.shape[2]
         self._cuda = kv_storage.device.type == "cuda"
+        # The stream requests' K/V is written on (built on it); None on the CPU, where copies are synchronous
+        self._compute_stream = torch.cuda.current_stream(kv_storage.device) if self._cuda else None
         self._emit = emit
         self.entries: dict[str, KVEntry] = {}
         self.on_lost: Callable[[str], None] = lambda adapter_id: None  # the manager's record update
         block_pool.on_reclaim = self._reclaimed
+        block_pool.wait_for_copy = self._compute_waits_for
+
+    def close(self) -> None:
+        """Let go of the block pool, the KV cache's view, the staging buffer and the pool (engine shutdown):
+        the block pool's hooks no longer reach this object, so the KV cache frees once its owners drop it."""
+        if self.block_pool.on_reclaim == self._reclaimed:
+            self.block_pool.on_reclaim = self.block_pool.wait_for_copy = None
+        for entry in self.entries.values():
+            self.block_pool.give_back(entry)
+        for block in self.block_pool.blocks:
+            block.pending_copy = None
+        self.entries.clear()
+        self.block_pool = self.pool = self._blocks = self._pages = self._staging = None
+        self._compute_stream = None
 
     # -- what the manager asks -----------------------------------------------------------------------
 
     def has(self, adapter_id: str) -> bool:
         return adapter_id in self.entries
+
+    @property
+    def num_adapters(self) -> int:
+        """Adapters with a copy in KV blocks, those back in a GPU slot included (their copy is kept, so
+        losing the slot again costs no save)."""
+        return len(self.entries)
 
     def num_pages(self, adapter_id: str) -> int:
         return self.entries[adapter_id].num_pages
@@ -111,8 +137,8 @@ class AdapterKVTier:
             return False
         table = self.pool.table[:, :, slot].clone()
         entry = KVEntry(adapter_id, torch.empty(0), len(pages), table, int(self.pool.slot_buckets[slot]))
-        blocks = self.block_pool.lend(k, entry)
-        entry.block_ids = self._index([b.block_id for b in blocks])
+        entry.blocks = self.block_pool.lend(k, entry)
+        entry.block_ids = self._index([b.block_id for b in entry.blocks])
         staged = self._staged(k)
         flat = staged.view(-1)
         for start, first, count in runs(pages):
@@ -149,8 +175,7 @@ class AdapterKVTier:
     def drop(self, adapter_id: str) -> None:
         """Forget the adapter's copy (retired, deleted): its blocks stay free, untagged."""
         entry = self.entries.pop(adapter_id, None)
-        if entry is not None:
-            self._wait_for(entry)  # the blocks are anyone's from now on
+        if entry is not None:  # a copy still in flight: the blocks' pending_copy makes their next user wait
             self.block_pool.give_back(entry)
 
     # -- internals ----------------------------------------------------------------------------------
@@ -168,21 +193,27 @@ class AdapterKVTier:
         return ids.pin_memory().to(self._blocks.device, non_blocking=True)
 
     def _mark_busy(self, entry: KVEntry) -> None:
-        if self._cuda:
-            entry.busy = torch.cuda.Event()
-            entry.busy.record(torch.cuda.current_stream(self._blocks.device))
+        """After a copy into or out of the entry's blocks (on the copy stream): their next user waits for it."""
+        if self._compute_stream is not None:
+            event = self._record_event()
+            for block in entry.blocks:
+                block.pending_copy = event
 
-    def _wait_for(self, entry: KVEntry) -> None:
-        """The compute stream waits for the entry's copies before anything it runs next writes the blocks."""
-        if entry.busy is not None and not entry.busy.query():
-            torch.cuda.current_stream(self._blocks.device).wait_event(entry.busy)
+    def _record_event(self):
+        """An event at the current point of the current (copy) stream."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._blocks.device))
+        return event
+
+    def _compute_waits_for(self, event) -> None:
+        """A request's allocation took a block with a copy in flight: the compute stream waits for it."""
+        if not event.query():
+            self._compute_stream.wait_event(event)
 
     def _reclaimed(self, entry: KVEntry, by_request: bool) -> None:
         """The block pool took one of the entry's blocks: the whole copy is gone."""
         if self.entries.get(entry.adapter_id) is not entry:
             return
         del self.entries[entry.adapter_id]
-        if by_request:  # a request's K/V goes there next, on the compute stream
-            self._wait_for(entry)
-        self._emit("evict", "kv")
+        self._emit("evict", "kv")  # by a request's allocation or another adapter's save
         self.on_lost(entry.adapter_id)

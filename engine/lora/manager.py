@@ -212,8 +212,10 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
 
     def stage(self, wanted: Iterable[str]) -> None:
         """Bring the adapters that waiting requests need (in queue order) towards the GPU: start the
-        CPU-tier loads of all of them as far as rows allow, and give those in the CPU tier GPU slots as
-        far as slots and pool pages allow; `start_copies` then copies them in, without waiting.
+        CPU-tier loads of all of them as far as rows allow, and give those in the CPU tier or the KV tier
+        GPU slots as far as slots and pool pages allow. Copies back from KV blocks are issued here (on the
+        copy stream, right after the victims' saves into KV blocks); `start_copies` then issues the copies
+        from CPU-tier rows, without waiting.
 
         An adapter already on the GPU is protected from eviction by the ones that come after it. An
         operator's placements (engine/lora/placements.py) come after every waiting request's adapter."""
@@ -245,11 +247,13 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
                 self._touch(record)
             if from_kv:
                 self.kv.hold(adapter_id)  # its blocks are not lent to the victims saved below
-            slot = self._take_slot(adapter_id, frozenset(protected), num_pages, vocab)
-            if from_kv:
-                self.kv.release(adapter_id)
+                try:
+                    slot = self._take_slot(adapter_id, frozenset(protected), num_pages, vocab)
+                finally:  # never left out of the free queue
+                    self.kv.release(adapter_id)
                 self._restore_from_kv(record, slot)
             else:
+                slot = self._take_slot(adapter_id, frozenset(protected), num_pages, vocab)
                 ticket = PendingCopy()
                 self._to_copy.append((record, slot, record.row, ticket))
                 record.copy, self._row_reads[record.row] = ticket, ticket
@@ -321,7 +325,12 @@ class AdapterManager(OperatorPlacements, AdapterRecords):
             self.loads.wait(timeout)
 
     def shutdown(self) -> None:
-        self.loads.close()
+        """Stop the loaders; the KV tier lets go of the KV cache (its block pool's hooks reach the tier)."""
+        try:
+            self.loads.close()
+        finally:
+            if self.kv is not None:
+                self.kv.close()
 
     # -- internals ----------------------------------------------------------------------------------
 

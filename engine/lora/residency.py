@@ -27,7 +27,9 @@ class AdapterStatus(enum.Enum):
     LOADING = "loading"  # a background load is writing its CPU-tier row
     CPU = "cpu"  # in a CPU-tier row, not on the GPU
     KV = "kv"  # a copy in idle KV-cache blocks on the GPU, not in a slot (may also keep a CPU-tier row)
-    COPYING = "copying"  # given a GPU slot; the copy from its row is pending or in flight
+    COPYING = (
+        "copying"  # given a GPU slot; the copy from its CPU-tier row or its KV blocks is pending or in flight
+    )
     RESIDENT = "resident"  # in a GPU slot, copied, no running request: evictable (LRU)
     PINNED = "pinned"  # in a GPU slot, used by running requests: never evicted
     FAILED = "failed"  # its last load failed: its requests fail fast until the failure expires

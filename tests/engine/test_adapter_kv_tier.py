@@ -7,7 +7,9 @@ version loses its copy; the lookups, loads and held blocks are counted."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -71,6 +73,7 @@ def make_engine(folders, **overrides):
 
     args = dict(model=str(model_dir), max_loras=1, max_cpu_loras=1, max_lora_rank=8, max_num_seqs=4)
     args.update(block_size=16, max_model_len=128, num_kv_blocks=48, dtype="float32", adapter_loader="thread")
+    args.update(enable_adapter_kv_cache=True)  # off by default
     engine = LLMEngine(
         EngineConfig(**{**args, **overrides}),
         skip_tokenizer_init=True,
@@ -151,7 +154,7 @@ def test_copies_in_non_contiguous_pages_round_trip_bit_for_bit(folders):
     engine.shutdown()
     pool = LoRAPool(shape, max_loras=2, max_rank=32, dtype=torch.float32, device=torch.device("cpu"))
     storage = torch.zeros(4, 64, 16, 2, 16)  # [2 * layers, blocks, block_size, kv heads, head dim]
-    word, words = staging_words(pool, storage)
+    word, words = staging_words(pool, storage[:, 0].numel() * 4, storage.shape[0])
     tier = AdapterKVTier(BlockPool(63, True), storage, torch.empty(words, dtype=word), pool, lambda *a: None)
     pool.weights.copy_(torch.randn_like(pool.weights))
     pool.table[:, :, 0] = torch.randint(1, 9, pool.table[:, :, 0].shape, dtype=torch.int32)
@@ -206,6 +209,7 @@ def test_a_replaced_or_deleted_version_loses_its_cached_copy(folders, tmp_path):
             num_kv_blocks=48,
             dtype="float32",
             adapter_loader="thread",
+            enable_adapter_kv_cache=True,
         ),
         skip_tokenizer_init=True,
     )
@@ -229,7 +233,8 @@ def test_a_replaced_or_deleted_version_loses_its_cached_copy(folders, tmp_path):
         engine.shutdown()
 
 
-def test_off_when_the_setting_says_so(folders):
+def test_off_by_default_and_when_the_setting_says_so(folders):
+    assert EngineConfig(model=str(folders[0])).enable_adapter_kv_cache is False
     engine, registry, events = make_engine(folders, enable_adapter_kv_cache=False)
     try:
         for name in (*NAMES, "one"):
@@ -261,5 +266,39 @@ def test_a_cold_start_whose_kv_copy_is_reclaimed_counts_where_it_came_from(folde
         assert got["again"] == reference_greedy(reference, PROMPT, "one", NUM_TOKENS)
         cold = {tier: sum(h.counts) for tier, h in engine.stats().adapter_cold_start}
         assert cold == {"disk": 2, "cpu": 1}  # the last from its row, not from KV blocks
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_frees_the_kv_cache_the_tier_saw(folders):
+    """The block pool's hooks reach the tier, which holds a view of the KV cache and the staging buffer:
+    shutdown lets go of them, so they free at once although the caller keeps the engine."""
+    engine, _, _ = make_engine(folders)
+    run(engine, {"a": (PROMPT, "one")})
+    run(engine, {"b": (PROMPT, "two")})
+    assert engine.lora.kv.num_adapters == 1
+    freed = [weakref.ref(engine.runner.kv_storage), weakref.ref(engine.runner.kv_tier_staging)]
+    block_pool = weakref.ref(engine.kv_cache.block_pool)
+    engine.shutdown()
+    gc.collect()
+    assert [ref() for ref in freed] == [None, None] and block_pool() is None
+
+
+def test_a_failure_while_taking_a_slot_leaves_the_held_blocks_free(folders, monkeypatch):
+    engine, _, _ = make_engine(folders)
+    lora, blocks = engine.lora, engine.kv_cache.block_pool
+    try:
+        run(engine, {"a": (PROMPT, "one")})
+        run(engine, {"b": (PROMPT, "two")})
+        one = lora.resolve("one")
+        assert lora.kv.has(one) and blocks.num_free_blocks == 48
+
+        def broken(*args):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(lora, "_take_slot", broken)
+        with pytest.raises(RuntimeError, match="boom"):
+            lora.stage([one])  # holds one's blocks, then fails
+        assert blocks.num_free_blocks == 48 and blocks.num_lent_blocks == 8 and lora.kv.has(one)
     finally:
         engine.shutdown()

@@ -154,7 +154,8 @@ def test_lent_blocks_stay_free_and_join_one_lru_with_cached_prefixes():
     assert ids(lent) == [2, 3] and pool.num_free_blocks == 6 and pool.num_lent_blocks == 2
     assert pool.get_cached_block(b"h0") is prefix[0]
     pool.lend(2, "b")  # 4, 5
-    pool.touch_lent("a")  # "a" used again: the most recent idle memory
+    pool.hold_lent("a")  # "a" restored: held, then released as the most recent idle memory
+    pool.release_lent("a")
     # the queue is now 0 (h0), 1, 4, 5 (b), 2, 3 (a): an allocation of 3 evicts h0 and takes b's block 4
     assert ids(pool.get_new_blocks(3)) == [0, 1, 4]
     assert pool.get_cached_block(b"h0") is None

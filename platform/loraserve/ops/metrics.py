@@ -355,7 +355,8 @@ class _StateCollector(Collector):
         )
         yield _gauge(
             "loraserve_adapter_kv_cache_adapters",
-            "Adapters with a copy in free KV blocks (the KV tier).",
+            "Adapters with a copy in free KV blocks (the KV tier), those back in a GPU slot included: they "
+            "keep the copy until its blocks are taken.",
             stats.num_kv_adapters,
             model,
         )

@@ -223,7 +223,7 @@ class EngineArgs:
         False,
         flag=Flag(
             "replay mixed prefill/decode steps as piecewise CUDA graphs, attention eager between the "
-            "pieces (--no-piecewise-cuda-graphs: such steps run eagerly)"
+            "pieces (off by default: such steps run eagerly)"
         ),
     )
     # True: schedule and launch each step before reading the previous step's sampled tokens (they reach

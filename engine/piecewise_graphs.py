@@ -14,8 +14,9 @@ and each piece is captured once per token-count bucket (`token_buckets`) and LoR
 kernels sized to all of the pool's rank buckets: correct for any step's adapters, so one LoRA variant
 per bucket, not one per rank-bucket subset as the decode graphs hold). The logits of the sampled rows
 (and prompt logprobs, adapters' own heads) are computed eagerly from the last piece's hidden rows: a
-head over every padded row would cost more than its launch. DecoderModel.forward is the composition of
-the same pieces, so eager steps and replays run the same ops.
+head over every padded row would cost more than its launch. DecoderModel.forward runs the same layer
+methods (attention_input, attend, attention_output) in the same order, so eager steps and replays run
+the same ops.
 
 Static buffers: the token inputs are the eager step's own (InputBatch.prepare_eager fills input ids,
 positions, slot mapping and per-token adapter slots with padding rows up to the bucket); between pieces
@@ -156,12 +157,16 @@ class PiecewiseCudaGraphs:
         # collect garbage) on entering torch.cuda.graph; once, above, is enough (vLLM does the same).
         with (
             torch.inference_mode(),
-            mock.patch("gc.collect", lambda *args: 0),
+            mock.patch("gc.collect", lambda *args, **kwargs: 0),
             mock.patch("torch.cuda.empty_cache", lambda: None),
         ):
-            for size in reversed(self.buckets):
-                for lora in (self.variant, ()):
-                    self._capture_bucket(size, lora)
+            try:
+                for size in reversed(self.buckets):
+                    for lora in (self.variant, ()):
+                        self._capture_bucket(size, lora)
+            finally:  # each graph keeps its own mask; later forwards set theirs (MoEDecoderModel.forward)
+                for moe in self.moe_layers:
+                    moe.count_mask = None
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # what the warm-up runs left cached: the graphs hold their own pool
         logger.info(

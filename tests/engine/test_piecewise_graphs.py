@@ -259,7 +259,7 @@ def test_a_failed_capture_leaves_mixed_steps_eager(base_case, monkeypatch, caplo
         piecewise_cuda_graphs=True,
     )
     assert llm.engine.runner.graphs is not None and llm.engine.runner.pieces is None
-    assert "piecewise CUDA graphs could not be captured (operation not permitted" in caplog.text
+    assert "piecewise CUDA graphs could not be captured (RuntimeError: operation not permitted" in caplog.text
     llm.shutdown()
 
 

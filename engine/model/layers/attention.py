@@ -76,16 +76,6 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             self._qk_weight = torch.stack([self.q_norm.weight.data, self.k_norm.weight.data]).contiguous()
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [tokens, hidden]
-        meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        lora,
-    ) -> torch.Tensor:  # [tokens, hidden]
-        q = self.project(x, meta, kv_cache, lora)
-        return self.o_proj(self.attend(q, meta, kv_cache).reshape(-1, self.q_size), lora)
-
     def project(
         self,
         x: torch.Tensor,  # [tokens, hidden]

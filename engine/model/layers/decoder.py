@@ -261,13 +261,17 @@ class DecoderModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: key, value caches
         lora,  # LoRAContext | None
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        q, residual = self.first_piece(input_ids, meta, kv_caches, lora)
-        for i in range(1, self.num_layers + 1):
-            out = self.attend(i - 1, q, meta, kv_caches)
-            q, residual = self.piece(i, out.reshape(out.shape[0], -1), residual, meta, kv_caches, lora)
-        return q
+        # The layers' own forward (attention_input, attend, attention_output): the same ops in the same
+        # order as the pieces below, with a plain loop, since eager steps are host-bound.
+        own = lora.own_embedding if lora is not None and lora.vocab else None
+        hidden = self.model.embed_tokens(input_ids, own)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, meta, kv_cache, lora)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
 
-    # -- the pieces (engine/piecewise_graphs.py captures them; `forward` is their composition) ---------
+    # -- the pieces (engine/piecewise_graphs.py captures them; `forward` runs the same layer methods) --
 
     def first_piece(self, input_ids, meta, kv_caches, lora) -> tuple[torch.Tensor, torch.Tensor]:
         """Embedding .. layer 0's queries (K/V written): (queries [tokens, heads, head_dim], residual)."""

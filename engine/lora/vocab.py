@@ -208,11 +208,6 @@ class VocabSlots:
         head = self._base[1]
         return head.weight if head.weight is not None else self._base[0]
 
-    def step_uses(self, slots: np.ndarray) -> bool:
-        """Whether any of `slots` ([requests] int32, -1 for none) owns a matrix (what the tests count
-        graph replays of)."""
-        return bool(self.owns_host[slots[slots >= 0]].any())
-
     def embed(self, token_slots: torch.Tensor, input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """`rows` [tokens, hidden] (the base embedding's) with each token whose slot owns an embedding
         given that embedding's row instead; token_slots [tokens] int32 (-1: none), input_ids [tokens]."""

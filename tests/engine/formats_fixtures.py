@@ -77,6 +77,12 @@ def make_vocab_adapter(
     return Path(path)
 
 
+def step_uses(vocab_slots, slots) -> bool:
+    """Whether any of `slots` ([requests] int32, -1 for none) owns an embedding or head in `vocab_slots`
+    (engine/lora/vocab.VocabSlots): the steps whose graph replays the tests count."""
+    return bool(vocab_slots.owns_host[slots[slots >= 0]].any())
+
+
 class VocabReplays:
     """Counts the decode-graph replays (`total`, `vocab`) and the verification-graph steps (`verify_total`,
     `verify_vocab`) of steps holding a token of an adapter with its own embedding or LM head (wraps the
@@ -89,7 +95,7 @@ class VocabReplays:
 
         def counting(num_seqs, *args, **kwargs):
             self.total += 1
-            self.vocab += slots.step_uses(inputs.lora_slots[:num_seqs])
+            self.vocab += step_uses(slots, inputs.lora_slots[:num_seqs])
             return replay(num_seqs, *args, **kwargs)
 
         graphs.replay = counting
@@ -99,7 +105,7 @@ class VocabReplays:
 
             def counting_verify(batch, scheduled, *args, **kwargs):
                 self.verify_total += 1
-                self.verify_vocab += slots.step_uses(inputs.lora_slots[: len(scheduled)])
+                self.verify_vocab += step_uses(slots, inputs.lora_slots[: len(scheduled)])
                 return execute(batch, scheduled, *args, **kwargs)
 
             verify.execute = counting_verify

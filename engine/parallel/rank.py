@@ -273,9 +273,9 @@ class TensorParallelRank:
     def _loaded(self) -> None:
         """After a step's headers, as each worker runs `apply_loads`: the workers' vocabulary rows of the
         adapters just loaded (load by load, worker by worker, tensor by tensor), then the DoRA scales."""
-        for per_worker in self._vocab_rows:
-            for parts in per_worker:
-                for tensor in (t for part in parts for t in part):
+        for load_rows in self._vocab_rows:  # per adapter loaded: its rows for each worker
+            for worker_parts in load_rows:
+                for tensor in (t for part in worker_parts for t in part):
                     for start in range(0, tensor.shape[0], VOCAB_CHUNK_ROWS):  # bounded device staging
                         chunk = tensor[start : start + VOCAB_CHUNK_ROWS]
                         self.group.broadcast(chunk.to(self.group.device))

@@ -16,6 +16,11 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 # A mixture of experts' stacked expert weights ([E, 2I, H] and [E, H, I]), which PEFT adapts with
 # target_parameters: one low-rank pair per expert (adapter_format/expert_lora.py).
 EXPERT_MODULES = ("experts.gate_up_proj", "experts.down_proj")
+# A shared expert beside the routed ones (Qwen2-MoE's `mlp.shared_expert`): a gated MLP of
+# `shared_expert_intermediate_size`, adapted as a dense MLP is (PEFT's target_modules).
+SHARED_EXPERT_MODULES = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
+# Gates that pick or weigh experts: PEFT's all-linear wraps them, LoRA on them is not served.
+EXPERT_GATES = ("gate", "shared_expert_gate")
 # The seven linear projections of a Llama-family decoder layer: the default target set.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # What a fused projection stands for: a hint when an adapter names the other form.
@@ -42,9 +47,11 @@ class ModelShape:
     # (tie_word_embeddings): what an adapter's own embedding or head must fit (vocab_modules.py).
     vocab_size: int = 0
     tie_word_embeddings: bool = False
+    shared_expert_intermediate_size: int = 0  # of a mixture of experts' shared expert (0: none)
 
     def __post_init__(self) -> None:
         known = ATTENTION_MODULES + MLP_MODULES + (EXPERT_MODULES if self.num_experts else ())
+        known += SHARED_EXPERT_MODULES if self.shared_expert_intermediate_size else ()
         unknown = [t for t in self.targets if t not in known]
         if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
             raise ValueError(f"LoRA targets {list(self.targets)} must be distinct known projections")
@@ -74,6 +81,9 @@ class ModelShape:
             ),
             vocab_size=getattr(config, "vocab_size", 0) or 0,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            shared_expert_intermediate_size=(
+                getattr(config, "shared_expert_intermediate_size", 0) or 0 if num_experts else 0
+            ),
         )
 
     @property
@@ -105,6 +115,9 @@ class ModelShape:
             "down_proj": (i, h),
             "experts.gate_up_proj": (h, 2 * self.moe_intermediate_size),
             "experts.down_proj": (self.moe_intermediate_size, h),
+            "shared_expert.gate_proj": (h, self.shared_expert_intermediate_size),
+            "shared_expert.up_proj": (h, self.shared_expert_intermediate_size),
+            "shared_expert.down_proj": (self.shared_expert_intermediate_size, h),
         }[module]
 
     def module_experts(self, module: str) -> int:
@@ -113,6 +126,12 @@ class ModelShape:
 
     def unsupported_targets_hint(self, modules: list[str]) -> str:
         """Why an adapter that names `modules` (none of them targets here) does not fit, for messages."""
+        gates = [m for m in modules if m in EXPERT_GATES]
+        if gates and self.num_experts:
+            return (
+                f"; mlp.{gates[0]} weighs or picks the experts and takes no LoRA: train the adapter with "
+                "target_modules naming the projections (not all-linear) or exclude_modules naming it"
+            )
         for fused, parts in FUSED_FORMS.items():
             named = [m for m in modules if m in parts]
             if named and fused in self.targets:

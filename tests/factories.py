@@ -16,6 +16,7 @@ from transformers import (
     MixtralConfig,
     Phi3Config,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -44,6 +45,7 @@ _CONFIGS = {
     "phi3": Phi3Config,
     "qwen3_moe": Qwen3MoeConfig,
     "mixtral": MixtralConfig,
+    "qwen2_moe": Qwen2MoeConfig,
 }
 # What makes each newer family itself at C1's size, every feature switched on: a window shorter than the
 # prompts over alternating local and global layers, soft caps small enough to bite, Gemma 3's global layers
@@ -86,6 +88,20 @@ FAMILY_SIZES = {
         mlp_only_layers=[1],
     ),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    # Qwen2-MoE as released (top-k not renormalized) with its shared expert, a dense middle layer and
+    # Qwen2's window on layer 0 (transformers makes even layers below max_window_layers sliding).
+    "qwen2_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=2,
+    ),
     "phi3": dict(
         original_max_position_embeddings=16,
         rope_parameters={
@@ -218,6 +234,25 @@ MOE_ADAPTERS = {
         target_parameters=EXPERTS,
     ),
 }
+
+
+# A shared expert's adapters (Qwen2-MoE): the shared expert alone, and everything at once. PEFT names the
+# shared expert's projections by their paths (plain gate_proj would also wrap a dense layer's MLP).
+SHARED_EXPERT = ["shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"]
+SHARED_EXPERT_ADAPTERS = {
+    "shared_r8": dict(r=8, lora_alpha=16, target_modules=SHARED_EXPERT),
+    "all_r16": dict(
+        r=16,
+        lora_alpha=16,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", *SHARED_EXPERT],
+        target_parameters=EXPERTS,
+    ),
+}
+
+
+def moe_adapters(arch: str) -> dict[str, dict]:
+    """The adapters a mixture of experts is tested with: MOE_ADAPTERS, plus a shared expert's."""
+    return {**MOE_ADAPTERS, **(SHARED_EXPERT_ADAPTERS if arch == "qwen2_moe" else {})}
 
 
 def per_adapter_reference(model_dir: Path, adapters: dict[str, Path]):

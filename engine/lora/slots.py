@@ -41,7 +41,11 @@ PAGE_RANK = 8
 
 # Projections the model applies LoRA to in one launch (one fused base GEMM), in column order, where an
 # architecture targets them separately; a checkpoint that fuses them (Phi-3's qkv_proj) has one target.
-FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+FUSED_PROJECTIONS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("shared_expert.gate_proj", "shared_expert.up_proj"),  # a mixture of experts' shared expert (Qwen2-MoE)
+)
 
 
 def lora_launches(targets: tuple[str, ...]) -> list[tuple[str, ...]]:

@@ -27,8 +27,12 @@ from engine.model.layers.linear import block_cut_message
 from engine.model.layers.sharding import Split
 
 # Projections split by input (their LoRA A too); every other target is split by output (its LoRA B).
-ROW_PARALLEL = ("o_proj", "down_proj")
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj")
+# A shared expert (Qwen2-MoE) splits as a dense MLP does, whatever splits the routed experts.
+ROW_PARALLEL = ("o_proj", "down_proj", "shared_expert.down_proj")
+COLUMN_PARALLEL = (
+    *("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj"),
+    *("shared_expert.gate_proj", "shared_expert.up_proj"),
+)
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,11 @@ class ShardPlan:
             raise ValueError(
                 f"tensor_parallel_size {n} does not divide the model's intermediate_size "
                 f"{s.intermediate_size}"
+            )
+        if s.shared_expert_intermediate_size % n:
+            raise ValueError(
+                f"tensor_parallel_size {n} does not divide the shared expert's intermediate size "
+                f"{s.shared_expert_intermediate_size}"
             )
 
     @classmethod
@@ -111,6 +120,7 @@ class ShardPlan:
             moe_intermediate_size=s.moe_intermediate_size
             if self.expert_parallel
             else s.moe_intermediate_size // n,
+            shared_expert_intermediate_size=s.shared_expert_intermediate_size // n,
         )
 
     def expert_range(self, rank: int) -> tuple[int, int]:
@@ -144,6 +154,7 @@ class ShardPlan:
     def output_parts(self, module: str) -> list[Split]:
         """The parts of a column-parallel projection's output, in order (three for a fused qkv_proj)."""
         mlp = Split(self.shape.intermediate_size)
+        shared = Split(self.shape.shared_expert_intermediate_size)
         parts = {
             "q_proj": [self._heads],
             "k_proj": [self._kv_heads],
@@ -152,6 +163,8 @@ class ShardPlan:
             "gate_proj": [mlp],
             "up_proj": [mlp],
             "gate_up_proj": [mlp, mlp],
+            "shared_expert.gate_proj": [shared],
+            "shared_expert.up_proj": [shared],
         }
         if module not in parts:
             raise ValueError(f"{module} is not column-parallel")
@@ -176,6 +189,8 @@ class ShardPlan:
             return self._heads
         if module == "down_proj":
             return Split(self.shape.intermediate_size)
+        if module == "shared_expert.down_proj":
+            return Split(self.shape.shared_expert_intermediate_size)
         raise ValueError(f"{module} is not row-parallel")
 
     def input_range(self, module: str, rank: int) -> tuple[int, int]:

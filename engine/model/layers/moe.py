@@ -181,6 +181,11 @@ class SparseMoE(nn.Module):
         return weights, ids
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.reduce(self.routed(x, lora))
+
+    def routed(self, x: torch.Tensor, lora=None) -> torch.Tensor:  # [T, H] -> [T, H], this rank's part
+        """The routed experts' sum over each token's top k, before the all-reduce (a partial sum over
+        the ranks' experts or expert rows)."""
         num_tokens = x.shape[0]
         top_k = self.spec.top_k
         weights, ids = self.route(x)
@@ -205,7 +210,10 @@ class SparseMoE(nn.Module):
             inter = moe_kernels.gate_up_act_torch(x, experts.gate_up_proj, local, top_k, gate_up_delta)
             down_delta = None if expert_lora is None else expert_lora.down(inter)
             out = moe_kernels.down_weighted_torch(inter, experts.down_proj, flat_weights, local, down_delta)
-        y = out.view(num_tokens, top_k, -1).sum(dim=1)
+        return out.view(num_tokens, top_k, -1).sum(dim=1)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor | PartialSums:
+        """This rank's partial sums made whole: now, or by the next norm (defer_reduce)."""
         if self.defer_reduce:  # the next norm all-reduces (RowParallelLinear.defer_reduce)
             return PartialSums(y, None, self.tp)
         return self.tp.all_reduce(y)

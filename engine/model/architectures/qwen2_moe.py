@@ -1,0 +1,65 @@
+"""Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention (q/k/v biases per `qkv_bias`, no q/k
+norm, sliding windows where `layer_types` says) with a mixture of experts in the layers Qwen3-MoE's rule
+picks (`mlp_only_layers`, `decoder_sparse_step`); top-k weights renormalized only with `norm_topk_prob`
+(off in the released checkpoints); and in every MoE layer a shared expert, a gated MLP of
+`shared_expert_intermediate_size` weighed by sigmoid(`shared_expert_gate`) and added to the routed sum
+(engine/model/layers/shared_expert.py). LoRA targets: attention, the routed experts, and the shared
+expert's gate_proj, up_proj and down_proj."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from adapter_format.model_shape import SHARED_EXPERT_MODULES
+from engine.model.architectures.qwen3_moe import Qwen3MoeModel
+from engine.model.layers.moe import MoESpec
+from engine.model.layers.moe_model import MoEDecoderModel
+from engine.model.layers.shared_expert import SharedExpertMoE
+
+SHARED_GATE_UP, SHARED_DOWN = SHARED_EXPERT_MODULES[:2], SHARED_EXPERT_MODULES[2:]
+
+
+class Qwen2MoeModel(MoEDecoderModel):
+    architectures = ("Qwen2MoeForCausalLM",)
+    model_types = ("qwen2_moe",)
+    is_moe_layer = Qwen3MoeModel.is_moe_layer  # the same rule, one place
+
+    @classmethod
+    def lora_targets(cls) -> tuple[str, ...]:
+        return (*super().lora_targets(), *SHARED_EXPERT_MODULES)
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        if (getattr(config, "shared_expert_intermediate_size", 0) or 0) < 1:
+            raise ValueError(
+                "Qwen2-MoE config has no shared expert (shared_expert_intermediate_size); a mixture of experts "
+                "without one is served as Qwen3MoeForCausalLM"
+            )
+
+    def attention_spec(self, config, layer, rope):
+        spec = super().attention_spec(config, layer, rope)
+        return replace(spec, qkv_bias=bool(getattr(config, "qkv_bias", True)), o_bias=False)
+
+    def moe_spec(self, config) -> MoESpec:
+        return MoESpec(
+            num_experts=config.num_experts,
+            top_k=config.num_experts_per_tok,
+            intermediate_size=config.moe_intermediate_size,
+            renormalize=bool(getattr(config, "norm_topk_prob", False)),
+            activation=config.hidden_act,
+        )
+
+    def build_mlp(self, config, layer, ctx):
+        if not self.is_moe_layer(config, layer):
+            return super().build_mlp(config, layer, ctx)  # a dense layer's MLP, of intermediate_size
+        return SharedExpertMoE(
+            self.moe_spec(config), config.hidden_size, config.shared_expert_intermediate_size, ctx
+        )
+
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)
+        # The decoder names a projection's LoRA targets by its own name (gate_up_proj -> gate_proj, up_proj);
+        # the shared expert's are its own targets.
+        for moe in self.moe_layers:
+            moe.shared_expert.gate_up_proj.lora_modules = SHARED_GATE_UP
+            moe.shared_expert.down_proj.lora_modules = SHARED_DOWN

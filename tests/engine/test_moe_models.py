@@ -1,8 +1,9 @@
-"""Qwen3-MoE and Mixtral against transformers + PEFT on tiny random checkpoints (8 experts, top 2,
-float32, CPU): greedy tokens identical with adapters on attention only, on the routed experts only
-(PEFT's target_parameters on the stacked expert weights) and on both, mixed in one batch with
-base-model requests, through chunked prefill with prefix-cache hits; from the hub's per-expert
-checkpoint layout and from transformers 5's fused one; on the Triton path (interpreted)."""
+"""Qwen3-MoE, Mixtral and Qwen2-MoE against transformers + PEFT on tiny random checkpoints (8 experts,
+top 2, float32, CPU): greedy tokens identical with adapters on attention only, on the routed experts only
+(PEFT's target_parameters on the stacked expert weights) and on both (Qwen2-MoE: on its shared expert
+alone and on everything too), mixed in one batch with base-model requests, through chunked prefill with
+prefix-cache hits; from the hub's per-expert checkpoint layout and from transformers 5's fused one; on
+the Triton path (interpreted)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import random
 
 import pytest
 import torch
-from factories import MOE_ADAPTERS, make_adapter, make_model, per_adapter_reference
+from factories import make_adapter, make_model, moe_adapters, per_adapter_reference
 from safetensors.torch import load_file, save_file
 
 from adapter_format.checkpoint import load_peft_adapter
@@ -67,14 +68,14 @@ def fuse_experts(model_dir, out_dir):
     return out_dir
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe"])
 def case(request, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"moe-{arch}")
     model_dir = make_model(root / "model", arch=arch, seed=1)
     adapters = {
         name: make_adapter(model_dir, root / name, seed=20 + i, **kwargs)
-        for i, (name, kwargs) in enumerate(MOE_ADAPTERS.items())
+        for i, (name, kwargs) in enumerate(moe_adapters(arch).items())
     }
     rng = random.Random(arch)
     shared = [rng.randrange(3, 512) for _ in range(10)]
@@ -111,7 +112,8 @@ def make_llm(case, model_dir=None, **kwargs):
 def test_adapters_on_experts_are_read_per_expert(case):
     """PEFT's nested wrappers resolve to the stacked weight their shapes fit, whatever the nesting."""
     shape = model_shape(load_config(case["model_dir"]))
-    assert shape.targets[-2:] == ("experts.gate_up_proj", "experts.down_proj")
+    experts = shape.targets.index("experts.gate_up_proj")
+    assert shape.targets[experts : experts + 2] == ("experts.gate_up_proj", "experts.down_proj")
     adapter = load_peft_adapter(case["adapters"]["both_r16"], shape, 16)
     pair = adapter.modules[(0, "experts.gate_up_proj")]
     assert pair.lora_a.shape == (8, 16, shape.hidden_size)
@@ -140,9 +142,9 @@ def test_triton_path_matches(case):
     """The fused-MoE kernels (interpreted) with the expert LoRA deltas: the tokens of the torch path.
     (Mixtral's layers run the same kernels; interpreting costs CI time.)"""
     if case["arch"] == "mixtral":
-        pytest.skip("Qwen3-MoE runs the same kernels")
+        pytest.skip("Qwen3-MoE runs the same kernels")  # Qwen2-MoE adds the shared expert's fused ops
     short = {**case, "prompts": [p[:8] for p in case["prompts"]]}
-    count = 4  # one request per adapter and one without
+    count = len(case["adapters"]) + 1  # one request per adapter and one without
     torch_path = generate(make_llm(case, max_num_seqs=4), short, greedy(3), count=count)
     triton_path = generate(
         make_llm(case, max_num_seqs=4, attention_backend="triton"), short, greedy(3), count

@@ -1,0 +1,85 @@
+"""LoRA on a shared expert (Qwen2-MoE's `mlp.shared_expert`): its projections are targets of their own, at
+the shared expert's size, beside attention and the routed experts; the router (`mlp.gate`) and the shared
+expert's gate (`mlp.shared_expert_gate`, which PEFT's all-linear wraps) are refused naming them; under
+tensor parallelism the shared expert's pairs split as a dense MLP's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from adapter_format.checkpoint import check_adapter
+from adapter_format.errors import AdapterError
+from adapter_format.model_shape import EXPERT_MODULES, SHARED_EXPERT_MODULES, ModelShape
+from engine.lora.slots import lora_launches
+from engine.parallel.plan import ShardPlan
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+QWEN2_MOE = ModelShape(
+    2, 64, 128, 4, 2, 16, (*ATTENTION, *EXPERT_MODULES, *SHARED_EXPERT_MODULES), "Qwen2MoeForCausalLM", 8, 32,
+    shared_expert_intermediate_size=48,
+)  # fmt: skip
+PREFIX = "base_model.model.model.layers"
+
+
+def pair(name: str, fan_in: int, fan_out: int, rank: int = 4) -> dict[str, tuple[int, ...]]:
+    return {f"{name}.lora_A.weight": (rank, fan_in), f"{name}.lora_B.weight": (fan_out, rank)}
+
+
+def shared_expert_tensors(rank: int = 4) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for layer in (0, 1):
+        for part, (fan_in, fan_out) in (
+            ("gate_proj", (64, 48)),
+            ("up_proj", (64, 48)),
+            ("down_proj", (48, 64)),
+        ):
+            shapes |= pair(f"{PREFIX}.{layer}.mlp.shared_expert.{part}", fan_in, fan_out, rank)
+    return shapes
+
+
+def config(targets, **extra) -> dict:
+    return {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": targets, **extra}
+
+
+def test_shared_expert_projections_are_targets_of_their_own_size():
+    assert QWEN2_MOE.module_dims("shared_expert.gate_proj") == (64, 48)
+    assert QWEN2_MOE.module_dims("shared_expert.down_proj") == (48, 64)
+    targets = ["shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"]
+    adapter = check_adapter(config(targets), shared_expert_tensors(), QWEN2_MOE, 16)
+    assert adapter.target_modules == SHARED_EXPERT_MODULES
+    assert adapter.modules[(1, "shared_expert.up_proj")].scale == 2.0
+    # plain gate_proj names the shared expert's too, as PEFT matches names by their ends
+    plain = check_adapter(
+        config(["gate_proj", "up_proj", "down_proj"]), shared_expert_tensors(), QWEN2_MOE, 16
+    )
+    assert plain.target_modules == SHARED_EXPERT_MODULES
+    # gate and up run as one launch, as a dense MLP's do
+    assert ("shared_expert.gate_proj", "shared_expert.up_proj") in lora_launches(QWEN2_MOE.targets)
+
+
+@pytest.mark.parametrize("gate, fan_out", [("shared_expert_gate", 1), ("gate", 8)])
+def test_lora_on_the_gates_is_refused_naming_them(gate, fan_out):
+    tensors = {**shared_expert_tensors(), **pair(f"{PREFIX}.0.mlp.{gate}", 64, fan_out)}
+    with pytest.raises(AdapterError, match=rf"'{gate}'.*mlp\.{gate} weighs or picks the experts") as error:
+        check_adapter(config("all-linear"), tensors, QWEN2_MOE, 16)
+    assert error.value.code == "unsupported_target"
+
+
+def test_a_model_without_a_shared_expert_refuses_its_tensors():
+    qwen3_moe = ModelShape(2, 64, 128, 4, 2, 16, (*ATTENTION, *EXPERT_MODULES), "Qwen3MoeForCausalLM", 8, 32)
+    with pytest.raises(AdapterError, match="targets 'shared_expert.gate_proj'") as error:
+        check_adapter(config(["gate_proj"]), shared_expert_tensors(), qwen3_moe, 16)
+    assert error.value.code == "unsupported_target"
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_the_shared_expert_splits_as_a_dense_mlp(expert_parallel):
+    plan = ShardPlan(QWEN2_MOE, 512, 2, expert_parallel)
+    assert plan.local_shape.module_dims("shared_expert.gate_proj") == (64, 24)
+    assert plan.local_shape.module_dims("shared_expert.down_proj") == (24, 64)
+    assert plan.output_ranges("shared_expert.up_proj", 1) == [(24, 48)]
+    assert plan.input_range("shared_expert.down_proj", 1) == (24, 48)
+    with pytest.raises(ValueError, match="shared expert's intermediate size 50"):
+        ShardPlan(replace(QWEN2_MOE, shared_expert_intermediate_size=50), 512, 4, expert_parallel)

@@ -1,7 +1,8 @@
 """Mixtures of experts over two ranks on the CPU (gloo): tensor parallelism (every rank a slice of every
 expert) and expert parallelism (`enable_expert_parallel`: whole experts per rank), attention
 tensor-parallel in both, give the greedy tokens of transformers + PEFT with adapters on attention and on
-the routed experts mixed with base-model requests; the workers are gone afterwards."""
+the routed experts (Qwen2-MoE: and on its shared expert, split as a dense MLP either way) mixed with
+base-model requests; the workers are gone afterwards."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import multiprocessing
 import random
 
 import pytest
-from factories import MOE_ADAPTERS, make_adapter, make_model, per_adapter_reference
+from factories import make_adapter, make_model, moe_adapters, per_adapter_reference
 from test_moe_models import expected_tokens
 
 from engine import LLM, SamplingParams
@@ -30,16 +31,20 @@ ARGS = dict(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, expert_parallel", [("qwen3_moe", False), ("mixtral", True)])
+@pytest.mark.parametrize(
+    "arch, expert_parallel",
+    [("qwen3_moe", False), ("mixtral", True), ("qwen2_moe", False), ("qwen2_moe", True)],
+)
 def test_two_ranks_match_peft(tmp_path, arch, expert_parallel):
     model_dir = make_model(tmp_path / "model", arch=arch, seed=3)
     adapters = {
         name: make_adapter(model_dir, tmp_path / name, seed=30 + i, **kwargs)
-        for i, (name, kwargs) in enumerate(MOE_ADAPTERS.items())
+        for i, (name, kwargs) in enumerate(moe_adapters(arch).items())
     }
     rng = random.Random(arch)
-    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(9, 16))] for _ in range(4)]
     assigned = ["experts_r8", None, "both_r16", "attn_r4"]
+    assigned += [name for name in adapters if name not in assigned]  # Qwen2-MoE's shared expert's
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(9, 16))] for _ in assigned]
     references = per_adapter_reference(model_dir, adapters)
     expected = [expected_tokens(references[a], p, NUM_NEW_TOKENS) for p, a in zip(prompts, assigned)]
     lora_modules = {k: str(v) for k, v in adapters.items()}

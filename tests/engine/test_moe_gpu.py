@@ -1,6 +1,7 @@
-"""Qwen3-MoE and Mixtral on a GPU (skipped without CUDA): the fused-MoE Triton kernels compiled (bf16 and
-fp32) against float64, and the models through them and the decode CUDA graphs, with adapters on
-attention and on the routed experts mixed with base-model requests:
+"""Qwen3-MoE, Mixtral and Qwen2-MoE on a GPU (skipped without CUDA): the fused-MoE Triton kernels
+compiled (bf16 and fp32) against float64, and the models through them and the decode CUDA graphs, with
+adapters on attention, on the routed experts (and on Qwen2-MoE's shared expert) mixed with base-model
+requests:
 
 - float32: greedy tokens identical to transformers + PEFT (float32 on the CPU);
 - bfloat16: against transformers + PEFT in bfloat16 on the same GPU, with the decode graphs and eagerly
@@ -24,12 +25,12 @@ import random
 import pytest
 import torch
 from factories import (
-    MOE_ADAPTERS,
     TOP_LOGPROBS,
     check_greedy_close,
     engine_greedy,
     make_adapter,
     make_model,
+    moe_adapters,
     per_adapter_reference,
 )
 from formats_fixtures import greedy_by_adapter
@@ -69,14 +70,14 @@ def test_kernels_match_float64(dtype, tol, case):
     assert (got - expected).abs().max() <= tol * scale, (got - expected).abs().max() / scale
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe"])
 def case(request, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"gpu-{arch}")
     model_dir = make_model(root / "model", arch=arch, seed=1)
     adapters = {
         name: make_adapter(model_dir, root / name, seed=10 + i, **kwargs)
-        for i, (name, kwargs) in enumerate(MOE_ADAPTERS.items())
+        for i, (name, kwargs) in enumerate(moe_adapters(arch).items())
     }
     rng = random.Random(arch)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(17, 60))] for _ in range(NUM_PROMPTS)]

@@ -11,7 +11,7 @@ from adapter_format.checkpoint import ModuleLoRA, PeftAdapter
 from adapter_format.model_shape import TARGET_MODULES, ModelShape
 from engine.lora.pool import LoRAPool
 from engine.lora.slot_allocator import SlotAllocator
-from engine.lora.slots import FUSED_PROJECTIONS, PAGE_RANK, SlotLayout
+from engine.lora.slots import PAGE_RANK, SlotLayout
 
 SHAPE = ModelShape(
     num_layers=3, hidden_size=48, intermediate_size=80, num_heads=4, num_kv_heads=2, head_dim=12
@@ -58,7 +58,7 @@ def assert_slot_holds(pool: LoRAPool, slot: int, adapter: PeftAdapter) -> None:
             assert not a[rank:].any() and not b[:, rank:].any(), "zero padding past the rank"
             if pair is not None:
                 assert torch.equal(a[:rank], pair.lora_a) and torch.equal(b[:, :rank], pair.lora_b)
-        for group in FUSED_PROJECTIONS:
+        for group in pool.layout.fused_groups:  # the launch groups of this model's targets
             ranks = [int(pool.ranks[m][layer, slot]) for m in group]
             assert int(pool.slot_ranks(layer, group)[slot]) == max(ranks)
 

@@ -14,6 +14,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    OlmoeConfig,
     Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
@@ -46,6 +47,7 @@ _CONFIGS = {
     "qwen3_moe": Qwen3MoeConfig,
     "mixtral": MixtralConfig,
     "qwen2_moe": Qwen2MoeConfig,
+    "olmoe": OlmoeConfig,
 }
 # What makes each newer family itself at C1's size, every feature switched on: a window shorter than the
 # prompts over alternating local and global layers, soft caps small enough to bite, Gemma 3's global layers
@@ -102,6 +104,8 @@ FAMILY_SIZES = {
         sliding_window=8,
         max_window_layers=2,
     ),
+    # OLMoE as released: top-k not renormalized, q/k norms over all heads.
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False),
     "phi3": dict(
         original_max_position_embeddings=16,
         rope_parameters={

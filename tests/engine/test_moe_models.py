@@ -1,4 +1,4 @@
-"""Qwen3-MoE, Mixtral and Qwen2-MoE against transformers + PEFT on tiny random checkpoints (8 experts,
+"""Qwen3-MoE, Mixtral, Qwen2-MoE and OLMoE against transformers + PEFT on tiny random checkpoints (8 experts,
 top 2, float32, CPU): greedy tokens identical with adapters on attention only, on the routed experts only
 (PEFT's target_parameters on the stacked expert weights) and on both (Qwen2-MoE: on its shared expert
 alone and on everything too), mixed in one batch with base-model requests, through chunked prefill with
@@ -68,7 +68,7 @@ def fuse_experts(model_dir, out_dir):
     return out_dir
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
 def case(request, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"moe-{arch}")
@@ -178,7 +178,9 @@ def write_per_expert_adapter(case, path, rank=4, alpha=8):
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     block = "block_sparse_moe" if mixtral else "mlp"
     h = config.hidden_size
-    inter = config.intermediate_size if mixtral else config.moe_intermediate_size
+    inter = (
+        getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    )  # Mixtral, OLMoE: the latter
     gen = torch.Generator().manual_seed(99)
     tensors, updates = {}, {}
     moe_layers = [

@@ -21,6 +21,7 @@ from engine.model.layers.context import BuildContext
 from engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.sharding import Split
+from engine.model.layers.whole_qk_norm import WholeHeadsRMSNorm
 from engine.model.rope import RotaryEmbedding
 
 
@@ -37,6 +38,7 @@ class AttentionSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm_eps: float | None = None  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # that norm over all heads at once instead (OLMoE: whole_qk_norm.py)
     norm_offset: bool = False  # Gemma's (1 + weight) norms
     sliding_window: int | None = None
     softcap: float | None = None  # attention logit soft-capping (Gemma 2)
@@ -59,7 +61,10 @@ class Attention(nn.Module):
         )
         self.o_proj = RowParallelLinear(heads, spec.hidden_size, ctx, spec.o_bias)
         self.q_norm = self.k_norm = None
-        if spec.qk_norm_eps is not None:
+        if spec.qk_norm_eps is not None and spec.qk_norm_whole:
+            self.q_norm = WholeHeadsRMSNorm(heads, spec.qk_norm_eps, ctx)
+            self.k_norm = WholeHeadsRMSNorm(kv_heads, spec.qk_norm_eps, ctx)
+        elif spec.qk_norm_eps is not None:
             self.q_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, ctx, spec.norm_offset)
             self.k_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, ctx, spec.norm_offset)
         # fp8 KV cache scales (stored * scale = real); 1.0 unless the checkpoint has them.
@@ -68,12 +73,15 @@ class Attention(nn.Module):
         for param in (self.k_scale, self.v_scale):
             param.weight_loader, param.required, param.loaded = self._load_kv_scale, set(), set()
         self.backend = ctx.attention_backend
-        # The fused q/k norm kernel rotates whole heads: with a partial rotary width, the torch ops.
-        self.fused = ctx.fused and (self.q_norm is None or spec.rope.rotary_dim == spec.head_dim)
+        # The fused q/k norm kernel rotates whole heads: with a partial rotary width, the torch ops
+        # (and for norms over all heads, which it does not compute).
+        self.fused = ctx.fused and (
+            self.q_norm is None or (spec.rope.rotary_dim == spec.head_dim and not spec.qk_norm_whole)
+        )
         self._qk_weight: torch.Tensor | None = None  # [2, head_dim], q_norm's and k_norm's (fused path)
 
     def finish_loading(self) -> None:
-        if self.q_norm is not None:
+        if self.fused and self.q_norm is not None:
             self._qk_weight = torch.stack([self.q_norm.weight.data, self.k_norm.weight.data]).contiguous()
 
     def project(

@@ -42,6 +42,9 @@ class ModelShape:
     # (tie_word_embeddings): what an adapter's own embedding or head must fit (vocab_modules.py).
     vocab_size: int = 0
     tie_word_embeddings: bool = False
+    # gpt-oss: the stacked experts' gate_up_proj alternates gate and up outputs (gate 2j, up 2j + 1), so
+    # PEFT's expert lora_B rows do too; the engine holds gate rows then up rows (expert_lora.expert_pair).
+    gate_up_interleaved: bool = False
 
     def __post_init__(self) -> None:
         known = ATTENTION_MODULES + MLP_MODULES + (EXPERT_MODULES if self.num_experts else ())

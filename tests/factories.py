@@ -11,6 +11,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -44,6 +45,7 @@ _CONFIGS = {
     "phi3": Phi3Config,
     "qwen3_moe": Qwen3MoeConfig,
     "mixtral": MixtralConfig,
+    "gpt_oss": GptOssConfig,
 }
 # What makes each newer family itself at C1's size, every feature switched on: a window shorter than the
 # prompts over alternating local and global layers, soft caps small enough to bite, Gemma 3's global layers
@@ -86,6 +88,26 @@ FAMILY_SIZES = {
         mlp_only_layers=[1],
     ),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    # gpt-oss: a sliding layer (window 8, shorter than the prompts) then a full one, attention sinks and
+    # biases, YaRN without truncation, a SwiGLU limit low enough that both clamps bite.
+    "gpt_oss": dict(
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=24,  # 2I = 48 against H = 64: a transposed expert weight cannot load
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        swiglu_limit=1.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "phi3": dict(
         original_max_position_embeddings=16,
         rope_parameters={

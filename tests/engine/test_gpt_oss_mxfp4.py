@@ -1,0 +1,98 @@
+"""gpt-oss's MXFP4 checkpoints (the hub's): the experts' `_blocks`/`_scales` are dequantized at load.
+Our dequantizer equals transformers' on random codes; a tiny checkpoint packed by hand serves the tokens
+transformers gives on the same weights dequantized (float32); bad pairs and fp8 on top are refused."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from factories import make_model
+from safetensors.torch import load_file, save_file
+from test_moe_models import expected_tokens, greedy
+from transformers import AutoModelForCausalLM
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from engine import LLM
+from engine.model.mxfp4 import dequantize_mxfp4
+
+MXFP4_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
+
+
+def random_codes(gen, *lead, cols):
+    """MXFP4 blocks [*lead, cols / 32, 16] of random codes, and scales near 2**-4 (weights ~0.15)."""
+    blocks = torch.randint(0, 256, (*lead, cols // 32, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(122, 126, (*lead, cols // 32), generator=gen, dtype=torch.uint8)
+    return blocks, scales
+
+
+def test_dequantizer_matches_transformers():
+    gen = torch.Generator().manual_seed(0)
+    blocks, scales = random_codes(gen, 3, 10, cols=96)
+    blocks[0, 0, 0, :2] = torch.tensor([0x7F, 0xF8], dtype=torch.uint8)  # 6, 0.5, -0, -6 ...
+    scales[0, 0, 0] = 127 + 3
+    ours = dequantize_mxfp4(blocks, scales, torch.float32)  # [3, 10, 96]
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [3, 96, 10]
+    torch.testing.assert_close(ours, theirs.transpose(1, 2), atol=0, rtol=0)
+    assert ours[0, 0, :4].tolist() == [-48.0, 48.0, -0.0, -48.0]  # low nibble first, times 2 ** 3
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(MXFP4 checkpoint, float32 checkpoint of the same weights as transformers dequantizes them)."""
+    root = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    dense = make_model(root / "dense", arch="gpt_oss", seed=3, intermediate_size=32)  # I a whole block
+    tensors = load_file(str(dense / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    packed, reference = {}, {}
+    for name, tensor in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, rows_in, cols_out = tensor.shape  # transformers': [E, in, out]
+            blocks, scales = random_codes(gen, experts, cols_out, cols=rows_in)  # rows: out, blocks along in
+            packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+            reference[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+        else:
+            packed[name] = reference[name] = tensor
+    for name, data in (("mxfp4", packed), ("reference", reference)):
+        shutil.copytree(dense, root / name)
+        save_file(data, str(root / name / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((root / "mxfp4" / "config.json").read_text())
+    (root / "mxfp4" / "config.json").write_text(json.dumps({**config, "quantization_config": MXFP4_CONFIG}))
+    return root / "mxfp4", root / "reference"
+
+
+def test_mxfp4_checkpoint_serves_the_dequantized_model(checkpoints):
+    mxfp4, reference = checkpoints
+    model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 13, 18)]
+    expected = [expected_tokens(model, p, 6) for p in prompts]
+    llm = LLM(model=str(mxfp4), dtype="float32", block_size=4, max_model_len=64, max_num_seqs=4)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(6))
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_fp8_on_top_of_mxfp4_is_refused(checkpoints):
+    with pytest.raises(ValueError, match="'mxfp4'.*quantization='fp8'"):
+        LLM(model=str(checkpoints[0]), dtype="float32", max_model_len=64, quantization="fp8")
+
+
+def test_blocks_without_scales_are_refused(checkpoints, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoints[0], broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="down_proj_blocks.*not its MXFP4 scales"):
+        LLM(model=str(broken), dtype="float32", max_model_len=64)

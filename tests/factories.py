@@ -160,6 +160,8 @@ def make_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> P
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.add_(0.2 * torch.randn_like(param))
+                elif arch == "gpt_oss" and "bias" in name:  # initialised to zero: make them count
+                    param.add_(0.2 * torch.randn_like(param))
     model.save_pretrained(path, safe_serialization=True)
     return Path(path)
 

@@ -53,10 +53,9 @@ class GptOssModel(MoEDecoderModel):
             num_experts=config.num_local_experts,
             top_k=config.num_experts_per_tok,
             intermediate_size=config.intermediate_size,
-            renormalize=True,
+            renormalize=True,  # a softmax over the top-k logits: the top-k probabilities renormalized
             activation="clamped_swiglu",
             router_bias=True,
-            softmax_after_topk=True,
             expert_bias=True,
             swiglu_alpha=float(config.swiglu_alpha),
             swiglu_limit=float(config.swiglu_limit),

@@ -1,14 +1,17 @@
-"""A mixture-of-experts block (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, each expert
+"""A mixture-of-experts block (Qwen3-MoE, Mixtral, gpt-oss): a router picks each token's top-k experts, each expert
 is a gated MLP, and the token's output is the routing-weighted sum of its experts' outputs.
 
-    logits = x @ gate^T                      [tokens, E], replicated on every rank
+    logits = x @ gate^T (+ gate.bias)        [tokens, E], replicated on every rank
     probs  = softmax(logits in float32); w, ids = top-k(probs); w /= sum(w) if `renormalize`
     y      = sum_k w_k * down_e(SiLU(gate_e(x)) * up_e(x)),  e = ids_k   (engine/model/moe_kernels.py)
+gpt-oss adds biases to the router and to each expert's projections, and its own activation (the clamped
+SwiGLU, MoESpec.activation); its softmax over the top-k logits is the renormalized top-k probabilities.
 
 Parameters, by their transformers-5 names (the fused checkpoint layout loads as is):
     mlp.gate.weight               [E, H]
     mlp.experts.gate_up_proj      [E_local, 2 * I_local, H]   gate rows, then up rows
     mlp.experts.down_proj         [E_local, H, I_local]
+    mlp.experts.gate_up_proj_bias [E_local, 2 * I_local], down_proj_bias [E_local, H] (expert_bias)
 A hub checkpoint's per-expert tensors (`mlp.experts.3.gate_proj.weight`; Mixtral's w1/w3/w2) each fill
 one expert's part of them: their weight loaders take the part as (expert, 0 gate | 1 up | None down).
 
@@ -54,7 +57,6 @@ class MoESpec:
     renormalize: bool  # top-k weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
     activation: str = "silu"  # or "clamped_swiglu" (gpt-oss, with swiglu_alpha and swiglu_limit)
     router_bias: bool = False  # `mlp.gate.bias` [E] (gpt-oss's router)
-    softmax_after_topk: bool = False  # top-k of the logits, then a softmax over those k (gpt-oss)
     expert_bias: bool = False  # `experts.gate_up_proj_bias` [E, 2I] and `experts.down_proj_bias` [E, H]
     swiglu_alpha: float = 1.702  # clamped_swiglu: (up + 1) * gate * sigmoid(alpha * gate), after
     swiglu_limit: float = 7.0  # gate <= limit and -limit <= up <= limit
@@ -215,9 +217,6 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, K] float32, expert ids [T, K]) of each token's top-k experts."""
         logits = F.linear(x, self.gate.weight, self.gate.bias)
-        if self.spec.softmax_after_topk:
-            top, ids = torch.topk(logits, self.spec.top_k, dim=-1)
-            return torch.softmax(top, dim=-1, dtype=torch.float32), ids
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
         if self.spec.renormalize:

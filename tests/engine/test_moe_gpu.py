@@ -1,4 +1,4 @@
-"""Qwen3-MoE and Mixtral on a GPU (skipped without CUDA): the fused-MoE Triton kernels compiled (bf16 and
+"""Qwen3-MoE, Mixtral and gpt-oss on a GPU (skipped without CUDA): the fused-MoE Triton kernels compiled (bf16 and
 fp32) against float64, and the models through them and the decode CUDA graphs, with adapters on
 attention and on the routed experts mixed with base-model requests:
 
@@ -69,7 +69,7 @@ def test_kernels_match_float64(dtype, tol, case):
     assert (got - expected).abs().max() <= tol * scale, (got - expected).abs().max() / scale
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "gpt_oss"])
 def case(request, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"gpu-{arch}")

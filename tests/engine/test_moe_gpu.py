@@ -1,5 +1,5 @@
-"""Qwen3-MoE, Mixtral and gpt-oss on a GPU (skipped without CUDA): the fused-MoE Triton kernels compiled (bf16 and
-fp32) against float64, and the models through them and the decode CUDA graphs, with adapters on
+"""Qwen3-MoE, Mixtral and gpt-oss on a GPU (skipped without CUDA): the fused-MoE Triton kernels compiled
+(bf16 and fp32) against float64, and the models through them and the decode CUDA graphs, with adapters on
 attention and on the routed experts mixed with base-model requests:
 
 - float32: greedy tokens identical to transformers + PEFT (float32 on the CPU);

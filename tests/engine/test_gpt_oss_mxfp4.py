@@ -1,6 +1,7 @@
 """gpt-oss's MXFP4 checkpoints (the hub's): the experts' `_blocks`/`_scales` are dequantized at load.
 Our dequantizer equals transformers' on random codes; a tiny checkpoint packed by hand serves the tokens
-transformers gives on the same weights dequantized (float32); bad pairs and fp8 on top are refused."""
+transformers gives when it loads that checkpoint dequantized (float32); bad pairs and fp8 on top are
+refused."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from factories import make_model
 from safetensors.torch import load_file, save_file
 from test_moe_models import expected_tokens, greedy
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from engine import LLM
@@ -49,32 +50,31 @@ def test_dequantizer_matches_transformers():
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """(MXFP4 checkpoint, float32 checkpoint of the same weights as transformers dequantizes them)."""
+def mxfp4(tmp_path_factory):
+    """A tiny gpt-oss checkpoint whose experts are MXFP4 blocks and scales of random codes."""
     root = tmp_path_factory.mktemp("gpt-oss-mxfp4")
     dense = make_model(root / "dense", arch="gpt_oss", seed=3, intermediate_size=32)  # I a whole block
-    tensors = load_file(str(dense / "model.safetensors"))
     gen = torch.Generator().manual_seed(1)
-    packed, reference = {}, {}
-    for name, tensor in tensors.items():
+    packed = {}
+    for name, tensor in load_file(str(dense / "model.safetensors")).items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            experts, rows_in, cols_out = tensor.shape  # transformers': [E, in, out]
-            blocks, scales = random_codes(gen, experts, cols_out, cols=rows_in)  # rows: out, blocks along in
-            packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
-            reference[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+            experts, rows_in, cols_out = tensor.shape  # transformers': [E, in, out]; stored rows: out
+            packed[f"{name}_blocks"], packed[f"{name}_scales"] = random_codes(
+                gen, experts, cols_out, cols=rows_in
+            )
         else:
-            packed[name] = reference[name] = tensor
-    for name, data in (("mxfp4", packed), ("reference", reference)):
-        shutil.copytree(dense, root / name)
-        save_file(data, str(root / name / "model.safetensors"), metadata={"format": "pt"})
+            packed[name] = tensor
+    shutil.copytree(dense, root / "mxfp4")
+    save_file(packed, str(root / "mxfp4" / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((root / "mxfp4" / "config.json").read_text())
     (root / "mxfp4" / "config.json").write_text(json.dumps({**config, "quantization_config": MXFP4_CONFIG}))
-    return root / "mxfp4", root / "reference"
+    return root / "mxfp4"
 
 
-def test_mxfp4_checkpoint_serves_the_dequantized_model(checkpoints):
-    mxfp4, reference = checkpoints
-    model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+def test_mxfp4_checkpoint_serves_what_transformers_dequantizes(mxfp4):
+    model = AutoModelForCausalLM.from_pretrained(
+        mxfp4, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32
+    ).eval()
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 13, 18)]
     expected = [expected_tokens(model, p, 6) for p in prompts]
@@ -83,14 +83,14 @@ def test_mxfp4_checkpoint_serves_the_dequantized_model(checkpoints):
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
-def test_fp8_on_top_of_mxfp4_is_refused(checkpoints):
+def test_fp8_on_top_of_mxfp4_is_refused(mxfp4):
     with pytest.raises(ValueError, match="'mxfp4'.*quantization='fp8'"):
-        LLM(model=str(checkpoints[0]), dtype="float32", max_model_len=64, quantization="fp8")
+        LLM(model=str(mxfp4), dtype="float32", max_model_len=64, quantization="fp8")
 
 
-def test_blocks_without_scales_are_refused(checkpoints, tmp_path):
+def test_blocks_without_scales_are_refused(mxfp4, tmp_path):
     broken = tmp_path / "broken"
-    shutil.copytree(checkpoints[0], broken)
+    shutil.copytree(mxfp4, broken)
     tensors = load_file(str(broken / "model.safetensors"))
     del tensors["model.layers.1.mlp.experts.down_proj_scales"]
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})

@@ -162,6 +162,8 @@ def make_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> P
                     param.add_(0.2 * torch.randn_like(param))
                 elif arch == "gpt_oss" and "bias" in name:  # initialised to zero: make them count
                     param.add_(0.2 * torch.randn_like(param))
+                elif arch == "gpt_oss" and name.endswith("sinks"):  # large enough to take a real share
+                    param.copy_(2.0 * torch.randn_like(param))
     model.save_pretrained(path, safe_serialization=True)
     return Path(path)
 

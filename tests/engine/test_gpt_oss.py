@@ -16,6 +16,7 @@ from test_moe_models import CHUNKED, expected_tokens, generate, greedy, make_llm
 from adapter_format.checkpoint import load_peft_adapter
 from adapter_format.errors import AdapterError
 from engine import model_shape
+from engine.model.architectures.gpt_oss import GptOssModel
 from engine.model.loader import load_config
 
 NUM_NEW_TOKENS = 8
@@ -108,3 +109,18 @@ def test_lora_on_the_router_is_refused(case, tmp_path):
     )
     with pytest.raises(AdapterError, match="router"):
         load_peft_adapter(path, shape, 16)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(layer_types=["sliding_attention", "chunked_attention"]), "only sliding_attention and full"),
+        (dict(sliding_window=None), "no sliding_window"),
+    ],
+)
+def test_config_settings_not_served_are_refused(case, change, message):
+    config = load_config(case["model_dir"])
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=message):
+        GptOssModel.check_config(config)

@@ -44,6 +44,13 @@ class GptOssModel(MoEDecoderModel):
         for name in ("swiglu_alpha", "swiglu_limit"):
             if getattr(config, name, None) is None:
                 raise ValueError(f"gpt-oss config lacks {name}")
+        kinds = set(getattr(config, "layer_types", None) or ())
+        if kinds - {"sliding_attention", "full_attention"}:
+            raise ValueError(
+                f"gpt-oss layer_types {sorted(kinds)}: only sliding_attention and full_attention are served"
+            )
+        if "sliding_attention" in kinds and not getattr(config, "sliding_window", None):
+            raise ValueError("gpt-oss config has sliding_attention layers but no sliding_window")
 
     def attention_spec(self, config, layer, rope):
         return replace(super().attention_spec(config, layer, rope), sinks=True)

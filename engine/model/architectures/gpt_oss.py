@@ -74,24 +74,18 @@ class GptOssModel(MoEDecoderModel):
     def load_weights(self, tensors, source: str) -> None:
         tensors = list(tensors)
         quantized = {t.name: t for t in tensors if t.name.endswith(("_blocks", "_scales"))}
-        converted = [t for t in tensors if t.name not in quantized]
-        for name, blocks in quantized.items():
-            if not name.endswith("_blocks"):
-                continue
-            base = name.removesuffix("_blocks")
-            scales = quantized.get(f"{base}_scales")
-            if scales is None:
-                raise ValueError(f"checkpoint {source} has {name!r} but not its MXFP4 scales {base}_scales")
-            # Rows first, as stored: gate_up [E, 2I, H] (interleaved), down [E, H, I].
-            converted.append(_RowsLayout(Mxfp4Tensor(base, blocks, scales, self.ctx.dtype), base))
-        unpaired = [
-            n
-            for n in quantized
-            if n.endswith("_scales") and n.removesuffix("_scales") + "_blocks" not in quantized
-        ]
-        if unpaired:
-            raise ValueError(f"checkpoint {source} has {unpaired[0]!r} but not its MXFP4 blocks")
-        super().load_weights([_to_engine_layout(t) for t in converted], source)
+        ready = [_to_engine_layout(t) for t in tensors if t.name not in quantized]
+        for name in quantized:
+            base, kind = name.rsplit("_", 1)
+            partner = f"{base}_{'scales' if kind == 'blocks' else 'blocks'}"
+            if partner not in quantized:
+                raise ValueError(
+                    f"checkpoint {source} has {name!r} but not {partner!r} (an MXFP4 weight needs both)"
+                )
+            if kind == "blocks":
+                weight = Mxfp4Tensor(base, quantized[name], quantized[partner], self.ctx.dtype)
+                ready.append(_mxfp4_layout(weight))
+        super().load_weights(ready, source)
 
 
 def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -102,9 +96,7 @@ def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class _Converted:
-    """A checkpoint tensor read through a conversion of whole experts (leading rows), lazily."""
-
-    is_float8 = False
+    """A checkpoint tensor read through a conversion of whole experts (its leading rows), lazily."""
 
     def __init__(self, source, shape: tuple[int, ...], convert):
         self.name, self._source, self.shape, self._convert = source.name, source, shape, convert
@@ -117,30 +109,26 @@ class _Converted:
         return self.rows(0, self.shape[0])
 
 
-class _RowsLayout(_Converted):
-    """A dequantized MXFP4 weight, already [E, out, in]: gate_up's rows still interleaved."""
-
-    def __init__(self, source, name: str):
-        super().__init__(source, source.shape, lambda t: t)
-        self.name = name
-        self.rows_first = True
-
-
 def _to_engine_layout(tensor):
     """transformers' gpt-oss expert tensors -> the MoE layer's (engine/model/layers/moe.py)."""
     name, shape = tensor.name, tuple(tensor.shape)
     if _EXPERTS not in name:
         return tensor
     kind = name.rsplit(".", 1)[-1]
-    rows_first = getattr(tensor, "rows_first", False)
     if kind == "gate_up_proj" and len(shape) == 3:
-        if rows_first:  # [E, 2I, H], interleaved rows
-            return _Converted(tensor, shape, lambda t: _deinterleave(t, 1))
-        e, h, two_i = shape  # [E, H, 2I] -> [E, 2I, H]
+        e, h, two_i = shape  # [E, H, 2I] interleaved -> [E, 2I, H], gate rows then up rows
         return _Converted(tensor, (e, two_i, h), lambda t: _deinterleave(t.transpose(1, 2), 1).contiguous())
     if kind == "gate_up_proj_bias" and len(shape) == 2:
         return _Converted(tensor, shape, lambda t: _deinterleave(t, 1))
-    if kind == "down_proj" and len(shape) == 3 and not rows_first:
+    if kind == "down_proj" and len(shape) == 3:
         e, i, h = shape  # [E, I, H] -> [E, H, I]
         return _Converted(tensor, (e, h, i), lambda t: t.transpose(1, 2).contiguous())
     return tensor
+
+
+def _mxfp4_layout(weight):
+    """A dequantized MXFP4 expert weight, stored rows first ([E, out, in], the engine's layout): gate_up's
+    rows still alternate gate and up."""
+    if weight.name.endswith(".gate_up_proj"):
+        return _Converted(weight, weight.shape, lambda t: _deinterleave(t, 1))
+    return weight

@@ -1,5 +1,5 @@
-"""A mixture-of-experts block (Qwen3-MoE, Mixtral, gpt-oss): a router picks each token's top-k experts, each expert
-is a gated MLP, and the token's output is the routing-weighted sum of its experts' outputs.
+"""A mixture-of-experts block (Qwen3-MoE, Mixtral, gpt-oss): a router picks each token's top-k experts,
+each expert is a gated MLP, and the token's output is the routing-weighted sum of its experts' outputs.
 
     logits = x @ gate^T (+ gate.bias)        [tokens, E], replicated on every rank
     probs  = softmax(logits in float32); w, ids = top-k(probs); w /= sum(w) if `renormalize`
@@ -148,15 +148,8 @@ class Experts(nn.Module):
         check_shape(tensor, (self.spec.num_experts, 2 * inter if gate_up else self.hidden_size))
         whole = tensor.rows(self.expert_start, self.expert_end)
         if gate_up:
-            param.data.copy_(
-                torch.cat(
-                    [
-                        whole[:, self.row_start : self.row_end],
-                        whole[:, inter + self.row_start : inter + self.row_end],
-                    ],
-                    1,
-                )
-            )
+            start, end = self.row_start, self.row_end
+            param.data.copy_(torch.cat([whole[:, start:end], whole[:, inter + start : inter + end]], 1))
         elif self._down_bias_here:
             param.data.copy_(whole)
         else:

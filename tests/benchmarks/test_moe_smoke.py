@@ -12,13 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize(
-    "shape",
-    [
-        pytest.param([], id="qwen3-moe"),
-        pytest.param(["--shape", "gpt-oss-20b"], id="gpt-oss", marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.parametrize("shape", [[], ["--shape", "gpt-oss-20b"]], ids=["qwen3-moe", "gpt-oss"])
 def test_the_moe_benchmark_runs_on_the_cpu(shape):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")])}
     command = [sys.executable, "benchmarks/moe.py", "--smoke", *shape]

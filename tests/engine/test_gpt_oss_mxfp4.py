@@ -96,3 +96,17 @@ def test_blocks_without_scales_are_refused(mxfp4, tmp_path):
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="down_proj_blocks.*not .*down_proj_scales"):
         LLM(model=str(broken), dtype="float32", max_model_len=64)
+
+
+@pytest.mark.slow
+def test_mxfp4_over_two_expert_parallel_ranks(mxfp4):
+    """Each rank dequantizes its own experts: the tokens of one process."""
+    prompts = [[7, 8, 9, 10, 11, 12, 13], [40, 41, 42]]
+    args = dict(dtype="float32", block_size=4, max_model_len=64, max_num_seqs=4, async_scheduling=False)
+    one = LLM(model=str(mxfp4), **args).generate([{"prompt_token_ids": p} for p in prompts], greedy(5))
+    llm = LLM(model=str(mxfp4), tensor_parallel_size=2, enable_expert_parallel=True, **args)
+    try:
+        two = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(5))
+    finally:
+        llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]

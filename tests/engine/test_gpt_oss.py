@@ -15,7 +15,7 @@ from test_moe_models import CHUNKED, expected_tokens, generate, greedy, make_llm
 
 from adapter_format.checkpoint import load_peft_adapter
 from adapter_format.errors import AdapterError
-from engine import model_shape
+from engine import SamplingParams, model_shape
 from engine.model.architectures.gpt_oss import GptOssModel
 from engine.model.loader import load_config
 
@@ -124,3 +124,16 @@ def test_config_settings_not_served_are_refused(case, change, message):
         setattr(config, key, value)
     with pytest.raises(ValueError, match=message):
         GptOssModel.check_config(config)
+
+
+def test_speculative_decoding_keeps_the_greedy_tokens(case):
+    """n-gram proposals verified with each request's adapter (several tokens per sequence through sinks,
+    windows and the experts)."""
+    prompts = [p[:6] + [7, 8, 9, 10] * 4 for p in case["prompts"][:4]]  # the last tokens occurred before
+    repetitive = {**case, "prompts": prompts}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    plain = generate(make_llm(case, max_num_seqs=4), repetitive, params, count=4)
+    llm = make_llm(case, max_num_seqs=4, speculative_config=spec)
+    assert generate(llm, repetitive, params, count=4) == plain
+    assert llm.engine.speculator.stats().num_draft_tokens > 0

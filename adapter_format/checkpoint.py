@@ -469,7 +469,8 @@ def _with_tensors(
         for layer, nested in [k for k in loaded if k[1].startswith("experts")]:
             ab = loaded.pop((layer, nested))
             module = expert_module(shape, tuple(ab["A"].shape), tuple(ab["B"].shape), nested)
-            a, b = expert_pair(ab["A"], ab["B"], shape.num_experts)
+            interleaved = shape.gate_up_interleaved and module == "experts.gate_up_proj"
+            a, b = expert_pair(ab["A"], ab["B"], shape.num_experts, interleaved)
             loaded[(layer, module)] = {"A": a, "B": b}
     if per_expert:  # gate/up folded block-diagonally into the stacked pair, at the rank checked
         folded = {k: m.rank for k, m in adapter.modules.items() if k not in loaded}

@@ -95,12 +95,16 @@ def expert_module(shape: ModelShape, a_shape: tuple[int, ...], b_shape: tuple[in
 
 
 def expert_pair(
-    lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int
+    lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int, interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PEFT's [E * r, in] and [out, r * E] -> per-expert A [E, r, in] and B [E, out, r] (views)."""
+    """PEFT's [E * r, in] and [out, r * E] -> per-expert A [E, r, in] and B [E, out, r] (views). With
+    `interleaved` (gpt-oss's gate_up_proj: out rows alternate gate and up) B's rows are reordered to
+    every gate row, then every up row, as the engine's stacked weight holds them (a copy)."""
     rank = lora_a.shape[0] // num_experts
     a = lora_a.view(num_experts, rank, lora_a.shape[1])
     b = lora_b.view(lora_b.shape[0], rank, num_experts).permute(2, 0, 1)
+    if interleaved:
+        b = torch.cat([b[:, 0::2], b[:, 1::2]], dim=1)
     return a, b
 
 

@@ -48,6 +48,9 @@ class ModelShape:
     vocab_size: int = 0
     tie_word_embeddings: bool = False
     shared_expert_intermediate_size: int = 0  # of a mixture of experts' shared expert (0: none)
+    # gpt-oss: the stacked experts' gate_up_proj alternates gate and up outputs (gate 2j, up 2j + 1), so
+    # PEFT's expert lora_B rows do too; the engine holds gate rows then up rows (expert_lora.expert_pair).
+    gate_up_interleaved: bool = False
 
     def __post_init__(self) -> None:
         known = ATTENTION_MODULES + MLP_MODULES + (EXPERT_MODULES if self.num_experts else ())

@@ -13,6 +13,7 @@ touches (attention's per adapter, experts' per adapter and expert hit).
     python3 benchmarks/moe.py --layers 24                      # one H100 (80 GB), bf16, N = 0 and 16
     python3 benchmarks/moe.py --tensor-parallel-size 2 --enable-expert-parallel   # all 48 layers, EP 2
     python3 benchmarks/moe.py --smoke                          # tiny shape on the CPU (checks it runs)
+    python3 benchmarks/moe.py --shape gpt-oss-20b              # gpt-oss-20b's shape (bf16 experts), one H100
 
 Expert LoRA is large: rank r on every expert of every layer is E r (2H + 3I) elements per layer (gate and up share one A; rank 8
 at this shape: 0.63 GB per adapter in bf16), so the pool holds --max-loras of them; the adapter files are
@@ -49,13 +50,34 @@ SHAPES = {
         num_hidden_layers=2, hidden_size=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
     ),
+    # gpt-oss-20b in bf16 (its hub checkpoint's MXFP4 experts are dequantized at load, so the same bytes):
+    # attention sinks, sliding (128) and full layers alternating, biased router and experts.
+    "gpt-oss-20b": dict(
+        num_hidden_layers=24, hidden_size=2880, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880,
+        intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+    ),
+    "gpt-oss-smoke": dict(
+        num_hidden_layers=2, hidden_size=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+    ),
 }  # fmt: skip
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-def write_model(path: Path, sizes: dict) -> Path:
+def write_model(path: Path, sizes: dict, gpt_oss: bool = False) -> Path:
     """config.json only: the engine draws the weights on the device (load_format="dummy")."""
     path.mkdir(parents=True, exist_ok=True)
+    if gpt_oss:  # transformers' GptOssConfig defaults (YaRN, window 128, swiglu 1.702 / 7.0) otherwise
+        layers = sizes["num_hidden_layers"]
+        config = {
+            "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "rms_norm_eps": 1e-5,
+            "num_local_experts": sizes["num_experts"], "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "layer_types": [("sliding_attention", "full_attention")[n % 2] for n in range(layers)],
+            "sliding_window": 128, "attention_bias": True, "max_position_embeddings": 131072,
+            **{k: v for k, v in sizes.items() if k not in ("num_experts", "moe_intermediate_size")},
+        }  # fmt: skip
+        (path / "config.json").write_text(json.dumps(config))
+        return path
     config = {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
         "rms_norm_eps": 1e-6, "norm_topk_prob": True, "max_position_embeddings": 4096,
@@ -199,7 +221,8 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shape on the CPU, float32")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.shape, args.device, args.dtype, args.adapters = "smoke", "cpu", "float32", [0, 2]
+        args.shape = "gpt-oss-smoke" if args.shape.startswith("gpt-oss") else "smoke"
+        args.device, args.dtype, args.adapters = "cpu", "float32", [0, 2]
         args.requests, args.output_tokens, args.max_num_seqs, args.rank = 4, 4, 4, 8
     sizes = dict(SHAPES[args.shape])
     if args.layers:
@@ -218,7 +241,7 @@ def main(argv=None) -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model_dir = write_model(root / "model", sizes)
+        model_dir = write_model(root / "model", sizes, args.shape.startswith("gpt-oss"))
         distinct = max(1, min(args.distinct_adapters, max(args.adapters)))
         adapter_dtype = getattr(torch, args.dtype)
         adapter_dirs = [

@@ -11,6 +11,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -48,6 +49,7 @@ _CONFIGS = {
     "mixtral": MixtralConfig,
     "qwen2_moe": Qwen2MoeConfig,
     "olmoe": OlmoeConfig,
+    "gpt_oss": GptOssConfig,
 }
 # What makes each newer family itself at C1's size, every feature switched on: a window shorter than the
 # prompts over alternating local and global layers, soft caps small enough to bite, Gemma 3's global layers
@@ -106,6 +108,26 @@ FAMILY_SIZES = {
     ),
     # OLMoE as released: top-k not renormalized, q/k norms over all heads.
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False),
+    # gpt-oss: a sliding layer (window 8, shorter than the prompts) then a full one, attention sinks and
+    # biases, YaRN without truncation, a SwiGLU limit low enough that both clamps bite.
+    "gpt_oss": dict(
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=24,  # 2I = 48 against H = 64: a transposed expert weight cannot load
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        swiglu_limit=1.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "phi3": dict(
         original_max_position_embeddings=16,
         rope_parameters={
@@ -158,6 +180,10 @@ def make_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> P
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.add_(0.2 * torch.randn_like(param))
+                elif arch == "gpt_oss" and "bias" in name:  # initialised to zero: make them count
+                    param.add_(0.2 * torch.randn_like(param))
+                elif arch == "gpt_oss" and name.endswith("sinks"):  # large enough to take a real share
+                    param.copy_(2.0 * torch.randn_like(param))
     model.save_pretrained(path, safe_serialization=True)
     return Path(path)
 

@@ -96,12 +96,14 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,  # [1] float32; fp8 caches only
     v_scale: torch.Tensor | None = None,  # [1] float32
     softcap: float | None = None,  # Gemma 2: scores become softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None,  # [num_heads] float32 sink logits (gpt-oss)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its whole cached context.
 
     An fp8 cache is dequantized (`.float() * scale`, then the model dtype) per sequence before the
     softmax, which runs in the model dtype as for any other cache. With `softcap` the scores are capped
-    before the mask, as transformers' eager attention does (its SDPA path has no soft-capping).
+    before the mask, as transformers' eager attention does (its SDPA path has no soft-capping). With
+    `sinks` each head's sink logit joins the softmax's denominator (a key whose value is zero).
     """
     block_size = key_cache.shape[1]
     fp8 = is_fp8(key_cache)
@@ -121,7 +123,7 @@ def paged_attention(
         allowed = k_positions[None, :] <= q_positions[:, None]  # [num_new, seq_len]
         if sliding_window is not None:
             allowed &= k_positions[None, :] > q_positions[:, None] - sliding_window
-        if softcap is None:
+        if softcap is None and sinks is None:
             attn = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1),  # [num_heads, num_new, head_dim]
                 k.transpose(0, 1),
@@ -131,28 +133,35 @@ def paged_attention(
                 enable_gqa=True,
             )
         else:
-            attn = _soft_capped_attention(q[start:end], k, v, allowed, scale, softcap)
+            attn = _eager_attention(q[start:end], k, v, allowed, scale, softcap, sinks)
         out[start:end] = attn.transpose(0, 1)
     return out
 
 
-def _soft_capped_attention(
+def _eager_attention(
     q: torch.Tensor,  # [num_new, num_heads, head_dim]
     k: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     v: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     allowed: torch.Tensor,  # [num_new, seq_len] bool
     scale: float,
-    softcap: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,  # [num_heads] float32
 ) -> torch.Tensor:  # [num_heads, num_new, head_dim]
-    """transformers' eager attention with soft-capping, op for op (scores and probabilities rounded to
-    the model dtype where it rounds them, the softmax in float32)."""
+    """transformers' eager attention with soft-capping (Gemma 2) or sinks (gpt-oss), op for op (scores
+    and probabilities rounded to the model dtype where it rounds them, the softmax in float32)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
     v = v.repeat_interleave(group, dim=1).transpose(0, 1)
     scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # [num_heads, num_new, seq_len]
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:  # the sink: one more logit per head, dropped after the softmax
+        sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)
+        probs = probs[..., :-1].to(q.dtype)
     return torch.matmul(probs, v)
 
 
@@ -168,10 +177,11 @@ def attention(
     v_scale: torch.Tensor | None = None,  # [1] float32
     softcap: float | None = None,  # attention logit soft-capping (Gemma 2)
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]: the result goes here if given
+    sinks: torch.Tensor | None = None,  # [num_heads] float32 attention sink logits (gpt-oss)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     if backend == "torch":
         result = paged_attention(
-            q, key_cache, value_cache, meta, scale, sliding_window, k_scale, v_scale, softcap
+            q, key_cache, value_cache, meta, scale, sliding_window, k_scale, v_scale, softcap, sinks
         )
         return result if out is None else out.copy_(result)
     if backend != "triton":
@@ -191,4 +201,5 @@ def attention(
         k_scale=k_scale,
         v_scale=v_scale,
         softcap=softcap,
+        sinks=sinks,
     )

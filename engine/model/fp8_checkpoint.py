@@ -37,14 +37,22 @@ _CT_FORMATS = ("float-quantized", "naive-quantized")
 _CT_STRATEGIES = ("channel", "tensor", "block")
 
 
-def fp8_scheme(hf_config, quantization: str | None) -> str | None:
-    """The scheme the weights load with (None: unquantized); ValueError naming an unsupported format."""
+def fp8_scheme(hf_config, quantization: str | None, dequantized: tuple[str, ...] = ()) -> str | None:
+    """The scheme the weights load with (None: unquantized); ValueError naming an unsupported format.
+    `dequantized`: the quant methods the architecture dequantizes at load (gpt-oss's "mxfp4")."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None or 'fp8' (got {quantization!r})")
     config = _quantization_config(hf_config)
     if config is None:
         return ON_THE_FLY if quantization == "fp8" else None
     method = config.get("quant_method")
+    if method in dequantized:
+        if quantization is not None:
+            raise ValueError(
+                f"the checkpoint is quantized with {method!r}, which is dequantized to the model dtype at "
+                f"load; quantization={quantization!r} on top of it is not served"
+            )
+        return None
     if method == "compressed-tensors":
         _check_compressed_tensors(config)
         return COMPRESSED_TENSORS

@@ -87,7 +87,7 @@ def load_model(
     (engine/model/fp8_checkpoint.py); everything else keeps `dtype`. `load_format="dummy"` reads no
     weights: random ones, made on the device (a model's shape for benchmarks, from config.json alone)."""
     cls = model_class(config)
-    scheme = fp8_scheme(config, quantization)
+    scheme = fp8_scheme(config, quantization, cls.dequantized_methods)
     fp8 = None if scheme is None else Fp8Settings(scheme, is_block_scaled(config), fp8_gemm)
     if fp8 is not None and fp8_gemm not in FP8_GEMMS:
         raise ValueError(f"fp8_gemm must be one of {', '.join(FP8_GEMMS)} (got {fp8_gemm!r})")

@@ -6,8 +6,10 @@ which every expert's pairs fill whole blocks of `block_m` rows, so one program o
 one expert's weights for up to `block_m` tokens. The sizes are fixed by the number of pairs (no host sync,
 so decode steps capture in CUDA graphs): `num_pairs + num_experts * (block_m - 1)` rows at most.
 
-    kernel 1 (gate/up fused): inter[p] = act(x[p // K] @ W13[e, :I]^T) * (x[p // K] @ W13[e, I:]^T)
-    kernel 2 (down):          out[p]   = w[p] * inter[p] @ W2[e]^T
+    kernel 1 (gate/up fused): inter[p] = act(x[p // K] @ W13[e, :I]^T + b13[e, :I], x[p // K] @ W13[e, I:]^T
+                                             + b13[e, I:])
+    kernel 2 (down):          out[p]   = w[p] * (inter[p] @ W2[e]^T + b2[e])
+(the biases where the experts have them: gpt-oss)
     then                      y[t]     = sum_k out[t * K + k]
 
 Pairs routed to an expert this rank does not hold (expert parallelism) carry id `num_experts` and are
@@ -23,7 +25,9 @@ import triton.language as tl
 
 from lora_kernels.tiles import interpreting
 
-MOE_ACTIVATIONS = ("silu",)
+# "silu": SiLU(gate) * up. "clamped_swiglu" (gpt-oss): gate <= limit, -limit <= up <= limit, then
+# (up + 1) * gate * sigmoid(alpha * gate).
+MOE_ACTIVATIONS = ("silu", "clamped_swiglu")
 
 
 def align_by_expert(
@@ -73,6 +77,7 @@ def _gate_up_kernel(
     w_ptr,  # [E, 2 * inter, hidden]
     out_ptr,  # [num_pairs, inter]
     delta_ptr,  # [num_pairs, 2 * inter] LoRA's gate/up update (HAS_DELTA)
+    bias_ptr,  # [E, 2 * inter] (HAS_BIAS)
     rows_ptr,  # [max_rows] int32 pair ids sorted by expert
     block_expert_ptr,  # [num_blocks] int32
     num_pairs,
@@ -83,8 +88,13 @@ def _gate_up_kernel(
     stride_wn,
     stride_ot,
     stride_dt,
+    stride_be,
+    limit,  # CLAMPED: the clamp of gate (above) and up (both sides)
+    alpha,  # CLAMPED: the sigmoid's gain
     TOP_K: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,  # the clamped SwiGLU (gpt-oss), else SiLU(gate) * up
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -129,7 +139,16 @@ def _gate_up_kernel(
         delta = delta_ptr + safe[:, None] * stride_dt + offs_n[None, :]
         acc_gate += tl.load(delta, mask=mask, other=0.0).to(tl.float32)
         acc_up += tl.load(delta + inter, mask=mask, other=0.0).to(tl.float32)
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU(gate) * up
+    if HAS_BIAS:
+        bias = bias_ptr + expert.to(tl.int64) * stride_be + offs_n
+        acc_gate += tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(bias + inter, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if CLAMPED:
+        gate = tl.minimum(acc_gate, limit)
+        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        act = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+    else:
+        act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU(gate) * up
     out = out_ptr + safe[:, None] * stride_ot + offs_n[None, :]
     tl.store(out, act.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -141,6 +160,7 @@ def _down_kernel(
     weights_ptr,  # [num_pairs] float32 routing weights
     out_ptr,  # [num_pairs, hidden]
     delta_ptr,  # [num_pairs, hidden] LoRA's down update (HAS_DELTA)
+    bias_ptr,  # [E, hidden] (HAS_BIAS)
     rows_ptr,
     block_expert_ptr,
     num_pairs,
@@ -151,7 +171,9 @@ def _down_kernel(
     stride_wn,
     stride_ot,
     stride_dt,
+    stride_be,
     HAS_DELTA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -193,6 +215,9 @@ def _down_kernel(
         acc += tl.load(delta_ptr + safe[:, None] * stride_dt + offs_n[None, :], mask=mask, other=0.0).to(
             tl.float32
         )
+    if HAS_BIAS:
+        bias = bias_ptr + expert.to(tl.int64) * stride_be + offs_n
+        acc += tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     route = tl.load(weights_ptr + safe, mask=valid, other=0.0)
     acc = acc * route[:, None]
     out = out_ptr + safe[:, None] * stride_ot + offs_n[None, :]
@@ -215,7 +240,10 @@ def gate_up_act(
     block_expert: torch.Tensor,
     top_k: int,
     delta: torch.Tensor | None = None,  # [T * K, 2 * I], added before the activation (LoRA)
-) -> torch.Tensor:  # [T * K, I]: SiLU(gate) * up per pair (rows of skipped pairs undefined)
+    bias: torch.Tensor | None = None,  # [E, 2 * I]
+    limit: float | None = None,  # given: the clamped SwiGLU (MOE_ACTIVATIONS), else SiLU
+    alpha: float = 1.0,
+) -> torch.Tensor:  # [T * K, I]: act(gate, up) per pair (rows of skipped pairs undefined)
     num_tokens, hidden = x.shape
     inter_size = w13.shape[1] // 2
     num_pairs = num_tokens * top_k
@@ -224,9 +252,12 @@ def gate_up_act(
     out = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     grid = (block_expert.numel(), triton.cdiv(inter_size, _BLOCK_N))
     _gate_up_kernel[grid](
-        x, w13, out, out if delta is None else delta, rows, block_expert, num_pairs, hidden, inter_size,
-        x.stride(0), w13.stride(0), w13.stride(1), out.stride(0), 0 if delta is None else delta.stride(0),
-        TOP_K=top_k, HAS_DELTA=delta is not None, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        x, w13, out, out if delta is None else delta, out if bias is None else bias, rows, block_expert,
+        num_pairs, hidden, inter_size, x.stride(0), w13.stride(0), w13.stride(1), out.stride(0),
+        0 if delta is None else delta.stride(0), 0 if bias is None else bias.stride(0),
+        0.0 if limit is None else float(limit), float(alpha),
+        TOP_K=top_k, HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, CLAMPED=limit is not None,
+        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
         K_ITERS=triton.cdiv(hidden, _BLOCK_K), DOT_FP32=x.dtype == torch.float32 or interpreting(),
     )  # fmt: skip
     return out
@@ -239,7 +270,8 @@ def down_weighted(
     rows: torch.Tensor,
     block_expert: torch.Tensor,
     delta: torch.Tensor | None = None,  # [T * K, H], added before the routing weight (LoRA)
-) -> torch.Tensor:  # [T * K, H]: weight * (inter @ W2[e]^T + delta); zero for skipped pairs
+    bias: torch.Tensor | None = None,  # [E, H]
+) -> torch.Tensor:  # [T * K, H]: weight * (inter @ W2[e]^T + bias[e] + delta); zero for skipped pairs
     num_pairs, inter_size = inter.shape
     hidden = w2.shape[1]
     block_m = rows.numel() // block_expert.numel()
@@ -247,10 +279,11 @@ def down_weighted(
     out = torch.zeros(num_pairs, hidden, dtype=inter.dtype, device=inter.device)
     grid = (block_expert.numel(), triton.cdiv(hidden, _BLOCK_N))
     _down_kernel[grid](
-        inter, w2, weights.float().contiguous(), out, out if delta is None else delta, rows, block_expert,
-        num_pairs, hidden, inter_size, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        0 if delta is None else delta.stride(0),
-        HAS_DELTA=delta is not None, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        inter, w2, weights.float().contiguous(), out, out if delta is None else delta,
+        out if bias is None else bias, rows, block_expert, num_pairs, hidden, inter_size, inter.stride(0),
+        w2.stride(0), w2.stride(1), out.stride(0), 0 if delta is None else delta.stride(0),
+        0 if bias is None else bias.stride(0),
+        HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
         K_ITERS=triton.cdiv(inter_size, _BLOCK_K), DOT_FP32=inter.dtype == torch.float32 or interpreting(),
     )  # fmt: skip
     return out
@@ -259,27 +292,30 @@ def down_weighted(
 # -- the torch path (CPU, and where Triton cannot run): the same two steps, one GEMM per expert ---------
 
 
-def gate_up_act_torch(x, w13, ids, top_k, delta=None):  # as gate_up_act; ids [T * K]
+def gate_up_act_torch(x, w13, ids, top_k, delta=None, bias=None, limit=None, alpha=1.0):  # ids [T * K]
     num_experts, two_i, _ = w13.shape
     pre = torch.zeros(ids.numel(), two_i, dtype=x.dtype, device=x.device)
     tokens = torch.arange(ids.numel(), device=x.device) // top_k
     for expert in torch.unique(ids).tolist():
         if expert < num_experts:
             pairs = (ids == expert).nonzero().squeeze(1)
-            pre[pairs] = F.linear(x[tokens[pairs]], w13[expert])
+            pre[pairs] = F.linear(x[tokens[pairs]], w13[expert], None if bias is None else bias[expert])
     if delta is not None:
         pre += delta
     gate, up = pre.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    if limit is None:
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * gate * torch.sigmoid(alpha * gate)
 
 
-def down_weighted_torch(inter, w2, weights, ids, delta=None):  # as down_weighted
+def down_weighted_torch(inter, w2, weights, ids, delta=None, bias=None):  # as down_weighted
     num_experts = w2.shape[0]
     out = torch.zeros(inter.shape[0], w2.shape[1], dtype=inter.dtype, device=inter.device)
     for expert in torch.unique(ids).tolist():
         if expert < num_experts:
             pairs = (ids == expert).nonzero().squeeze(1)
-            out[pairs] = F.linear(inter[pairs], w2[expert])
+            out[pairs] = F.linear(inter[pairs], w2[expert], None if bias is None else bias[expert])
     if delta is not None:
         out += delta
     out *= weights.to(out.dtype)[:, None]

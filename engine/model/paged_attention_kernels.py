@@ -18,6 +18,9 @@ Split-K (flash-decoding): with NUM_SPLITS > 1 each sequence's key range is cut i
 chunks, one program each; they write unnormalised partial outputs with their running max and sum,
 and `_combine_splits_kernel` merges them. Small decode batches over long contexts use it to fill the GPU.
 
+Attention sinks (SINKS, gpt-oss): each head's learned logit joins the softmax's denominator with no
+value; it seeds the running max and sum (exp2(sink - sink) = 1) of split 0, so splits combine unchanged.
+
 fp8 caches (KV_FP8): K/V tiles are float8 e4m3, converted exactly to the query dtype after the load;
 the K scale is folded into `qk_scale` and the V scale into the accumulator, both in float32, so the
 dots see the stored values and the scales cost two multiplies per program (see kv_quant.py).
@@ -135,6 +138,7 @@ def paged_attention_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     k_scale_ptr,  # [1] float32, read when KV_FP8
     v_scale_ptr,  # [1] float32, read when KV_FP8
+    sinks_ptr,  # [num_heads] float32 sink logits, read when SINKS
     num_seqs,
     qk_scale,
     softcap,  # attention logit soft cap * log2(e) (Gemma 2), read if SOFTCAP
@@ -158,6 +162,7 @@ def paged_attention_kernel(
     DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr,  # the caches hold float8 e4m3 scaled by k_scale / v_scale
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,  # a per-head logit in every softmax's denominator, with no value (gpt-oss)
     INTERPRET: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
@@ -200,6 +205,10 @@ def paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SINKS:  # the sink starts the online softmax as a key of score `sink` and value 0 (split 0 only)
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2(e)
+        m_i = tl.where(split == 0, sink, float("-inf"))
+        l_i = tl.where(split == 0, 1.0, 0.0) + l_i
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_offset = kv_head * stride_kh
     if KV_FP8:

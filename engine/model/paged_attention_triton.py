@@ -111,6 +111,7 @@ def paged_attention_triton(
     k_scale: torch.Tensor | None = None,  # [1] float32: stored K * k_scale = K; float8_e4m3fn caches only
     v_scale: torch.Tensor | None = None,  # [1] float32
     softcap: float | None = None,  # scores become softcap * tanh(scores / softcap) (Gemma 2)
+    sinks: torch.Tensor | None = None,  # [num_heads] float32 sink logits (gpt-oss)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens (its last `query_len` tokens) over all its keys.
 
@@ -128,6 +129,10 @@ def paged_attention_triton(
         _fail(f"sliding_window must be positive or None, got {sliding_window}")
     if softcap is not None and not softcap > 0:
         _fail(f"softcap must be positive or None, got {softcap}")
+    if sinks is not None and (
+        sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_heads,) or sinks.device != q.device
+    ):
+        _fail(f"sinks must be float32 [num_heads] = [{num_heads}] on {q.device}")
     per_kv = num_heads // num_kv_heads
     interpret = interpreting()
     decode = max_query_len == 1
@@ -166,6 +171,7 @@ def paged_attention_triton(
         query_start_loc,
         k_scale,
         v_scale,
+        seq_lens if sinks is None else sinks,  # unused without sinks
         num_seqs,
         scale * LOG2_E,
         (softcap or 1.0) * LOG2_E,
@@ -189,6 +195,7 @@ def paged_attention_triton(
         DOT_FP32=q.dtype == torch.float32 or interpret,
         KV_FP8=fp8,
         SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         INTERPRET=interpret,
         num_warps=4,
     )

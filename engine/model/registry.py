@@ -64,4 +64,8 @@ def model_shape(config) -> ModelShape:
     """The model's sizes and its LoRA targets (what an adapter must fit)."""
     cls = model_class(config)
     names = getattr(config, "architectures", None) or [cls.architectures[0]]
-    return replace(ModelShape.from_hf_config(config, cls.lora_targets()), architecture=names[0])
+    return replace(
+        ModelShape.from_hf_config(config, cls.lora_targets()),
+        architecture=names[0],
+        gate_up_interleaved=cls.gate_up_interleaved,
+    )

@@ -81,10 +81,15 @@ class ShardPlan:
     ) -> ShardPlan:
         """The plan of a checkpoint's model (its LoRA targets from the registry), refusing splits the
         checkpoint's FP8 format cannot take: a block-scaled shard must hold whole 128-column blocks."""
-        from engine.model.registry import model_shape
+        from engine.model.registry import model_class, model_shape
 
         plan = cls(model_shape(hf_config), hf_config.vocab_size, world_size, expert_parallel)
-        if world_size > 1 and fp8_scheme(hf_config, quantization) is not None and is_block_scaled(hf_config):
+        dequantized = model_class(hf_config).dequantized_methods
+        if (
+            world_size > 1
+            and fp8_scheme(hf_config, quantization, dequantized) is not None
+            and is_block_scaled(hf_config)
+        ):
             for module in ROW_PARALLEL:
                 split = plan.input_split(module)
                 if split.local_size(world_size) % BLOCK:

@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_moe_benchmark_runs_on_the_cpu():
+@pytest.mark.parametrize("shape", [[], ["--shape", "gpt-oss-20b"]], ids=["qwen3-moe", "gpt-oss"])
+def test_the_moe_benchmark_runs_on_the_cpu(shape):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")])}
-    command = [sys.executable, "benchmarks/moe.py", "--smoke"]
+    command = [sys.executable, "benchmarks/moe.py", "--smoke", *shape]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [

@@ -68,7 +68,11 @@ def make_batch(
 
 
 def reference_attention(
-    batch: PagedBatch, scale: float, sliding_window: int | None, softcap: float | None = None
+    batch: PagedBatch,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]: each head's sink logit joins the softmax (gpt-oss)
 ) -> torch.Tensor:
     """float64 softmax attention, one sequence and one head at a time (scores soft-capped if asked)."""
     bs = batch.key_cache.shape[1]
@@ -92,7 +96,11 @@ def reference_attention(
                 if softcap is not None:
                     scores = softcap * torch.tanh(scores / softcap)
                 scores[~allowed] = float("-inf")
-                out[starts[i] + j, h] = torch.softmax(scores, 0) @ v[:, kv]
+                if sinks is not None:  # a key of logit sinks[h] whose value is zero
+                    probs = torch.softmax(torch.cat([scores, sinks[h : h + 1].double()]), 0)[:-1]
+                else:
+                    probs = torch.softmax(scores, 0)
+                out[starts[i] + j, h] = probs @ v[:, kv]
     return out
 
 

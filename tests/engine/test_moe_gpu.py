@@ -1,4 +1,4 @@
-"""Qwen3-MoE, Mixtral, Qwen2-MoE and OLMoE on a GPU (skipped without CUDA): the fused-MoE Triton kernels
+"""Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE and gpt-oss on a GPU (skipped without CUDA): the fused-MoE Triton kernels
 compiled (bf16 and fp32) against float64, and the models through them and the decode CUDA graphs, with
 adapters on attention, on the routed experts (and on Qwen2-MoE's shared expert) mixed with base-model
 requests:
@@ -70,7 +70,7 @@ def test_kernels_match_float64(dtype, tol, case):
     assert (got - expected).abs().max() <= tol * scale, (got - expected).abs().max() / scale
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"])
 def case(request, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"gpu-{arch}")

@@ -33,7 +33,15 @@ ARGS = dict(
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "arch, expert_parallel",
-    [("qwen3_moe", False), ("mixtral", True), ("qwen2_moe", False), ("qwen2_moe", True), ("olmoe", False)],
+    [
+        ("qwen3_moe", False),
+        ("mixtral", True),
+        ("qwen2_moe", False),
+        ("qwen2_moe", True),
+        ("olmoe", False),
+        ("gpt_oss", False),
+        ("gpt_oss", True),
+    ],
 )
 def test_two_ranks_match_peft(tmp_path, arch, expert_parallel):
     model_dir = make_model(tmp_path / "model", arch=arch, seed=3)

@@ -263,10 +263,12 @@ def test_a_failed_capture_leaves_mixed_steps_eager(base_case, monkeypatch, caplo
     llm.shutdown()
 
 
-def test_moe_models_through_the_pieces(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_moe_models_through_the_pieces(tmp_path, arch):
     """A mixture of experts with adapters on its attention and experts: the pieces give PEFT's tokens and
-    the eager engine's routing counts (padding rows are not counted as routed)."""
-    model_dir = make_model(tmp_path / "moe", arch="qwen3_moe", seed=1)
+    the eager engine's routing counts (padding rows are not counted as routed); gpt-oss's attention sinks
+    ride through the pieces' attention calls."""
+    model_dir = make_model(tmp_path / "moe", arch=arch, seed=1)
     adapters = {
         name: make_adapter(model_dir, tmp_path / name, seed=20 + i, **kwargs)
         for i, (name, kwargs) in enumerate(MOE_ADAPTERS.items())

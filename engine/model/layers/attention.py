@@ -3,8 +3,8 @@ sliding-window and soft-capped), output projection; tensor-parallel by heads.
 
 Per layer it takes what varies between architectures and between one model's layers: q/k/v biases
 (Qwen2), q/k norms (per head: Qwen3, Gemma 3; over all heads: OLMoE), the softmax scale (Gemma's query_pre_attn_scalar), the soft cap
-(Gemma 2), the sliding window (Mistral; Gemma's local layers) and the RoPE table (Gemma 3's local
-layers rotate at another base).
+(Gemma 2), the sliding window (Mistral; Gemma's local layers), the RoPE table (Gemma 3's local
+layers rotate at another base) and attention sinks (gpt-oss: `self_attn.sinks`, one logit per head).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from engine.model import fused_ops
 from engine.model.attention import AttentionMetadata, attention, write_kv
 from engine.model.kv_quant import default_scale
 from engine.model.layers.context import BuildContext
-from engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape, new_param
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.sharding import Split
 from engine.model.layers.whole_qk_norm import WholeHeadsRMSNorm
@@ -42,6 +42,7 @@ class AttentionSpec:
     norm_offset: bool = False  # Gemma's (1 + weight) norms
     sliding_window: int | None = None
     softcap: float | None = None  # attention logit soft-capping (Gemma 2)
+    sinks: bool = False  # a learned logit per head in every softmax's denominator, with no value (gpt-oss)
 
 
 class Attention(nn.Module):
@@ -72,6 +73,10 @@ class Attention(nn.Module):
         self.v_scale = nn.Parameter(default_scale(ctx.device), requires_grad=False)
         for param in (self.k_scale, self.v_scale):
             param.weight_loader, param.required, param.loaded = self._load_kv_scale, set(), set()
+        self.sinks = None  # [num_heads] float32, this rank's heads' sink logits (self_attn.sinks)
+        if spec.sinks:
+            self.sinks = new_param((self.num_heads,), torch.float32, ctx.device, self._load_sinks)
+            self._head_range = heads.range(tp.rank, tp.world_size)
         self.backend = ctx.attention_backend
         # The fused q/k norm kernel rotates whole heads: with a partial rotary width, the torch ops
         # (and for norms over all heads, which it does not compute).
@@ -147,7 +152,14 @@ class Attention(nn.Module):
             self.v_scale,
             spec.softcap,
             out,
+            self.sinks,
         )
+
+    def _load_sinks(self, param, tensor, shard) -> None:
+        check_shape(tensor, (self.spec.num_heads,))
+        start, end = (i // self.head_dim for i in self._head_range)
+        param.data.copy_(tensor.read()[start:end].float())
+        param.loaded.add(None)
 
     def _load_kv_scale(self, param, tensor, shard) -> None:
         """One positive number per layer (per-tensor), the same on every rank."""

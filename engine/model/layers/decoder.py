@@ -116,6 +116,10 @@ class DecoderModel(nn.Module):
     }
     norm_offset = False  # Gemma's RMSNorm scales by (1 + weight)
     sandwich_norms = False  # Gemma 2/3: norms after attention and after the MLP as well
+    # The experts' PEFT lora_B rows of gate_up_proj alternate gate and up (gpt-oss; ModelShape's).
+    gate_up_interleaved = False
+    # quantization_config methods this class dequantizes itself at load (gpt-oss: "mxfp4").
+    dequantized_methods: tuple[str, ...] = ()
 
     @classmethod
     def lora_targets(cls) -> tuple[str, ...]:

@@ -1,14 +1,17 @@
-"""A mixture-of-experts block (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, each expert
-is a gated MLP, and the token's output is the routing-weighted sum of its experts' outputs.
+"""A mixture-of-experts block (Qwen3-MoE, Mixtral, gpt-oss): a router picks each token's top-k experts,
+each expert is a gated MLP, and the token's output is the routing-weighted sum of its experts' outputs.
 
-    logits = x @ gate^T                      [tokens, E], replicated on every rank
+    logits = x @ gate^T (+ gate.bias)        [tokens, E], replicated on every rank
     probs  = softmax(logits in float32); w, ids = top-k(probs); w /= sum(w) if `renormalize`
     y      = sum_k w_k * down_e(SiLU(gate_e(x)) * up_e(x)),  e = ids_k   (engine/model/moe_kernels.py)
+gpt-oss adds biases to the router and to each expert's projections, and its own activation (the clamped
+SwiGLU, MoESpec.activation); its softmax over the top-k logits is the renormalized top-k probabilities.
 
 Parameters, by their transformers-5 names (the fused checkpoint layout loads as is):
     mlp.gate.weight               [E, H]
     mlp.experts.gate_up_proj      [E_local, 2 * I_local, H]   gate rows, then up rows
     mlp.experts.down_proj         [E_local, H, I_local]
+    mlp.experts.gate_up_proj_bias [E_local, 2 * I_local], down_proj_bias [E_local, H] (expert_bias)
 A hub checkpoint's per-expert tensors (`mlp.experts.3.gate_proj.weight`; Mixtral's w1/w3/w2) each fill
 one expert's part of them: their weight loaders take the part as (expert, 0 gate | 1 up | None down).
 
@@ -52,15 +55,26 @@ class MoESpec:
     top_k: int
     intermediate_size: int  # of one expert
     renormalize: bool  # top-k weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
-    activation: str = "silu"
+    activation: str = "silu"  # or "clamped_swiglu" (gpt-oss, with swiglu_alpha and swiglu_limit)
+    router_bias: bool = False  # `mlp.gate.bias` [E] (gpt-oss's router)
+    expert_bias: bool = False  # `experts.gate_up_proj_bias` [E, 2I] and `experts.down_proj_bias` [E, H]
+    swiglu_alpha: float = 1.702  # clamped_swiglu: (up + 1) * gate * sigmoid(alpha * gate), after
+    swiglu_limit: float = 7.0  # gate <= limit and -limit <= up <= limit
+
+    def activation_args(self) -> dict:
+        """What the kernels take for the activation (moe_kernels.gate_up_act's `limit` and `alpha`)."""
+        if self.activation == "clamped_swiglu":
+            return {"limit": self.swiglu_limit, "alpha": self.swiglu_alpha}
+        return {}
 
 
 class Router(nn.Module):
-    """The replicated linear router `gate` (no bias)."""
+    """The replicated linear router `gate` (with a bias where the spec says: gpt-oss)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, ctx: BuildContext):
+    def __init__(self, num_experts: int, hidden_size: int, ctx: BuildContext, bias: bool = False):
         super().__init__()
         self.weight = new_param((num_experts, hidden_size), ctx.dtype, ctx.device, self._load)
+        self.bias = new_param((num_experts,), ctx.dtype, ctx.device, self._load) if bias else None
 
     def _load(self, param, tensor, shard) -> None:
         check_shape(tensor, tuple(param.shape))
@@ -95,6 +109,13 @@ class Experts(nn.Module):
         self.down_proj = new_param(
             (local_e, hidden_size, local_i), ctx.dtype, ctx.device, self._load_down, down_parts
         )
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if spec.expert_bias:  # gate rows then up rows, as the weight; down's added by one rank only
+            self.gate_up_proj_bias = new_param((local_e, 2 * local_i), ctx.dtype, ctx.device, self._load_bias)
+            self.down_proj_bias = new_param((local_e, hidden_size), ctx.dtype, ctx.device, self._load_bias)
+            # Intermediate rows split over ranks: every rank's output is a partial sum of every expert's,
+            # so rank 0 alone adds down's bias (as a row-parallel projection's).
+            self._down_bias_here = expert_parallel or tp.rank == 0
 
     def _local(self, expert: int) -> int | None:
         return expert - self.expert_start if self.expert_start <= expert < self.expert_end else None
@@ -119,6 +140,21 @@ class Experts(nn.Module):
         rows = tensor.rows(self.row_start, self.row_end)
         param.data[local, part * local_i : (part + 1) * local_i].copy_(rows)
         param.loaded.add(shard)
+
+    def _load_bias(self, param, tensor, shard) -> None:
+        """The fused [E, 2I] (gate then up) or [E, H] bias: this rank's experts, and its gate/up rows."""
+        refuse_float8_experts(tensor)
+        inter, gate_up = self.spec.intermediate_size, param is self.gate_up_proj_bias
+        check_shape(tensor, (self.spec.num_experts, 2 * inter if gate_up else self.hidden_size))
+        whole = tensor.rows(self.expert_start, self.expert_end)
+        if gate_up:
+            start, end = self.row_start, self.row_end
+            param.data.copy_(torch.cat([whole[:, start:end], whole[:, inter + start : inter + end]], 1))
+        elif self._down_bias_here:
+            param.data.copy_(whole)
+        else:
+            param.data.zero_()
+        param.loaded.add(None)
 
     def _load_down(self, param, tensor, shard) -> None:
         refuse_float8_experts(tensor)
@@ -154,7 +190,7 @@ class SparseMoE(nn.Module):
                 f"({spec.num_experts}) to be a multiple of tensor_parallel_size"
             )
         self.spec, self.tp, self.ctx = spec, ctx.tp, ctx
-        self.gate = Router(spec.num_experts, hidden_size, ctx)
+        self.gate = Router(spec.num_experts, hidden_size, ctx, spec.router_bias)
         self.experts = Experts(spec, hidden_size, ctx, ctx.expert_parallel)
         self.layer: int | None = None  # set by the model: the LoRA pool's layer index
         self.defer_reduce = False  # set by the model: forward returns PartialSums (RowParallelLinear's)
@@ -173,7 +209,7 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, K] float32, expert ids [T, K]) of each token's top-k experts."""
-        logits = F.linear(x, self.gate.weight)
+        logits = F.linear(x, self.gate.weight, self.gate.bias)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
         if self.spec.renormalize:
@@ -198,18 +234,32 @@ class SparseMoE(nn.Module):
         flat_weights = weights.reshape(-1)  # float32
         expert_lora = None if lora is None else lora.experts(self, x, local)
         gate_up_delta = None if expert_lora is None else expert_lora.gate_up()
+        act = self.spec.activation_args()
         if self.runs_triton(x):
             block_m = moe_kernels.block_rows(local.numel(), experts.num_local)
             rows, block_expert = moe_kernels.align_by_expert(local, experts.num_local, block_m)
-            inter = moe_kernels.gate_up_act(x, experts.gate_up_proj, rows, block_expert, top_k, gate_up_delta)
+            inter = moe_kernels.gate_up_act(
+                x,
+                experts.gate_up_proj,
+                rows,
+                block_expert,
+                top_k,
+                gate_up_delta,
+                experts.gate_up_proj_bias,
+                **act,
+            )
             down_delta = None if expert_lora is None else expert_lora.down(inter)
             out = moe_kernels.down_weighted(
-                inter, experts.down_proj, flat_weights, rows, block_expert, down_delta
+                inter, experts.down_proj, flat_weights, rows, block_expert, down_delta, experts.down_proj_bias
             )
         else:
-            inter = moe_kernels.gate_up_act_torch(x, experts.gate_up_proj, local, top_k, gate_up_delta)
+            inter = moe_kernels.gate_up_act_torch(
+                x, experts.gate_up_proj, local, top_k, gate_up_delta, experts.gate_up_proj_bias, **act
+            )
             down_delta = None if expert_lora is None else expert_lora.down(inter)
-            out = moe_kernels.down_weighted_torch(inter, experts.down_proj, flat_weights, local, down_delta)
+            out = moe_kernels.down_weighted_torch(
+                inter, experts.down_proj, flat_weights, local, down_delta, experts.down_proj_bias
+            )
         return out.view(num_tokens, top_k, -1).sum(dim=1)
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor | PartialSums:

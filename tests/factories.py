@@ -11,6 +11,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    Glm4MoeConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -48,6 +49,7 @@ _CONFIGS = {
     "mixtral": MixtralConfig,
     "qwen2_moe": Qwen2MoeConfig,
     "olmoe": OlmoeConfig,
+    "glm4_moe": Glm4MoeConfig,
 }
 # What makes each newer family itself at C1's size, every feature switched on: a window shorter than the
 # prompts over alternating local and global layers, soft caps small enough to bite, Gemma 3's global layers
@@ -106,6 +108,25 @@ FAMILY_SIZES = {
     ),
     # OLMoE as released: top-k not renormalized, q/k norms over all heads.
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False),
+    # GLM-4.5 with every feature biting: 8 experts in 4 groups of which a token's top 2 come from the best
+    # 2, a choice-only bias (drawn in make_model), renormalized then scaled weights, 2 shared experts, a
+    # dense first layer, q/k/v biases, per-head q/k norms and RoPE over half of each head.
+    "glm4_moe": dict(
+        head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=2,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        num_hidden_layers=3,
+        attention_bias=True,
+        use_qk_norm=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
     "phi3": dict(
         original_max_position_embeddings=16,
         rope_parameters={
@@ -158,6 +179,11 @@ def make_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> P
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.add_(0.2 * torch.randn_like(param))
+        if arch == "glm4_moe":  # its attention biases and router bias start at zero: make them bite
+            with torch.no_grad():
+                for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                    if name.endswith((".bias", "e_score_correction_bias")):
+                        tensor.add_(0.1 * torch.randn_like(tensor))
     model.save_pretrained(path, safe_serialization=True)
     return Path(path)
 
@@ -254,9 +280,23 @@ SHARED_EXPERT_ADAPTERS = {
 }
 
 
+# GLM-4.5's shared experts (`mlp.shared_experts`), adapted as Qwen2-MoE's shared expert is.
+SHARED_EXPERTS = ["shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"]
+SHARED_EXPERTS_ADAPTERS = {
+    "shared_r8": dict(r=8, lora_alpha=16, target_modules=SHARED_EXPERTS),
+    "all_r16": dict(
+        r=16,
+        lora_alpha=16,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", *SHARED_EXPERTS],
+        target_parameters=EXPERTS,
+    ),
+}
+
+
 def moe_adapters(arch: str) -> dict[str, dict]:
     """The adapters a mixture of experts is tested with: MOE_ADAPTERS, plus a shared expert's."""
-    return {**MOE_ADAPTERS, **(SHARED_EXPERT_ADAPTERS if arch == "qwen2_moe" else {})}
+    shared = {"qwen2_moe": SHARED_EXPERT_ADAPTERS, "glm4_moe": SHARED_EXPERTS_ADAPTERS}
+    return {**MOE_ADAPTERS, **shared.get(arch, {})}
 
 
 def per_adapter_reference(model_dir: Path, adapters: dict[str, Path]):

@@ -70,7 +70,7 @@ def test_kernels_match_float64(dtype, tol, case):
     assert (got - expected).abs().max() <= tol * scale, (got - expected).abs().max() / scale
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe"])
 def case(request, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"gpu-{arch}")

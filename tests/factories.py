@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from unittest import mock
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -194,9 +197,31 @@ def make_adapter(model_dir: Path, path: Path, seed: int = 0, **lora_kwargs) -> P
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     # init_lora_weights=False leaves both A and B random, so the adapter changes the output.
     config = LoraConfig(init_lora_weights=False, **lora_kwargs)
-    peft_model = get_peft_model(base, config)
+    with as_named(lora_kwargs.get("target_modules")):
+        peft_model = get_peft_model(base, config)
     peft_model.save_pretrained(path, safe_serialization=True)
     return Path(path)
+
+
+def as_named(target_modules):
+    """PEFT 0.21 on transformers 5 rewrites any `*.gate_proj` / `up_proj` / `down_proj` target of GLM-4.5
+    (and DeepSeek) models into target_parameters on the routed experts (its v4 -> v5 MoE conversion), so
+    the shared experts (`shared_experts.gate_proj`) cannot be targeted; adapters trained on transformers 4
+    name them, and the engine serves those. This keeps PEFT's config as written for such targets."""
+    if not any("shared_experts." in t for t in target_modules or ()):
+        return nullcontext()
+    return _unconverted()
+
+
+def _target_modules(adapter: Path) -> list[str] | None:
+    targets = json.loads((Path(adapter) / "adapter_config.json").read_text()).get("target_modules")
+    return targets if isinstance(targets, list) else None
+
+
+@contextmanager
+def _unconverted():
+    with mock.patch("peft.utils.transformers_weight_conversion.convert_peft_config_for_transformers"):
+        yield
 
 
 def load_reference_base(model_dir: Path):
@@ -214,9 +239,11 @@ def load_peft_reference(model_dir: Path, adapters: dict[str, Path]):
     if not adapters:
         return base
     names = list(adapters)
-    model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
+    with as_named(_target_modules(adapters[names[0]])):
+        model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
     for name in names[1:]:
-        model.load_adapter(adapters[name], adapter_name=name)
+        with as_named(_target_modules(adapters[name])):
+            model.load_adapter(adapters[name], adapter_name=name)
     return model.eval()
 
 
@@ -304,7 +331,8 @@ def per_adapter_reference(model_dir: Path, adapters: dict[str, Path]):
     wrappers refuse mixed-adapter batches (`adapter_names=`), so each adapter is its own model."""
     models = {None: load_peft_reference(model_dir, {})}
     for name, path in adapters.items():
-        models[name] = PeftModel.from_pretrained(load_reference_base(model_dir), path).eval()
+        with as_named(_target_modules(path)):
+            models[name] = PeftModel.from_pretrained(load_reference_base(model_dir), path).eval()
     return models
 
 

@@ -54,7 +54,9 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         known = ATTENTION_MODULES + MLP_MODULES + (EXPERT_MODULES if self.num_experts else ())
-        known += SHARED_EXPERT_MODULES + SHARED_EXPERTS_MODULES if self.shared_expert_intermediate_size else ()
+        known += (
+            SHARED_EXPERT_MODULES + SHARED_EXPERTS_MODULES if self.shared_expert_intermediate_size else ()
+        )
         unknown = [t for t in self.targets if t not in known]
         if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
             raise ValueError(f"LoRA targets {list(self.targets)} must be distinct known projections")

@@ -32,7 +32,12 @@ from engine.model.layers.sharding import Split
 ROW_PARALLEL = ("o_proj", "down_proj", "shared_expert.down_proj", "shared_experts.down_proj")
 COLUMN_PARALLEL = (
     *("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj"),
-    *("shared_expert.gate_proj", "shared_expert.up_proj", "shared_experts.gate_proj", "shared_experts.up_proj"),
+    *(
+        "shared_expert.gate_proj",
+        "shared_expert.up_proj",
+        "shared_experts.gate_proj",
+        "shared_experts.up_proj",
+    ),
 )
 
 

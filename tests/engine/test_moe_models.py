@@ -189,6 +189,7 @@ def write_per_expert_adapter(case, path, rank=4, alpha=8):
         i
         for i in range(config.num_hidden_layers)
         if i not in (getattr(config, "mlp_only_layers", None) or [])
+        and i >= (getattr(config, "first_k_dense_replace", None) or 0)  # GLM-4.5's dense first layers
     ]
     for layer in moe_layers:
         for expert in range(0, 8, 2):

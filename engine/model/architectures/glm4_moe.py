@@ -46,7 +46,9 @@ class Glm4MoeModel(MoEDecoderModel):
                 "at least two experts"
             )
         if not 1 <= config.topk_group <= groups:
-            raise ValueError(f"GLM-4-MoE config: topk_group {config.topk_group} must be 1 .. n_group ({groups})")
+            raise ValueError(
+                f"GLM-4-MoE config: topk_group {config.topk_group} must be 1 .. n_group ({groups})"
+            )
         reachable = experts if groups == 1 else config.topk_group * (experts // groups)
         if config.num_experts_per_tok > reachable:
             raise ValueError(
@@ -77,7 +79,9 @@ class Glm4MoeModel(MoEDecoderModel):
         if not self.is_moe_layer(config, layer):
             return super().build_mlp(config, layer, ctx)  # a dense layer's MLP, of intermediate_size
         routing = GroupedTopK(config.n_group or 1, config.topk_group, float(config.routed_scaling_factor))
-        return GroupedTopKMoE(self.moe_spec(config), routing, config.hidden_size, shared_expert_size(config), ctx)
+        return GroupedTopKMoE(
+            self.moe_spec(config), routing, config.hidden_size, shared_expert_size(config), ctx
+        )
 
     def __init__(self, config, ctx):
         super().__init__(config, ctx)

@@ -71,7 +71,9 @@ def grouped_top_k(
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
         kept = group_scores.topk(routing.top_groups, dim=-1, sorted=False).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(num_experts // routing.num_groups, dim=1), -torch.inf)
+        choice = choice.masked_fill(
+            ~keep.repeat_interleave(num_experts // routing.num_groups, dim=1), -torch.inf
+        )
     ids = choice.topk(top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
     if renormalize:

@@ -213,6 +213,12 @@ def as_named(target_modules):
     return _unconverted()
 
 
+def peft_from_pretrained(base, adapter: Path, **kwargs):
+    """PeftModel.from_pretrained, keeping a GLM-4.5 adapter's shared-experts targets (as_named)."""
+    with as_named(_target_modules(adapter)):
+        return PeftModel.from_pretrained(base, adapter, **kwargs)
+
+
 def _target_modules(adapter: Path) -> list[str] | None:
     targets = json.loads((Path(adapter) / "adapter_config.json").read_text()).get("target_modules")
     return targets if isinstance(targets, list) else None
@@ -239,8 +245,7 @@ def load_peft_reference(model_dir: Path, adapters: dict[str, Path]):
     if not adapters:
         return base
     names = list(adapters)
-    with as_named(_target_modules(adapters[names[0]])):
-        model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
+    model = peft_from_pretrained(base, adapters[names[0]], adapter_name=names[0])
     for name in names[1:]:
         with as_named(_target_modules(adapters[name])):
             model.load_adapter(adapters[name], adapter_name=name)
@@ -331,8 +336,7 @@ def per_adapter_reference(model_dir: Path, adapters: dict[str, Path]):
     wrappers refuse mixed-adapter batches (`adapter_names=`), so each adapter is its own model."""
     models = {None: load_peft_reference(model_dir, {})}
     for name, path in adapters.items():
-        with as_named(_target_modules(path)):
-            models[name] = PeftModel.from_pretrained(load_reference_base(model_dir), path).eval()
+        models[name] = peft_from_pretrained(load_reference_base(model_dir), path).eval()
     return models
 
 

@@ -1,5 +1,6 @@
 """What GLM-4.5 / GLM-4.6 adds to the mixtures of experts of test_moe_models.py (which holds its greedy
-tokens to transformers + PEFT with adapters on attention, the routed and the shared experts): the grouped
+tokens to transformers + PEFT with adapters on attention, the routed and the shared experts): DoRA on the
+shared experts equals PEFT's, on one rank and on two; the grouped
 sigmoid routing equals transformers' router on fresh random inputs (the bias steers the choice, never the
 weights); the multi-token-prediction layer's tensors are skipped at load as vLLM skips them, anything
 past them is refused naming it; configs the routing cannot serve are refused naming the setting."""
@@ -10,8 +11,9 @@ import shutil
 
 import pytest
 import torch
-from factories import make_model
+from factories import SHARED_EXPERTS, make_adapter, make_model, per_adapter_reference
 from safetensors.torch import load_file, save_file
+from test_moe_models import expected_tokens
 from transformers import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 
@@ -19,7 +21,7 @@ from engine import LLM, SamplingParams
 from engine.model.layers.grouped_topk_moe import GroupedTopK, grouped_top_k
 from engine.model.registry import model_class
 
-ARGS = dict(max_loras=1, max_lora_rank=8, block_size=4, max_model_len=64, dtype="float32", max_num_seqs=2)
+ARGS = dict(max_loras=2, max_lora_rank=8, block_size=4, max_model_len=64, dtype="float32", max_num_seqs=2)
 
 
 @pytest.mark.parametrize(
@@ -60,6 +62,30 @@ def test_grouped_routing_matches_transformers(experts, groups, top_groups, top_k
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("glm4-moe") / "model", arch="glm4_moe", seed=6)
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_dora_on_the_shared_experts_matches_peft(model_dir, tmp_path, tp):
+    """The shared experts' DoRA is the dense path's; over two ranks their row-parallel down_proj norms
+    are all-reduced."""
+    adapter = make_adapter(
+        model_dir, tmp_path / "dora", seed=5, r=8, lora_alpha=16, use_dora=True, target_modules=["q_proj", *SHARED_EXPERTS]
+    )  # fmt: skip
+    prompts = [[7, 300, 41, 9, 122, 64, 5, 88, 230, 17, 3, 499], [11, 12, 400, 250, 6, 90, 31, 77]]
+    assigned = ["dora", None]
+    references = per_adapter_reference(model_dir, {"dora": adapter})
+    expected = [expected_tokens(references[a], p, 6) for p, a in zip(prompts, assigned)]
+    assert expected[0] != expected_tokens(references[None], prompts[0], 6)
+    parallel = dict(tensor_parallel_size=2, async_scheduling=False) if tp > 1 else {}
+    llm = LLM(
+        model=str(model_dir), lora_modules={"dora": str(adapter)}, **{**ARGS, "max_num_seqs": 4}, **parallel
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapters=assigned)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    finally:
+        llm.engine.shutdown()
 
 
 def generate(path):

@@ -1,6 +1,6 @@
-"""Qwen3-MoE, Mixtral, Qwen2-MoE and OLMoE on a GPU (skipped without CUDA): the fused-MoE Triton kernels
+"""Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE and GLM-4.5 on a GPU (skipped without CUDA): the fused-MoE Triton kernels
 compiled (bf16 and fp32) against float64, and the models through them and the decode CUDA graphs, with
-adapters on attention, on the routed experts (and on Qwen2-MoE's shared expert) mixed with base-model
+adapters on attention, on the routed experts (and on Qwen2-MoE's and GLM-4.5's shared experts) mixed with base-model
 requests:
 
 - float32: greedy tokens identical to transformers + PEFT (float32 on the CPU);

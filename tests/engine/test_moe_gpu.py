@@ -1,7 +1,7 @@
-"""Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE and GLM-4.5 on a GPU (skipped without CUDA): the fused-MoE Triton kernels
-compiled (bf16 and fp32) against float64, and the models through them and the decode CUDA graphs, with
-adapters on attention, on the routed experts (and on Qwen2-MoE's and GLM-4.5's shared experts) mixed with base-model
-requests:
+"""Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE and GLM-4.5 on a GPU (skipped without CUDA): the fused-MoE Triton
+kernels compiled (bf16 and fp32) against float64, and the models through them and the decode CUDA graphs,
+with adapters on attention, on the routed experts (and on Qwen2-MoE's and GLM-4.5's shared experts) mixed
+with base-model requests:
 
 - float32: greedy tokens identical to transformers + PEFT (float32 on the CPU);
 - bfloat16: against transformers + PEFT in bfloat16 on the same GPU, with the decode graphs and eagerly

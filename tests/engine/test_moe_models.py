@@ -1,9 +1,9 @@
-"""Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE and GLM-4.5 against transformers + PEFT on tiny random checkpoints
-(8 experts, top 2, float32, CPU; GLM-4.5's in 4 groups of which 2 are kept): greedy tokens identical with
+"""Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE and GLM-4.5 against transformers + PEFT on tiny random checkpoints (8
+experts, top 2, float32, CPU; GLM-4.5's in 4 groups of which 2 are kept): greedy tokens identical with
 adapters on attention only, on the routed experts only (PEFT's target_parameters on the stacked expert
-weights) and on both (Qwen2-MoE, GLM-4.5: on the shared expert alone and on everything too), mixed in one batch with base-model requests, through chunked prefill with
-prefix-cache hits; from the hub's per-expert checkpoint layout and from transformers 5's fused one; on
-the Triton path (interpreted)."""
+weights) and on both (Qwen2-MoE, GLM-4.5: on the shared expert alone and on everything too), mixed in one
+batch with base-model requests, through chunked prefill with prefix-cache hits; from the hub's per-expert
+checkpoint layout and from transformers 5's fused one; on the Triton path (interpreted)."""
 
 from __future__ import annotations
 

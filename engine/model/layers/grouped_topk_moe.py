@@ -66,14 +66,13 @@ def grouped_top_k(
     scores = logits.sigmoid()
     choice = scores + bias
     tokens, num_experts = choice.shape
-    if routing.num_groups > 1:
-        grouped = choice.view(tokens, routing.num_groups, num_experts // routing.num_groups)
+    if routing.num_groups > 1:  # shapes fixed, no host sync: decode steps capture as CUDA graphs
+        size = num_experts // routing.num_groups
+        grouped = choice.view(tokens, routing.num_groups, size)
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
         kept = group_scores.topk(routing.top_groups, dim=-1, sorted=False).indices
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-        choice = choice.masked_fill(
-            ~keep.repeat_interleave(num_experts // routing.num_groups, dim=1), -torch.inf
-        )
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)  # [T, n_group]
+        choice = grouped.masked_fill(~keep[:, :, None], -torch.inf).view(tokens, num_experts)
     ids = choice.topk(top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
     if renormalize:

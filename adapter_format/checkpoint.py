@@ -56,9 +56,10 @@ from adapter_format.weight_values import check_magnitude_values, check_weight_va
 
 # e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (any prefix before `layers.`), and
 # DoRA's magnitude vector, `...q_proj.lora_magnitude_vector` (PEFT >= 0.12 may add `.weight`; it reads both).
-# A shared expert's projections are `mlp.shared_expert.gate_proj` (module "shared_expert.gate_proj").
+# A shared expert's projections are `mlp.shared_expert.gate_proj` (module "shared_expert.gate_proj"; GLM-4.5's
+# `mlp.shared_experts.gate_proj`, module "shared_experts.gate_proj").
 _TENSOR_NAME = re.compile(
-    r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<module>(?:shared_expert\.)?\w+?)\."
+    r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<module>(?:shared_experts?\.)?\w+?)\."
     r"(?:lora_(?P<ab>[AB])\.weight|(?P<magnitude>lora_magnitude_vector)(?:\.weight)?)$"
 )
 MAGNITUDE = "M"  # a module's DoRA magnitude among its tensors (next to "A" and "B")

@@ -19,6 +19,9 @@ EXPERT_MODULES = ("experts.gate_up_proj", "experts.down_proj")
 # A shared expert beside the routed ones (Qwen2-MoE's `mlp.shared_expert`): a gated MLP of
 # `shared_expert_intermediate_size`, adapted as a dense MLP is (PEFT's target_modules).
 SHARED_EXPERT_MODULES = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
+# GLM-4.5's (and DeepSeek's) `mlp.shared_experts`: n_shared_experts experts fused into one ungated MLP of
+# `moe_intermediate_size * n_shared_experts`, adapted the same way under its own name.
+SHARED_EXPERTS_MODULES = ("shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj")
 # Gates that pick or weigh experts: PEFT's all-linear wraps them, LoRA on them is not served.
 EXPERT_GATES = ("gate", "shared_expert_gate")
 # The seven linear projections of a Llama-family decoder layer: the default target set.
@@ -54,7 +57,9 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         known = ATTENTION_MODULES + MLP_MODULES + (EXPERT_MODULES if self.num_experts else ())
-        known += SHARED_EXPERT_MODULES if self.shared_expert_intermediate_size else ()
+        known += (
+            SHARED_EXPERT_MODULES + SHARED_EXPERTS_MODULES if self.shared_expert_intermediate_size else ()
+        )
         unknown = [t for t in self.targets if t not in known]
         if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
             raise ValueError(f"LoRA targets {list(self.targets)} must be distinct known projections")
@@ -84,9 +89,7 @@ class ModelShape:
             ),
             vocab_size=getattr(config, "vocab_size", 0) or 0,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            shared_expert_intermediate_size=(
-                getattr(config, "shared_expert_intermediate_size", 0) or 0 if num_experts else 0
-            ),
+            shared_expert_intermediate_size=shared_expert_size(config) if num_experts else 0,
         )
 
     @property
@@ -106,6 +109,7 @@ class ModelShape:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         h, i = self.hidden_size, self.intermediate_size
+        module = module.replace("shared_experts.", "shared_expert.")  # one size, either family's name
         return {
             "q_proj": (h, q_size),
             "k_proj": (h, kv_size),
@@ -148,6 +152,14 @@ class ModelShape:
                     "(an adapter trained on another architecture?)"
                 )
         return ""
+
+
+def shared_expert_size(config) -> int:
+    """The shared expert's intermediate size: Qwen2-MoE's own setting, or GLM-4.5's (DeepSeek's)
+    n_shared_experts experts of moe_intermediate_size each, run as one MLP; 0 without one."""
+    own = getattr(config, "shared_expert_intermediate_size", 0) or 0
+    shared = getattr(config, "n_shared_experts", 0) or 0
+    return own or shared * (getattr(config, "moe_intermediate_size", 0) or 0)
 
 
 def module_key(layer: int, module: str) -> str:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from unittest import mock
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -11,6 +14,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    Glm4MoeConfig,
     GptOssConfig,
     LlamaConfig,
     MistralConfig,
@@ -50,6 +54,7 @@ _CONFIGS = {
     "qwen2_moe": Qwen2MoeConfig,
     "olmoe": OlmoeConfig,
     "gpt_oss": GptOssConfig,
+    "glm4_moe": Glm4MoeConfig,
 }
 # What makes each newer family itself at C1's size, every feature switched on: a window shorter than the
 # prompts over alternating local and global layers, soft caps small enough to bite, Gemma 3's global layers
@@ -128,6 +133,25 @@ FAMILY_SIZES = {
             "original_max_position_embeddings": 64,
         },
     ),
+    # GLM-4.5 with every feature biting: 8 experts in 4 groups of which a token's top 2 come from the best
+    # 2, a choice-only bias (drawn in make_model), renormalized then scaled weights, 2 shared experts, a
+    # dense first layer, q/k/v biases, per-head q/k norms and RoPE over half of each head.
+    "glm4_moe": dict(
+        head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=2,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        num_hidden_layers=3,
+        attention_bias=True,
+        use_qk_norm=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
     "phi3": dict(
         original_max_position_embeddings=16,
         rope_parameters={
@@ -184,6 +208,11 @@ def make_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> P
                     param.add_(0.2 * torch.randn_like(param))
                 elif arch == "gpt_oss" and name.endswith("sinks"):  # large enough to take a real share
                     param.copy_(2.0 * torch.randn_like(param))
+        if arch == "glm4_moe":  # its attention biases and router bias start at zero: make them bite
+            with torch.no_grad():
+                for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                    if name.endswith((".bias", "e_score_correction_bias")):
+                        tensor.add_(0.1 * torch.randn_like(tensor))
     model.save_pretrained(path, safe_serialization=True)
     return Path(path)
 
@@ -194,9 +223,37 @@ def make_adapter(model_dir: Path, path: Path, seed: int = 0, **lora_kwargs) -> P
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     # init_lora_weights=False leaves both A and B random, so the adapter changes the output.
     config = LoraConfig(init_lora_weights=False, **lora_kwargs)
-    peft_model = get_peft_model(base, config)
+    with as_named(lora_kwargs.get("target_modules")):
+        peft_model = get_peft_model(base, config)
     peft_model.save_pretrained(path, safe_serialization=True)
     return Path(path)
+
+
+def as_named(target_modules):
+    """PEFT 0.21 on transformers 5 rewrites any `*.gate_proj` / `up_proj` / `down_proj` target of GLM-4.5
+    (and DeepSeek) models into target_parameters on the routed experts (its v4 -> v5 MoE conversion), so
+    the shared experts (`shared_experts.gate_proj`) cannot be targeted; adapters trained on transformers 4
+    name them, and the engine serves those. This keeps PEFT's config as written for such targets."""
+    if not any("shared_experts." in t for t in target_modules or ()):
+        return nullcontext()
+    return _unconverted()
+
+
+def peft_from_pretrained(base, adapter: Path, **kwargs):
+    """PeftModel.from_pretrained, keeping a GLM-4.5 adapter's shared-experts targets (as_named)."""
+    with as_named(_target_modules(adapter)):
+        return PeftModel.from_pretrained(base, adapter, **kwargs)
+
+
+def _target_modules(adapter: Path) -> list[str] | None:
+    targets = json.loads((Path(adapter) / "adapter_config.json").read_text()).get("target_modules")
+    return targets if isinstance(targets, list) else None
+
+
+@contextmanager
+def _unconverted():
+    with mock.patch("peft.utils.transformers_weight_conversion.convert_peft_config_for_transformers"):
+        yield
 
 
 def load_reference_base(model_dir: Path):
@@ -214,9 +271,10 @@ def load_peft_reference(model_dir: Path, adapters: dict[str, Path]):
     if not adapters:
         return base
     names = list(adapters)
-    model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
+    model = peft_from_pretrained(base, adapters[names[0]], adapter_name=names[0])
     for name in names[1:]:
-        model.load_adapter(adapters[name], adapter_name=name)
+        with as_named(_target_modules(adapters[name])):
+            model.load_adapter(adapters[name], adapter_name=name)
     return model.eval()
 
 
@@ -280,9 +338,23 @@ SHARED_EXPERT_ADAPTERS = {
 }
 
 
+# GLM-4.5's shared experts (`mlp.shared_experts`), adapted as Qwen2-MoE's shared expert is.
+SHARED_EXPERTS = ["shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"]
+SHARED_EXPERTS_ADAPTERS = {
+    "shared_r8": dict(r=8, lora_alpha=16, target_modules=SHARED_EXPERTS),
+    "all_r16": dict(
+        r=16,
+        lora_alpha=16,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", *SHARED_EXPERTS],
+        target_parameters=EXPERTS,
+    ),
+}
+
+
 def moe_adapters(arch: str) -> dict[str, dict]:
     """The adapters a mixture of experts is tested with: MOE_ADAPTERS, plus a shared expert's."""
-    return {**MOE_ADAPTERS, **(SHARED_EXPERT_ADAPTERS if arch == "qwen2_moe" else {})}
+    shared = {"qwen2_moe": SHARED_EXPERT_ADAPTERS, "glm4_moe": SHARED_EXPERTS_ADAPTERS}
+    return {**MOE_ADAPTERS, **shared.get(arch, {})}
 
 
 def per_adapter_reference(model_dir: Path, adapters: dict[str, Path]):
@@ -290,7 +362,7 @@ def per_adapter_reference(model_dir: Path, adapters: dict[str, Path]):
     wrappers refuse mixed-adapter batches (`adapter_names=`), so each adapter is its own model."""
     models = {None: load_peft_reference(model_dir, {})}
     for name, path in adapters.items():
-        models[name] = PeftModel.from_pretrained(load_reference_base(model_dir), path).eval()
+        models[name] = peft_from_pretrained(load_reference_base(model_dir), path).eval()
     return models
 
 

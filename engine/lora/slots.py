@@ -45,6 +45,7 @@ FUSED_PROJECTIONS = (
     ("q_proj", "k_proj", "v_proj"),
     ("gate_proj", "up_proj"),
     ("shared_expert.gate_proj", "shared_expert.up_proj"),  # a mixture of experts' shared expert (Qwen2-MoE)
+    ("shared_experts.gate_proj", "shared_experts.up_proj"),  # GLM-4.5's shared experts
 )
 
 

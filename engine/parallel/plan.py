@@ -27,11 +27,17 @@ from engine.model.layers.linear import block_cut_message
 from engine.model.layers.sharding import Split
 
 # Projections split by input (their LoRA A too); every other target is split by output (its LoRA B).
-# A shared expert (Qwen2-MoE) splits as a dense MLP does, whatever splits the routed experts.
-ROW_PARALLEL = ("o_proj", "down_proj", "shared_expert.down_proj")
+# A shared expert (Qwen2-MoE; GLM-4.5's shared_experts) splits as a dense MLP does, whatever splits the
+# routed experts.
+ROW_PARALLEL = ("o_proj", "down_proj", "shared_expert.down_proj", "shared_experts.down_proj")
 COLUMN_PARALLEL = (
     *("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj"),
-    *("shared_expert.gate_proj", "shared_expert.up_proj"),
+    *(
+        "shared_expert.gate_proj",
+        "shared_expert.up_proj",
+        "shared_experts.gate_proj",
+        "shared_experts.up_proj",
+    ),
 )
 
 
@@ -158,6 +164,7 @@ class ShardPlan:
 
     def output_parts(self, module: str) -> list[Split]:
         """The parts of a column-parallel projection's output, in order (three for a fused qkv_proj)."""
+        module = module.replace("shared_experts.", "shared_expert.")  # either family's name, one split
         mlp = Split(self.shape.intermediate_size)
         shared = Split(self.shape.shared_expert_intermediate_size)
         parts = {
@@ -190,6 +197,7 @@ class ShardPlan:
         return span
 
     def input_split(self, module: str) -> Split:
+        module = module.replace("shared_experts.", "shared_expert.")
         if module == "o_proj":
             return self._heads
         if module == "down_proj":

@@ -1,7 +1,7 @@
 """LoRA on a shared expert (Qwen2-MoE's `mlp.shared_expert`): its projections are targets of their own, at
 the shared expert's size, beside attention and the routed experts; the router (`mlp.gate`) and the shared
 expert's gate (`mlp.shared_expert_gate`, which PEFT's all-linear wraps) are refused naming them; under
-tensor parallelism the shared expert's pairs split as a dense MLP's."""
+tensor parallelism the shared expert's pairs split as a dense MLP's. GLM-4.5's `mlp.shared_experts` likewise, by that name."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ import pytest
 
 from adapter_format.checkpoint import check_adapter
 from adapter_format.errors import AdapterError
-from adapter_format.model_shape import EXPERT_MODULES, SHARED_EXPERT_MODULES, ModelShape
+from adapter_format.model_shape import (
+    EXPERT_MODULES,
+    SHARED_EXPERT_MODULES,
+    SHARED_EXPERTS_MODULES,
+    ModelShape,
+)
 from engine.lora.slots import lora_launches
 from engine.parallel.plan import ShardPlan
 
@@ -83,3 +88,39 @@ def test_the_shared_expert_splits_as_a_dense_mlp(expert_parallel):
     assert plan.input_range("shared_expert.down_proj", 1) == (24, 48)
     with pytest.raises(ValueError, match="shared expert's intermediate size 50"):
         ShardPlan(replace(QWEN2_MOE, shared_expert_intermediate_size=50), 512, 4, expert_parallel)
+
+
+# GLM-4.5's shared experts: `mlp.shared_experts` (plural), n_shared_experts of moe_intermediate_size run
+# as one MLP (2 x 32 here), sized from the config.
+def glm4_moe_shape() -> ModelShape:
+    from transformers import Glm4MoeConfig
+
+    from engine.model.registry import model_shape
+
+    return model_shape(
+        Glm4MoeConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, n_routed_experts=8, moe_intermediate_size=32,
+            n_shared_experts=2, architectures=["Glm4MoeForCausalLM"],
+        )
+    )  # fmt: skip
+
+
+def test_glm_shared_experts_are_targets_of_their_own_name_and_size():
+    shape = glm4_moe_shape()
+    assert shape.targets[-3:] == SHARED_EXPERTS_MODULES and shape.shared_expert_intermediate_size == 64
+    assert shape.module_dims("shared_experts.gate_proj") == (64, 64)
+    tensors = {
+        name.replace(".shared_expert.", ".shared_experts."): value
+        for name, value in shared_expert_tensors().items()
+    }
+    tensors = {k: tuple(64 if d == 48 else d for d in v) for k, v in tensors.items()}
+    adapter = check_adapter(config(["shared_experts.gate_proj", "up_proj", "down_proj"]), tensors, shape, 16)
+    assert adapter.target_modules == SHARED_EXPERTS_MODULES
+    assert ("shared_experts.gate_proj", "shared_experts.up_proj") in lora_launches(shape.targets)
+    with pytest.raises(AdapterError, match="targets 'shared_expert.gate_proj'"):  # Qwen2-MoE's spelling
+        check_adapter(config(["gate_proj"]), shared_expert_tensors(), shape, 16)
+    plan = ShardPlan(shape, 512, 2, expert_parallel=True)
+    assert plan.local_shape.module_dims("shared_experts.down_proj") == (32, 64)
+    assert plan.output_ranges("shared_experts.up_proj", 1) == [(32, 64)]
+    assert plan.input_range("shared_experts.down_proj", 1) == (32, 64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from factories import generate_greedy, load_reference_base, make_adapter, make_model
+from factories import generate_greedy, load_reference_base, make_adapter, make_model, peft_from_pretrained
 from peft import LoraConfig, PeftModel, get_peft_model
 from spec_decode_fixtures import EOS, VOCAB, echo_prompts
 from transformers import AutoModelForCausalLM
@@ -40,7 +40,7 @@ def peft_greedy(
     PEFT refuses mixed-adapter batches (`adapter_names`) with DoRA and with target_parameters."""
     model = load_reference_base(model_dir)
     if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter).eval()
+        model = peft_from_pretrained(model, adapter).eval()
     model = model.to(device, dtype)
     return [generate_greedy(model, prompt, max_new_tokens, top_k) for prompt in prompts]
 

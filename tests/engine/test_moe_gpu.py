@@ -1,6 +1,6 @@
-"""Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE and gpt-oss on a GPU (skipped without CUDA): the fused-MoE Triton kernels
+"""Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5 and gpt-oss on a GPU (skipped without CUDA): the fused-MoE Triton kernels
 compiled (bf16 and fp32) against float64, and the models through them and the decode CUDA graphs, with
-adapters on attention, on the routed experts (and on Qwen2-MoE's shared expert) mixed with base-model
+adapters on attention, on the routed experts (and on Qwen2-MoE's and GLM-4.5's shared experts) mixed with base-model
 requests:
 
 - float32: greedy tokens identical to transformers + PEFT (float32 on the CPU);
@@ -70,7 +70,7 @@ def test_kernels_match_float64(dtype, tol, case):
     assert (got - expected).abs().max() <= tol * scale, (got - expected).abs().max() / scale
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe", "gpt_oss"])
 def case(request, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"gpu-{arch}")

@@ -1,9 +1,9 @@
-"""Qwen3-MoE, Mixtral, Qwen2-MoE and OLMoE against transformers + PEFT on tiny random checkpoints (8 experts,
-top 2, float32, CPU): greedy tokens identical with adapters on attention only, on the routed experts only
-(PEFT's target_parameters on the stacked expert weights) and on both (Qwen2-MoE: on its shared expert
-alone and on everything too), mixed in one batch with base-model requests, through chunked prefill with
-prefix-cache hits; from the hub's per-expert checkpoint layout and from transformers 5's fused one; on
-the Triton path (interpreted)."""
+"""Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE and GLM-4.5 against transformers + PEFT on tiny random checkpoints (8
+experts, top 2, float32, CPU; GLM-4.5's in 4 groups of which 2 are kept): greedy tokens identical with
+adapters on attention only, on the routed experts only (PEFT's target_parameters on the stacked expert
+weights) and on both (Qwen2-MoE, GLM-4.5: on the shared expert alone and on everything too), mixed in one
+batch with base-model requests, through chunked prefill with prefix-cache hits; from the hub's per-expert
+checkpoint layout and from transformers 5's fused one; on the Triton path (interpreted)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def fuse_experts(model_dir, out_dir):
     return out_dir
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe"])
 def case(request, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"moe-{arch}")
@@ -115,7 +115,9 @@ def test_adapters_on_experts_are_read_per_expert(case):
     experts = shape.targets.index("experts.gate_up_proj")
     assert shape.targets[experts : experts + 2] == ("experts.gate_up_proj", "experts.down_proj")
     adapter = load_peft_adapter(case["adapters"]["both_r16"], shape, 16)
-    pair = adapter.modules[(0, "experts.gate_up_proj")]
+    first = min(layer for layer, module in adapter.modules if module == "experts.gate_up_proj")
+    assert first == (1 if case["arch"] == "glm4_moe" else 0)  # GLM-4.5's first layer is dense
+    pair = adapter.modules[(first, "experts.gate_up_proj")]
     assert pair.lora_a.shape == (8, 16, shape.hidden_size)
     assert pair.lora_b.shape == (8, 2 * shape.moe_intermediate_size, 16)
     assert adapter.modules[(shape.num_layers - 1, "experts.down_proj")].lora_a.shape == (
@@ -187,6 +189,7 @@ def write_per_expert_adapter(case, path, rank=4, alpha=8):
         i
         for i in range(config.num_hidden_layers)
         if i not in (getattr(config, "mlp_only_layers", None) or [])
+        and i >= (getattr(config, "first_k_dense_replace", None) or 0)  # GLM-4.5's dense first layers
     ]
     for layer in moe_layers:
         for expert in range(0, 8, 2):

@@ -1,7 +1,7 @@
 """Mixtures of experts over two ranks on the CPU (gloo): tensor parallelism (every rank a slice of every
 expert) and expert parallelism (`enable_expert_parallel`: whole experts per rank), attention
 tensor-parallel in both, give the greedy tokens of transformers + PEFT with adapters on attention and on
-the routed experts (Qwen2-MoE: and on its shared expert, split as a dense MLP either way) mixed with
+the routed experts (Qwen2-MoE, GLM-4.5: and on the shared expert, split as a dense MLP either way) mixed with
 base-model requests; the workers are gone afterwards."""
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ ARGS = dict(
         ("qwen2_moe", False),
         ("qwen2_moe", True),
         ("olmoe", False),
+        ("glm4_moe", False),
+        ("glm4_moe", True),
         ("gpt_oss", False),
         ("gpt_oss", True),
     ],
@@ -58,7 +60,7 @@ def test_two_ranks_match_peft(tmp_path, arch, expert_parallel):
     lora_modules = {k: str(v) for k, v in adapters.items()}
     llm = LLM(model=str(model_dir), lora_modules=lora_modules, enable_expert_parallel=expert_parallel, **ARGS)
     try:
-        experts = llm.engine.runner.model.model.layers[0].mlp.experts
+        experts = llm.engine.runner.model.moe_layers[0].experts
         assert experts.num_local == (4 if expert_parallel else 8)  # rank 0's experts
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, adapters=assigned)
         assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -29,12 +29,14 @@ class _Tensor:
 
 
 class _Summed:
-    """A process group whose all-reduce returns the sum every rank would see (precomputed)."""
+    """A process group whose all-reduce returns the sum every rank would see (precomputed), once it has
+    checked that this rank hands it its own heads' sum of squares."""
 
-    def __init__(self, total: torch.Tensor):
-        self.total = total
+    def __init__(self, total: torch.Tensor, local: torch.Tensor):
+        self.total, self.local = total, local
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        torch.testing.assert_close(x, self.local)
         return self.total.clone()
 
 
@@ -57,9 +59,10 @@ def test_norm_over_all_heads_equals_transformers_over_ranks(units, world):
         reference.weight.copy_(weight)
         expected = reference(x)
     ranges = [heads.range(r, world) for r in range(world)]
-    total = sum(x[:, s:e].pow(2).sum(-1, keepdim=True) for s, e in ranges)  # replicated heads twice
+    squares = [x[:, s:e].pow(2).sum(-1, keepdim=True) for s, e in ranges]  # [tokens, 1] per rank
+    total = sum(squares)  # replicated heads counted on each rank that holds them
     for rank, (start, end) in enumerate(ranges):
-        group = _Summed(total) if world > 1 else None
+        group = _Summed(total, squares[rank]) if world > 1 else None
         norm = norm_on(heads, rank, world, weight, group)
         local = x[:, start:end].reshape(tokens, -1, head_dim)
         torch.testing.assert_close(norm(local).reshape(tokens, -1), expected[:, start:end])

@@ -2,9 +2,9 @@
 sliding-window and soft-capped), output projection; tensor-parallel by heads.
 
 Per layer it takes what varies between architectures and between one model's layers: q/k/v biases
-(Qwen2), q/k norms (per head: Qwen3, Gemma 3; over all heads: OLMoE), the softmax scale (Gemma's query_pre_attn_scalar), the soft cap
-(Gemma 2), the sliding window (Mistral; Gemma's local layers) and the RoPE table (Gemma 3's local
-layers rotate at another base).
+(Qwen2), q/k norms (per head: Qwen3, Gemma 3; over all heads: OLMoE), the softmax scale (Gemma's
+query_pre_attn_scalar), the soft cap (Gemma 2), the sliding window (Mistral; Gemma's local layers) and
+the RoPE table (Gemma 3's local layers rotate at another base).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from engine.model.layers.context import BuildContext
 from engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.sharding import Split
-from engine.model.layers.whole_qk_norm import WholeHeadsRMSNorm
+from engine.model.layers.whole_qk_norm import WholeHeadsRMSNorm, norm_q_and_k
 from engine.model.rope import RotaryEmbedding
 
 
@@ -118,7 +118,9 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if not self.fused:
-            if self.q_norm is not None:
+            if self.spec.qk_norm_whole:
+                q, k = norm_q_and_k(self.q_norm, self.k_norm, q, k)
+            elif self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rope(meta.positions, q, k)
         key_cache, value_cache = kv_cache

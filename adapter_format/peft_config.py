@@ -20,7 +20,7 @@ from adapter_format.bounded_json import loads_bounded
 from adapter_format.errors import AdapterError, show_value
 from adapter_format.expert_lora import EXPERT_PART_NAMES, read_target_parameters
 from adapter_format.files import CONFIG_FILE
-from adapter_format.model_shape import ModelShape
+from adapter_format.model_shape import EXPERT_GATES, ModelShape
 from adapter_format.module_patterns import compile_pattern, search
 from adapter_format.peft_features import check_features, check_peft_type, check_task_type
 from adapter_format.peft_targets import Targets, read_targets
@@ -202,7 +202,9 @@ def check_target_names(targets: tuple[str, ...], shape: ModelShape) -> None:
     """A list of target_modules as PEFT matches them: a name or a dotted path ending in one
     ("model.layers.0.self_attn.qkv_proj", as `target_modules="all-linear"` saves them)."""
     allowed = set(shape.targets) | set(VOCAB_MODULES)
-    allowed |= set(EXPERT_PART_NAMES) if shape.num_experts else set()
+    # The experts' gates are left to the tensors: PEFT saves all-linear's list with `shared_expert_gate` in
+    # it even where exclude_modules kept it unwrapped; a gate's LoRA tensor is refused, naming it.
+    allowed |= {*EXPERT_PART_NAMES, *EXPERT_GATES} if shape.num_experts else set()
     unsupported = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in allowed})
     if unsupported:
         named = [t.rsplit(".", 1)[-1] for t in unsupported]

@@ -64,12 +64,34 @@ def test_shared_expert_projections_are_targets_of_their_own_size():
     assert ("shared_expert.gate_proj", "shared_expert.up_proj") in lora_launches(QWEN2_MOE.targets)
 
 
+# target_modules as PEFT 0.21 saves "all-linear" on Qwen2-MoE: short names, the shared expert's gate among them.
+ALL_LINEAR_SAVED = [
+    "gate_proj",
+    "down_proj",
+    "v_proj",
+    "k_proj",
+    "o_proj",
+    "shared_expert_gate",
+    "up_proj",
+    "q_proj",
+]
+
+
+@pytest.mark.parametrize("listed", [False, True])  # "all-linear", or the list PEFT saves for it
 @pytest.mark.parametrize("gate, fan_out", [("shared_expert_gate", 1), ("gate", 8)])
-def test_lora_on_the_gates_is_refused_naming_them(gate, fan_out):
+def test_lora_on_the_gates_is_refused_naming_them(gate, fan_out, listed):
     tensors = {**shared_expert_tensors(), **pair(f"{PREFIX}.0.mlp.{gate}", 64, fan_out)}
+    targets = sorted({*ALL_LINEAR_SAVED, gate}) if listed else "all-linear"
     with pytest.raises(AdapterError, match=rf"'{gate}'.*mlp\.{gate} weighs or picks the experts") as error:
-        check_adapter(config("all-linear"), tensors, QWEN2_MOE, 16)
+        check_adapter(config(targets), tensors, QWEN2_MOE, 16)
     assert error.value.code == "unsupported_target"
+
+
+def test_all_linear_with_the_gate_excluded_is_served():
+    """What the refusal advises: PEFT still lists shared_expert_gate in target_modules, but wraps it not."""
+    settings = config(ALL_LINEAR_SAVED, exclude_modules=["shared_expert_gate"])
+    adapter = check_adapter(settings, shared_expert_tensors(), QWEN2_MOE, 16)
+    assert adapter.target_modules == SHARED_EXPERT_MODULES
 
 
 def test_a_model_without_a_shared_expert_refuses_its_tensors():

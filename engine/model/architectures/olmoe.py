@@ -22,9 +22,12 @@ class OlmoeModel(MoEDecoderModel):
                 f"OLMoE config sets clip_qkv={config.clip_qkv}: clamping q, k and v is not served "
                 "(the released OLMoE checkpoints leave it null)"
             )
-        heads = config.num_attention_heads
-        if config.hidden_size % heads:
-            raise ValueError("OLMoE config: hidden_size must be a multiple of num_attention_heads")
+        # transformers sizes q_norm by hidden_size: it spans every head only when heads divide it.
+        if config.hidden_size % config.num_attention_heads:
+            raise ValueError(
+                f"OLMoE config: hidden_size {config.hidden_size} must be a multiple of num_attention_heads "
+                f"{config.num_attention_heads} (q_norm spans hidden_size)"
+            )
 
     def attention_spec(self, config, layer, rope):
         spec = super().attention_spec(config, layer, rope)

@@ -12,7 +12,6 @@ from dataclasses import replace
 
 from adapter_format.model_shape import SHARED_EXPERT_MODULES
 from engine.model.architectures.qwen3_moe import Qwen3MoeModel
-from engine.model.layers.moe import MoESpec
 from engine.model.layers.moe_model import MoEDecoderModel
 from engine.model.layers.shared_expert import SharedExpertMoE
 
@@ -22,7 +21,9 @@ SHARED_GATE_UP, SHARED_DOWN = SHARED_EXPERT_MODULES[:2], SHARED_EXPERT_MODULES[2
 class Qwen2MoeModel(MoEDecoderModel):
     architectures = ("Qwen2MoeForCausalLM",)
     model_types = ("qwen2_moe",)
-    is_moe_layer = Qwen3MoeModel.is_moe_layer  # the same rule, one place
+    # Qwen3-MoE's rules, one place: which layers are MoE, and the router's settings.
+    is_moe_layer = Qwen3MoeModel.is_moe_layer
+    moe_spec = Qwen3MoeModel.moe_spec
 
     @classmethod
     def lora_targets(cls) -> tuple[str, ...]:
@@ -32,22 +33,14 @@ class Qwen2MoeModel(MoEDecoderModel):
     def check_config(cls, config) -> None:
         if (getattr(config, "shared_expert_intermediate_size", 0) or 0) < 1:
             raise ValueError(
-                "Qwen2-MoE config has no shared expert (shared_expert_intermediate_size); a mixture of experts "
-                "without one is served as Qwen3MoeForCausalLM"
+                "Qwen2-MoE config has no shared expert (shared_expert_intermediate_size "
+                f"{getattr(config, 'shared_expert_intermediate_size', None)}): every Qwen2-MoE checkpoint has one, "
+                "and a block without it is not served"
             )
 
     def attention_spec(self, config, layer, rope):
         spec = super().attention_spec(config, layer, rope)
         return replace(spec, qkv_bias=bool(getattr(config, "qkv_bias", True)), o_bias=False)
-
-    def moe_spec(self, config) -> MoESpec:
-        return MoESpec(
-            num_experts=config.num_experts,
-            top_k=config.num_experts_per_tok,
-            intermediate_size=config.moe_intermediate_size,
-            renormalize=bool(getattr(config, "norm_topk_prob", False)),
-            activation=config.hidden_act,
-        )
 
     def build_mlp(self, config, layer, ctx):
         if not self.is_moe_layer(config, layer):

@@ -2,9 +2,10 @@
 sliding-window and soft-capped), output projection; tensor-parallel by heads.
 
 Per layer it takes what varies between architectures and between one model's layers: q/k/v biases
-(Qwen2), q/k norms (per head: Qwen3, Gemma 3; over all heads: OLMoE), the softmax scale (Gemma's query_pre_attn_scalar), the soft cap
-(Gemma 2), the sliding window (Mistral; Gemma's local layers), the RoPE table (Gemma 3's local
-layers rotate at another base) and attention sinks (gpt-oss: `self_attn.sinks`, one logit per head).
+(Qwen2), q/k norms (per head: Qwen3, Gemma 3; over all heads: OLMoE), the softmax scale (Gemma's
+query_pre_attn_scalar), the soft cap (Gemma 2), the sliding window (Mistral; Gemma's local layers), the
+RoPE table (Gemma 3's local layers rotate at another base) and attention sinks (gpt-oss:
+`self_attn.sinks`, one logit per head).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from engine.model.layers.context import BuildContext
 from engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape, new_param
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.sharding import Split
-from engine.model.layers.whole_qk_norm import WholeHeadsRMSNorm
+from engine.model.layers.whole_qk_norm import WholeHeadsRMSNorm, norm_q_and_k
 from engine.model.rope import RotaryEmbedding
 
 
@@ -123,7 +124,9 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if not self.fused:
-            if self.q_norm is not None:
+            if self.spec.qk_norm_whole:
+                q, k = norm_q_and_k(self.q_norm, self.k_norm, q, k)
+            elif self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rope(meta.positions, q, k)
         key_cache, value_cache = kv_cache

@@ -1,5 +1,6 @@
-"""A mixture-of-experts block (Qwen3-MoE, Mixtral, gpt-oss): a router picks each token's top-k experts,
-each expert is a gated MLP, and the token's output is the routing-weighted sum of its experts' outputs.
+"""A mixture-of-experts block (Qwen3-MoE, Mixtral, OLMoE, gpt-oss; Qwen2-MoE and GLM-4.5 add shared
+experts: shared_expert.py, grouped_topk_moe.py): a router picks each token's top-k experts, each expert is
+a gated MLP, and the token's output is the routing-weighted sum of its experts' outputs.
 
     logits = x @ gate^T (+ gate.bias)        [tokens, E], replicated on every rank
     probs  = softmax(logits in float32); w, ids = top-k(probs); w /= sum(w) if `renormalize`

@@ -3,8 +3,9 @@ per head): the weight spans every head's rows, `q_norm.weight` [num_heads * head
 `k_norm.weight` [num_kv_heads * head_dim].
 
 Under tensor parallelism each rank holds its heads' rows of the weight and of q; the mean of squares
-spans every head, so each rank's sum of squares is all-reduced first. KV heads replicated over several
-ranks (fewer KV heads than ranks) are counted once: the summed squares are divided by the replication.
+spans every head, so each rank's sum of squares is all-reduced first (q's and k's in one all-reduce:
+`norm_q_and_k`). KV heads replicated over several ranks (fewer KV heads than ranks) are counted once:
+the summed squares are divided by the replication.
 """
 
 from __future__ import annotations
@@ -28,11 +29,16 @@ class WholeHeadsRMSNorm(nn.Module):
         self.weight = new_param((self.end - self.start,), ctx.dtype, ctx.device, self._load)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, local heads, head_dim], same out
-        flat = x.reshape(x.shape[0], -1).float()
-        squares = flat.pow(2).sum(-1, keepdim=True)  # [tokens, 1]
-        if self.tp.world_size > 1:
-            squares = self.tp.all_reduce(squares) / self.copies
-        normed = flat * torch.rsqrt(squares / self.heads.size + self.eps)
+        return self.scale(x, self.tp.all_reduce(self.sum_of_squares(x)))
+
+    def sum_of_squares(self, x: torch.Tensor) -> torch.Tensor:
+        """[tokens, local heads, head_dim] -> [tokens, 1] float32: this rank's heads' share."""
+        return x.reshape(x.shape[0], -1).float().pow(2).sum(-1, keepdim=True)
+
+    def scale(self, x: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+        """x normalised by `squares` [tokens, 1], the sum over every rank (replicated heads `copies` times)."""
+        mean = squares / self.copies / self.heads.size
+        normed = x.reshape(x.shape[0], -1).float() * torch.rsqrt(mean + self.eps)
         return (self.weight * normed.to(x.dtype)).view_as(x)
 
     def _load(self, param, tensor, shard) -> None:
@@ -41,3 +47,14 @@ class WholeHeadsRMSNorm(nn.Module):
             refuse_float8(tensor)
         param.data.copy_(tensor.rows(self.start, self.end))
         param.loaded.add(None)
+
+
+def norm_q_and_k(
+    q_norm: WholeHeadsRMSNorm, k_norm: WholeHeadsRMSNorm, q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both norms with one all-reduce (of both sums of squares, [tokens, 2]) instead of two per layer."""
+    if q_norm.tp.world_size == 1:
+        return q_norm(q), k_norm(k)
+    squares = torch.cat([q_norm.sum_of_squares(q), k_norm.sum_of_squares(k)], dim=-1)
+    squares = q_norm.tp.all_reduce(squares)
+    return q_norm.scale(q, squares[:, :1]), k_norm.scale(k, squares[:, 1:])

@@ -13,7 +13,7 @@ import torch
 from factories import MOE_ADAPTERS, make_adapter, make_model, per_adapter_reference
 from test_moe_models import CHUNKED, expected_tokens, generate, greedy, make_llm
 
-from adapter_format.checkpoint import load_peft_adapter
+from adapter_format.checkpoint import load_peft_adapter, peft_adapter_from_memory
 from adapter_format.errors import AdapterError
 from engine import SamplingParams, model_shape
 from engine.model.architectures.gpt_oss import GptOssModel
@@ -78,6 +78,21 @@ def test_expert_adapters_reorder_interleaved_gate_up(case):
     inter = shape.moe_intermediate_size
     torch.testing.assert_close(ours[:, :inter], delta[:, :, 0::2].transpose(1, 2), atol=1e-5, rtol=0)
     torch.testing.assert_close(ours[:, inter:], delta[:, :, 1::2].transpose(1, 2), atol=1e-5, rtol=0)
+
+
+def test_adapters_streamed_from_a_store_read_as_from_a_folder(case):
+    """Background loads read an adapter from memory (peft_adapter_from_memory): its expert pairs split and
+    de-interleaved as load_peft_adapter's are."""
+    shape = model_shape(load_config(case["model_dir"]))
+    folder = case["adapters"]["both_r16"]
+    weights = bytearray((folder / "adapter_model.safetensors").read_bytes())
+    streamed = peft_adapter_from_memory((folder / "adapter_config.json").read_bytes(), weights, shape, 16)
+    loaded = load_peft_adapter(folder, shape, 16)
+    assert streamed.modules.keys() == loaded.modules.keys()
+    assert any(module.startswith("experts.") for _, module in loaded.modules)
+    for key, pair in loaded.modules.items():
+        assert torch.equal(streamed.modules[key].lora_a, pair.lora_a), key
+        assert torch.equal(streamed.modules[key].lora_b, pair.lora_b), key
 
 
 def test_greedy_matches_transformers_peft(case):

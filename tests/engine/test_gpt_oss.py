@@ -112,8 +112,8 @@ def test_triton_path_matches_transformers(case):
 
 
 def test_lora_on_the_router_is_refused(case, tmp_path):
-    shape = model_shape(load_config(case["model_dir"]))
     """PEFT adapts the router only as a parameter (it is no Linear module); served nowhere, refused by name."""
+    shape = model_shape(load_config(case["model_dir"]))
     path = make_adapter(
         case["model_dir"],
         tmp_path / "router",

@@ -7,6 +7,7 @@ prefill with prefix-cache hits, on the torch and the Triton (interpreted) paths.
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -139,6 +140,15 @@ def test_config_settings_not_served_are_refused(case, change, message):
         setattr(config, key, value)
     with pytest.raises(ValueError, match=message):
         GptOssModel.check_config(config)
+
+
+def test_configs_without_swiglu_fields_get_the_reference_values():
+    """The hub's config.json has no swiglu_alpha (older transformers configs neither): 1.702 and 7.0."""
+    config = SimpleNamespace(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24)
+    spec = GptOssModel.moe_spec(None, config)  # reads the config alone
+    assert (spec.swiglu_alpha, spec.swiglu_limit) == (1.702, 7.0)
+    config.swiglu_limit = 3.5
+    assert GptOssModel.moe_spec(None, config).swiglu_limit == 3.5
 
 
 def test_speculative_decoding_keeps_the_greedy_tokens(case):

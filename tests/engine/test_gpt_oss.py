@@ -143,7 +143,7 @@ def test_config_settings_not_served_are_refused(case, change, message):
 
 
 def test_configs_without_swiglu_fields_get_the_reference_values():
-    """The hub's config.json has no swiglu_alpha (older transformers configs neither): 1.702 and 7.0."""
+    """Configs that predate the swiglu fields (the reference hard-codes alpha): 1.702 and 7.0."""
     config = SimpleNamespace(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24)
     spec = GptOssModel.moe_spec(None, config)  # reads the config alone
     assert (spec.swiglu_alpha, spec.swiglu_limit) == (1.702, 7.0)

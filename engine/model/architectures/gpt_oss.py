@@ -62,8 +62,8 @@ class GptOssModel(MoEDecoderModel):
             activation="clamped_swiglu",
             router_bias=True,
             expert_bias=True,
-            # The hub's config.json has no swiglu_alpha (nor does transformers' GptOssConfig before it
-            # became a field): the reference's 1.702 then, MoESpec's default, as for a missing limit.
+            # Configs written before transformers' GptOssConfig had these fields (the reference hard-codes
+            # alpha 1.702): MoESpec's defaults, the reference values, instead of refusing the model.
             swiglu_alpha=MoESpec.swiglu_alpha if alpha is None else float(alpha),
             swiglu_limit=MoESpec.swiglu_limit if limit is None else float(limit),
         )

@@ -400,7 +400,7 @@ def peft_adapter_from_memory(
     shapes = {n: s.shape for n, s in spans.items()}
     adapter = check_adapter(settings, shapes, shape, max_lora_rank, vocab_modules_served)
     tensors = {name: _view(weights, span) for name, span in spans.items()}
-    return _with_tensors(adapter, tensors)
+    return _with_tensors(adapter, tensors, shape)  # the shape: expert pairs split (and de-interleaved)
 
 
 # The torch dtype of each safetensors dtype the header check accepts (safetensors_header.DTYPE_BYTES).

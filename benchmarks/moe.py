@@ -62,6 +62,7 @@ SHAPES = {
     ),
 }  # fmt: skip
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+GPT_OSS_WINDOW = 128  # gpt-oss's sliding layers (every other one, the first included) see 128 keys
 
 
 def write_model(path: Path, sizes: dict, gpt_oss: bool = False) -> Path:
@@ -73,7 +74,7 @@ def write_model(path: Path, sizes: dict, gpt_oss: bool = False) -> Path:
             "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "rms_norm_eps": 1e-5,
             "num_local_experts": sizes["num_experts"], "tie_word_embeddings": False, "torch_dtype": "bfloat16",
             "layer_types": [("sliding_attention", "full_attention")[n % 2] for n in range(layers)],
-            "sliding_window": 128, "attention_bias": True, "max_position_embeddings": 131072,
+            "sliding_window": GPT_OSS_WINDOW, "attention_bias": True, "max_position_embeddings": 131072,
             **{k: v for k, v in sizes.items() if k not in ("num_experts", "moe_intermediate_size")},
         }  # fmt: skip
         (path / "config.json").write_text(json.dumps(config))
@@ -118,9 +119,16 @@ def write_adapter(path: Path, sizes: dict, rank: int, seed: int, dtype: torch.dt
 
 
 def floor_bytes(
-    sizes, batch: int, kv_tokens: int, adapters: int, rank: int, element: int
+    sizes,
+    batch: int,
+    kv_tokens: int,
+    adapters: int,
+    rank: int,
+    element: int,
+    window_tokens: int | None = None,
 ) -> dict[str, float]:
-    """Bytes one decode step of `batch` sequences must read, by part."""
+    """Bytes one decode step of `batch` sequences must read, by part. `window_tokens`: the keys the
+    sliding layers (every other layer, gpt-oss) read, where the model has them."""
     layers, h, e, k = (
         sizes[n] for n in ("num_hidden_layers", "hidden_size", "num_experts", "num_experts_per_tok")
     )
@@ -131,7 +139,9 @@ def floor_bytes(
     parts = {
         "attention + router + LM head": element * (layers * (2 * h * q + 2 * h * kv + e * h) + vocab * h),
         "routed experts": element * layers * hit * 3 * h * i,
-        "KV cache": element * kv_tokens * layers * 2 * kv,
+        "KV cache": element * kv_tokens * layers * 2 * kv
+        if window_tokens is None
+        else element * 2 * kv * (window_tokens * ((layers + 1) // 2) + kv_tokens * (layers // 2)),
     }
     if adapters:
         per_adapter = batch / adapters
@@ -142,7 +152,7 @@ def floor_bytes(
     return parts
 
 
-def run(args, model_dir: Path, adapter_dirs: list[Path], num_adapters: int, prompts) -> dict:
+def run(args, model_dir: Path, adapter_dirs: list[Path], num_adapters: int, prompts, window=None) -> dict:
     max_len = max(len(p) for p in prompts) + args.output_tokens
     config = EngineConfig(
         model=str(model_dir), dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
@@ -184,7 +194,9 @@ def run(args, model_dir: Path, adapter_dirs: list[Path], num_adapters: int, prom
             seconds = time.perf_counter() - t0
             if last and all(s.num_new_tokens == 1 for s in last):
                 in_step = len({s.request.adapter_id for s in last} - {None})
-                steps.append((seconds, len(last), sum(s.start + 1 for s in last), in_step))
+                keys = [s.start + 1 for s in last]
+                windowed = sum(min(n, window) for n in keys) if window else 0
+                steps.append((seconds, len(last), sum(keys), in_step, windowed))
         total = time.perf_counter() - start
         engine.runner.execute = execute
     finally:
@@ -197,6 +209,7 @@ def run(args, model_dir: Path, adapter_dirs: list[Path], num_adapters: int, prom
         step=statistics.median(s[0] for s in steady),
         batch=batch,
         kv_tokens=int(statistics.median(s[2] for s in steady)),
+        window_tokens=int(statistics.median(s[4] for s in steady)) if window else None,
         in_step=max(s[3] for s in steady),
     )
 
@@ -248,7 +261,8 @@ def main(argv=None) -> None:
             write_adapter(root / f"adapter{n}", sizes, args.rank, n, adapter_dtype) for n in range(distinct)
         ] if max(args.adapters) else []  # fmt: skip
         for num_adapters in args.adapters:
-            results.append(run(args, model_dir, adapter_dirs, num_adapters, prompts))
+            window = GPT_OSS_WINDOW if args.shape.startswith("gpt-oss") else None
+            results.append(run(args, model_dir, adapter_dirs, num_adapters, prompts, window))
     base = next((r for r in results if r["adapters"] == 0), None)
     where = f"{args.device}, tp {args.tensor_parallel_size}" + (" EP" if args.enable_expert_parallel else "")
     print(f"\nMoE decode, shape {args.shape} ({sizes['num_hidden_layers']} layers), {args.dtype}, {where}, ")
@@ -258,7 +272,9 @@ def main(argv=None) -> None:
     )
     print("|---|---|---|---|---|---|")
     for r in results:
-        parts = floor_bytes(sizes, r["batch"], r["kv_tokens"], r["in_step"], args.rank, element)
+        parts = floor_bytes(
+            sizes, r["batch"], r["kv_tokens"], r["in_step"], args.rank, element, r["window_tokens"]
+        )
         floor = sum(parts.values()) / bandwidth / args.tensor_parallel_size
         ratio = f"{r['step'] / base['step']:.2f}" if base else "-"
         print(

@@ -148,7 +148,8 @@ def _eager_attention(
     sinks: torch.Tensor | None,  # [num_heads] float32
 ) -> torch.Tensor:  # [num_heads, num_new, head_dim]
     """transformers' eager attention with soft-capping (Gemma 2) or sinks (gpt-oss), op for op (scores
-    and probabilities rounded to the model dtype where it rounds them, the softmax in float32)."""
+    and probabilities rounded to the model dtype where it rounds them), except that the softmax always
+    runs in float32: gpt-oss's runs in the model dtype there, which only float32 models match exactly."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
     v = v.repeat_interleave(group, dim=1).transpose(0, 1)

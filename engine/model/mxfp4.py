@@ -18,11 +18,16 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 BLOCK = 32  # values per shared scale
 
 
+def pair_up(blocks_shape, scales_shape) -> bool:
+    """Whether blocks [*lead, G, 16] and scales [*lead, G] are one weight's."""
+    return blocks_shape[-1] == BLOCK // 2 and tuple(blocks_shape[:-1]) == tuple(scales_shape)
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[*lead, G, 16] uint8 codes and [*lead, G] uint8 biased exponents -> [*lead, G * 32] of `dtype`."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales must be uint8 (got {blocks.dtype} and {scales.dtype})")
-    if blocks.shape[-1] != BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+    if not pair_up(blocks.shape, scales.shape):
         raise ValueError(
             f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not pair up "
             f"(blocks [..., G, {BLOCK // 2}], scales [..., G])"
@@ -42,7 +47,7 @@ class Mxfp4Tensor:
 
     def __init__(self, name: str, blocks, scales, dtype: torch.dtype):
         self.name, self._blocks, self._scales, self._dtype = name, blocks, scales, dtype
-        if blocks.shape[-1] != BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        if not pair_up(blocks.shape, scales.shape):
             raise ValueError(
                 f"checkpoint tensors {blocks.name!r} {list(blocks.shape)} and {scales.name!r} "
                 f"{list(scales.shape)} are not MXFP4 blocks and scales of one weight"

@@ -16,6 +16,7 @@ CASES = {
     # name: (seqs as (cached, new), heads, kv heads, head_dim, block_size, window, splits)
     "prefill_window": ([(0, 11), (6, 5)], 4, 2, 16, 4, 6, None),
     "decode_split_k": ([(37, 1), (3, 1)], 4, 2, 16, 8, None, 3),
+    "decode_window_split_k": ([(37, 1), (5, 1)], 4, 2, 16, 8, 12, 3),  # split 0 starts at the window
     "chunked_gqa": ([(9, 6), (0, 1), (20, 4)], 6, 2, 16, 8, None, None),
 }
 

@@ -7,13 +7,14 @@ prefill with prefix-cache hits, on the torch and the Triton (interpreted) paths.
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 from factories import MOE_ADAPTERS, make_adapter, make_model, per_adapter_reference
 from test_moe_models import CHUNKED, expected_tokens, generate, greedy, make_llm
 
-from adapter_format.checkpoint import load_peft_adapter
+from adapter_format.checkpoint import load_peft_adapter, peft_adapter_from_memory
 from adapter_format.errors import AdapterError
 from engine import SamplingParams, model_shape
 from engine.model.architectures.gpt_oss import GptOssModel
@@ -80,6 +81,21 @@ def test_expert_adapters_reorder_interleaved_gate_up(case):
     torch.testing.assert_close(ours[:, inter:], delta[:, :, 1::2].transpose(1, 2), atol=1e-5, rtol=0)
 
 
+def test_adapters_streamed_from_a_store_read_as_from_a_folder(case):
+    """Background loads read an adapter from memory (peft_adapter_from_memory): its expert pairs split and
+    de-interleaved as load_peft_adapter's are."""
+    shape = model_shape(load_config(case["model_dir"]))
+    folder = case["adapters"]["both_r16"]
+    weights = bytearray((folder / "adapter_model.safetensors").read_bytes())
+    streamed = peft_adapter_from_memory((folder / "adapter_config.json").read_bytes(), weights, shape, 16)
+    loaded = load_peft_adapter(folder, shape, 16)
+    assert streamed.modules.keys() == loaded.modules.keys()
+    assert any(module.startswith("experts.") for _, module in loaded.modules)
+    for key, pair in loaded.modules.items():
+        assert torch.equal(streamed.modules[key].lora_a, pair.lora_a), key
+        assert torch.equal(streamed.modules[key].lora_b, pair.lora_b), key
+
+
 def test_greedy_matches_transformers_peft(case):
     llm = make_llm(case, **CHUNKED)
     assert generate(llm, case) == case["expected"]
@@ -97,8 +113,8 @@ def test_triton_path_matches_transformers(case):
 
 
 def test_lora_on_the_router_is_refused(case, tmp_path):
-    shape = model_shape(load_config(case["model_dir"]))
     """PEFT adapts the router only as a parameter (it is no Linear module); served nowhere, refused by name."""
+    shape = model_shape(load_config(case["model_dir"]))
     path = make_adapter(
         case["model_dir"],
         tmp_path / "router",
@@ -124,6 +140,15 @@ def test_config_settings_not_served_are_refused(case, change, message):
         setattr(config, key, value)
     with pytest.raises(ValueError, match=message):
         GptOssModel.check_config(config)
+
+
+def test_configs_without_swiglu_fields_get_the_reference_values():
+    """Configs that predate the swiglu fields (the reference hard-codes alpha): 1.702 and 7.0."""
+    config = SimpleNamespace(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24)
+    spec = GptOssModel.moe_spec(None, config)  # reads the config alone
+    assert (spec.swiglu_alpha, spec.swiglu_limit) == (1.702, 7.0)
+    config.swiglu_limit = 3.5
+    assert GptOssModel.moe_spec(None, config).swiglu_limit == 3.5
 
 
 def test_speculative_decoding_keeps_the_greedy_tokens(case):

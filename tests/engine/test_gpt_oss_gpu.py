@@ -41,7 +41,7 @@ def test_attention_with_sinks_compiled(dtype, window):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("case", [(1, 2880, 2880, 32, 4), (200, 2880, 2880, 32, 4), (37, 512, 200, 7, 3)])
-def test_fused_moe_with_biases_compiled(dtype, tol, case):
+def test_fused_moe_with_biases_compiled(dtype, tol, case, monkeypatch):
     tokens, hidden, inter, experts, top_k = case
     x, w13, w2, weights, ids = inputs(*case, seed=2)
     gen = torch.Generator().manual_seed(3)
@@ -50,11 +50,14 @@ def test_fused_moe_with_biases_compiled(dtype, tol, case):
     expected = moe_reference(x, w13, b13, w2, b2, weights, ids, experts, zeros13, zeros2)
     x, w13, w2, b13, b2 = (t.to("cuda", dtype) for t in (x, w13, w2, b13, b2))
     flat = ids.reshape(-1).cuda()
+    empty = torch.empty  # the kernels' buffers poisoned: every row they use must be written
+    monkeypatch.setattr(moe_kernels.torch, "empty", lambda *s, **k: empty(*s, **k).fill_(float("nan")))
     rows, block_expert = moe_kernels.align_by_expert(
         flat, experts, moe_kernels.block_rows(flat.numel(), experts)
     )
     h = moe_kernels.gate_up_act(x, w13, rows, block_expert, top_k, None, b13, limit=LIMIT, alpha=ALPHA)
     out = moe_kernels.down_weighted(h, w2, weights.reshape(-1).cuda(), rows, block_expert, None, b2)
     got = out.view(tokens, top_k, hidden).double().cpu()
+    assert torch.isfinite(got).all()
     scale = expected.abs().max()
     assert (got - expected).abs().max() <= tol * scale, (got - expected).abs().max() / scale

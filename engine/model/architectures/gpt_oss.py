@@ -41,9 +41,6 @@ class GptOssModel(MoEDecoderModel):
     def check_config(cls, config) -> None:
         if getattr(config, "num_local_experts", 0) < 1:
             raise ValueError("gpt-oss config has no experts (num_local_experts)")
-        for name in ("swiglu_alpha", "swiglu_limit"):
-            if getattr(config, name, None) is None:
-                raise ValueError(f"gpt-oss config lacks {name}")
         kinds = set(getattr(config, "layer_types", None) or ())
         if kinds - {"sliding_attention", "full_attention"}:
             raise ValueError(
@@ -56,6 +53,7 @@ class GptOssModel(MoEDecoderModel):
         return replace(super().attention_spec(config, layer, rope), sinks=True)
 
     def moe_spec(self, config) -> MoESpec:
+        alpha, limit = (getattr(config, name, None) for name in ("swiglu_alpha", "swiglu_limit"))
         return MoESpec(
             num_experts=config.num_local_experts,
             top_k=config.num_experts_per_tok,
@@ -64,8 +62,10 @@ class GptOssModel(MoEDecoderModel):
             activation="clamped_swiglu",
             router_bias=True,
             expert_bias=True,
-            swiglu_alpha=float(config.swiglu_alpha),
-            swiglu_limit=float(config.swiglu_limit),
+            # Configs written before transformers' GptOssConfig had these fields (the reference hard-codes
+            # alpha 1.702): MoESpec's defaults, the reference values, instead of refusing the model.
+            swiglu_alpha=MoESpec.swiglu_alpha if alpha is None else float(alpha),
+            swiglu_limit=MoESpec.swiglu_limit if limit is None else float(limit),
         )
 
     def rename(self, name: str) -> str:

@@ -59,8 +59,10 @@ class MoESpec:
     activation: str = "silu"  # or "clamped_swiglu" (gpt-oss, with swiglu_alpha and swiglu_limit)
     router_bias: bool = False  # `mlp.gate.bias` [E] (gpt-oss's router)
     expert_bias: bool = False  # `experts.gate_up_proj_bias` [E, 2I] and `experts.down_proj_bias` [E, H]
-    swiglu_alpha: float = 1.702  # clamped_swiglu: (up + 1) * gate * sigmoid(alpha * gate), after
-    swiglu_limit: float = 7.0  # gate <= limit and -limit <= up <= limit
+    # clamped_swiglu: (up + 1) * gate * sigmoid(alpha * gate), after gate <= limit and -limit <= up <= limit;
+    # the defaults are gpt-oss's reference values (configs that predate the fields use them).
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def activation_args(self) -> dict:
         """What the kernels take for the activation (moe_kernels.gate_up_act's `limit` and `alpha`)."""

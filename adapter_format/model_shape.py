@@ -19,8 +19,8 @@ EXPERT_MODULES = ("experts.gate_up_proj", "experts.down_proj")
 # A shared expert beside the routed ones (Qwen2-MoE's `mlp.shared_expert`): a gated MLP of
 # `shared_expert_intermediate_size`, adapted as a dense MLP is (PEFT's target_modules).
 SHARED_EXPERT_MODULES = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
-# GLM-4.5's (and DeepSeek's) `mlp.shared_experts`: n_shared_experts experts fused into one ungated MLP of
-# `moe_intermediate_size * n_shared_experts`, adapted the same way under its own name.
+# GLM-4.5's (and DeepSeek's) `mlp.shared_experts`: n_shared_experts experts fused into one gated MLP of
+# `moe_intermediate_size * n_shared_experts` (no shared_expert_gate), adapted the same way under its own name.
 SHARED_EXPERTS_MODULES = ("shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj")
 # Gates that pick or weigh experts: PEFT's all-linear wraps them, LoRA on them is not served.
 EXPERT_GATES = ("gate", "shared_expert_gate")

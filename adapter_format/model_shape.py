@@ -109,7 +109,6 @@ class ModelShape:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         h, i = self.hidden_size, self.intermediate_size
-        module = module.replace("shared_experts.", "shared_expert.")  # one size, either family's name
         return {
             "q_proj": (h, q_size),
             "k_proj": (h, kv_size),
@@ -125,7 +124,7 @@ class ModelShape:
             "shared_expert.gate_proj": (h, self.shared_expert_intermediate_size),
             "shared_expert.up_proj": (h, self.shared_expert_intermediate_size),
             "shared_expert.down_proj": (self.shared_expert_intermediate_size, h),
-        }[module]
+        }[as_shared_expert(module)]
 
     def module_experts(self, module: str) -> int:
         """Low-rank pairs per layer of a projection: one per expert of the stacked expert weights, else 1."""
@@ -152,6 +151,13 @@ class ModelShape:
                     "(an adapter trained on another architecture?)"
                 )
         return ""
+
+
+def as_shared_expert(module: str) -> str:
+    """GLM-4.5's `shared_experts.X` under Qwen2-MoE's name `shared_expert.X`, the one key of their sizes
+    and splits (both are a gated MLP of shared_expert_intermediate_size); any other module as it is."""
+    plural = "shared_experts."
+    return "shared_expert." + module[len(plural) :] if module.startswith(plural) else module
 
 
 def shared_expert_size(config) -> int:

@@ -21,7 +21,6 @@ from engine.model.layers.grouped_topk_moe import GroupedTopK, GroupedTopKMoE
 from engine.model.layers.moe import MoESpec
 from engine.model.layers.moe_model import MoEDecoderModel
 
-SHARED_GATE_UP, SHARED_DOWN = SHARED_EXPERTS_MODULES[:2], SHARED_EXPERTS_MODULES[2:]
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -29,9 +28,7 @@ class Glm4MoeModel(MoEDecoderModel):
     architectures = ("Glm4MoeForCausalLM",)
     model_types = ("glm4_moe",)
 
-    @classmethod
-    def lora_targets(cls) -> tuple[str, ...]:
-        return (*super().lora_targets(), *SHARED_EXPERTS_MODULES)
+    shared_expert_targets = SHARED_EXPERTS_MODULES  # LoRA targets of their own (MoEDecoderModel)
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -82,14 +79,6 @@ class Glm4MoeModel(MoEDecoderModel):
         return GroupedTopKMoE(
             self.moe_spec(config), routing, config.hidden_size, shared_expert_size(config), ctx
         )
-
-    def __init__(self, config, ctx):
-        super().__init__(config, ctx)
-        # The decoder names a projection's LoRA targets by its own name (gate_up_proj -> gate_proj, up_proj);
-        # the shared experts' are their own targets.
-        for moe in self.moe_layers:
-            moe.shared_experts.gate_up_proj.lora_modules = SHARED_GATE_UP
-            moe.shared_experts.down_proj.lora_modules = SHARED_DOWN
 
     def load_weights(self, tensors, source: str) -> None:
         """Everything but the multi-token-prediction layers (model.layers.L .. L + num_nextn_predict_layers - 1);

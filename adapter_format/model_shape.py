@@ -19,8 +19,8 @@ EXPERT_MODULES = ("experts.gate_up_proj", "experts.down_proj")
 # A shared expert beside the routed ones (Qwen2-MoE's `mlp.shared_expert`): a gated MLP of
 # `shared_expert_intermediate_size`, adapted as a dense MLP is (PEFT's target_modules).
 SHARED_EXPERT_MODULES = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
-# GLM-4.5's (and DeepSeek's) `mlp.shared_experts`: n_shared_experts experts fused into one ungated MLP of
-# `moe_intermediate_size * n_shared_experts`, adapted the same way under its own name.
+# GLM-4.5's (and DeepSeek's) `mlp.shared_experts`: n_shared_experts experts fused into one gated MLP of
+# `moe_intermediate_size * n_shared_experts` (no shared_expert_gate), adapted the same way under its own name.
 SHARED_EXPERTS_MODULES = ("shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj")
 # Gates that pick or weigh experts: PEFT's all-linear wraps them, LoRA on them is not served.
 EXPERT_GATES = ("gate", "shared_expert_gate")
@@ -109,7 +109,6 @@ class ModelShape:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         h, i = self.hidden_size, self.intermediate_size
-        module = module.replace("shared_experts.", "shared_expert.")  # one size, either family's name
         return {
             "q_proj": (h, q_size),
             "k_proj": (h, kv_size),
@@ -125,7 +124,7 @@ class ModelShape:
             "shared_expert.gate_proj": (h, self.shared_expert_intermediate_size),
             "shared_expert.up_proj": (h, self.shared_expert_intermediate_size),
             "shared_expert.down_proj": (self.shared_expert_intermediate_size, h),
-        }[module]
+        }[as_shared_expert(module)]
 
     def module_experts(self, module: str) -> int:
         """Low-rank pairs per layer of a projection: one per expert of the stacked expert weights, else 1."""
@@ -152,6 +151,13 @@ class ModelShape:
                     "(an adapter trained on another architecture?)"
                 )
         return ""
+
+
+def as_shared_expert(module: str) -> str:
+    """GLM-4.5's `shared_experts.X` under Qwen2-MoE's name `shared_expert.X`, the one key of their sizes
+    and splits (both are a gated MLP of shared_expert_intermediate_size); any other module as it is."""
+    plural = "shared_experts."
+    return "shared_expert." + module[len(plural) :] if module.startswith(plural) else module
 
 
 def shared_expert_size(config) -> int:

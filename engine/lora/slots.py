@@ -28,7 +28,7 @@ import torch
 
 from adapter_format.checkpoint import PeftAdapter
 from adapter_format.errors import AdapterError
-from adapter_format.model_shape import ModelShape
+from adapter_format.model_shape import SHARED_EXPERT_MODULES, SHARED_EXPERTS_MODULES, ModelShape
 from engine.lora.pages import pages_for_rank
 from engine.lora.vocab import TABLE_COLUMNS, write_vocab
 
@@ -44,8 +44,8 @@ PAGE_RANK = 8
 FUSED_PROJECTIONS = (
     ("q_proj", "k_proj", "v_proj"),
     ("gate_proj", "up_proj"),
-    ("shared_expert.gate_proj", "shared_expert.up_proj"),  # a mixture of experts' shared expert (Qwen2-MoE)
-    ("shared_experts.gate_proj", "shared_experts.up_proj"),  # GLM-4.5's shared experts
+    SHARED_EXPERT_MODULES[:2],  # a mixture of experts' shared expert's gate and up (Qwen2-MoE)
+    SHARED_EXPERTS_MODULES[:2],  # GLM-4.5's shared experts' gate and up
 )
 
 

@@ -20,7 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from adapter_format.model_shape import ModelShape
+from adapter_format.model_shape import (
+    SHARED_EXPERT_MODULES,
+    SHARED_EXPERTS_MODULES,
+    ModelShape,
+    as_shared_expert,
+)
 from engine.model.fp8_checkpoint import fp8_scheme, is_block_scaled
 from engine.model.fp8_linear import BLOCK
 from engine.model.layers.linear import block_cut_message
@@ -29,15 +34,11 @@ from engine.model.layers.sharding import Split
 # Projections split by input (their LoRA A too); every other target is split by output (its LoRA B).
 # A shared expert (Qwen2-MoE; GLM-4.5's shared_experts) splits as a dense MLP does, whatever splits the
 # routed experts.
-ROW_PARALLEL = ("o_proj", "down_proj", "shared_expert.down_proj", "shared_experts.down_proj")
+ROW_PARALLEL = ("o_proj", "down_proj", SHARED_EXPERT_MODULES[2], SHARED_EXPERTS_MODULES[2])
 COLUMN_PARALLEL = (
     *("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj"),
-    *(
-        "shared_expert.gate_proj",
-        "shared_expert.up_proj",
-        "shared_experts.gate_proj",
-        "shared_experts.up_proj",
-    ),
+    *SHARED_EXPERT_MODULES[:2],
+    *SHARED_EXPERTS_MODULES[:2],
 )
 
 
@@ -164,7 +165,7 @@ class ShardPlan:
 
     def output_parts(self, module: str) -> list[Split]:
         """The parts of a column-parallel projection's output, in order (three for a fused qkv_proj)."""
-        module = module.replace("shared_experts.", "shared_expert.")  # either family's name, one split
+        module = as_shared_expert(module)  # either family's name, one split
         mlp = Split(self.shape.intermediate_size)
         shared = Split(self.shape.shared_expert_intermediate_size)
         parts = {
@@ -197,7 +198,7 @@ class ShardPlan:
         return span
 
     def input_split(self, module: str) -> Split:
-        module = module.replace("shared_experts.", "shared_expert.")
+        module = as_shared_expert(module)
         if module == "o_proj":
             return self._heads
         if module == "down_proj":

@@ -7,6 +7,7 @@ past them is refused naming it; configs the routing cannot serve are refused nam
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -138,3 +139,27 @@ def test_configs_the_routing_cannot_serve_are_refused(settings, named):
     config = Glm4MoeConfig(architectures=["Glm4MoeForCausalLM"], **settings)
     with pytest.raises(ValueError, match=named):
         model_class(config).check_config(config)
+
+
+def test_peft_rewritten_mlp_targets_match_peft(model_dir, tmp_path):
+    """What a user gets from PEFT 0.21 on transformers 5 with `target_modules` naming the MLP projections
+    (`gate_proj`, `up_proj`, `down_proj`, the shared experts' too): PEFT rewrites them into target_parameters
+    on the routed experts alone (bare `gate_up_proj` / `down_proj`, gate_up_proj at twice the rank and alpha
+    through rank_pattern and alpha_pattern) and saves that; the engine serves it as PEFT runs it."""
+    adapter = make_adapter(
+        model_dir, tmp_path / "rewritten", seed=9, r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"]
+    )  # fmt: skip
+    saved = json.loads((adapter / "adapter_config.json").read_text())
+    assert saved["target_modules"] == ["q_proj"] and saved["rank_pattern"]  # PEFT's rewritten form
+    prompts = [[7, 300, 41, 9, 122, 64, 5, 88], [11, 12, 400, 250, 6, 90]]
+    assigned = ["rewritten", None]
+    references = per_adapter_reference(model_dir, {"rewritten": adapter})
+    expected = [expected_tokens(references[a], p, 6) for p, a in zip(prompts, assigned)]
+    assert expected[0] != expected_tokens(references[None], prompts[0], 6)
+    llm = LLM(model=str(model_dir), lora_modules={"rewritten": str(adapter)}, **{**ARGS, "max_num_seqs": 4})
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapters=assigned)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    finally:
+        llm.engine.shutdown()

@@ -3,9 +3,9 @@ none), a per-head q/k RMSNorm when `use_qk_norm`, RoPE over the first half of ea
 (`partial_rotary_factor`); dense MLPs in the first `first_k_dense_replace` layers, then mixtures of
 experts with DeepSeek-V3's routing (sigmoid scores, a choice-only bias, top-k within the best
 `topk_group` of `n_group` expert groups, weights renormalized with `norm_topk_prob` and scaled by
-`routed_scaling_factor`) and `n_shared_experts` shared experts run as one ungated MLP added to the routed
-sum (engine/model/layers/grouped_topk_moe.py). LoRA targets: attention, the routed experts, and the shared
-experts' gate_proj, up_proj and down_proj (PEFT's `shared_experts.gate_proj`...).
+`routed_scaling_factor`) and `n_shared_experts` shared experts run as one gated MLP added to the routed
+sum with no shared-expert gate (engine/model/layers/grouped_topk_moe.py). LoRA targets: attention,
+the routed experts, and the shared experts' gate_proj, up_proj and down_proj (PEFT's `shared_experts.gate_proj`...).
 
 The checkpoint's multi-token-prediction layers (`num_nextn_predict_layers`, stored as `model.layers.N`
 for N from num_hidden_layers on) serve speculative decoding only: they are skipped at load, as vLLM's
@@ -21,7 +21,6 @@ from engine.model.layers.grouped_topk_moe import GroupedTopK, GroupedTopKMoE
 from engine.model.layers.moe import MoESpec
 from engine.model.layers.moe_model import MoEDecoderModel
 
-SHARED_GATE_UP, SHARED_DOWN = SHARED_EXPERTS_MODULES[:2], SHARED_EXPERTS_MODULES[2:]
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -29,9 +28,7 @@ class Glm4MoeModel(MoEDecoderModel):
     architectures = ("Glm4MoeForCausalLM",)
     model_types = ("glm4_moe",)
 
-    @classmethod
-    def lora_targets(cls) -> tuple[str, ...]:
-        return (*super().lora_targets(), *SHARED_EXPERTS_MODULES)
+    shared_expert_targets = SHARED_EXPERTS_MODULES  # LoRA targets of their own (MoEDecoderModel)
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -82,14 +79,6 @@ class Glm4MoeModel(MoEDecoderModel):
         return GroupedTopKMoE(
             self.moe_spec(config), routing, config.hidden_size, shared_expert_size(config), ctx
         )
-
-    def __init__(self, config, ctx):
-        super().__init__(config, ctx)
-        # The decoder names a projection's LoRA targets by its own name (gate_up_proj -> gate_proj, up_proj);
-        # the shared experts' are their own targets.
-        for moe in self.moe_layers:
-            moe.shared_experts.gate_up_proj.lora_modules = SHARED_GATE_UP
-            moe.shared_experts.down_proj.lora_modules = SHARED_DOWN
 
     def load_weights(self, tensors, source: str) -> None:
         """Everything but the multi-token-prediction layers (model.layers.L .. L + num_nextn_predict_layers - 1);

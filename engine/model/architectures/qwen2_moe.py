@@ -15,8 +15,6 @@ from engine.model.architectures.qwen3_moe import Qwen3MoeModel
 from engine.model.layers.moe_model import MoEDecoderModel
 from engine.model.layers.shared_expert import SharedExpertMoE
 
-SHARED_GATE_UP, SHARED_DOWN = SHARED_EXPERT_MODULES[:2], SHARED_EXPERT_MODULES[2:]
-
 
 class Qwen2MoeModel(MoEDecoderModel):
     architectures = ("Qwen2MoeForCausalLM",)
@@ -24,10 +22,7 @@ class Qwen2MoeModel(MoEDecoderModel):
     # Qwen3-MoE's rules, one place: which layers are MoE, and the router's settings.
     is_moe_layer = Qwen3MoeModel.is_moe_layer
     moe_spec = Qwen3MoeModel.moe_spec
-
-    @classmethod
-    def lora_targets(cls) -> tuple[str, ...]:
-        return (*super().lora_targets(), *SHARED_EXPERT_MODULES)
+    shared_expert_targets = SHARED_EXPERT_MODULES  # LoRA targets of their own (MoEDecoderModel)
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -48,11 +43,3 @@ class Qwen2MoeModel(MoEDecoderModel):
         return SharedExpertMoE(
             self.moe_spec(config), config.hidden_size, config.shared_expert_intermediate_size, ctx
         )
-
-    def __init__(self, config, ctx):
-        super().__init__(config, ctx)
-        # The decoder names a projection's LoRA targets by its own name (gate_up_proj -> gate_proj, up_proj);
-        # the shared expert's are its own targets.
-        for moe in self.moe_layers:
-            moe.shared_expert.gate_up_proj.lora_modules = SHARED_GATE_UP
-            moe.shared_expert.down_proj.lora_modules = SHARED_DOWN

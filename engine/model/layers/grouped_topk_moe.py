@@ -1,5 +1,6 @@
 """DeepSeek-V3-style routing with always-on shared experts (GLM-4.5 / GLM-4.6): a sigmoid router whose
-choice is biased and limited to the best expert groups, and an ungated shared MLP added to the routed sum.
+choice is biased and limited to the best expert groups, and a shared gated MLP added to the routed sum with
+no gate of its own (Qwen2-MoE's shared expert has a sigmoid `shared_expert_gate`).
 
     logits = x @ gate^T (float32)          s = sigmoid(logits)                        [T, E]
     choice = s + e_score_correction_bias   (the bias steers the choice only, never the weights)

@@ -29,13 +29,16 @@ _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<p
 class MoEDecoderModel(DecoderModel):
     # Checkpoint names of an expert's parts where the family differs from gate_proj/up_proj/down_proj.
     expert_part_names: dict[str, str] = {}
+    # A family with shared experts: their gate_proj, up_proj and down_proj under the MoE block's attribute
+    # for them (Qwen2-MoE's `shared_expert.*`, GLM-4.5's `shared_experts.*`), LoRA targets of their own.
+    shared_expert_targets: tuple[str, ...] = ()
 
     @classmethod
     def lora_targets(cls) -> tuple[str, ...]:
-        """The attention projections and the routed experts (a dense layer's MLP, Qwen3-MoE's
-        mlp_only_layers, takes none: the pool would hold its pairs in every layer)."""
+        """The attention projections, the routed experts and any shared experts (a dense layer's MLP,
+        Qwen3-MoE's mlp_only_layers, takes none: the pool would hold its pairs in every layer)."""
         attention = tuple(m for m in super().lora_targets() if m not in ("gate_proj", "up_proj", "down_proj"))
-        return (*attention, *EXPERT_TARGETS)
+        return (*attention, *EXPERT_TARGETS, *cls.shared_expert_targets)
 
     def moe_spec(self, config) -> MoESpec:
         raise NotImplementedError
@@ -55,6 +58,12 @@ class MoEDecoderModel(DecoderModel):
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.layer = i
         self.routing = RoutingCounts(self.moe_layers, ctx.device)
+        # The decoder names a projection's LoRA targets by its own name (gate_up_proj -> gate_proj,
+        # up_proj); the shared experts' are their own targets.
+        gate, up, down = self.shared_expert_targets or (None,) * 3
+        for moe in self.moe_layers if gate else ():
+            shared = getattr(moe, gate.split(".")[0])
+            shared.gate_up_proj.lora_modules, shared.down_proj.lora_modules = (gate, up), (down,)
 
     def forward(self, input_ids, meta, kv_caches, lora):
         # In a captured decode step the rows past the batch are padding, at position 0, where no real

@@ -138,7 +138,9 @@ class Fp8ExpertTensor:
         if weight.dtype != FP8_DTYPE:
             raise ValueError(f"{self.name}: only float8 e4m3 weights are served (got {weight.dtype})")
         if scale.dtype not in _SCALE_DTYPES:
-            raise ValueError(f"{self._scale.name}: scales must be float32, bfloat16 or float16 ({scale.dtype})")
+            raise ValueError(
+                f"{self._scale.name}: scales must be float32, bfloat16 or float16 ({scale.dtype})"
+            )
         return dequantize_expert(self._scale.name, weight, scale, self._layout, self._dtype)
 
     def rows(self, start: int, end: int) -> torch.Tensor:

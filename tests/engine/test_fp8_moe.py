@@ -139,9 +139,13 @@ def test_a_missing_or_misshaped_expert_scale_is_refused_naming_it(case, tmp_path
     with pytest.raises(ValueError, match=f"{scale}: weight scales must be positive"):
         load(bad)
     fused, _ = case["forms"]["block_fused"]
-    fused_scale = next(n for n in load_file(fused / "model.safetensors") if n.endswith("gate_up_proj_scale_inv"))
+    fused_scale = next(
+        n for n in load_file(fused / "model.safetensors") if n.endswith("gate_up_proj_scale_inv")
+    )
     per_expert = _rewrite(fused, tmp_path / "fused", lambda t: t.update({fused_scale: t[fused_scale][:3]}))
-    with pytest.raises(ValueError, match=f"{fused_scale}: scale of shape .* does not hold one scale per expert"):
+    with pytest.raises(
+        ValueError, match=f"{fused_scale}: scale of shape .* does not hold one scale per expert"
+    ):
         load(per_expert)
 
 
@@ -176,3 +180,61 @@ def test_two_ranks_serve_an_fp8_moe_checkpoint_as_one(tmp_path, form, expert_par
     finally:
         llm.engine.shutdown()
     assert [p for p in multiprocessing.active_children() if p.name.startswith("tp-worker")] == []
+
+
+def _poisoned_blocks(rows: int, cols: int, gen) -> torch.Tensor:  # [nb, kb] distinct positive scales
+    return torch.rand(-(-rows // 128), -(-cols // 128), generator=gen, dtype=torch.float64).float() + 0.01
+
+
+@pytest.mark.parametrize("layout", ["fused_blocks", "halves_blocks", "channel", "per_expert_blocks"])
+def test_partial_blocks_dequantize_as_float64(layout):
+    """Sizes that are not multiples of 128 (several blocks, partial ones at the edges): each value is its
+    e4m3 code times its own block's (row's) scale, against a float64 reference."""
+    from engine.model.fp8_experts import Fp8ExpertTensor
+    from engine.model.layers.checkpoint_tensor import InMemoryTensor
+
+    gen = torch.Generator().manual_seed(3)
+    experts, inter, hidden = 3, 160, 300  # gate_up: 3 blocks of rows fused, 2 + 2 apart
+    codes = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 100).to(torch.float8_e4m3fn)
+    if layout == "fused_blocks":
+        scale = torch.stack([_poisoned_blocks(2 * inter, hidden, gen) for _ in range(experts)])
+        full = (
+            scale.double().repeat_interleave(128, 1)[:, : 2 * inter].repeat_interleave(128, 2)[..., :hidden]
+        )
+    elif layout == "halves_blocks":
+        halves = [[_poisoned_blocks(inter, hidden, gen) for _ in range(2)] for _ in range(experts)]
+        scale = torch.stack([torch.cat(h) for h in halves])
+        full = torch.stack([
+            torch.cat([h.double().repeat_interleave(128, 0)[:inter].repeat_interleave(128, 1)[:, :hidden] for h in e])
+            for e in halves
+        ])  # fmt: skip
+    elif layout == "channel":
+        scale = torch.rand(experts, 2 * inter, 1, generator=gen) + 0.01
+        full = scale.double().expand(experts, 2 * inter, hidden)
+    else:
+        scale = _poisoned_blocks(2 * inter, hidden, gen)
+        codes, full = (
+            codes[0],
+            scale.double().repeat_interleave(128, 0)[: 2 * inter].repeat_interleave(128, 1),
+        )
+        full = full[:, :hidden]
+    weight = InMemoryTensor("mlp.experts.gate_up_proj", codes)
+    tensor = Fp8ExpertTensor(
+        weight, InMemoryTensor("mlp.experts.gate_up_proj_scale_inv", scale), torch.float32, True
+    )
+    want = (codes.double() * full).float()
+    assert torch.equal(tensor.read(), want)
+    if codes.dim() == 3:
+        assert torch.equal(tensor.rows(1, 3), want[1:3])  # a rank's experts only
+
+
+def test_gate_up_blocks_of_the_same_shape_either_way_are_refused_as_ambiguous():
+    """I = 200: 4 blocks over the 400 fused rows, or 2 + 2 over gate and up apart, which differ."""
+    from engine.model.fp8_experts import Fp8ExpertTensor
+    from engine.model.layers.checkpoint_tensor import InMemoryTensor
+
+    codes = torch.zeros(2, 400, 64).to(torch.float8_e4m3fn)
+    weight = InMemoryTensor("mlp.experts.gate_up_proj", codes)
+    scale = InMemoryTensor("mlp.experts.gate_up_proj_scale_inv", torch.ones(2, 4, 1))
+    with pytest.raises(ValueError, match="mlp.experts.gate_up_proj_scale_inv: .* is ambiguous"):
+        Fp8ExpertTensor(weight, scale, torch.float32, True)

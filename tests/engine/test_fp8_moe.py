@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import random
+import re
 
 import pytest
 import torch
@@ -48,7 +49,7 @@ def write_forms(model_dir, root) -> dict:
     }
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "glm4_moe"])
 def case(request, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"fp8-moe-{arch}")
@@ -86,6 +87,27 @@ def test_experts_load_dequantized_as_float64_does_attention_stays_fp8(case, form
             assert torch.equal(got, want), name
         assert torch.equal(moe.gate.weight, ref.gate.weight)
     assert isinstance(model.model.layers[0].self_attn.qkv_proj.kernel, Fp8Linear)
+    for moe in model.moe_layers:  # GLM-4.5's shared experts stay FP8, as a dense MLP
+        shared = getattr(moe, "shared_experts", None)
+        assert shared is None or isinstance(shared.down_proj.kernel, Fp8Linear)
+
+
+def test_a_float8_router_is_dequantized_to_its_own_dtype(case, tmp_path):
+    from fp8_checkpoints import dequantized, per_block
+
+    block, _ = case["forms"]["block"]
+    routers = [n for n in load_file(block / "model.safetensors") if re.search(r"(mlp|moe)\.gate\.weight$", n)]
+    router = max(routers, key=lambda n: int(n.split(".")[2]))  # the last MoE layer's
+    stored = {}
+
+    def quantize_router(tensors):
+        q, scale = per_block(tensors[router])
+        tensors[router], tensors[router + "_scale_inv"] = q, scale
+        stored["want"] = dequantized(q, scale)
+
+    model = load(_rewrite(block, tmp_path / "router", quantize_router))
+    gate = model.moe_layers[-1].gate.weight
+    assert gate.dtype == torch.float32 and torch.equal(gate, stored["want"])
 
 
 def test_bf16_experts_are_dequantized_to_bf16(case):

@@ -114,9 +114,10 @@ class Fp8ExpertTensor:
 
     is_float8 = False
 
-    def __init__(self, weight, scale, dtype: torch.dtype, halves: bool):
+    def __init__(self, weight, scale, dtype: torch.dtype, halves: bool, device: torch.device | None = None):
         self.name, self.shape = weight.name, tuple(weight.shape)
         self._weight, self._scale, self._dtype = weight, scale, dtype
+        self._device = device or torch.device("cpu")  # where the multiply runs and the result lands
         self._fused = len(self.shape) == 3
         if len(self.shape) not in (2, 3):
             raise ValueError(f"checkpoint tensor {weight.name!r} of {list(self.shape)} is no expert weight")
@@ -141,12 +142,13 @@ class Fp8ExpertTensor:
             raise ValueError(
                 f"{self._scale.name}: scales must be float32, bfloat16 or float16 ({scale.dtype})"
             )
+        weight, scale = weight.to(self._device), scale.to(self._device)
         return dequantize_expert(self._scale.name, weight, scale, self._layout, self._dtype)
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         if not self._fused:
             return self.read()[start:end]
-        out = torch.empty((end - start, *self.shape[1:]), dtype=self._dtype)
+        out = torch.empty((end - start, *self.shape[1:]), dtype=self._dtype, device=self._device)
         for e in range(start, end):
             scale = self._scale.rows(e, e + 1).reshape(self._scale_shape[1:])
             out[e - start] = self._expert(self._weight.rows(e, e + 1)[0], scale)
@@ -161,10 +163,11 @@ class Fp8ExpertTensor:
         return self._expert(self._weight.read(), self._scale.read())
 
 
-def dequantize_experts(tensors: list, dtype_of) -> list:
+def dequantize_experts(tensors: list, dtype_of, device: torch.device | None = None) -> list:
     """The checkpoint's tensors with every float8 expert weight and its scale replaced by one
     Fp8ExpertTensor of `dtype_of(name)` (None: not an expert's or router's weight, left alone); a missing
-    scale, or a scale beside an expert weight that is not float8, is refused naming the tensor."""
+    scale, or a scale beside an expert weight that is not float8, is refused naming the tensor. The
+    multiply runs on `device` (the model's: a GPU dequantizes a 235B checkpoint's experts quickly)."""
     by_name = {t.name: t for t in tensors}
     consumed, replaced = set(), {}
     for tensor in tensors:
@@ -188,6 +191,6 @@ def dequantize_experts(tensors: list, dtype_of) -> list:
             raise ValueError(f"checkpoint tensor {tensor.name!r} has two scales: {names}")
         scale = by_name[names[0]]
         halves = tensor.name.endswith("gate_up_proj")
-        replaced[tensor.name] = Fp8ExpertTensor(tensor, scale, dtype, halves)
+        replaced[tensor.name] = Fp8ExpertTensor(tensor, scale, dtype, halves, device)
         consumed.add(scale.name)
     return [replaced.get(t.name, t) for t in tensors if t.name not in consumed]

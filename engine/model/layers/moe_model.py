@@ -17,6 +17,7 @@ LoRA targets: the attention projections and the routed experts' stacked `experts
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import torch
 
@@ -80,7 +81,8 @@ class MoEDecoderModel(DecoderModel):
         fp8 = self.ctx.fp8
         if fp8 is not None and fp8.scheme != ON_THE_FLY:  # an FP8 checkpoint: its experts dequantized
             modules = dict(self.named_modules())
-            tensors = dequantize_experts(list(tensors), lambda name: self._dequantized_dtype(name, modules))
+            dtype_of = partial(self._dequantized_dtype, modules=modules)
+            tensors = dequantize_experts(list(tensors), dtype_of, self.ctx.device)
         super().load_weights(tensors, source)
 
     def _dequantized_dtype(self, name: str, modules: dict) -> torch.dtype | None:

@@ -23,6 +23,7 @@ PROJECTIONS = (
     "down_proj",
     "qkv_proj",
     "gate_up_proj",
+    *("w1", "w2", "w3"),  # Mixtral's per-expert gate, down and up
 )
 
 
@@ -150,4 +151,38 @@ def write_dequantized(fp8_dir: Path, dst: Path) -> Path:
     config = json.loads((dst / "config.json").read_text())
     config.pop("quantization_config")
     (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def fuse_fp8_experts(fp8_dir: Path, dst: Path) -> Path:
+    """A per-expert FP8 MoE checkpoint in transformers 5's fused layout: `mlp.experts.gate_up_proj`
+    [E, 2I, H] e4m3 with `gate_up_proj_scale_inv` [E, 2 nb(I), kb(H)] (gate's scale rows, then up's, as
+    transformers stacks them) or [E, 2I, 1] per channel; `down_proj` [E, H, I] with `down_proj_scale_inv`."""
+    shutil.copytree(fp8_dir, dst)
+    tensors = load_file(dst / "model.safetensors")
+    fused, parts = {}, {}
+    for name, tensor in tensors.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        if ".mlp.experts." not in name:
+            fused[name] = tensor
+            continue
+        prefix, rest = name.split(".mlp.experts.")
+        expert, part, kind = rest.split(".")
+        part = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.get(part, part)
+        kind = "weight" if kind == "weight" else "scale"
+        parts.setdefault((prefix, part, kind), {})[int(expert)] = tensor
+    for (prefix, part, kind), by_expert in parts.items():
+        if part == "up_proj":
+            continue
+        order = sorted(by_expert)
+        if part == "gate_proj":
+            up = parts[(prefix, "up_proj", kind)]
+            stacked = torch.stack([torch.cat([by_expert[e], up[e]]) for e in order])
+            name = f"{prefix}.mlp.experts.gate_up_proj"
+        else:
+            stacked = torch.stack([by_expert[e] for e in order])
+            name = f"{prefix}.mlp.experts.down_proj"
+        fused[name if kind == "weight" else name + "_scale_inv"] = stacked
+    (dst / "model.safetensors").unlink()
+    save_file(fused, dst / "model.safetensors", metadata={"format": "pt"})
     return dst

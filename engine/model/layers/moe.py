@@ -44,9 +44,8 @@ EXPERT_PARTS = {"gate_proj": 0, "up_proj": 1, "down_proj": None}
 def refuse_float8_experts(tensor) -> None:
     if tensor.is_float8:
         raise ValueError(
-            f"checkpoint tensor {tensor.name!r} is float8: FP8 mixture-of-experts layers are not served yet; "
-            "serve the bf16 checkpoint (quantization='fp8' then quantizes the attention projections, the "
-            "experts stay bf16)"
+            f"checkpoint tensor {tensor.name!r} is float8 but config.json's quantization_config does not "
+            "describe an FP8 checkpoint (whose float8 experts are dequantized at load)"
         )
 
 

@@ -8,6 +8,8 @@ Checkpoint layouts, both loaded as they are:
   expert's part of the stacked parameters;
 - fused, as transformers 5 holds them: `mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
   [E, H, I], each a whole stacked parameter.
+An FP8 checkpoint's routed experts (float8 with their scales, either layout) are dequantized to the model
+dtype at load (engine/model/fp8_experts.py), as is a float8 router; everything else FP8 stays FP8.
 LoRA targets: the attention projections and the routed experts' stacked `experts.gate_up_proj` and `experts.down_proj`, which PEFT adapts with
 `target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`.
 """
@@ -15,11 +17,14 @@ LoRA targets: the attention projections and the routed experts' stacked `experts
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import torch
 
+from engine.model.fp8_checkpoint import ON_THE_FLY
+from engine.model.fp8_experts import dequantize_experts
 from engine.model.layers.decoder import DecoderModel
-from engine.model.layers.moe import EXPERT_PARTS, MoESpec, SparseMoE
+from engine.model.layers.moe import EXPERT_PARTS, Experts, MoESpec, SparseMoE
 from engine.model.moe_kernels import block_rows
 
 EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
@@ -80,6 +85,26 @@ class MoEDecoderModel(DecoderModel):
             return None
         moe = self.moe_layers[0]
         return block_rows(num_tokens * moe.spec.top_k, moe.experts.num_local)
+
+    def load_weights(self, tensors, source: str) -> None:
+        fp8 = self.ctx.fp8
+        if fp8 is not None and fp8.scheme != ON_THE_FLY:  # an FP8 checkpoint: its experts dequantized
+            modules = dict(self.named_modules())
+            dtype_of = partial(self._dequantized_dtype, modules=modules)
+            tensors = dequantize_experts(list(tensors), dtype_of, self.ctx.device)
+        super().load_weights(tensors, source)
+
+    def _dequantized_dtype(self, name: str, modules: dict) -> torch.dtype | None:
+        """The dtype a float8 checkpoint tensor is dequantized to: the model dtype for the routed experts'
+        weights, the router's own (GLM-4.5's is float32) for its weight; None for any other tensor."""
+        owner, _, param = self.map_name(name)[0].rpartition(".")
+        module = modules.get(owner)
+        if isinstance(module, Experts):
+            return self.ctx.dtype if param in ("gate_up_proj", "down_proj") else None
+        moe = modules.get(owner.rpartition(".")[0])
+        if param == "weight" and isinstance(moe, SparseMoE) and module is moe.gate:
+            return module.weight.dtype
+        return None
 
     def rename(self, name: str) -> str:
         """A checkpoint name in this family's older spelling -> the transformers 5 one."""

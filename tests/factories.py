@@ -233,8 +233,9 @@ def as_named(target_modules):
     """PEFT 0.21 on transformers 5 rewrites any `*.gate_proj` / `up_proj` / `down_proj` target of GLM-4.5
     (and DeepSeek) models into target_parameters on the routed experts (its v4 -> v5 MoE conversion), so
     the shared experts (`shared_experts.gate_proj`) cannot be targeted; adapters trained on transformers 4
-    name them, and the engine serves those. This keeps PEFT's config as written for such targets."""
-    if not any("shared_experts." in t for t in target_modules or ()):
+    name them, and the engine serves those; a dense layer's MLP (`mlp.gate_proj`) likewise. This keeps
+    PEFT's config as written for such targets."""
+    if not any("shared_experts." in t or t.startswith("mlp.") for t in target_modules or ()):
         return nullcontext()
     return _unconverted()
 

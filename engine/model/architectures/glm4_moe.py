@@ -60,7 +60,8 @@ class Glm4MoeModel(MoEDecoderModel):
             spec = replace(spec, qk_norm_eps=config.rms_norm_eps)
         return spec
 
-    def is_moe_layer(self, config, layer: int) -> bool:
+    @classmethod
+    def is_moe_layer(cls, config, layer: int) -> bool:
         return layer >= (config.first_k_dense_replace or 0)
 
     def moe_spec(self, config) -> MoESpec:

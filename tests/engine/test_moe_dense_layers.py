@@ -1,0 +1,76 @@
+"""LoRA on the dense layers' MLPs of a mixture of experts (GLM-4.5's first `first_k_dense_replace` layers,
+Qwen3-MoE's `mlp_only_layers`): their gate_proj, up_proj and down_proj are targets of intermediate_size
+beside attention, the routed experts and the shared experts. Greedy tokens equal transformers + PEFT on
+tiny random float32 checkpoints with an adapter on the dense MLPs alone and one on everything, mixed with
+an attention-only adapter and base-model requests in one batch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from factories import EXPERTS, SHARED_EXPERTS, make_adapter, make_model, per_adapter_reference
+from test_moe_models import expected_tokens, greedy
+
+from engine import LLM, model_shape
+from engine.model.loader import load_config
+
+NUM_NEW_TOKENS = 6
+# PEFT matches a name by its end: `mlp.gate_proj` is a dense layer's MLP alone (not `mlp.shared_experts.gate_proj`).
+DENSE_MLP = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def adapters(arch: str) -> dict[str, dict]:
+    shared = SHARED_EXPERTS if arch == "glm4_moe" else []
+    return {
+        "attn_r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        "dense_r8": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=DENSE_MLP),
+        "all_r16": dict(
+            r=16, lora_alpha=32, target_modules=[*ATTENTION, *DENSE_MLP, *shared], target_parameters=EXPERTS
+        ),
+    }
+
+
+@pytest.fixture(scope="module", params=["glm4_moe", "qwen3_moe"])
+def case(request, tmp_path_factory):
+    arch = request.param
+    root = tmp_path_factory.mktemp(f"dense-{arch}")
+    model_dir = make_model(root / "model", arch=arch, seed=3)
+    paths = {
+        name: make_adapter(model_dir, root / name, seed=40 + i, **kwargs)
+        for i, (name, kwargs) in enumerate(adapters(arch).items())
+    }
+    rng = random.Random(arch)
+    assigned = ["all_r16", "dense_r8", None, "attn_r4", "all_r16", "dense_r8"]
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(6, 14))] for _ in assigned]
+    references = per_adapter_reference(model_dir, paths)
+    expected = [expected_tokens(references[a], p, NUM_NEW_TOKENS) for p, a in zip(prompts, assigned)]
+    for prompt, adapter, tokens in zip(prompts, assigned, expected):  # each adapter changes the answer
+        if adapter is not None:
+            assert tokens != expected_tokens(references[None], prompt, NUM_NEW_TOKENS), adapter
+    return dict(
+        arch=arch, model_dir=model_dir, paths=paths, prompts=prompts, assigned=assigned, expected=expected
+    )
+
+
+def test_dense_mlp_targets_only_where_the_model_has_dense_layers(case):
+    shape = model_shape(load_config(case["model_dir"]))
+    assert shape.dense_layers == ((0,) if case["arch"] == "glm4_moe" else (1,))
+    dense = shape.targets.index("gate_proj")
+    assert shape.targets[dense : dense + 3] == ("gate_proj", "up_proj", "down_proj")
+    assert shape.module_dims("gate_proj") == (shape.hidden_size, shape.intermediate_size)
+    mixtral = model_shape(load_config(make_model(case["model_dir"].parent / "mixtral", arch="mixtral")))
+    assert "gate_proj" not in mixtral.targets and mixtral.dense_layers == ()
+
+
+def test_greedy_matches_transformers_peft(case):
+    lora_modules = {k: str(v) for k, v in case["paths"].items()}
+    llm = LLM(
+        model=str(case["model_dir"]), lora_modules=lora_modules, max_loras=3, max_lora_rank=16,
+        block_size=4, max_model_len=64, dtype="float32",
+    )  # fmt: skip
+    prompts = [{"prompt_token_ids": p} for p in case["prompts"]]
+    outputs = llm.generate(prompts, greedy(NUM_NEW_TOKENS), adapters=case["assigned"])
+    assert all(o.error is None for o in outputs), [o.error for o in outputs]
+    assert [o.outputs[0].token_ids for o in outputs] == case["expected"]

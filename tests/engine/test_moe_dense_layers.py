@@ -2,10 +2,12 @@
 Qwen3-MoE's `mlp_only_layers`): their gate_proj, up_proj and down_proj are targets of intermediate_size
 beside attention, the routed experts and the shared experts. Greedy tokens equal transformers + PEFT on
 tiny random float32 checkpoints with an adapter on the dense MLPs alone and one on everything, mixed with
-an attention-only adapter and base-model requests in one batch."""
+an attention-only adapter and base-model requests in one batch; over two ranks (gloo) too, tensor- and
+expert-parallel, the dense MLP's pairs split as a dense model's."""
 
 from __future__ import annotations
 
+import multiprocessing
 import random
 
 import pytest
@@ -64,13 +66,30 @@ def test_dense_mlp_targets_only_where_the_model_has_dense_layers(case):
     assert "gate_proj" not in mixtral.targets and mixtral.dense_layers == ()
 
 
-def test_greedy_matches_transformers_peft(case):
+def generate(case, **kwargs):
     lora_modules = {k: str(v) for k, v in case["paths"].items()}
     llm = LLM(
         model=str(case["model_dir"]), lora_modules=lora_modules, max_loras=3, max_lora_rank=16,
-        block_size=4, max_model_len=64, dtype="float32",
+        block_size=4, max_model_len=64, dtype="float32", **kwargs,
     )  # fmt: skip
-    prompts = [{"prompt_token_ids": p} for p in case["prompts"]]
-    outputs = llm.generate(prompts, greedy(NUM_NEW_TOKENS), adapters=case["assigned"])
+    try:
+        prompts = [{"prompt_token_ids": p} for p in case["prompts"]]
+        outputs = llm.generate(prompts, greedy(NUM_NEW_TOKENS), adapters=case["assigned"])
+    finally:
+        llm.engine.shutdown()
     assert all(o.error is None for o in outputs), [o.error for o in outputs]
-    assert [o.outputs[0].token_ids for o in outputs] == case["expected"]
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_greedy_matches_transformers_peft(case):
+    assert generate(case) == case["expected"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_two_ranks_match_peft(case, expert_parallel):
+    got = generate(
+        case, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, async_scheduling=False
+    )
+    assert got == case["expected"]
+    assert [p for p in multiprocessing.active_children() if p.name.startswith("tp-worker")] == []

@@ -1,7 +1,7 @@
 """LoRA on the dense layers' MLPs of a mixture of experts (GLM-4.5's first `first_k_dense_replace` layers,
 Qwen3-MoE's `mlp_only_layers`): their gate_proj, up_proj and down_proj are targets of intermediate_size
 beside attention, the routed experts and the shared experts. Greedy tokens equal transformers + PEFT on
-tiny random float32 checkpoints with an adapter on the dense MLPs alone and one on everything, mixed with
+tiny random float32 checkpoints with a DoRA adapter on the dense MLPs alone and one on everything, mixed with
 an attention-only adapter and base-model requests in one batch; over two ranks (gloo) too, tensor- and
 expert-parallel, the dense MLP's pairs split as a dense model's."""
 
@@ -27,7 +27,9 @@ def adapters(arch: str) -> dict[str, dict]:
     shared = SHARED_EXPERTS if arch == "glm4_moe" else []
     return {
         "attn_r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-        "dense_r8": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=DENSE_MLP),
+        "dense_r8": dict(
+            r=8, lora_alpha=16, use_dora=True, target_modules=DENSE_MLP
+        ),  # the dense path's DoRA
         "all_r16": dict(
             r=16, lora_alpha=32, target_modules=[*ATTENTION, *DENSE_MLP, *shared], target_parameters=EXPERTS
         ),

@@ -1,6 +1,6 @@
-"""LoRA on the dense layers' MLPs of a mixture of experts (GLM-4.5's first `first_k_dense_replace` layers,
-Qwen3-MoE's `mlp_only_layers`): their gate_proj, up_proj and down_proj are targets of intermediate_size
-beside attention, the routed experts and the shared experts. Greedy tokens equal transformers + PEFT on
+"""LoRA on the dense layers' MLPs of a mixture of experts (GLM-4.5's first `first_k_dense_replace`
+layers, Qwen3-MoE's and Qwen2-MoE's `mlp_only_layers`): their gate_proj, up_proj and down_proj are
+targets of intermediate_size beside attention, the routed experts and the shared experts. Greedy tokens equal transformers + PEFT on
 tiny random float32 checkpoints with a DoRA adapter on the dense MLPs alone and one on everything, mixed with
 an attention-only adapter and base-model requests in one batch; over two ranks (gloo) too, tensor- and
 expert-parallel, the dense MLP's pairs split as a dense model's."""
@@ -11,7 +11,7 @@ import multiprocessing
 import random
 
 import pytest
-from factories import EXPERTS, SHARED_EXPERTS, make_adapter, make_model, per_adapter_reference
+from factories import EXPERTS, SHARED_EXPERT, SHARED_EXPERTS, make_adapter, make_model, per_adapter_reference
 from test_moe_models import expected_tokens, greedy
 
 from engine import LLM, model_shape
@@ -24,7 +24,7 @@ ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def adapters(arch: str) -> dict[str, dict]:
-    shared = SHARED_EXPERTS if arch == "glm4_moe" else []
+    shared = {"glm4_moe": SHARED_EXPERTS, "qwen2_moe": SHARED_EXPERT}.get(arch, [])
     return {
         "attn_r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
         "dense_r8": dict(
@@ -36,7 +36,7 @@ def adapters(arch: str) -> dict[str, dict]:
     }
 
 
-@pytest.fixture(scope="module", params=["glm4_moe", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["glm4_moe", "qwen3_moe", "qwen2_moe"])
 def case(request, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"dense-{arch}")
@@ -60,7 +60,7 @@ def case(request, tmp_path_factory):
 
 def test_dense_mlp_targets_only_where_the_model_has_dense_layers(case):
     shape = model_shape(load_config(case["model_dir"]))
-    assert shape.dense_layers == ((0,) if case["arch"] == "glm4_moe" else (1,))
+    assert shape.dense_layers == ((0,) if case["arch"] == "glm4_moe" else (1,))  # Qwen's mlp_only_layers
     dense = shape.targets.index("gate_proj")
     assert shape.targets[dense : dense + 3] == ("gate_proj", "up_proj", "down_proj")
     assert shape.module_dims("gate_proj") == (shape.hidden_size, shape.intermediate_size)

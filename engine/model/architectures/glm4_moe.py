@@ -5,7 +5,8 @@ experts with DeepSeek-V3's routing (sigmoid scores, a choice-only bias, top-k wi
 `topk_group` of `n_group` expert groups, weights renormalized with `norm_topk_prob` and scaled by
 `routed_scaling_factor`) and `n_shared_experts` shared experts run as one gated MLP added to the routed
 sum with no shared-expert gate (engine/model/layers/grouped_topk_moe.py). LoRA targets: attention,
-the routed experts, and the shared experts' gate_proj, up_proj and down_proj (PEFT's `shared_experts.gate_proj`...).
+the routed experts, the shared experts' gate_proj, up_proj and down_proj (PEFT's `shared_experts.gate_proj`...),
+and the dense layers' MLP gate_proj, up_proj and down_proj (MoEDecoderModel.lora_targets).
 
 The checkpoint's multi-token-prediction layers (`num_nextn_predict_layers`, stored as `model.layers.N`
 for N from num_hidden_layers on) serve speculative decoding only: they are skipped at load, as vLLM's

@@ -95,3 +95,13 @@ def test_two_ranks_match_peft(case, expert_parallel):
     )
     assert got == case["expected"]
     assert [p for p in multiprocessing.active_children() if p.name.startswith("tp-worker")] == []
+
+
+@pytest.mark.slow
+def test_triton_path_matches_peft(case):
+    """The Triton path (interpreted: fused MoE, the dense MLP's grouped LoRA and DoRA) gives PEFT's tokens
+    too; GLM-4.5 only, as its dense layer and shared experts cover the others' paths."""
+    if case["arch"] != "glm4_moe":
+        pytest.skip("GLM-4.5 covers the same kernels")
+    got = generate(case, attention_backend="triton", max_num_seqs=8)
+    assert got == case["expected"]

@@ -352,6 +352,24 @@ SHARED_EXPERTS_ADAPTERS = {
 }
 
 
+# A dense layer's MLP in a mixture of experts (GLM-4.5's first layers, Qwen's mlp_only_layers): PEFT
+# matches names by their ends, so `mlp.gate_proj` names it alone (not the shared experts' or the experts').
+DENSE_MLP = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+def dense_layer_adapters(arch: str) -> dict[str, dict]:
+    """Adapters on a mixture of experts' dense layers: DoRA on their MLPs alone, and LoRA on everything
+    (attention, the dense MLPs, the routed experts and any shared experts)."""
+    shared = {"qwen2_moe": SHARED_EXPERT, "glm4_moe": SHARED_EXPERTS}.get(arch, [])
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    return {
+        "dense_dora_r8": dict(r=8, lora_alpha=16, use_dora=True, target_modules=DENSE_MLP),
+        "everything_r16": dict(
+            r=16, lora_alpha=32, target_modules=[*attention, *DENSE_MLP, *shared], target_parameters=EXPERTS
+        ),
+    }
+
+
 def moe_adapters(arch: str) -> dict[str, dict]:
     """The adapters a mixture of experts is tested with: MOE_ADAPTERS, plus a shared expert's."""
     shared = {"qwen2_moe": SHARED_EXPERT_ADAPTERS, "glm4_moe": SHARED_EXPERTS_ADAPTERS}

@@ -1,9 +1,10 @@
 """LoRA on the dense layers' MLPs of a mixture of experts (GLM-4.5's first `first_k_dense_replace`
 layers, Qwen3-MoE's and Qwen2-MoE's `mlp_only_layers`): their gate_proj, up_proj and down_proj are
-targets of intermediate_size beside attention, the routed experts and the shared experts. Greedy tokens equal transformers + PEFT on
-tiny random float32 checkpoints with a DoRA adapter on the dense MLPs alone and one on everything, mixed with
-an attention-only adapter and base-model requests in one batch; over two ranks (gloo) too, tensor- and
-expert-parallel, the dense MLP's pairs split as a dense model's."""
+targets of intermediate_size beside attention, the routed experts and the shared experts. Greedy tokens
+equal transformers + PEFT on tiny random float32 checkpoints with a DoRA adapter on the dense MLPs alone
+and one on everything (factories.dense_layer_adapters), mixed with an attention-only adapter and
+base-model requests in one batch; over two ranks (gloo) too, tensor- and expert-parallel, the dense
+MLP's pairs split as a dense model's."""
 
 from __future__ import annotations
 
@@ -11,29 +12,17 @@ import multiprocessing
 import random
 
 import pytest
-from factories import EXPERTS, SHARED_EXPERT, SHARED_EXPERTS, make_adapter, make_model, per_adapter_reference
+from factories import MOE_ADAPTERS, dense_layer_adapters, make_adapter, make_model, per_adapter_reference
 from test_moe_models import expected_tokens, greedy
 
 from engine import LLM, model_shape
 from engine.model.loader import load_config
 
 NUM_NEW_TOKENS = 6
-# PEFT matches a name by its end: `mlp.gate_proj` is a dense layer's MLP alone (not `mlp.shared_experts.gate_proj`).
-DENSE_MLP = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def adapters(arch: str) -> dict[str, dict]:
-    shared = {"glm4_moe": SHARED_EXPERTS, "qwen2_moe": SHARED_EXPERT}.get(arch, [])
-    return {
-        "attn_r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-        "dense_r8": dict(
-            r=8, lora_alpha=16, use_dora=True, target_modules=DENSE_MLP
-        ),  # the dense path's DoRA
-        "all_r16": dict(
-            r=16, lora_alpha=32, target_modules=[*ATTENTION, *DENSE_MLP, *shared], target_parameters=EXPERTS
-        ),
-    }
+    return {"attn_r4": MOE_ADAPTERS["attn_r4"], **dense_layer_adapters(arch)}
 
 
 @pytest.fixture(scope="module", params=["glm4_moe", "qwen3_moe", "qwen2_moe"])
@@ -46,7 +35,7 @@ def case(request, tmp_path_factory):
         for i, (name, kwargs) in enumerate(adapters(arch).items())
     }
     rng = random.Random(arch)
-    assigned = ["all_r16", "dense_r8", None, "attn_r4", "all_r16", "dense_r8"]
+    assigned = ["everything_r16", "dense_dora_r8", None, "attn_r4", "everything_r16", "dense_dora_r8"]
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(6, 14))] for _ in assigned]
     references = per_adapter_reference(model_dir, paths)
     expected = [expected_tokens(references[a], p, NUM_NEW_TOKENS) for p, a in zip(prompts, assigned)]

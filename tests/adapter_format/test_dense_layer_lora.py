@@ -41,11 +41,12 @@ def transformers4_tensors(rank: int = 4) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def test_dense_layer_mlp_is_a_target_beside_experts_and_shared_experts():
+@pytest.mark.parametrize("targets", [PLAIN, "all-linear"])
+def test_dense_layer_mlp_is_a_target_beside_experts_and_shared_experts(targets):
     shape = glm4_moe_shape(first_k_dense_replace=1)
     assert shape.dense_layers == (0,)
     assert shape.module_dims("gate_proj") == (64, 128) and shape.module_dims("down_proj") == (128, 64)
-    adapter = check_adapter(config(PLAIN), transformers4_tensors(), shape, 16)
+    adapter = check_adapter(config(targets), transformers4_tensors(), shape, 16)
     assert {(0, "gate_proj"), (0, "up_proj"), (0, "down_proj")} <= set(adapter.modules)
     assert {(1, "experts.gate_up_proj"), (1, "experts.down_proj"), (1, "shared_experts.up_proj")} <= set(
         adapter.modules

@@ -171,6 +171,9 @@ def check_adapter(
                 "layer_out_of_range",
                 f"tensor {name!r} is for layer {layer}, but the base model has {shape.num_layers}",
             )
+        misplaced = shape.layer_refusal(layer, module)
+        if misplaced is not None:
+            raise AdapterError("unsupported_target", f"tensor {show_value(name)}: {misplaced}")
         prefixes.setdefault(match["prefix"], name)
         if len(prefixes) > 1:
             first, other = prefixes.values()

@@ -181,6 +181,9 @@ def check_per_expert(
                 "layer_out_of_range",
                 f"{where}: the base model has {shape.num_layers} layers of {shape.num_experts} experts",
             )
+        misplaced = shape.layer_refusal(layer, "experts.down_proj")  # a dense layer has no experts
+        if misplaced is not None:
+            raise AdapterError("unsupported_target", f"{where}: {misplaced}")
         down = EXPERT_PART_NAMES[part] == 2
         in_features, out_features = (inter, h) if down else (h, inter)
         rank = ab["A"][0] if len(ab["A"]) == 2 else 0

@@ -54,6 +54,10 @@ class ModelShape:
     # gpt-oss: the stacked experts' gate_up_proj alternates gate and up outputs (gate 2j, up 2j + 1), so
     # PEFT's expert lora_B rows do too; the engine holds gate rows then up rows (expert_lora.expert_pair).
     gate_up_interleaved: bool = False
+    # A mixture of experts' layers whose MLP is a dense gated MLP of intermediate_size (GLM-4.5's first
+    # first_k_dense_replace, Qwen3-MoE's mlp_only_layers): there, and only there, gate_proj, up_proj and
+    # down_proj are targets; the experts and shared experts are targets of the other layers only.
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         known = ATTENTION_MODULES + MLP_MODULES + (EXPERT_MODULES if self.num_experts else ())
@@ -125,6 +129,25 @@ class ModelShape:
             "shared_expert.up_proj": (h, self.shared_expert_intermediate_size),
             "shared_expert.down_proj": (self.shared_expert_intermediate_size, h),
         }[as_shared_expert(module)]
+
+    def layer_refusal(self, layer: int, module: str) -> str | None:
+        """Why `module` of `layer` has no projection to adapt in a mixture of experts with dense layers
+        (a dense MLP's gate_proj on an MoE layer, an expert on a dense one); None where it has one."""
+        if not self.num_experts or module in ATTENTION_MODULES:
+            return None
+        dense = layer in self.dense_layers
+        if dense == (module in MLP_MODULES):
+            return None
+        dense_list = ", ".join(map(str, self.dense_layers)) or "none"
+        if dense:
+            return (
+                f"layer {layer} of {self.model_name} has a dense MLP (gate_proj, up_proj, down_proj), not "
+                f"mlp.{module}: was the adapter trained on another model?"
+            )
+        return (
+            f"layer {layer} of {self.model_name} is a mixture of experts, with no dense mlp.{module} (the "
+            f"dense MLPs are in layers {dense_list}): was the adapter trained on another model?"
+        )
 
     def module_experts(self, module: str) -> int:
         """Low-rank pairs per layer of a projection: one per expert of the stacked expert weights, else 1."""

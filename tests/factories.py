@@ -233,8 +233,9 @@ def as_named(target_modules):
     """PEFT 0.21 on transformers 5 rewrites any `*.gate_proj` / `up_proj` / `down_proj` target of GLM-4.5
     (and DeepSeek) models into target_parameters on the routed experts (its v4 -> v5 MoE conversion), so
     the shared experts (`shared_experts.gate_proj`) cannot be targeted; adapters trained on transformers 4
-    name them, and the engine serves those. This keeps PEFT's config as written for such targets."""
-    if not any("shared_experts." in t for t in target_modules or ()):
+    name them, and the engine serves those; a dense layer's MLP (`mlp.gate_proj`) likewise. This keeps
+    PEFT's config as written for such targets."""
+    if not any("shared_experts." in t or t.startswith("mlp.") for t in target_modules or ()):
         return nullcontext()
     return _unconverted()
 
@@ -349,6 +350,24 @@ SHARED_EXPERTS_ADAPTERS = {
         target_parameters=EXPERTS,
     ),
 }
+
+
+# A dense layer's MLP in a mixture of experts (GLM-4.5's first layers, Qwen's mlp_only_layers): PEFT
+# matches names by their ends, so `mlp.gate_proj` names it alone (not the shared experts' or the experts').
+DENSE_MLP = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+def dense_layer_adapters(arch: str) -> dict[str, dict]:
+    """Adapters on a mixture of experts' dense layers: DoRA on their MLPs alone, and LoRA on everything
+    (attention, the dense MLPs, the routed experts and any shared experts)."""
+    shared = {"qwen2_moe": SHARED_EXPERT, "glm4_moe": SHARED_EXPERTS}.get(arch, [])
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    return {
+        "dense_dora_r8": dict(r=8, lora_alpha=16, use_dora=True, target_modules=DENSE_MLP),
+        "everything_r16": dict(
+            r=16, lora_alpha=32, target_modules=[*attention, *DENSE_MLP, *shared], target_parameters=EXPERTS
+        ),
+    }
 
 
 def moe_adapters(arch: str) -> dict[str, dict]:

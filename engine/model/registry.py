@@ -65,7 +65,8 @@ def model_shape(config) -> ModelShape:
     cls = model_class(config)
     names = getattr(config, "architectures", None) or [cls.architectures[0]]
     return replace(
-        ModelShape.from_hf_config(config, cls.lora_targets()),
+        ModelShape.from_hf_config(config, cls.lora_targets(config)),
         architecture=names[0],
+        dense_layers=cls.dense_layers(config),
         gate_up_interleaved=cls.gate_up_interleaved,
     )

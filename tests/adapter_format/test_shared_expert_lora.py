@@ -113,8 +113,9 @@ def test_the_shared_expert_splits_as_a_dense_mlp(expert_parallel):
 
 
 # GLM-4.5's shared experts: `mlp.shared_experts` (plural), n_shared_experts of moe_intermediate_size run
-# as one MLP (2 x 32 here), sized from the config.
-def glm4_moe_shape() -> ModelShape:
+# as one MLP (2 x 32 here), sized from the config; every layer a mixture of experts (a dense first layer:
+# tests/adapter_format/test_dense_layer_lora.py).
+def glm4_moe_shape(first_k_dense_replace: int = 0) -> ModelShape:
     from transformers import Glm4MoeConfig
 
     from engine.model.registry import model_shape
@@ -123,7 +124,8 @@ def glm4_moe_shape() -> ModelShape:
         Glm4MoeConfig(
             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, n_routed_experts=8, moe_intermediate_size=32,
-            n_shared_experts=2, architectures=["Glm4MoeForCausalLM"],
+            n_shared_experts=2, architectures=["Glm4MoeForCausalLM"], num_experts_per_tok=2,
+            first_k_dense_replace=first_k_dense_replace,
         )
     )  # fmt: skip
 

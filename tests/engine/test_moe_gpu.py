@@ -1,7 +1,7 @@
 """Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5 and gpt-oss on a GPU (skipped without CUDA): the fused-MoE Triton kernels
 compiled (bf16 and fp32) against float64, and the models through them and the decode CUDA graphs, with
-adapters on attention, on the routed experts (and on Qwen2-MoE's and GLM-4.5's shared experts) mixed with base-model
-requests:
+adapters on attention, on the routed experts (and on Qwen2-MoE's and GLM-4.5's shared experts, and on
+the dense layers' MLPs of Qwen3-MoE, Qwen2-MoE and GLM-4.5, DoRA included) mixed with base-model requests:
 
 - float32: greedy tokens identical to transformers + PEFT (float32 on the CPU);
 - bfloat16: against transformers + PEFT in bfloat16 on the same GPU, with the decode graphs and eagerly
@@ -27,6 +27,7 @@ import torch
 from factories import (
     TOP_LOGPROBS,
     check_greedy_close,
+    dense_layer_adapters,
     engine_greedy,
     make_adapter,
     make_model,
@@ -77,13 +78,19 @@ def case(request, tmp_path_factory):
     model_dir = make_model(root / "model", arch=arch, seed=1)
     adapters = {
         name: make_adapter(model_dir, root / name, seed=10 + i, **kwargs)
-        for i, (name, kwargs) in enumerate(moe_adapters(arch).items())
+        for i, (name, kwargs) in enumerate({**moe_adapters(arch), **dense_layer_adapters_of(arch)}.items())
     }
     rng = random.Random(arch)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(17, 60))] for _ in range(NUM_PROMPTS)]
     names = [*adapters, None]
     assigned = [names[i % len(names)] for i in range(len(prompts))]
     return dict(arch=arch, model_dir=model_dir, adapters=adapters, prompts=prompts, assigned=assigned)
+
+
+def dense_layer_adapters_of(arch: str) -> dict[str, dict]:
+    """The dense-layer MLP adapters where the tiny model has dense layers (GLM-4.5's first, Qwen's
+    mlp_only_layers)."""
+    return dense_layer_adapters(arch) if arch in ("qwen3_moe", "qwen2_moe", "glm4_moe") else {}
 
 
 def run(case, dtype: str, max_tokens: int, enforce_eager: bool = False):

@@ -5,7 +5,8 @@ experts with DeepSeek-V3's routing (sigmoid scores, a choice-only bias, top-k wi
 `topk_group` of `n_group` expert groups, weights renormalized with `norm_topk_prob` and scaled by
 `routed_scaling_factor`) and `n_shared_experts` shared experts run as one gated MLP added to the routed
 sum with no shared-expert gate (engine/model/layers/grouped_topk_moe.py). LoRA targets: attention,
-the routed experts, and the shared experts' gate_proj, up_proj and down_proj (PEFT's `shared_experts.gate_proj`...).
+the routed experts, the shared experts' gate_proj, up_proj and down_proj (PEFT's `shared_experts.gate_proj`...),
+and the dense layers' MLP gate_proj, up_proj and down_proj (MoEDecoderModel.lora_targets).
 
 The checkpoint's multi-token-prediction layers (`num_nextn_predict_layers`, stored as `model.layers.N`
 for N from num_hidden_layers on) serve speculative decoding only: they are skipped at load, as vLLM's
@@ -60,7 +61,8 @@ class Glm4MoeModel(MoEDecoderModel):
             spec = replace(spec, qk_norm_eps=config.rms_norm_eps)
         return spec
 
-    def is_moe_layer(self, config, layer: int) -> bool:
+    @classmethod
+    def is_moe_layer(cls, config, layer: int) -> bool:
         return layer >= (config.first_k_dense_replace or 0)
 
     def moe_spec(self, config) -> MoESpec:

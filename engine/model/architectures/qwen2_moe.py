@@ -3,8 +3,8 @@ norm, sliding windows where `layer_types` says) with a mixture of experts in the
 picks (`mlp_only_layers`, `decoder_sparse_step`); top-k weights renormalized only with `norm_topk_prob`
 (off in the released checkpoints); and in every MoE layer a shared expert, a gated MLP of
 `shared_expert_intermediate_size` weighed by sigmoid(`shared_expert_gate`) and added to the routed sum
-(engine/model/layers/shared_expert.py). LoRA targets: attention, the routed experts, and the shared
-expert's gate_proj, up_proj and down_proj."""
+(engine/model/layers/shared_expert.py). LoRA targets: attention, the routed experts, the shared
+expert's gate_proj, up_proj and down_proj, and any dense layers' MLP (MoEDecoderModel.lora_targets)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ class Qwen3MoeModel(MoEDecoderModel):
     def attention_spec(self, config, layer, rope):
         return replace(super().attention_spec(config, layer, rope), qk_norm_eps=config.rms_norm_eps)
 
-    def is_moe_layer(self, config, layer: int) -> bool:
+    @classmethod
+    def is_moe_layer(cls, config, layer: int) -> bool:
         step = getattr(config, "decoder_sparse_step", 1) or 1
         return (
             layer not in (getattr(config, "mlp_only_layers", None) or [])

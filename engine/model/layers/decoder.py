@@ -122,9 +122,15 @@ class DecoderModel(nn.Module):
     dequantized_methods: tuple[str, ...] = ()
 
     @classmethod
-    def lora_targets(cls) -> tuple[str, ...]:
-        """The projections LoRA may target, in slot-table order (adapter_format.ModelShape.targets)."""
+    def lora_targets(cls, config=None) -> tuple[str, ...]:
+        """The projections LoRA may target, in slot-table order (adapter_format.ModelShape.targets);
+        `config` where the set depends on it (a mixture of experts with dense layers)."""
         return tuple(m for name in LINEAR_NAMES for m in cls.packed_modules_mapping.get(name, (name,)))
+
+    @classmethod
+    def dense_layers(cls, config) -> tuple[int, ...]:
+        """A mixture of experts' layers whose MLP is dense (ModelShape.dense_layers); none here."""
+        return ()
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -220,7 +226,7 @@ class DecoderModel(nn.Module):
         self.lm_head = ParallelLMHead(
             self.model.embed_tokens, ctx, self.tied, self.final_logit_softcap(config)
         )
-        targets = self.lora_targets()
+        targets = self.lora_targets(config)
         for name, module in self.named_modules():
             if isinstance(module, ParallelLinear):
                 short = name.rsplit(".", 1)[-1]

@@ -10,8 +10,10 @@ Checkpoint layouts, both loaded as they are:
   [E, H, I], each a whole stacked parameter.
 An FP8 checkpoint's routed experts (float8 with their scales, either layout) are dequantized to the model
 dtype at load (engine/model/fp8_experts.py), as is a float8 router; everything else FP8 stays FP8.
-LoRA targets: the attention projections and the routed experts' stacked `experts.gate_up_proj` and `experts.down_proj`, which PEFT adapts with
-`target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`.
+LoRA targets: the attention projections, the routed experts' stacked `experts.gate_up_proj` and
+`experts.down_proj`, which PEFT adapts with `target_parameters=["mlp.experts.gate_up_proj",
+"mlp.experts.down_proj"]`, and where the model has dense layers their MLPs' gate_proj, up_proj and
+down_proj (the pool holds those pairs in every layer; an adapter may have them on the dense layers only).
 """
 
 from __future__ import annotations
@@ -39,17 +41,25 @@ class MoEDecoderModel(DecoderModel):
     shared_expert_targets: tuple[str, ...] = ()
 
     @classmethod
-    def lora_targets(cls) -> tuple[str, ...]:
-        """The attention projections, the routed experts and any shared experts (a dense layer's MLP,
-        Qwen3-MoE's mlp_only_layers, takes none: the pool would hold its pairs in every layer)."""
-        attention = tuple(m for m in super().lora_targets() if m not in ("gate_proj", "up_proj", "down_proj"))
-        return (*attention, *EXPERT_TARGETS, *cls.shared_expert_targets)
+    def lora_targets(cls, config=None) -> tuple[str, ...]:
+        """The attention projections, the dense layers' MLPs where `config` has dense layers (GLM-4.5's
+        first_k_dense_replace, Qwen3-MoE's mlp_only_layers), the routed experts and any shared experts."""
+        dense = ("gate_proj", "up_proj", "down_proj")
+        attention = tuple(m for m in super().lora_targets() if m not in dense)
+        mlp = dense if config is not None and cls.dense_layers(config) else ()
+        return (*attention, *mlp, *EXPERT_TARGETS, *cls.shared_expert_targets)
 
     def moe_spec(self, config) -> MoESpec:
         raise NotImplementedError
 
-    def is_moe_layer(self, config, layer: int) -> bool:
+    @classmethod
+    def is_moe_layer(cls, config, layer: int) -> bool:
         return True
+
+    @classmethod
+    def dense_layers(cls, config) -> tuple[int, ...]:
+        """The layers whose MLP is a dense gated MLP of intermediate_size (no experts)."""
+        return tuple(i for i in range(config.num_hidden_layers) if not cls.is_moe_layer(config, i))
 
     def build_mlp(self, config, layer, ctx):
         if not self.is_moe_layer(config, layer):

@@ -6,13 +6,12 @@ prefill with prefix-cache hits, on the torch and the Triton (interpreted) paths.
 
 from __future__ import annotations
 
-import random
 from types import SimpleNamespace
 
 import pytest
 import torch
-from factories import MOE_ADAPTERS, make_adapter, make_model, per_adapter_reference
-from test_moe_models import CHUNKED, expected_tokens, generate, greedy, make_llm
+from factories import make_adapter
+from test_moe_models import CHUNKED, build_case, generate, greedy, make_llm
 
 from adapter_format.checkpoint import load_peft_adapter, peft_adapter_from_memory
 from adapter_format.errors import AdapterError
@@ -25,30 +24,7 @@ NUM_NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpt-oss")
-    model_dir = make_model(root / "model", arch="gpt_oss", seed=1)
-    adapters = {
-        name: make_adapter(model_dir, root / name, seed=20 + i, **kwargs)
-        for i, (name, kwargs) in enumerate(MOE_ADAPTERS.items())
-    }
-    rng = random.Random("gpt_oss")
-    shared = [rng.randrange(3, 512) for _ in range(10)]
-    prompts = [
-        (shared if i % 2 else [])
-        + [rng.randrange(3, 512) for _ in range(rng.randrange(12, 20) - 10 * (i % 2))]
-        for i in range(8)
-    ]
-    names = [*adapters, None]
-    assigned = [names[i % len(names)] for i in range(len(prompts))]
-    references = per_adapter_reference(model_dir, adapters)
-    expected = [expected_tokens(references[a], p, NUM_NEW_TOKENS) for p, a in zip(prompts, assigned)]
-    for prompt, adapter, tokens in zip(prompts, assigned, expected):  # each adapter changes the answer
-        if adapter is not None:
-            assert tokens != expected_tokens(references[None], prompt, NUM_NEW_TOKENS), adapter
-    return dict(
-        arch="gpt_oss", root=root, model_dir=model_dir, adapters=adapters, prompts=prompts,
-        assigned=assigned, expected=expected, references=references,
-    )  # fmt: skip
+    return build_case("gpt_oss", tmp_path_factory.mktemp("gpt-oss"))
 
 
 def test_what_the_tiny_model_exercises(case):

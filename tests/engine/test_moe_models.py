@@ -70,8 +70,12 @@ def fuse_experts(model_dir, out_dir):
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe"])
 def case(request, tmp_path_factory):
-    arch = request.param
-    root = tmp_path_factory.mktemp(f"moe-{arch}")
+    return build_case(request.param, tmp_path_factory.mktemp(f"moe-{request.param}"))
+
+
+def build_case(arch: str, root) -> dict:
+    """A tiny `arch` checkpoint, its test adapters, 8 prompts (half sharing a prefix) each on an adapter
+    or none, and transformers + PEFT's greedy tokens for them (each adapter checked to change them)."""
     model_dir = make_model(root / "model", arch=arch, seed=1)
     adapters = {
         name: make_adapter(model_dir, root / name, seed=20 + i, **kwargs)
@@ -93,7 +97,7 @@ def case(request, tmp_path_factory):
             assert tokens != expected_tokens(references[None], prompt, NUM_NEW_TOKENS), adapter
     return dict(
         arch=arch, root=root, model_dir=model_dir, adapters=adapters, prompts=prompts, assigned=assigned,
-        expected=expected,
+        expected=expected, references=references,
     )  # fmt: skip
 
 

@@ -192,6 +192,7 @@ class SparseMoE(nn.Module):
                 f"({spec.num_experts}) to be a multiple of tensor_parallel_size"
             )
         self.spec, self.tp, self.ctx = spec, ctx.tp, ctx
+        self._activation = spec.activation_args()  # once, not per step: the kernels' limit / alpha
         self.gate = Router(spec.num_experts, hidden_size, ctx, spec.router_bias)
         self.experts = Experts(spec, hidden_size, ctx, ctx.expert_parallel)
         self.layer: int | None = None  # set by the model: the LoRA pool's layer index
@@ -236,7 +237,7 @@ class SparseMoE(nn.Module):
         flat_weights = weights.reshape(-1)  # float32
         expert_lora = None if lora is None else lora.experts(self, x, local)
         gate_up_delta = None if expert_lora is None else expert_lora.gate_up()
-        act = self.spec.activation_args()
+        act = self._activation
         if self.runs_triton(x):
             block_m = moe_kernels.block_rows(local.numel(), experts.num_local)
             rows, block_expert = moe_kernels.align_by_expert(local, experts.num_local, block_m)

@@ -126,6 +126,12 @@ def is_block_scaled(hf_config) -> bool:
     return any((group.get("weights") or {}).get("strategy") == "block" for group in groups)
 
 
+def check_scales(name: str, scale: torch.Tensor) -> None:
+    """A checkpoint's weight scales (float32) are positive and finite; ValueError naming the tensor."""
+    if not torch.isfinite(scale).all() or (scale <= 0).any():
+        raise ValueError(f"{name}: weight scales must be positive and finite")
+
+
 def grouped_scale(
     name: str,  # the scale's checkpoint name, for errors
     weight_shape: tuple[int, int],  # [out, in] of the weight the scale belongs to
@@ -149,8 +155,7 @@ def grouped_scale(
             f"{name}: weight scale of shape {tuple(scale.shape)} fits no supported scheme for a weight of "
             f"{list(weight_shape)} (per tensor: 1, per channel: [{out_features}, 1], blocks: {list(blocks)})"
         )
-    if not torch.isfinite(scale).all() or (scale <= 0).any():
-        raise ValueError(f"{name}: weight scales must be positive and finite")
+    check_scales(name, scale)
     return scale.expand(out_features, groups).contiguous() if scale.shape[1] == 1 else scale.contiguous()
 
 

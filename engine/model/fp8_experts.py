@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.model.fp8_checkpoint import check_scales
 from engine.model.fp8_linear import BLOCK
 from engine.model.kv_quant import FP8_DTYPE
 
@@ -86,8 +87,7 @@ def dequantize_expert(
 ) -> torch.Tensor:  # [out, in] of `dtype`: e4m3 values times their scales in float32, rounded once
     out_features, in_features = weight.shape
     scale = scale.float()
-    if not torch.isfinite(scale).all() or (scale <= 0).any():
-        raise ValueError(f"{name}: weight scales must be positive and finite")
+    check_scales(name, scale)
     if layout == "tensor":
         full = scale.reshape(1, 1)
     elif layout == "channel":

@@ -1,4 +1,4 @@
-"""FP8 routed experts (Qwen3-30B-A3B-FP8, GLM-4.5-Air-FP8, compressed-tensors FP8 MoE checkpoints),
+"""FP8 routed experts (block-scaled as Qwen3-30B-A3B-FP8, or compressed-tensors FP8 MoE checkpoints),
 dequantized at load to the model dtype expert by expert: there is no FP8 fused-MoE kernel yet, so the
 experts take the model dtype's memory; the attention, dense and shared-expert projections stay FP8.
 
